@@ -1,0 +1,191 @@
+"""The `plait` command line: train, data prepare, generate, config show.
+
+User errors (PlaitError) print one line and exit with status 2; nothing else is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from plait.errors import ConfigError, PlaitError
+
+TRAIN_USAGE = """\
+usage: plait train [CONFIG.toml] [--section.key=value ...]
+
+Train a model. With no arguments: the 'tiny' model on the bundled Shakespeare corpus, on CUDA if present,
+else the CPU. A run directory that already holds checkpoints is resumed from the newest one.
+
+Settings resolve in this order (later wins): defaults, model preset, CONFIG.toml, --section.key=value.
+Options (type, help, default):
+"""
+
+
+def split_config_args(args: list[str]) -> tuple[str | None, list[str]]:
+    """[CONFIG] --a.b=1 --c.d 2 -> (CONFIG, ['a.b=1', 'c.d=2'])."""
+    path, overrides, i = None, [], 0
+    while i < len(args):
+        arg = args[i]
+        if arg.startswith("--"):
+            if "=" in arg:
+                overrides.append(arg[2:])
+            elif i + 1 < len(args) and not args[i + 1].startswith("--"):
+                overrides.append(f"{arg[2:]}={args[i + 1]}")
+                i += 1
+            else:
+                raise ConfigError(f"option {arg} needs a value: {arg}=VALUE")
+        elif path is None:
+            path = arg
+        else:
+            raise ConfigError(
+                f"unexpected argument {arg!r}: give at most one config file, then --section.key=value"
+            )
+        i += 1
+    return path, overrides
+
+
+def _load(args: list[str]):
+    from plait.config import load_config
+
+    path, overrides = split_config_args(args)
+    return load_config(path, overrides)
+
+
+def cmd_train(args: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in args):
+        from plait.config import options_help
+
+        print(TRAIN_USAGE + options_help())
+        return 0
+    cfg = _load(args)
+    from plait.train import train
+
+    train(cfg)
+    return 0
+
+
+def cmd_config(args: list[str]) -> int:
+    if not args or args[0] != "show" or any(a in ("-h", "--help") for a in args):
+        print(
+            "usage: plait config show [CONFIG.toml] [--section.key=value ...]\n\nPrint the resolved config."
+        )
+        return 0 if args and args[0] in ("-h", "--help") or "show" in args else 2
+    from plait.config import to_toml
+
+    print(to_toml(_load(args[1:])), end="")
+    return 0
+
+
+def cmd_data(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="plait data", description="Prepare data for training.")
+    sub = parser.add_subparsers(dest="action", required=True)
+    p = sub.add_parser("prepare", help="Tokenise text / JSONL / Parquet into memory-mapped token shards.")
+    p.add_argument("inputs", nargs="+", help="Files or directories (.txt, .jsonl, .jsonl.gz, .parquet).")
+    p.add_argument("--out", required=True, help="Output directory (must not exist or be empty).")
+    p.add_argument("--tokenizer", help="An existing tokenizer.json; default: train a byte-level BPE.")
+    p.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size when training one.")
+    p.add_argument("--val-fraction", type=float, default=0.05, help="Share of documents held out.")
+    p.add_argument("--text-field", default="text", help="Field / column holding the text in JSONL / Parquet.")
+    p.add_argument("--overwrite", action="store_true", help="Replace an existing output directory.")
+    a = parser.parse_args(argv)
+    if a.vocab_size < 260:
+        raise ConfigError(f"--vocab-size={a.vocab_size} is too small: at least 260 (256 bytes + specials)")
+    if not 0 < a.val_fraction < 1:
+        raise ConfigError(f"--val-fraction={a.val_fraction} must be between 0 and 1, e.g. 0.05")
+    from plait.data import prepare
+
+    manifest = prepare(
+        a.inputs,
+        a.out,
+        tokenizer=a.tokenizer,
+        vocab_size=a.vocab_size,
+        val_fraction=a.val_fraction,
+        text_field=a.text_field,
+        overwrite=a.overwrite,
+    )
+    splits = manifest["splits"]
+    print(
+        f"wrote {a.out}: train {splits['train']['num_tokens']:,} tokens / "
+        f"{splits['train']['num_documents']} documents, val {splits['val']['num_tokens']:,} tokens / "
+        f"{splits['val']['num_documents']} documents, vocabulary {manifest['vocab_size']}\n"
+        f"train on it with: plait train --data.source={a.out} --model.vocab_size={manifest['vocab_size']}"
+    )
+    return 0
+
+
+def cmd_generate(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="plait generate", description="Sample text from a checkpoint.")
+    parser.add_argument(
+        "checkpoint", help="A checkpoint directory, or a run directory (its newest checkpoint)."
+    )
+    parser.add_argument("--prompt", default="ROMEO:", help="Text to continue.")
+    parser.add_argument("--max-new-tokens", type=int, default=200)
+    parser.add_argument("--temperature", type=float, default=0.8, help="0 for greedy decoding.")
+    parser.add_argument("--top-k", type=int, default=50, help="0 disables top-k.")
+    parser.add_argument("--top-p", type=float, default=0.95, help="1.0 disables nucleus sampling.")
+    parser.add_argument("--num-samples", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="auto")
+    a = parser.parse_args(argv)
+    if a.temperature < 0 or a.top_k < 0 or not 0 < a.top_p <= 1 or a.max_new_tokens < 1 or a.num_samples < 1:
+        raise ConfigError("need --temperature >= 0, --top-k >= 0, 0 < --top-p <= 1, --max-new-tokens >= 1")
+    from plait.generate import generate, load_for_generation
+
+    model, tok, eos = load_for_generation(Path(a.checkpoint), a.device)
+    ids = tok.encode(a.prompt).ids
+    if not ids:
+        raise ConfigError("--prompt is empty after tokenisation; give some text")
+    if len(ids) >= model.args.max_seq_len:
+        raise ConfigError(f"--prompt has {len(ids)} tokens; the model supports {model.args.max_seq_len}")
+    outs = generate(
+        model,
+        [ids] * a.num_samples,
+        max_new_tokens=a.max_new_tokens,
+        temperature=a.temperature,
+        top_k=a.top_k,
+        top_p=a.top_p,
+        eos_id=eos,
+        seed=a.seed,
+    )
+    for i, out in enumerate(outs):
+        if a.num_samples > 1:
+            print(f"--- sample {i + 1}")
+        print(tok.decode(out))
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "data": cmd_data, "generate": cmd_generate, "config": cmd_config}
+USAGE = """\
+usage: plait COMMAND [...]
+
+commands:
+  train [CONFIG] [--section.key=value ...]   train a model (no arguments: the default job)
+  data prepare INPUTS --out DIR              tokenise a corpus into token shards
+  generate CHECKPOINT [--prompt TEXT]        sample text from a checkpoint (KV cache)
+  config show [CONFIG] [overrides]           print the resolved config as TOML
+
+`plait COMMAND --help` for details."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    command = COMMANDS.get(argv[0])
+    if command is None:
+        print(f"plait: unknown command {argv[0]!r}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    try:
+        return command(argv[1:])
+    except PlaitError as e:
+        print(f"plait {argv[0]}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"plait {argv[0]}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

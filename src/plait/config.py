@@ -1,0 +1,427 @@
+"""The job configuration: nested typed dataclasses, TOML files, ``--section.key=value`` overrides, presets.
+
+Resolution order (later wins): defaults -> model preset -> TOML file -> command-line overrides.
+Every field's docstring is its ``--help`` text. ``validate`` runs before any worker starts and names the bad
+setting together with a valid value.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import math
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any, Literal
+
+from plait.errors import ConfigError
+from plait.model.llama import ModelArgs
+from plait.model.presets import PRESETS
+
+
+@dataclass
+class RunConfig:
+    name: str = "default"
+    """Run name: outputs go to <out_dir>/<name>."""
+    out_dir: str = "runs"
+    """Directory holding all runs (metrics, TensorBoard events, checkpoints)."""
+    seed: int = 0
+    """Seed for weight initialisation and data order."""
+    device: str = "auto"
+    """'auto' (CUDA if present, else CPU), 'cpu', 'cuda' or 'cuda:N'."""
+    overwrite: bool = False
+    """Start afresh where a run already exists (the old one is moved to <name>.old-<time>)."""
+
+
+@dataclass
+class DataConfig:
+    source: str = "shakespeare"
+    """'shakespeare' (the bundled corpus, prepared on first use) or a directory from `plait data prepare`."""
+    cache_dir: str = "~/.cache/plait/data"
+    """Where the bundled corpus is tokenised and cached."""
+    seq_len: int = 256
+    """Tokens per training sequence (fixed: static shapes, no recompiles)."""
+    shuffle: bool = True
+    """Shuffle the order of sequences each epoch (deterministically from run.seed)."""
+    prefetch: int = 2
+    """Batches prepared ahead by a background thread; 0 loads synchronously."""
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 400
+    """Optimizer steps to train for."""
+    global_batch_size: int = 16
+    """Sequences per optimizer step, summed over all data-parallel ranks and micro-batches."""
+    micro_batch_size: int = 0
+    """Sequences per forward/backward on one rank; 0 means the whole local batch (no accumulation)."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    mixed_precision: Literal["auto", "bf16", "fp32"] = "auto"
+    """'auto' uses bf16 autocast where the device computes bf16 natively (CUDA), fp32 elsewhere."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3
+    """Peak learning rate."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of the peak."""
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    """Decay after warm-up: 'cosine', 'wsd' (warmup-stable-decay, linear decay at the end) or 'constant'."""
+    warmup_steps: int = 30
+    """Linear warm-up steps."""
+    decay_fraction: float = 0.2
+    """WSD only: fraction of all steps spent in the final decay."""
+    weight_decay: float = 0.1
+    """AdamW weight decay (not applied to norms and embeddings)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+
+
+@dataclass
+class EvalConfig:
+    every_steps: int = 100
+    """Validation loss every N steps (and at the end); 0 disables."""
+    num_batches: int = 8
+    """Validation batches per evaluation."""
+
+
+@dataclass
+class LogConfig:
+    every_steps: int = 10
+    """Write metrics every N steps."""
+    tensorboard: bool = True
+    """Write TensorBoard event files to <run>/tb."""
+    progress: bool = True
+    """Show a progress bar (off automatically when output is not a terminal)."""
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 0
+    """Save a checkpoint every N steps (0: only at the end)."""
+    keep_last: int = 2
+    """Number of most recent checkpoints kept."""
+    save_final: bool = True
+    """Save a checkpoint when training ends."""
+
+
+@dataclass
+class ParallelConfig:
+    dp_replicate_degree: int = 1
+    """Data-parallel replicas (HSDP groups); model states are replicated across them."""
+    dp_shard_degree: int = -1
+    """FSDP shard group size (MiCS partition group); -1 uses what the other degrees leave of the world."""
+    tp_degree: int = 1
+    """Tensor (+ sequence) parallel degree."""
+    pp_degree: int = 1
+    """Pipeline stages."""
+
+
+@dataclass
+class SampleConfig:
+    prompt: str = "ROMEO:"
+    """Prompt of the sample printed after training (empty: no sample)."""
+    max_new_tokens: int = 120
+    """Tokens to generate for the sample."""
+    temperature: float = 0.8
+    """Sampling temperature (0: greedy)."""
+    top_k: int = 50
+    """Keep only the k most likely tokens (0: off)."""
+    top_p: float = 0.95
+    """Nucleus sampling: keep the smallest set of tokens with this total probability (1.0: off)."""
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelArgs = field(default_factory=lambda: ModelArgs(**PRESETS["tiny"]))
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    sample: SampleConfig = field(default_factory=SampleConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.out_dir).expanduser() / self.run.name
+
+
+SECTIONS: dict[str, type] = {
+    f.name: typing.get_type_hints(Config)[f.name] for f in dataclasses.fields(Config)
+}
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Build a validated Config from an optional TOML file and ``section.key=value`` overrides."""
+    values: dict[str, dict[str, Any]] = {}
+    if path is not None:
+        values = _read_toml(Path(path))
+    for item in overrides or []:
+        key, value = _split_override(item)
+        section, name = _split_key(key)
+        values.setdefault(section, {})[name] = value  # a string: converted by the field's type below
+    return validate(_build(values))
+
+
+def _read_toml(path: Path) -> dict[str, dict[str, Any]]:
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+    for section, body in data.items():
+        _check_section(section)
+        if not isinstance(body, dict):
+            raise ConfigError(f"{path}: '{section}' must be a table ([{section}]), not a single value")
+    return data
+
+
+def _split_override(item: str) -> tuple[str, str]:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like section.key=value (e.g. train.steps=100)")
+    key, value = item.split("=", 1)
+    return key.strip().removeprefix("--"), value
+
+
+def _split_key(key: str) -> tuple[str, str]:
+    if key.count(".") != 1:
+        raise ConfigError(f"setting {key!r} must be section.key, e.g. optim.lr")
+    section, name = key.split(".")
+    _check_section(section)
+    return section, name
+
+
+def _check_section(section: str) -> None:
+    if section not in SECTIONS:
+        raise ConfigError(f"unknown config section {section!r}{_suggest(section, SECTIONS)}")
+
+
+def _suggest(word: str, options) -> str:
+    close = difflib.get_close_matches(word, list(options), n=1)
+    return f"; did you mean {close[0]!r}?" if close else f"; valid: {', '.join(sorted(options))}"
+
+
+def _build(values: dict[str, dict[str, Any]]) -> Config:
+    cfg = Config()
+    for section, body in values.items():
+        body = dict(body)
+        if section == "model" and "preset" in body:
+            preset = str(body.pop("preset"))
+            if preset not in PRESETS:
+                raise ConfigError(f"model.preset={preset!r} is not a preset; valid: {', '.join(PRESETS)}")
+            cfg.model = ModelArgs(**PRESETS[preset])
+        target = getattr(cfg, section)
+        hints = _hints(type(target))
+        for name, raw in body.items():
+            if name not in hints:
+                valid = list(hints) + (["preset"] if section == "model" else [])
+                raise ConfigError(f"unknown setting '{section}.{name}'{_suggest(name, valid)}")
+            setattr(target, name, _convert(f"{section}.{name}", raw, hints[name]))
+    return cfg
+
+
+@cache
+def _hints(cls: type) -> dict[str, Any]:
+    return {f.name: typing.get_type_hints(cls)[f.name] for f in dataclasses.fields(cls)}
+
+
+def _convert(key: str, raw: Any, typ: Any) -> Any:
+    """Convert a TOML value or a command-line string to the field's type, or say what was expected."""
+    choices = typing.get_args(typ) if typing.get_origin(typ) is Literal else None
+    base = str if choices else typ
+    try:
+        if isinstance(raw, str) and base is not str:
+            raw = _parse_string(raw, base)
+        if base is bool and not isinstance(raw, bool):
+            raise TypeError
+        if base is float and isinstance(raw, int) and not isinstance(raw, bool):
+            raw = float(raw)
+        if not isinstance(raw, base) or (base is int and isinstance(raw, bool)):
+            raise TypeError
+    except (TypeError, ValueError):
+        expected = f"one of {', '.join(map(repr, choices))}" if choices else _type_name(base)
+        raise ConfigError(f"{key} expects {expected}, got {raw!r}") from None
+    if choices and raw not in choices:
+        raise ConfigError(f"{key}={raw!r} is not allowed; choose one of {', '.join(map(repr, choices))}")
+    if base is float and not math.isfinite(raw):
+        raise ConfigError(f"{key} must be a finite number, got {raw!r}")
+    return raw
+
+
+def _parse_string(raw: str, base: type) -> Any:
+    if base is bool:
+        low = raw.strip().lower()
+        if low in ("true", "1", "yes", "on"):
+            return True
+        if low in ("false", "0", "no", "off"):
+            return False
+        raise ValueError
+    return base(raw.strip())
+
+
+def _type_name(t: type) -> str:
+    return {int: "an integer", float: "a number", bool: "a boolean (true/false)", str: "a string"}.get(
+        t, str(t)
+    )
+
+
+# ------------------------------------------------------------------------------------------- validation
+
+
+def validate(cfg: Config) -> Config:
+    """Check every setting that can be checked without data or devices; raise ConfigError on the first."""
+    m, t, o, d = cfg.model, cfg.train, cfg.optim, cfg.data
+    _positive("model", m, ["dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "max_seq_len"])
+    _positive("train", t, ["steps", "global_batch_size"])
+    _positive("data", d, ["seq_len"])
+    _positive("optim", o, ["lr", "eps"])
+    _non_negative("train", t, ["micro_batch_size", "grad_clip"])
+    _non_negative("optim", o, ["warmup_steps", "weight_decay", "min_lr_ratio"])
+    _non_negative("model", m, ["ffn_hidden_dim", "rope_scaling_factor"])
+    _non_negative("eval", cfg.eval, ["every_steps", "num_batches"])
+    _non_negative("checkpoint", cfg.checkpoint, ["every_steps", "keep_last"])
+    _non_negative("data", d, ["prefetch"])
+    _non_negative("sample", cfg.sample, ["max_new_tokens", "temperature", "top_k"])
+    _positive("log", cfg.log, ["every_steps"])
+    if m.dim % m.n_heads:
+        raise ConfigError(
+            f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}; "
+            f"choose n_heads in {_divisors(m.dim, limit=64)}"
+        )
+    if m.head_dim % 2:
+        raise ConfigError(f"model.dim/model.n_heads={m.head_dim} must be even for rotary embeddings")
+    if m.n_heads % m.n_kv_heads:
+        raise ConfigError(
+            f"model.n_kv_heads={m.n_kv_heads} does not divide model.n_heads={m.n_heads}; "
+            f"choose n_kv_heads in {_divisors(m.n_heads)}"
+        )
+    if d.seq_len > m.max_seq_len:
+        raise ConfigError(
+            f"data.seq_len={d.seq_len} is longer than the model supports (model.max_seq_len={m.max_seq_len});"
+            f" lower data.seq_len or raise model.max_seq_len"
+        )
+    if not 0 < cfg.sample.top_p <= 1:
+        raise ConfigError(f"sample.top_p={cfg.sample.top_p} must be in (0, 1]")
+    if o.min_lr_ratio > 1:
+        raise ConfigError(f"optim.min_lr_ratio={o.min_lr_ratio} must be at most 1")
+    if not (0 <= o.beta1 < 1 and 0 <= o.beta2 < 1):
+        raise ConfigError(
+            f"optim.beta1={o.beta1} and optim.beta2={o.beta2} must be in [0, 1), e.g. 0.9, 0.95"
+        )
+    if not 0 < o.decay_fraction <= 1:
+        raise ConfigError(f"optim.decay_fraction={o.decay_fraction} must be in (0, 1], e.g. 0.2")
+    if t.micro_batch_size and t.global_batch_size % t.micro_batch_size:
+        raise ConfigError(
+            f"train.global_batch_size={t.global_batch_size} is not a multiple of "
+            f"train.micro_batch_size={t.micro_batch_size}; choose micro_batch_size in "
+            f"{_divisors(t.global_batch_size)}"
+        )
+    for name in ("dp_replicate_degree", "tp_degree", "pp_degree"):
+        if getattr(cfg.parallel, name) < 1:
+            raise ConfigError(f"parallel.{name} must be at least 1")
+    if cfg.parallel.dp_shard_degree == 0 or cfg.parallel.dp_shard_degree < -1:
+        raise ConfigError("parallel.dp_shard_degree must be -1 (infer) or at least 1")
+    if cfg.run.device != "auto" and not (cfg.run.device == "cpu" or cfg.run.device.startswith("cuda")):
+        raise ConfigError(f"run.device={cfg.run.device!r} is not a device; use 'auto', 'cpu' or 'cuda'")
+    if not cfg.run.name or "/" in cfg.run.name:
+        raise ConfigError(f"run.name={cfg.run.name!r} must be a non-empty name without '/'")
+    return cfg
+
+
+def _positive(section: str, obj, names: list[str]) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if not value > 0:
+            raise ConfigError(f"{section}.{name}={value} must be positive")
+
+
+def _non_negative(section: str, obj, names: list[str]) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value < 0:
+            raise ConfigError(f"{section}.{name}={value} must not be negative")
+
+
+def _divisors(n: int, limit: int | None = None) -> str:
+    divs = [k for k in range(1, n + 1) if n % k == 0 and (limit is None or k <= limit)]
+    return "{" + ", ".join(map(str, divs)) + "}"
+
+
+# ------------------------------------------------------------------------------------- help and output
+
+
+@cache
+def field_docs(cls: type) -> dict[str, str]:
+    """Docstrings written under dataclass fields (Python does not keep them, so read the source)."""
+    docs: dict[str, str] = {}
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    for node, nxt in zip(body, body[1:], strict=False):
+        documented = isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and documented:
+            docs[node.target.id] = " ".join(str(nxt.value.value).split())
+    return docs
+
+
+def options_help() -> str:
+    """Every option as `--section.key` with its type, default and docstring (the CLI prints this)."""
+    default = Config()
+    lines = []
+    for section, cls in SECTIONS.items():
+        lines.append(f"[{section}]")
+        if section == "model":
+            lines.append(f"  --model.preset NAME  Start from a preset shape: {', '.join(PRESETS)}. (tiny)")
+        docs = field_docs(cls)
+        for name, typ in _hints(cls).items():
+            value = getattr(getattr(default, section), name)
+            choices = typing.get_args(typ) if typing.get_origin(typ) is Literal else None
+            kind = "|".join(choices) if choices else _type_name(typ).split()[1]
+            lines.append(f"  --{section}.{name} {kind.upper()}  {docs.get(name, '')} ({value!r})")
+    return "\n".join(lines)
+
+
+def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
+    return dataclasses.asdict(cfg)
+
+
+def to_toml(cfg: Config) -> str:
+    """The resolved config as TOML: every section, every key (values are plain scalars)."""
+    out = []
+    for section, body in to_dict(cfg).items():
+        out.append(f"[{section}]")
+        out.extend(f"{key} = {_toml_value(value)}" for key, value in body.items())
+        out.append("")
+    return "\n".join(out)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, float):
+        return repr(value)
+    return str(value)
+
+
+def from_dict(data: dict[str, dict[str, Any]]) -> Config:
+    """Rebuild a config saved with to_dict/to_toml (e.g. from a checkpoint), validated."""
+    return validate(_build(data))

@@ -1,0 +1,439 @@
+"""Turn text corpora into tokenized shards: `plait data prepare` and the bundled Shakespeare corpus.
+
+Output layout (format plait-tokens-v1): `tokenizer.json`, `manifest.json`, and per split flat
+little-endian token files `train_00000.bin`, `val_00000.bin`, ... in which every document is followed
+by EOS. The directory is built under a temporary sibling name and renamed into place at the end, so a
+reader never sees a half-written one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+from tokenizers import Tokenizer
+
+from plait.data.loader import FORMAT, MANIFEST, read_manifest, shard_paths
+from plait.data.tokenizer import eos_id, load_tokenizer, train_bpe
+from plait.errors import ConfigError
+
+SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", ".parquet")
+TOKENIZER_FILE = "tokenizer.json"
+
+_PROGRESS_MIN_BYTES = 1 << 20  # below this the work takes about a second: a bar would only flicker
+_BPE_MAX_BYTES = 256 << 20  # BPE merges stabilise long before this; more text only costs time and memory
+_ENCODE_CHUNK_CHARS = 4 << 20  # encode_batch parallelises within a chunk; chunks bound memory
+_ENCODE_CHUNK_DOCS = 1024
+_HASH_CHUNK = 1 << 20
+
+Advance = Callable[[int], None]  # reports how many bytes of the current input file were consumed
+
+
+def bundled_corpus_path() -> Path:
+    """The bundled corpus: 42 Shakespeare works, JSONL with field "text"."""
+    return Path(__file__).parent / "corpus" / "shakespeare.jsonl.gz"
+
+
+# ---------------------------------------------------------------------------------------------- inputs
+
+
+def _suffix(path: Path) -> str | None:
+    name = path.name.lower()
+    return next((s for s in SUFFIXES if name.endswith(s)), None)
+
+
+def expand_inputs(inputs: Sequence[str | Path]) -> list[Path]:
+    """Input files in order; directories expand to their supported files, sorted, recursively."""
+    files: list[Path] = []
+    for item in inputs:
+        path = Path(item)
+        if path.is_dir():
+            found = sorted(p for p in path.rglob("*") if p.is_file() and _suffix(p))
+            if not found:
+                raise ConfigError(f"input directory {path} has no {', '.join(SUFFIXES)} files")
+            files.extend(found)
+        elif not path.exists():
+            raise ConfigError(f"input {path} does not exist")
+        elif _suffix(path) is None:
+            raise ConfigError(f"input {path} has an unsupported type: use one of {', '.join(SUFFIXES)}")
+        else:
+            files.append(path)
+    if not files:
+        raise ConfigError("no inputs given: pass at least one text, JSONL or Parquet file or directory")
+    return files
+
+
+def _check_text(value: Any, where: str, field: str) -> str:
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise ConfigError(f"{where}: field {field!r} is a {type(value).__name__}, expected a string")
+    return value
+
+
+def _read_txt(path: Path, field: str, advance: Advance) -> Iterator[str]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path} is not UTF-8 text ({e})") from e
+    advance(path.stat().st_size)
+    yield text
+
+
+def _read_jsonl(path: Path, field: str, advance: Advance) -> Iterator[str]:
+    with open(path, "rb") as raw:
+        # Binary reads keep raw.tell() usable for progress (compressed bytes for .gz).
+        lines = gzip.GzipFile(fileobj=raw) if path.name.lower().endswith(".gz") else raw
+        try:
+            for lineno, line in enumerate(lines, 1):
+                if not line.strip():
+                    continue
+                where = f"{path}:{lineno}"
+                try:
+                    record = json.loads(line)
+                except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                    raise ConfigError(f"{where} is not valid JSON ({e})") from e
+                if not isinstance(record, dict) or field not in record:
+                    keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+                    raise ConfigError(f"{where} has no field {field!r} (found {keys}): set text_field")
+                advance(raw.tell())
+                yield _check_text(record[field], where, field)
+        except (OSError, EOFError) as e:  # corrupt or truncated gzip
+            raise ConfigError(f"{path} cannot be read ({e})") from e
+
+
+def _read_parquet(path: Path, field: str, advance: Advance) -> Iterator[str]:
+    try:
+        pf = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        raise ConfigError(f"{path} is not a readable Parquet file ({e})") from e
+    names = pf.schema_arrow.names
+    if field not in names:
+        raise ConfigError(f"{path} has no column {field!r} (columns: {names}): set text_field")
+    ctype = pf.schema_arrow.field(field).type
+    if not (pa.types.is_string(ctype) or pa.types.is_large_string(ctype) or pa.types.is_string_view(ctype)):
+        raise ConfigError(f"{path}: column {field!r} has type {ctype}, expected a string column")
+    size = path.stat().st_size
+    for rg in range(pf.num_row_groups):  # one row group at a time bounds memory on large files
+        column = pf.read_row_group(rg, columns=[field]).column(0)
+        advance(size * (rg + 1) // pf.num_row_groups)
+        yield from (text or "" for text in column.to_pylist())
+
+
+_READERS = {".txt": _read_txt, ".jsonl": _read_jsonl, ".jsonl.gz": _read_jsonl, ".parquet": _read_parquet}
+
+
+def _documents(files: list[Path], field: str, counts: list[int], advance: Advance) -> Iterator[str]:
+    """Non-empty documents of all files in order; `advance` gets bytes consumed across all files."""
+    done = 0
+    for i, path in enumerate(files):
+        reader = _READERS[_suffix(path) or ""]
+        for text in reader(path, field, lambda pos, done=done: advance(done + pos)):
+            if text.strip():
+                counts[i] += 1
+                yield text
+        if counts[i] == 0:
+            raise ConfigError(f"input {path} has no non-empty documents (text field {field!r})")
+        done += path.stat().st_size
+
+
+def _first_bytes(docs: Iterator[str], limit: int) -> Iterator[str]:
+    total = 0
+    for text in docs:
+        yield text
+        total += len(text)
+        if total >= limit:
+            return
+
+
+# ---------------------------------------------------------------------------------------------- output
+
+
+def _is_val(index: int, text: str, val_fraction: float) -> bool:
+    """Deterministic split: sha1 of (index, content) read as a fraction in [0, 1)."""
+    digest = hashlib.sha1(f"{index}\0".encode() + text.encode("utf-8", "surrogatepass")).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < val_fraction
+
+
+class _ShardWriter:
+    """Appends tokens to `{split}_{i:05d}.bin` files of at most `shard_tokens` tokens, hashing as it goes."""
+
+    def __init__(self, out_dir: Path, split: str, dtype: np.dtype, shard_tokens: int) -> None:
+        self.out_dir, self.split, self.dtype, self.shard_tokens = out_dir, split, dtype, shard_tokens
+        self.shards: list[dict[str, Any]] = []
+        self.num_documents = 0
+        self._file: Any = None
+        self._hash: Any = None
+        self._count = 0
+
+    def write_document(self, ids: np.ndarray) -> None:
+        self.num_documents += 1
+        while len(ids):
+            if self._file is None:
+                name = f"{self.split}_{len(self.shards):05d}.bin"
+                self._file, self._hash, self._count = open(self.out_dir / name, "wb"), hashlib.sha256(), 0  # noqa: SIM115
+                self.shards.append({"file": name})
+            take = min(len(ids), self.shard_tokens - self._count)
+            data = ids[:take].tobytes()
+            self._file.write(data)
+            self._hash.update(data)
+            self._count += take
+            ids = ids[take:]
+            if self._count == self.shard_tokens:
+                self._finish_shard()
+
+    def _finish_shard(self) -> None:
+        self._file.close()
+        self.shards[-1].update(num_tokens=self._count, sha256=self._hash.hexdigest())
+        self._file = None
+
+    def close(self) -> dict[str, Any]:
+        if self._file is not None:
+            self._finish_shard()
+        num_tokens = sum(s["num_tokens"] for s in self.shards)
+        return {"shards": self.shards, "num_tokens": num_tokens, "num_documents": self.num_documents}
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(_HASH_CHUNK):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _chunks(docs: Iterator[str]) -> Iterator[list[str]]:
+    chunk: list[str] = []
+    chars = 0
+    for text in docs:
+        chunk.append(text)
+        chars += len(text)
+        if chars >= _ENCODE_CHUNK_CHARS or len(chunk) >= _ENCODE_CHUNK_DOCS:
+            yield chunk
+            chunk, chars = [], 0
+    if chunk:
+        yield chunk
+
+
+def _tokenize_splits(
+    docs: Iterator[str],
+    tok: Tokenizer,
+    eos: int,
+    dtype: np.dtype,
+    writers: dict[str, _ShardWriter],
+    val_fraction: float,
+) -> None:
+    """Encode documents, append EOS, and route each to train or val.
+
+    The last document is held back so that, if nothing landed in val (small corpora), it can go there.
+    """
+    pending: tuple[str, np.ndarray] | None = None
+    index = 0
+    for chunk in _chunks(docs):
+        # add_special_tokens=False: pretrained post-processors (e.g. BOS) must not differ from EOS packing.
+        for text, enc in zip(chunk, tok.encode_batch_fast(chunk, add_special_tokens=False), strict=True):
+            if pending is not None:
+                writers[pending[0]].write_document(pending[1])
+            ids = np.array([*enc.ids, eos], dtype=dtype)
+            pending = ("val" if _is_val(index, text, val_fraction) else "train", ids)
+            index += 1
+    if pending is None:
+        return
+    split, ids = pending
+    if val_fraction > 0 and index >= 2 and writers["val"].num_documents == 0:
+        split = "val"
+    elif writers["train"].num_documents == 0:
+        split = "train"
+    writers[split].write_document(ids)
+
+
+@contextlib.contextmanager
+def _progress(total_bytes: int) -> Iterator[Callable[[str], Advance]]:
+    """Yields `start(description) -> advance(bytes_done)`; a transient bar on stderr for large inputs."""
+    if total_bytes < _PROGRESS_MIN_BYTES:
+        yield lambda description: lambda done: None
+        return
+    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+
+        def start(description: str) -> Advance:
+            task = bar.add_task(description, total=total_bytes)
+            return lambda done: bar.update(task, completed=done)
+
+        yield start
+
+
+def _publish(tmp: Path, out: Path, overwrite: bool) -> None:
+    """Rename the finished `tmp` to `out`; with overwrite, the old `out` is moved aside first."""
+    old = None
+    if overwrite and out.exists():
+        old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+        os.rename(out, old)
+    try:
+        os.rename(tmp, out)  # atomic; replaces `out` only if it is an empty directory
+    except OSError as e:
+        if old is not None:
+            os.rename(old, out)
+        raise ConfigError(f"{out} exists; pass --overwrite or choose another --out") from e
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def prepare(
+    inputs: Sequence[str | Path],
+    out_dir: str | Path,
+    *,
+    tokenizer: str | Path | None = None,
+    vocab_size: int = 4096,
+    val_fraction: float = 0.05,
+    text_field: str = "text",
+    shard_tokens: int = 2**26,
+    overwrite: bool = False,
+) -> dict[str, Any]:
+    """Tokenize `inputs` into `out_dir` (see the module docstring); returns the manifest.
+
+    With `tokenizer=None` a byte-level BPE of `vocab_size` is trained on the inputs (on the first
+    256 MiB of text for very large corpora); otherwise the given tokenizer.json is copied and used.
+    """
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise ConfigError(f"{out} exists; pass --overwrite or choose another --out")
+    if not 0 <= val_fraction < 1:
+        raise ConfigError(f"val_fraction={val_fraction} must be in [0, 1)")
+    if shard_tokens < 1:
+        raise ConfigError(f"shard_tokens={shard_tokens} must be positive")
+    files = expand_inputs(inputs)
+    given_tok = load_tokenizer(tokenizer) if tokenizer is not None else None
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the published directory is an ordinary one
+    try:
+        manifest = _prepare_into(
+            tmp, files, given_tok, tokenizer, vocab_size, val_fraction, text_field, shard_tokens
+        )
+        _publish(tmp, out, overwrite)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _prepare_into(
+    tmp: Path,
+    files: list[Path],
+    tok: Tokenizer | None,
+    tokenizer_path: str | Path | None,
+    vocab_size: int,
+    val_fraction: float,
+    text_field: str,
+    shard_tokens: int,
+) -> dict[str, Any]:
+    total_bytes = sum(p.stat().st_size for p in files)
+    counts = [0] * len(files)
+    with _progress(total_bytes) as start:
+        if tok is None:
+            docs = _documents(files, text_field, [0] * len(files), start("training tokenizer"))
+            tok = train_bpe(_first_bytes(docs, _BPE_MAX_BYTES), vocab_size)
+            tok.save(str(tmp / TOKENIZER_FILE))
+        else:
+            assert tokenizer_path is not None
+            src = Path(tokenizer_path)
+            shutil.copyfile(src / TOKENIZER_FILE if src.is_dir() else src, tmp / TOKENIZER_FILE)
+        eos = eos_id(tok)
+        vocab = tok.get_vocab_size(with_added_tokens=True)
+        dtype = np.dtype("<u2") if vocab <= 65535 else np.dtype("<u4")
+        writers = {split: _ShardWriter(tmp, split, dtype, shard_tokens) for split in ("train", "val")}
+        docs = _documents(files, text_field, counts, start("tokenizing"))
+        _tokenize_splits(docs, tok, eos, dtype, writers, val_fraction)
+    manifest = {
+        "format": FORMAT,
+        "dtype": "uint16" if dtype.itemsize == 2 else "uint32",
+        "vocab_size": vocab,
+        "eos_id": eos,
+        "splits": {split: w.close() for split, w in writers.items()},
+        "sources": [
+            {"path": str(path.resolve()), "num_documents": n} for path, n in zip(files, counts, strict=True)
+        ],
+        "tokenizer": TOKENIZER_FILE,
+        "tokenizer_sha256": _sha256_file(tmp / TOKENIZER_FILE),
+    }
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+# ---------------------------------------------------------------------------------------------- use
+
+
+def _is_complete(data_dir: Path) -> bool:
+    try:
+        manifest = read_manifest(data_dir)
+        for split in manifest["splits"]:
+            shard_paths(data_dir, manifest, split)
+        return (data_dir / manifest["tokenizer"]).is_file()
+    except (ConfigError, KeyError, TypeError):
+        return False
+
+
+def ensure_prepared(source: str, cache_dir: str | Path, vocab_size: int, seq_len_hint: int = 0) -> Path:
+    """Prepared data directory for `source`: "shakespeare" (prepared once under `cache_dir`) or a directory.
+
+    `seq_len_hint`, if positive, checks that the train split holds at least one window of that length.
+    Concurrent callers are safe: each prepares privately and the first to publish wins.
+    """
+    if source == "shakespeare":
+        data_dir = Path(cache_dir) / f"shakespeare-v{vocab_size}"
+        if not _is_complete(data_dir):
+            try:
+                # A stale or damaged cache is replaced; a complete one is never touched.
+                prepare([bundled_corpus_path()], data_dir, vocab_size=vocab_size, overwrite=data_dir.exists())
+            except ConfigError:
+                if not _is_complete(data_dir):  # otherwise another process published first: use its result
+                    raise
+    else:
+        data_dir = Path(source)
+        if not (data_dir / MANIFEST).is_file():
+            raise ConfigError(
+                f"data source {source!r} is neither 'shakespeare' nor a prepared directory: "
+                f"run `plait data prepare INPUTS --out DIR` and pass DIR"
+            )
+    manifest = read_manifest(data_dir)
+    num_train = manifest["splits"]["train"]["num_tokens"]
+    if seq_len_hint > 0 and num_train < seq_len_hint + 1:
+        raise ConfigError(
+            f"{data_dir} has {num_train} train tokens but seq_len={seq_len_hint} needs at least "
+            f"{seq_len_hint + 1}: lower seq_len or prepare more data"
+        )
+    return data_dir
+
+
+def unigram_entropy(data_dir: str | Path, split: str = "train") -> float:
+    """Entropy (nats/token) of a split's token frequencies: the loss of the best context-free model."""
+    manifest = read_manifest(data_dir)
+    counts = np.zeros(manifest["vocab_size"], dtype=np.int64)
+    dtype = np.dtype(manifest["dtype"]).newbyteorder("<")
+    for path, n in shard_paths(data_dir, manifest, split):
+        if n == 0:
+            continue
+        tokens = np.memmap(path, dtype=dtype, mode="r")
+        for lo in range(0, n, 1 << 24):  # chunks keep the int64 temporaries bounded
+            counts += np.bincount(tokens[lo : lo + (1 << 24)], minlength=len(counts))
+    total = counts.sum()
+    if total == 0:
+        raise ConfigError(f"split {split!r} of {data_dir} has no tokens")
+    p = counts[counts > 0] / total
+    return float(-(p * np.log(p)).sum())

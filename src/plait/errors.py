@@ -1,0 +1,9 @@
+"""Errors meant for the user: the CLI prints them as one clear message with no traceback."""
+
+
+class PlaitError(Exception):
+    """An error for the user: printed as one clear message, no traceback."""
+
+
+class ConfigError(PlaitError):
+    """A setting or input is invalid; the message names it and a valid value."""

@@ -1,0 +1,102 @@
+"""What the device is and what it can do: resolution of 'auto', peak FLOP/s for MFU, memory in use."""
+
+from __future__ import annotations
+
+import os
+import resource
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+
+from plait.errors import ConfigError
+
+# Dense (no sparsity) peak FLOP/s per device, bf16 tensor cores for GPUs. Substrings of the CUDA device name,
+# most specific first. Sources: NVIDIA data sheets (SXM parts).
+GPU_PEAK_BF16: list[tuple[str, float]] = [
+    ("GB200", 2.5e15),
+    ("B200", 2.25e15),
+    ("H200", 989e12),
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),
+    ("H800", 989e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("L40S", 362e12),
+    ("A10G", 70e12),
+    ("L4", 121e12),
+    ("V100", 125e12),  # fp16 tensor cores; V100 has no bf16
+]
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    device: torch.device
+    name: str
+    peak_flops: float  # dense peak for the training dtype, per device
+    peak_source: str  # where the peak comes from, shown next to MFU
+    bf16_native: bool
+
+
+def resolve_device(spec: str, local_rank: int = 0) -> torch.device:
+    """'auto' -> this rank's GPU if CUDA is present, else the CPU."""
+    if spec == "auto":
+        return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(spec)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"run.device={spec!r} but no CUDA device is visible; use run.device=cpu or auto")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", local_rank)
+    return device
+
+
+@cache
+def device_info(device: torch.device) -> DeviceInfo:
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, peak in GPU_PEAK_BF16:
+            if key in name:
+                return DeviceInfo(device, name, peak, f"{key} dense bf16 data sheet", True)
+        # Unknown GPU: a rough figure from SM count so MFU is at least in the right range.
+        props = torch.cuda.get_device_properties(device)
+        peak = props.multi_processor_count * 1024 * 2 * 1.5e9
+        return DeviceInfo(device, name, peak, "estimated from SM count", torch.cuda.is_bf16_supported())
+    return DeviceInfo(
+        device, _cpu_name(), _cpu_peak_fp32(), "estimated fp32 FMA peak of the CPU cores", False
+    )
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "CPU"
+
+
+def _cpu_peak_fp32() -> float:
+    """cores x clock x FLOPs/cycle: 32 fp32 FLOPs per cycle per core (two 256-bit FMA units)."""
+    mhz = 2500.0
+    try:
+        with open("/proc/cpuinfo") as f:
+            mhz = next(float(line.split(":")[1]) for line in f if line.startswith("cpu MHz"))
+    except (OSError, StopIteration, ValueError):
+        pass
+    return torch.get_num_threads() * mhz * 1e6 * 32
+
+
+def memory_stats(device: torch.device) -> dict[str, float]:
+    """Peak memory in GiB: allocator peak on CUDA, the process's peak resident set on the CPU."""
+    if device.type == "cuda":
+        return {
+            "mem_peak_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+            "mem_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30,
+        }
+    return {"mem_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30}
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))

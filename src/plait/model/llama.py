@@ -1,0 +1,286 @@
+"""A Llama-family decoder written plainly in PyTorch.
+
+Nothing here knows about parallelism. Sub-modules carry stable names (``tok_embeddings``, ``layers.<i>``,
+``attention.wq`` ...) so tensor-parallel plans and pipeline splits can be applied from outside, and every
+top-level piece may be ``None`` so a pipeline stage can keep only its own layers.
+
+Rotary embeddings use the "rotate half" layout (the one Hugging Face's Llama uses), so weights move to and
+from that format without permuting q/k rows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class ModelArgs:
+    """The shape of a Llama-family transformer."""
+
+    dim: int = 256
+    """Hidden size."""
+    n_layers: int = 4
+    """Number of transformer blocks."""
+    n_heads: int = 8
+    """Attention (query) heads."""
+    n_kv_heads: int = 4
+    """Key/value heads (grouped-query attention); must divide n_heads. Equal to n_heads for plain MHA."""
+    vocab_size: int = 4096
+    """Vocabulary size; must match the tokenizer of the data."""
+    ffn_hidden_dim: int = 0
+    """SwiGLU hidden size; 0 derives it Llama-style from dim, ffn_dim_multiplier and multiple_of."""
+    ffn_dim_multiplier: float = 1.0
+    """Scale of the derived SwiGLU hidden size (Llama 3 uses 1.3 for 8B, 1.2 for 405B)."""
+    multiple_of: int = 64
+    """The derived SwiGLU hidden size is rounded up to a multiple of this."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    rope_theta: float = 10000.0
+    """Rotary embedding base."""
+    rope_scaling_factor: float = 0.0
+    """Llama 3 RoPE frequency scaling factor (8.0 for Llama 3.1); 0 disables scaling."""
+    rope_low_freq_factor: float = 1.0
+    """Llama 3 RoPE scaling: low-frequency factor."""
+    rope_high_freq_factor: float = 4.0
+    """Llama 3 RoPE scaling: high-frequency factor."""
+    rope_original_max_seq_len: int = 8192
+    """Llama 3 RoPE scaling: context length of the original (unscaled) model."""
+    max_seq_len: int = 1024
+    """Longest sequence the model supports (size of the rotary table)."""
+    tie_embeddings: bool = False
+    """Share the input embedding matrix with the output projection."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        if self.ffn_hidden_dim:
+            return self.ffn_hidden_dim
+        hidden = int(self.ffn_dim_multiplier * int(2 * 4 * self.dim / 3))
+        return self.multiple_of * math.ceil(hidden / self.multiple_of)
+
+    def num_params(self, *, exclude_embeddings: bool = False) -> int:
+        """Parameter count computed from the shape (no model needed: the planner uses it for 405B)."""
+        kv_dim = self.n_kv_heads * self.head_dim
+        attn = self.dim * self.dim * 2 + self.dim * kv_dim * 2
+        mlp = 3 * self.dim * self.hidden_dim
+        per_layer = attn + mlp + 2 * self.dim
+        embed = self.vocab_size * self.dim
+        output = 0 if self.tie_embeddings else self.vocab_size * self.dim
+        total = self.n_layers * per_layer + self.dim + embed + output
+        return total - (embed if exclude_embeddings else 0)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 N (non-embedding params, plus the output projection) + attention.
+
+        The attention term is 12 * n_layers * dim * seq_len (forward QK^T and AV, times 3 for backward),
+        the standard PaLM / Megatron estimate for a causal model without discounting the mask.
+        """
+        n = self.num_params(exclude_embeddings=True)
+        if self.tie_embeddings:
+            n += self.vocab_size * self.dim  # the tied matrix still does the output matmul
+        return 6 * n + 12 * self.n_layers * self.dim * seq_len
+
+
+def rope_tables(args: ModelArgs, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of shape (max_seq_len, head_dim), with Llama 3 frequency scaling if enabled."""
+    half = args.head_dim // 2
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, half, device=device, dtype=torch.float64) / half))
+    if args.rope_scaling_factor:
+        # Llama 3.1: keep high frequencies, divide low ones by the factor, blend smoothly in between.
+        low_wavelen = args.rope_original_max_seq_len / args.rope_low_freq_factor
+        high_wavelen = args.rope_original_max_seq_len / args.rope_high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (args.rope_original_max_seq_len / wavelen - args.rope_low_freq_factor) / (
+            args.rope_high_freq_factor - args.rope_low_freq_factor
+        )
+        blended = (1 - smooth) * inv_freq / args.rope_scaling_factor + smooth * inv_freq
+        inv_freq = torch.where(
+            wavelen > low_wavelen,
+            inv_freq / args.rope_scaling_factor,
+            torch.where(wavelen < high_wavelen, inv_freq, blended),
+        )
+    t = torch.arange(args.max_seq_len, device=device, dtype=torch.float64)
+    freqs = torch.outer(t, inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)  # (max_seq_len, head_dim)
+    return emb.cos().float(), emb.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (B, T, H, head_dim) by position; cos/sin are (T, head_dim)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    return (x.float() * cos + rotated.float() * sin).type_as(x)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+class KVCache:
+    """Keys and values of past positions for incremental decoding: one (B, max_len, n_kv, head_dim) pair
+    per layer."""
+
+    def __init__(self, args: ModelArgs, batch_size: int, max_len: int, device, dtype):
+        shape = (batch_size, max_len, args.n_kv_heads, args.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(args.n_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(args.n_layers)]
+        self.pos = 0  # number of positions already stored
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        t = k.shape[1]
+        self.k[layer][:, self.pos : self.pos + t] = k
+        self.v[layer][:, self.pos : self.pos + t] = v
+        return self.k[layer][:, : self.pos + t], self.v[layer][:, : self.pos + t]
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.head_dim = args.head_dim
+        self.n_rep = args.n_heads // args.n_kv_heads
+        kv_dim = args.n_kv_heads * args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, kv_dim, bias=False)
+        self.wv = nn.Linear(args.dim, kv_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None
+    ) -> torch.Tensor:
+        bsz, seqlen, _ = x.shape
+        # Head counts come from the (possibly tensor-parallel, hence local) projection sizes: -1 below.
+        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)  # (B, T, n_heads, head_dim)
+        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)  # (B, T, n_kv_heads, head_dim)
+        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        start = 0
+        if cache is not None:
+            start = cache.pos
+            k, v = cache.update(self.layer_id, k, v)  # (B, start + T, n_kv_heads, head_dim)
+        if self.n_rep > 1:  # grouped-query attention: each kv head serves n_rep query heads
+            k = k.repeat_interleave(self.n_rep, dim=2)
+            v = v.repeat_interleave(self.n_rep, dim=2)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, head_dim)
+        if start == 0:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:  # decoding after a prefix: query i may see cached keys up to start + i
+            keys = torch.arange(k.shape[2], device=x.device)
+            mask = keys[None, :] <= (start + torch.arange(seqlen, device=x.device))[:, None]
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        out = out.transpose(1, 2).reshape(bsz, seqlen, -1)  # (B, T, n_heads * head_dim)
+        return self.wo(out)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs, layer_id: int):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args, layer_id)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.hidden_dim)
+
+    def forward(self, x, cos, sin, cache: KVCache | None = None):
+        h = x + self.attention(self.attention_norm(x), cos, sin, cache)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """Token ids (B, T) -> logits (B, T, vocab). Build it under ``torch.device("meta")``, then
+    ``to_empty(device=...)`` and ``init_weights()``."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
+        # A dict keyed by the global layer index keeps parameter names stable when a pipeline stage
+        # deletes the layers it does not own.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i) for i in range(args.n_layers)})
+        self.norm: RMSNorm | None = RMSNorm(args.dim, args.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.tie_weights()
+        cos, sin = rope_tables(args)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the output projection (again after ``to_empty``, which unties them)."""
+        if self.args.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
+            self.output.weight = self.tok_embeddings.weight
+
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        # A pipeline stage without the embedding receives hidden states (B, T, dim) instead of ids.
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        start = cache.pos if cache is not None else 0
+        seqlen = h.shape[1]
+        cos, sin = self.rope_cos[start : start + seqlen], self.rope_sin[start : start + seqlen]
+        for layer in self.layers.values():
+            h = layer(h, cos, sin, cache)
+        if cache is not None:
+            cache.pos += seqlen
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """Deterministic initialisation: each parameter's values depend only on (seed, its name), so a
+        pipeline stage holding a subset of the layers initialises them exactly as the full model would.
+
+        Values are drawn on the CPU in fp32 and copied in, so they are the same on every device.
+        Linear and embedding weights ~ N(0, 0.02) truncated at 3 sigma; the projections that write into
+        the residual stream (wo, w2) are scaled by 1/sqrt(2 n_layers) (GPT-2); norms start at one.
+        """
+        self.tie_weights()
+        cos, sin = rope_tables(self.args, device=self.rope_cos.device)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+        residual_std = 0.02 / math.sqrt(2 * self.args.n_layers)
+        for name, param in self.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+                continue
+            std = residual_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
+            param.copy_(_trunc_normal(param.shape, std, _name_seed(seed, name)))
+
+
+def _name_seed(seed: int, name: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") >> 1
+
+
+def _trunc_normal(shape, std: float, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    out = torch.empty(shape, dtype=torch.float32)
+    return nn.init.trunc_normal_(out, std=std, a=-3 * std, b=3 * std, generator=gen)

@@ -1,0 +1,56 @@
+"""AdamW and its learning-rate schedules (warm-up, then cosine, warmup-stable-decay or constant)."""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
+
+from plait.config import OptimConfig
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (not on norms or the embedding table).
+
+    The fused kernel is used on CUDA; elsewhere the foreach implementation (fused AdamW also exists on
+    CPU but is slower there for small tensors).
+    """
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        (no_decay if param.ndim < 2 or "tok_embeddings" in name else decay).append(param)
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    fused = device.type == "cuda"
+    return torch.optim.AdamW(
+        groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused, foreach=not fused
+    )
+
+
+def lr_factor(step: int, *, cfg: OptimConfig, total_steps: int) -> float:
+    """Multiplier of the peak LR for the update that follows `step` completed updates."""
+    warmup = cfg.warmup_steps
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    floor = cfg.min_lr_ratio
+    if cfg.schedule == "constant":
+        return 1.0
+    if cfg.schedule == "wsd":
+        decay_steps = max(1, round(cfg.decay_fraction * total_steps))
+        decay_start = total_steps - decay_steps
+        if step < decay_start:
+            return 1.0
+        progress = min(1.0, (step - decay_start) / decay_steps)
+        return 1.0 - (1.0 - floor) * progress
+    progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int) -> LambdaLR:
+    return LambdaLR(optimizer, partial(lr_factor, cfg=cfg, total_steps=total_steps))

@@ -1,0 +1,168 @@
+"""The command line end to end on a tiny model: train, resume, generate, data prepare, config show, errors."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from plait.cli import main
+
+TEXT = (
+    "First Citizen: Before we proceed any further, hear me speak.\n"
+    "All: Speak, speak.\nFirst Citizen: You are all resolved rather to die than to famish?\n"
+)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("corpus")
+    for i in range(12):
+        (root / f"doc{i}.txt").write_text(TEXT * (3 + i) + f"Document number {i}.\n")
+    out = root / "prepared"
+    assert main(["data", "prepare", str(root), "--out", str(out), "--vocab-size", "300"]) == 0
+    return out
+
+
+def tiny_args(data_dir: Path, run_dir: Path, *extra: str) -> list[str]:
+    vocab = json.loads((data_dir / "manifest.json").read_text())["vocab_size"]
+    return [
+        "--model.preset=debug",
+        f"--model.vocab_size={vocab}",
+        f"--data.source={data_dir}",
+        "--data.seq_len=32",
+        "--train.global_batch_size=4",
+        "--train.steps=6",
+        "--optim.warmup_steps=2",
+        "--eval.every_steps=3",
+        "--eval.num_batches=2",
+        "--log.every_steps=1",
+        "--sample.max_new_tokens=5",
+        f"--run.out_dir={run_dir}",
+        "--run.name=t",
+        *extra,
+    ]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run_dir / "t" / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
+
+
+def run_cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "plait.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=env,
+        timeout=300,
+    )
+
+
+def test_train_writes_metrics_tensorboard_checkpoint_and_sample(data_dir, tmp_path, capsys):
+    assert main(["train", *tiny_args(data_dir, tmp_path)]) == 0
+    run = tmp_path / "t"
+    assert (run / "checkpoints" / "step_00000006" / "plait.json").is_file()
+    assert (run / "config.toml").is_file()
+    assert sorted(losses(tmp_path)) == [1, 2, 3, 4, 5, 6]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run / "tb"))
+    events.Reload()
+    assert {"train/loss", "train/lr", "train/grad_norm", "train/mfu", "val/loss"} <= set(
+        events.Tags()["scalars"]
+    )
+    assert [e.step for e in events.Scalars("val/loss")] == [3, 6]
+    assert "sample" in capsys.readouterr().err  # the rule above the printed sample
+
+
+def test_resume_continues_exactly(data_dir, tmp_path):
+    """Stop at step 3 (checkpoint), restart with the full step count: the same losses as one run."""
+    straight, split = tmp_path / "a", tmp_path / "b"
+    assert main(["train", *tiny_args(data_dir, straight)]) == 0
+    assert main(["train", *tiny_args(data_dir, split, "--train.steps=6", "--checkpoint.every_steps=3")]) == 0
+    # Remove the final checkpoint and the last steps' metrics: as if the job died after step 3's save.
+    import shutil
+
+    shutil.rmtree(split / "t" / "checkpoints" / "step_00000006")
+    assert main(["train", *tiny_args(data_dir, split)]) == 0
+    resumed = losses(split)
+    assert resumed == losses(straight)  # bitwise: same data order, same optimizer state, same schedule
+
+
+def test_generate_from_run_dir(data_dir, tmp_path):
+    assert main(["train", *tiny_args(data_dir, tmp_path, "--sample.prompt=")]) == 0
+    result = run_cli(
+        "generate",
+        str(tmp_path / "t"),
+        "--prompt",
+        "First",
+        "--max-new-tokens",
+        "8",
+        "--num-samples",
+        "2",
+        "--temperature",
+        "0",
+    )
+    assert result.returncode == 0, result.stderr
+    samples = result.stdout.split("--- sample")[1:]
+    assert len(samples) == 2 and samples[0].split("\n", 1)[1] == samples[1].split("\n", 1)[1]  # greedy
+    assert "First" in samples[0]
+
+
+def test_config_show_prints_resolved_toml():
+    result = run_cli("config", "show", "--model.preset=debug", "--optim.lr=0.01")
+    assert result.returncode == 0, result.stderr
+    assert "[model]\ndim = 64" in result.stdout and "lr = 0.01" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["train", "--optim.lrr=1"], "unknown setting 'optim.lrr'"),
+        (["train", "--train.steps=many"], "train.steps expects an integer"),
+        (["train", "--optim.lr=-0.1"], "optim.lr=-0.1 must be positive"),
+        (["train", "--data.seq_len=5000"], "longer than the model supports"),
+        (["train", "--data.source=/nonexistent/data"], "plait data prepare"),
+        (["train", "missing.toml"], "does not exist"),
+        (["generate", "/nonexistent/run"], "does not exist"),
+        (["data", "prepare", "/nonexistent.txt", "--out", "x"], "nonexistent.txt"),
+    ],
+)
+def test_bad_input_is_one_clear_line(args, message, tmp_path):
+    result = run_cli(*args, cwd=tmp_path)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert message in result.stderr, result.stderr
+    assert result.stderr.strip().count("\n") == 0, result.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_empty_corpus_is_refused(tmp_path):
+    (tmp_path / "empty.txt").write_text("  \n")
+    result = run_cli("data", "prepare", str(tmp_path / "empty.txt"), "--out", str(tmp_path / "out"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "empty.txt" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_existing_outputs_are_never_overwritten(data_dir, tmp_path):
+    # A prepared directory is not replaced without --overwrite.
+    marker = tmp_path / "prepared" / "keep.txt"
+    marker.parent.mkdir()
+    marker.write_text("precious")
+    src = tmp_path / "in.txt"
+    src.write_text(TEXT * 20)
+    result = run_cli("data", "prepare", str(src), "--out", str(marker.parent), "--vocab-size", "300")
+    assert result.returncode == 2 and "--overwrite" in result.stderr
+    assert marker.read_text() == "precious"
+    # A run directory holding another model's checkpoint is not resumed or replaced.
+    assert main(["train", *tiny_args(data_dir, tmp_path, "--train.steps=2")]) == 0
+    before = sorted(p.name for p in (tmp_path / "t" / "checkpoints").iterdir())
+    result = run_cli("train", *tiny_args(data_dir, tmp_path, "--model.dim=128"))
+    assert result.returncode == 2 and "different model" in result.stderr and "model.dim" in result.stderr
+    assert sorted(p.name for p in (tmp_path / "t" / "checkpoints").iterdir()) == before
