@@ -23,8 +23,7 @@ import torch.nn.functional as F
 from plait.config import load_config
 from plait.data import TokenDataset, TokenLoader, ensure_prepared
 from plait.hardware import device_info, resolve_device
-from plait.optim import build_optimizer, build_scheduler
-from plait.train import autocast_context, build_model, train_step
+from plait.train import autocast_context, build_model, build_trainable, train_step
 
 
 def main() -> None:
@@ -53,17 +52,15 @@ def main() -> None:
     autocast = autocast_context(cfg, device)
     total = a.rounds * a.steps + 2
 
-    # plait side
-    model = build_model(cfg.model, device, seed=0)
-    opt = build_optimizer(model, cfg.optim, device)
-    sched = build_scheduler(opt, cfg.optim, total)
+    # plait side: exactly what `plait train` builds and runs per step
+    cfg.train.steps = total
+    trainable = build_trainable(cfg, device)
     loader = TokenLoader(dataset, seq_len=a.seq_len, global_batch_size=a.batch, device=device, prefetch=2)
 
     def plait_steps(n: int) -> None:
         for _ in range(n):
             x, y = next(loader)
-            train_step(model, opt, x, y, num_micro=1, grad_clip=1.0, autocast=autocast)
-            sched.step()
+            train_step(trainable, x, y)
 
     # bare side: the same model, data tokens and optimizer, written by hand
     bare = build_model(cfg.model, device, seed=0)
@@ -128,13 +125,8 @@ def main() -> None:
     }
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(
-        f"{result['device']}  {a.preset} ({result['params'] / 1e6:.1f}M)  seq {a.seq_len} x batch {a.batch}"
-    )
-    print(
-        f"plait {result['plait_tokens_per_s']:,.0f} tok/s   "
-        f"bare loop {result['bare_tokens_per_s']:,.0f} tok/s"
-    )
+    print(f"{result['device']}  {a.preset} ({result['params'] / 1e6:.1f}M)  seq {a.seq_len} x batch {a.batch}")
+    print(f"plait {result['plait_tokens_per_s']:,.0f} tok/s   bare loop {result['bare_tokens_per_s']:,.0f} tok/s")
     print(f"ratio plait / bare = {result['ratio']:.3f}  (goal >= 0.98; written to {a.out})")
 
 

@@ -73,9 +73,7 @@ def test_train_writes_metrics_tensorboard_checkpoint_and_sample(data_dir, tmp_pa
 
     events = EventAccumulator(str(run / "tb"))
     events.Reload()
-    assert {"train/loss", "train/lr", "train/grad_norm", "train/mfu", "val/loss"} <= set(
-        events.Tags()["scalars"]
-    )
+    assert {"train/loss", "train/lr", "train/grad_norm", "train/mfu", "val/loss"} <= set(events.Tags()["scalars"])
     assert [e.step for e in events.Scalars("val/loss")] == [3, 6]
     assert "sample" in capsys.readouterr().err  # the rule above the printed sample
 

@@ -37,9 +37,7 @@ def test_causal_masking():
 
 def test_init_is_deterministic_and_per_name():
     a, b, c = make(seed=1), make(seed=1), make(seed=2)
-    for (n, p), (_, q), (_, r) in zip(
-        a.named_parameters(), b.named_parameters(), c.named_parameters(), strict=True
-    ):
+    for (n, p), (_, q), (_, r) in zip(a.named_parameters(), b.named_parameters(), c.named_parameters(), strict=True):
         assert torch.equal(p, q), n
         if not n.endswith("norm.weight"):
             assert not torch.equal(p, r), n
@@ -141,9 +139,7 @@ def test_tied_embeddings_share_storage():
     assert sum(p.numel() for p in model.parameters()) == model.args.num_params()
 
 
-@pytest.mark.parametrize(
-    "name,expected", [("llama3-8b", 8.03e9), ("llama3-70b", 70.55e9), ("llama3-405b", 405.85e9)]
-)
+@pytest.mark.parametrize("name,expected", [("llama3-8b", 8.03e9), ("llama3-70b", 70.55e9), ("llama3-405b", 405.85e9)])
 def test_presets_match_published_sizes(name, expected):
     assert preset_args(name).num_params() == pytest.approx(expected, rel=2e-3)
 

@@ -76,34 +76,24 @@ class CheckpointManager:
         every = self.cfg.every_steps
         return (every > 0 and step % every == 0) or (step == total_steps and self.cfg.save_final)
 
-    def save(
-        self,
-        step: int,
-        *,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        scheduler,
-        loader,
-        state: TrainState,
-        config: dict,
-        tokenizer_path: Path | None,
-    ) -> Path:
+    def save(self, step: int, t, *, loader, state: TrainState, config: dict, tokenizer_path: Path | None) -> Path:
+        """Every rank writes its shards; the main rank writes the metadata and publishes the directory."""
         final = self.dir / f"step_{step:08d}"
         tmp = self.dir / f"step_{step:08d}.tmp"
         if self.is_writer:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-        optim_sd = get_optimizer_state_dict(model, optimizer)
-        tensors = {"model": get_model_state_dict(model), "optim": optim_sd["state"]}
+        _barrier()
+        model_sd, optim_sd, groups = _state_dicts(t)
         with _single_process_quiet():
-            dcp.save(tensors, checkpoint_id=str(tmp))
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
         if self.is_writer:
             meta = {
                 "format": "plait-checkpoint-v1",
                 "train_state": asdict(state),
                 "loader": loader.state_dict(),
-                "scheduler": scheduler.state_dict(),
-                "param_groups": optim_sd["param_groups"],
+                "scheduler": t.schedulers[0].state_dict(),
+                "param_groups": groups,
                 "config": config,
             }
             (tmp / META).write_text(json.dumps(meta, indent=1, default=_jsonable))
@@ -113,17 +103,26 @@ class CheckpointManager:
                 shutil.rmtree(final)
             tmp.rename(final)
             self._retain()
+        _barrier()
         return final
 
-    def load(self, path: Path, *, model, optimizer, scheduler, loader, state: TrainState) -> None:
+    def load(self, path: Path, t, *, loader, state: TrainState) -> None:
+        """Restore into this rank's (possibly differently sharded) model parts and optimizers."""
         meta = read_meta(path)
-        optim_sd = get_optimizer_state_dict(model, optimizer)  # also creates empty Adam state to load into
-        tensors = {"model": get_model_state_dict(model), "optim": optim_sd["state"]}
-        _dcp_load(tensors, path)
-        set_model_state_dict(model, tensors["model"])
-        groups = meta["param_groups"]
-        set_optimizer_state_dict(model, optimizer, {"state": tensors["optim"], "param_groups": groups})
-        scheduler.load_state_dict(meta["scheduler"])
+        model_sd, optim_sd, _ = _state_dicts(t)  # also creates empty Adam state to load into
+        _dcp_load({"model": model_sd, "optim": optim_sd}, path)
+        for part, opt in zip(t.parts, t.optimizers, strict=True):
+            set_model_state_dict(
+                part, {k: v for k, v in model_sd.items() if k in _names(part)}, options=StateDictOptions(strict=True)
+            )
+            current = get_optimizer_state_dict(part, opt)
+            state_part = {k: v for k, v in optim_sd.items() if k in current["state"]}
+            set_optimizer_state_dict(part, opt, {"state": state_part, "param_groups": current["param_groups"]})
+        for sched, opt in zip(t.schedulers, t.optimizers, strict=True):
+            sched.load_state_dict(meta["scheduler"])
+            # The next update must use the LR the schedule had reached, not the fresh optimizer's.
+            for group, lr in zip(opt.param_groups, sched.get_last_lr(), strict=True):
+                group["lr"] = lr
         loader.load_state_dict(meta["loader"])
         state.step, state.tokens = meta["train_state"]["step"], meta["train_state"]["tokens"]
 
@@ -131,6 +130,29 @@ class CheckpointManager:
         keep = max(1, self.cfg.keep_last)
         for old in list_checkpoints(self.dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def _state_dicts(t) -> tuple[dict, dict, list]:
+    """Model and optimizer tensors of all this rank's parts, keyed by fully qualified parameter name
+    (identical under every layout, which is what makes checkpoints load anywhere)."""
+    model_sd: dict = {}
+    optim_sd: dict = {}
+    groups: list = []
+    for part, opt in zip(t.parts, t.optimizers, strict=True):
+        model_sd.update(get_model_state_dict(part))
+        osd = get_optimizer_state_dict(part, opt)
+        optim_sd.update(osd["state"])
+        groups.extend(osd["param_groups"])
+    return model_sd, optim_sd, groups
+
+
+def _names(part: nn.Module) -> set[str]:
+    return set(get_model_state_dict(part))
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def load_model_weights(model: nn.Module, path: Path) -> None:
@@ -159,9 +181,7 @@ def _single_process_quiet():
 
 def _short(e: Exception) -> str:
     text = str(e).strip().splitlines()
-    hits = [
-        line.strip() for line in text if "Size mismatch" in line or "Missing key" in line or "size" in line
-    ]
+    hits = [line.strip() for line in text if "Size mismatch" in line or "Missing key" in line or "size" in line]
     return "; ".join(hits[:5]) or (text[-1] if text else type(e).__name__)
 
 

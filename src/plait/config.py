@@ -59,7 +59,8 @@ class TrainConfig:
     global_batch_size: int = 16
     """Sequences per optimizer step, summed over all data-parallel ranks and micro-batches."""
     micro_batch_size: int = 0
-    """Sequences per forward/backward on one rank; 0 means the whole local batch (no accumulation)."""
+    """Sequences per forward/backward on one rank; 0 means the whole local batch (no accumulation), or
+    with a pipeline, the local batch split into one micro-batch per pipeline stage."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
     mixed_precision: Literal["auto", "bf16", "fp32"] = "auto"
@@ -125,7 +126,22 @@ class ParallelConfig:
     tp_degree: int = 1
     """Tensor (+ sequence) parallel degree."""
     pp_degree: int = 1
-    """Pipeline stages."""
+    """Pipeline stages (one per rank along the pp axis; see pp_virtual_stages)."""
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = "1f1b"
+    """Pipeline schedule; 'interleaved_1f1b' and 'zero_bubble' use pp_virtual_stages model chunks per rank."""
+    pp_virtual_stages: int = 1
+    """Model chunks per pipeline rank (2+ for the interleaved and zero-bubble schedules)."""
+    pp_split: Literal["layers", "cost"] = "cost"
+    """How layers are divided between stages: equal layer counts, or balanced by estimated cost (the
+    first and last stages also run the embedding and the output projection)."""
+    fsdp_reshard_after_forward: bool = True
+    """FSDP: free gathered parameters after forward (less memory, one more all-gather in backward)."""
+    cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer state in CPU memory (FSDP2 offload)."""
+    activation_checkpoint: Literal["none", "selective", "full"] = "none"
+    """Recompute activations in backward: 'full' per block, 'selective' keeps matmul/attention outputs."""
+    timeout_s: int = 300
+    """Collectives that take longer than this raise instead of hanging."""
 
 
 @dataclass
@@ -160,9 +176,7 @@ class Config:
         return Path(self.run.out_dir).expanduser() / self.run.name
 
 
-SECTIONS: dict[str, type] = {
-    f.name: typing.get_type_hints(Config)[f.name] for f in dataclasses.fields(Config)
-}
+SECTIONS: dict[str, type] = {f.name: typing.get_type_hints(Config)[f.name] for f in dataclasses.fields(Config)}
 
 
 # ---------------------------------------------------------------------------------------------- loading
@@ -278,9 +292,7 @@ def _parse_string(raw: str, base: type) -> Any:
 
 
 def _type_name(t: type) -> str:
-    return {int: "an integer", float: "a number", bool: "a boolean (true/false)", str: "a string"}.get(
-        t, str(t)
-    )
+    return {int: "an integer", float: "a number", bool: "a boolean (true/false)", str: "a string"}.get(t, str(t))
 
 
 # ------------------------------------------------------------------------------------------- validation
@@ -323,9 +335,7 @@ def validate(cfg: Config) -> Config:
     if o.min_lr_ratio > 1:
         raise ConfigError(f"optim.min_lr_ratio={o.min_lr_ratio} must be at most 1")
     if not (0 <= o.beta1 < 1 and 0 <= o.beta2 < 1):
-        raise ConfigError(
-            f"optim.beta1={o.beta1} and optim.beta2={o.beta2} must be in [0, 1), e.g. 0.9, 0.95"
-        )
+        raise ConfigError(f"optim.beta1={o.beta1} and optim.beta2={o.beta2} must be in [0, 1), e.g. 0.9, 0.95")
     if not 0 < o.decay_fraction <= 1:
         raise ConfigError(f"optim.decay_fraction={o.decay_fraction} must be in (0, 1], e.g. 0.2")
     if t.micro_batch_size and t.global_batch_size % t.micro_batch_size:

@@ -13,22 +13,37 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from plait.checkpoint import CheckpointManager, TrainState, list_checkpoints, read_meta
 from plait.config import Config, to_dict, to_toml
 from plait.data import TokenDataset, TokenLoader, ensure_prepared, eos_id, load_tokenizer, unigram_entropy
-from plait.errors import ConfigError
+from plait.errors import ConfigError, PlaitError
 from plait.generate import generate
-from plait.hardware import device_info, memory_stats, resolve_device
+from plait.hardware import device_info, memory_stats
 from plait.metrics import MetricsLogger, console
 from plait.model import ModelArgs, Transformer
 from plait.optim import build_optimizer, build_scheduler
+from plait.parallel import (
+    DistEnv,
+    Meshes,
+    ParallelDims,
+    init_distributed,
+    materialize,
+    parallelize,
+    validate_layout,
+)
+from plait.parallel.env import shutdown
+from plait.parallel.pipeline import Pipeline, build_pipeline, pipeline_forward_backward
 
 
 def build_model(args: ModelArgs, device: torch.device, seed: int) -> Transformer:
-    """Allocate on the meta device (no memory, no time), then materialise and initialise on `device`."""
+    """A single-process model: allocate on the meta device (no memory, no time), then materialise and
+    initialise on `device`."""
     with torch.device("meta"):
         model = Transformer(args)
     model.to_empty(device=device)
@@ -37,69 +52,172 @@ def build_model(args: ModelArgs, device: torch.device, seed: int) -> Transformer
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token loss over all positions; logits (B, T, V) are upcast to fp32 first."""
+    """Mean next-token loss over all positions; logits (B, T, V) are upcast to fp32 first. Under tensor
+    parallelism the logits are vocabulary shards and this runs inside `loss_parallel`."""
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
 
 
-def autocast_context(cfg: Config, device: torch.device):
-    """bf16 autocast where requested (or 'auto' on a device with native bf16), else nothing."""
+def autocast_context(cfg: Config, device: torch.device, fsdp: bool = False):
+    """bf16 autocast where requested (or 'auto' on a device with native bf16), else nothing. Under FSDP
+    its mixed-precision policy casts the parameters instead."""
     mode = cfg.train.mixed_precision
-    if mode == "bf16" or (mode == "auto" and device_info(device).bf16_native):
+    if not fsdp and (mode == "bf16" or (mode == "auto" and device_info(device).bf16_native)):
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
 
 @dataclass
+class Trainable:
+    """Everything one optimizer step touches on this rank: the model (or this rank's pipeline stages),
+    optimizers and LR schedules (one per part), the meshes, and the contexts of the step."""
+
+    cfg: Config
+    device: torch.device
+    parts: list[nn.Module]
+    optimizers: list[torch.optim.Optimizer]
+    schedulers: list
+    meshes: Meshes | None = None
+    pipeline: Pipeline | None = None
+
+    @property
+    def model(self) -> nn.Module:
+        return self.parts[0]
+
+    @property
+    def fsdp(self) -> bool:
+        return self.meshes is not None and self.meshes.dims.fsdp_enabled
+
+    def autocast(self):
+        return autocast_context(self.cfg, self.device, self.fsdp)
+
+    def loss_context(self):
+        tp = self.meshes is not None and self.meshes.dims.tp > 1
+        return loss_parallel() if tp else contextlib.nullcontext()
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for part in self.parts for p in part.parameters()]
+
+
+def build_trainable(cfg: Config, device: torch.device, meshes: Meshes | None = None) -> Trainable:
+    """Build the model on meta, parallelise it from outside (or split it into pipeline stages), allocate,
+    initialise like the single-process model, and attach optimizers."""
+    if meshes is None:
+        parts, pipeline = [build_model(cfg.model, device, cfg.run.seed)], None
+    elif meshes.dims.pp > 1:
+        pipeline = build_pipeline(cfg.model, meshes, cfg, device, cross_entropy)
+        parts = pipeline.parts
+    else:
+        with torch.device("meta"):
+            model = Transformer(cfg.model)
+        parallelize(model, meshes, cfg, device)
+        materialize(model, cfg, device)
+        parts, pipeline = [model], None
+    optimizers = [build_optimizer(part, cfg.optim, device) for part in parts]
+    schedulers = [build_scheduler(opt, cfg.optim, cfg.train.steps) for opt in optimizers]
+    return Trainable(cfg, device, parts, optimizers, schedulers, meshes, pipeline)
+
+
+@dataclass
 class StepResult:
-    loss: torch.Tensor  # mean loss over the step's micro-batches (a 0-d tensor: no device sync)
+    loss: torch.Tensor  # mean loss over the global batch (a 0-d tensor: no device sync)
     grad_norm: torch.Tensor
 
 
-def train_step(
-    model, optimizer, inputs, targets, *, num_micro: int, grad_clip: float, autocast
-) -> StepResult:
-    """One optimizer step over the local batch split into num_micro micro-batches (gradient accumulation)."""
+def train_step(t: Trainable, inputs: torch.Tensor, targets: torch.Tensor) -> StepResult:
+    """One optimizer step over this rank's batch: micro-batches (gradient accumulation or the pipeline
+    schedule), the global gradient norm and clipping, the optimizer and LR schedule."""
+    with t.loss_context(), t.autocast():
+        if t.pipeline is not None:
+            loss = pipeline_forward_backward(t.pipeline, inputs, targets, t.meshes.pp.get_group())
+        else:
+            loss = _accumulate(t, inputs, targets)
+    norm = clip_grad_norm(t.parameters(), t.cfg.train.grad_clip, t.meshes)
+    for opt, sched in zip(t.optimizers, t.schedulers, strict=True):
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+    if t.meshes is not None and t.meshes.dims.dp > 1:
+        # Each data-parallel rank holds the mean over its own sequences: average them. (gloo has no AVG.)
+        dist.all_reduce(loss, group=t.meshes.batch.get_group())
+        loss = loss / t.meshes.dims.dp
+    return StepResult(loss, norm)
+
+
+def _accumulate(t: Trainable, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    micro = t.cfg.train.micro_batch_size or inputs.shape[0]
+    num_micro = inputs.shape[0] // micro
     total = torch.zeros((), device=inputs.device)
-    for x, y in zip(inputs.chunk(num_micro), targets.chunk(num_micro), strict=True):
-        with autocast:
-            loss = cross_entropy(model(x), y) / num_micro
+    for i, (x, y) in enumerate(zip(inputs.chunk(num_micro), targets.chunk(num_micro), strict=True)):
+        if t.fsdp:  # reduce-scatter gradients once, after the last micro-batch
+            t.model.set_requires_gradient_sync(i == num_micro - 1)
+        loss = cross_entropy(t.model(x), y) / num_micro
         loss.backward()
-        total += loss.detach()
-    norm = nn.utils.clip_grad_norm_(
-        model.parameters(), grad_clip if grad_clip > 0 else math.inf, foreach=True
-    )
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return StepResult(total, norm)
+        total += _local(loss.detach())
+    return total
+
+
+def _local(x: torch.Tensor) -> torch.Tensor:
+    return x.full_tensor() if isinstance(x, DTensor) else x
+
+
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float, meshes: Meshes | None) -> torch.Tensor:
+    """Global L2 norm of all gradients, clipped to max_norm (0: measure only).
+
+    Sharded (DTensor) gradients give a DTensor norm whose full_tensor() reduces over the FSDP and TP axes;
+    pipeline stages hold disjoint parameters, so their squared norms are summed over the pp axis.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = _local(torch.nn.utils.get_total_norm(grads, foreach=True))
+    if meshes is not None and meshes.dims.pp > 1:
+        squared = norm.float() ** 2
+        dist.all_reduce(squared, group=meshes.pp.get_group())
+        norm = squared.sqrt()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+    return norm
 
 
 @torch.no_grad()
-def evaluate(model, dataset: TokenDataset, cfg: Config, device, autocast) -> float:
-    """Mean loss over the first eval.num_batches batches of the validation split (the same every time)."""
-    model.eval()
+def evaluate(t: Trainable, dataset: TokenDataset) -> float:
+    """Mean loss over the first eval.num_batches global batches of the validation split (the same every
+    time), averaged over data-parallel ranks."""
+    cfg = t.cfg
+    dp_rank, dp = (t.meshes.dp_rank, t.meshes.dims.dp) if t.meshes else (0, 1)
     loader = TokenLoader(
         dataset,
         seq_len=cfg.data.seq_len,
-        global_batch_size=_micro(cfg),
+        global_batch_size=cfg.train.global_batch_size,
+        dp_rank=dp_rank,
+        dp_degree=dp,
         shuffle=False,
-        device=device,
+        device=t.device,
         prefetch=0,
     )
+    for part in t.parts:
+        part.eval()
     losses = []
     batches = min(cfg.eval.num_batches, max(1, loader.steps_per_epoch))
-    for _, (x, y) in zip(range(batches), loader, strict=False):
-        with autocast:
-            losses.append(cross_entropy(model(x), y))
-    loader.close()
-    model.train()
-    return torch.stack(losses).mean().item()
+    with t.loss_context(), t.autocast():
+        for _, (x, y) in zip(range(batches), loader, strict=False):
+            if t.pipeline is not None:
+                out: list[torch.Tensor] | None = [] if t.pipeline.has_last else None
+                kwargs = {"target": y, "losses": out} if t.pipeline.has_last else {}
+                t.pipeline.schedule.eval(*([x] if t.pipeline.has_first else []), **kwargs)
+                loss = torch.stack([_local(v).float() for v in out]).mean() if out else torch.zeros((), device=x.device)
+                dist.all_reduce(loss, group=t.meshes.pp.get_group())
+            else:
+                loss = _local(cross_entropy(t.model(x), y))
+            losses.append(loss)
+    for part in t.parts:
+        part.train()
+    mean = torch.stack(losses).mean()
+    if dp > 1:
+        dist.all_reduce(mean, group=t.meshes.batch.get_group())
+        mean = mean / dp
+    return mean.item()
 
 
-def _micro(cfg: Config) -> int:
-    return cfg.train.micro_batch_size or cfg.train.global_batch_size
-
-
-def prepare_run_dir(cfg: Config) -> Path | None:
+def prepare_run_dir(cfg: Config, is_main: bool = True) -> Path | None:
     """Refuse to mix runs: a run directory with checkpoints is resumed only by the same model shape.
 
     Returns the checkpoint to resume from (None for a fresh start). With run.overwrite the old outputs are
@@ -107,20 +225,17 @@ def prepare_run_dir(cfg: Config) -> Path | None:
     """
     run_dir = cfg.run_dir
     ckpts = list_checkpoints(run_dir / "checkpoints")
-    if cfg.run.overwrite and run_dir.exists():
-        backup = run_dir.with_name(f"{run_dir.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
-        run_dir.rename(backup)
-        console.print(f"run.overwrite: previous outputs moved to {backup}")
+    if cfg.run.overwrite and ckpts:
+        if is_main:
+            backup = run_dir.with_name(f"{run_dir.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
+            run_dir.rename(backup)
+            console.print(f"run.overwrite: previous outputs moved to {backup}")
         return None
     if not ckpts:
         return None
     saved = read_meta(ckpts[-1]).get("config", {}).get("model", {})
     current = to_dict(cfg)["model"]
-    diff = [
-        f"model.{k}: checkpoint {saved.get(k)!r} vs now {v!r}"
-        for k, v in current.items()
-        if saved.get(k) != v
-    ]
+    diff = [f"model.{k}: checkpoint {saved.get(k)!r} vs now {v!r}" for k, v in current.items() if saved.get(k) != v]
     if diff:
         raise ConfigError(
             f"{run_dir} holds a checkpoint of a different model ({'; '.join(diff[:4])}); "
@@ -130,11 +245,26 @@ def prepare_run_dir(cfg: Config) -> Path | None:
 
 
 def train(cfg: Config) -> dict[str, float]:
-    """Train as configured; returns the final metrics. One process for now (the mesh comes next)."""
-    device = resolve_device(cfg.run.device)
+    """Train as configured on this process's share of the mesh; returns the final metrics."""
+    env = init_distributed(cfg.run.device, cfg.parallel.timeout_s)
+    try:
+        return _train(cfg, env)
+    finally:
+        shutdown()
+
+
+def _train(cfg: Config, env: DistEnv) -> dict[str, float]:
+    device = env.device
+    dims = ParallelDims.from_config(cfg.parallel, env.world_size)
+    validate_layout(cfg, dims)
     torch.manual_seed(cfg.run.seed)
-    resume_from = prepare_run_dir(cfg)
-    data_dir = ensure_prepared(cfg.data.source, Path(cfg.data.cache_dir).expanduser(), cfg.model.vocab_size)
+    resume_from = prepare_run_dir(cfg, env.is_main)
+    cache_dir = Path(cfg.data.cache_dir).expanduser()
+    data_dir = ensure_prepared(cfg.data.source, cache_dir, cfg.model.vocab_size) if env.is_main else None
+    if env.world_size > 1:  # the main rank tokenises the bundled corpus once; the others wait for it
+        box = [str(data_dir) if data_dir else None]
+        dist.broadcast_object_list(box, src=0)
+        data_dir = Path(box[0])
     train_data, val_data = TokenDataset(data_dir, "train"), TokenDataset(data_dir, "val")
     if train_data.vocab_size > cfg.model.vocab_size:
         raise ConfigError(
@@ -144,13 +274,14 @@ def train(cfg: Config) -> dict[str, float]:
     for split in (train_data, val_data):  # fail now, not at the first batch, if sequences cannot be cut
         split.num_samples(cfg.data.seq_len)
 
-    model = build_model(cfg.model, device, cfg.run.seed)
-    optimizer = build_optimizer(model, cfg.optim, device)
-    scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
+    meshes = Meshes(dims.build_mesh(device.type), dims) if env.world_size > 1 else None
+    t = build_trainable(cfg, device, meshes)
     loader = TokenLoader(
         train_data,
         seq_len=cfg.data.seq_len,
         global_batch_size=cfg.train.global_batch_size,
+        dp_rank=meshes.dp_rank if meshes else 0,
+        dp_degree=dims.dp,
         seed=cfg.run.seed,
         shuffle=cfg.data.shuffle,
         device=device,
@@ -158,86 +289,76 @@ def train(cfg: Config) -> dict[str, float]:
     )
     state = TrainState()
     run_dir = cfg.run_dir
-    checkpointer = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint)
+    checkpointer = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint, is_writer=env.is_main)
     if resume_from is not None:
-        checkpointer.load(
-            resume_from, model=model, optimizer=optimizer, scheduler=scheduler, loader=loader, state=state
-        )
-        console.print(f"resumed from {resume_from} (step {state.step})")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.toml").write_text(to_toml(cfg))
+        checkpointer.load(resume_from, t, loader=loader, state=state)
+        if env.is_main:
+            console.print(f"resumed from {resume_from} (step {state.step})")
+    if env.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.toml").write_text(to_toml(cfg))
 
     info = device_info(device)
-    num_micro = cfg.train.global_batch_size // _micro(cfg)
     tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
     flops_per_step = cfg.model.flops_per_token(cfg.data.seq_len) * tokens_per_step
-    autocast = autocast_context(cfg, device)
-    console.print(
-        f"plait: {cfg.model.num_params() / 1e6:.2f}M parameters on {info.name} ({device}), "
-        f"{cfg.train.steps} steps x {tokens_per_step:,} tokens, data {data_dir}"
-    )
-    metrics = MetricsLogger(run_dir, cfg.log, cfg.train.steps)
+    if env.is_main:
+        console.print(
+            f"plait: {cfg.model.num_params() / 1e6:.2f}M parameters, {env.world_size} x {info.name} ({device}) "
+            f"as {_layout(dims)}, {cfg.train.steps} steps x {tokens_per_step:,} tokens, data {data_dir}"
+        )
+    metrics = MetricsLogger(run_dir, cfg.log, cfg.train.steps, enabled=env.is_main)
     final: dict[str, float] = {}
     last_time, last_step = time.perf_counter(), state.step
     try:
         metrics.advance(state.step)
         for step in range(state.step + 1, cfg.train.steps + 1):
             inputs, targets = next(loader)
-            result = train_step(
-                model,
-                optimizer,
-                inputs,
-                targets,
-                num_micro=num_micro,
-                grad_clip=cfg.train.grad_clip,
-                autocast=autocast,
-            )
-            scheduler.step()
+            result = train_step(t, inputs, targets)
             state.step, state.tokens = step, state.tokens + tokens_per_step
             if metrics.should_log(step, cfg.train.steps):
                 loss = result.loss.item()  # the only device sync of a logged step
                 if not math.isfinite(loss):
-                    raise RuntimeError(f"loss is {loss} at step {step}; lower optim.lr (now {cfg.optim.lr})")
+                    raise PlaitError(f"loss is {loss} at step {step}; lower optim.lr (now {cfg.optim.lr})")
                 elapsed = time.perf_counter() - last_time
-                tokens_per_s = (step - last_step) * tokens_per_step / elapsed
                 final = {
                     "loss": loss,
                     "grad_norm": result.grad_norm.item(),
-                    "lr": scheduler.get_last_lr()[0],
-                    "tokens_per_s": tokens_per_s,
-                    "mfu": flops_per_step * (step - last_step) / elapsed / info.peak_flops,
+                    "lr": t.schedulers[0].get_last_lr()[0],
+                    "tokens_per_s": (step - last_step) * tokens_per_step / elapsed,
+                    "mfu": flops_per_step * (step - last_step) / elapsed / (info.peak_flops * env.world_size),
                     "tokens": state.tokens,
                     **memory_stats(device),
                 }
                 metrics.log(step, final)
                 last_time, last_step = time.perf_counter(), step
             if cfg.eval.every_steps and (step % cfg.eval.every_steps == 0 or step == cfg.train.steps):
-                final["val_loss"] = evaluate(model, val_data, cfg, device, autocast)
+                final["val_loss"] = evaluate(t, val_data)
                 metrics.log(step, {"loss": final["val_loss"]}, prefix="val")
                 last_time = time.perf_counter()  # evaluation time is not training throughput
             if checkpointer.should_save(step, cfg.train.steps):
                 checkpointer.save(
-                    step,
-                    model=model,
-                    optimizer=optimizer,
-                    scheduler=scheduler,
-                    loader=loader,
-                    state=state,
-                    config=to_dict(cfg),
-                    tokenizer_path=data_dir / "tokenizer.json",
+                    step, t, loader=loader, state=state, config=to_dict(cfg), tokenizer_path=data_dir / "tokenizer.json"
                 )
                 last_time = time.perf_counter()
             metrics.advance(step)
     finally:
         metrics.close()
         loader.close()
-    if state.step >= cfg.train.steps and last_step == state.step and not final:
-        console.print(f"run {run_dir} already finished at step {state.step}; nothing to train")
-    _report(cfg, model, data_dir, final)
+    if env.is_main:
+        if not final:
+            console.print(f"run {run_dir} already finished at step {state.step}; nothing to train")
+        if meshes is None:
+            _report(cfg, t.model, data_dir, final)
+        else:
+            _report(cfg, None, data_dir, final)
     return final
 
 
-def _report(cfg: Config, model: Transformer, data_dir: Path, final: dict[str, float]) -> None:
+def _layout(dims: ParallelDims) -> str:
+    return f"pp={dims.pp} dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} tp={dims.tp}"
+
+
+def _report(cfg: Config, model: Transformer | None, data_dir: Path, final: dict[str, float]) -> None:
     if "val_loss" in final:
         baseline = unigram_entropy(data_dir, "val")
         console.print(
@@ -248,7 +369,9 @@ def _report(cfg: Config, model: Transformer, data_dir: Path, final: dict[str, fl
     ckpts = list_checkpoints(cfg.run_dir / "checkpoints")
     if ckpts:
         console.print(f"checkpoint: {ckpts[-1]}")
-    if cfg.sample.prompt and cfg.sample.max_new_tokens:
+    if model is None and cfg.sample.prompt and cfg.sample.max_new_tokens and ckpts:
+        console.print(f"sample with: plait generate {cfg.run_dir}")
+    if model is not None and cfg.sample.prompt and cfg.sample.max_new_tokens:
         tok = load_tokenizer(data_dir / "tokenizer.json")
         ids = tok.encode(cfg.sample.prompt).ids
         s = cfg.sample

@@ -214,7 +214,7 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(args.dim, args.hidden_dim)
 
     def forward(self, x, cos, sin, cache: KVCache | None = None):
-        h = x + self.attention(self.attention_norm(x), cos, sin, cache)
+        h = x + self.attention(self.attention_norm(x), cos, sin, cache=cache)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -243,23 +243,25 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         # A pipeline stage without the embedding receives hidden states (B, T, dim) instead of ids.
+        seqlen = tokens.shape[1]  # before the embedding: sequence parallelism may shard h on T
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         start = cache.pos if cache is not None else 0
-        seqlen = h.shape[1]
         cos, sin = self.rope_cos[start : start + seqlen], self.rope_sin[start : start + seqlen]
         for layer in self.layers.values():
-            h = layer(h, cos, sin, cache)
+            h = layer(h, cos, sin, cache=cache)
         if cache is not None:
             cache.pos += seqlen
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 
     @torch.no_grad()
-    def init_weights(self, seed: int = 0) -> None:
+    def init_weights(self, seed: int = 0, assign=None) -> None:
         """Deterministic initialisation: each parameter's values depend only on (seed, its name), so a
         pipeline stage holding a subset of the layers initialises them exactly as the full model would.
 
         Values are drawn on the CPU in fp32 and copied in, so they are the same on every device.
+        ``assign(param, value)`` writes a full value into a parameter; a parallelised model passes one
+        that keeps only the local shard.
         Linear and embedding weights ~ N(0, 0.02) truncated at 3 sigma; the projections that write into
         the residual stream (wo, w2) are scaled by 1/sqrt(2 n_layers) (GPT-2); norms start at one.
         """
@@ -267,13 +269,21 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(self.args, device=self.rope_cos.device)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
+        assign = assign or (lambda param, value: param.copy_(value))
         residual_std = 0.02 / math.sqrt(2 * self.args.n_layers)
         for name, param in self.named_parameters():
+            name = canonical_name(name)
             if name.endswith("norm.weight"):
-                param.fill_(1.0)
-                continue
-            std = residual_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
-            param.copy_(_trunc_normal(param.shape, std, _name_seed(seed, name)))
+                value = torch.ones(param.shape)
+            else:
+                std = residual_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
+                value = _trunc_normal(param.shape, std, _name_seed(seed, name))
+            assign(param, value)
+
+
+def canonical_name(name: str) -> str:
+    """A parameter's name without the prefixes wrappers add (activation checkpointing, torch.compile)."""
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
 
 
 def _name_seed(seed: int, name: str) -> int:

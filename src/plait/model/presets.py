@@ -14,9 +14,7 @@ _LLAMA3_ROPE = dict(
 
 PRESETS: dict[str, dict] = {
     # ~0.8M parameters: unit tests and parallel parity runs.
-    "debug": dict(
-        dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=4096, multiple_of=32, max_seq_len=512
-    ),
+    "debug": dict(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=4096, multiple_of=32, max_seq_len=512),
     # ~3.4M parameters: the default `plait train` model, a few minutes on two CPU cores.
     "tiny": dict(dim=192, n_layers=4, n_heads=6, n_kv_heads=2, vocab_size=4096, max_seq_len=1024),
     # ~30M parameters.

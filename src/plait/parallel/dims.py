@@ -1,0 +1,167 @@
+"""The parallel layout: validated degrees, one named DeviceMesh, and purpose-named sub-meshes.
+
+Mesh axes, outermost first: ``pp`` (pipeline stages), ``dp_replicate`` (HSDP replicas: MiCS groups),
+``dp_shard`` (FSDP shard group: the MiCS partition group), ``tp`` (tensor + sequence parallel, innermost so
+its heavy traffic stays inside a node). Every axis exists even with degree 1, so code never branches on
+which axes are present.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from plait.config import Config, ParallelConfig
+from plait.errors import ConfigError
+
+AXES = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    pp: int
+
+    @classmethod
+    def from_config(cls, cfg: ParallelConfig, world_size: int) -> ParallelDims:
+        """Resolve dp_shard=-1 to what the other degrees leave of the world, and check the product."""
+        fixed = cfg.dp_replicate_degree * cfg.tp_degree * cfg.pp_degree
+        shard = cfg.dp_shard_degree
+        if shard == -1:
+            if world_size % fixed:
+                raise ConfigError(
+                    f"world size {world_size} is not divisible by dp_replicate x tp x pp = {fixed}; "
+                    f"choose degrees whose product divides {world_size}"
+                )
+            shard = world_size // fixed
+        dims = cls(cfg.dp_replicate_degree, shard, cfg.tp_degree, cfg.pp_degree)
+        if dims.world_size != world_size:
+            raise ConfigError(
+                f"parallel degrees dp_replicate={dims.dp_replicate} x dp_shard={dims.dp_shard} x tp={dims.tp} "
+                f"x pp={dims.pp} = {dims.world_size}, but {world_size} processes run; set "
+                f"parallel.dp_shard_degree=-1 to infer it, or change --nproc"
+            )
+        return dims
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: how many different batches are processed at once."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        return self.dp > 1
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        return init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=AXES)
+
+
+class Meshes:
+    """Sub-meshes by purpose, cut from the one world mesh."""
+
+    def __init__(self, mesh: DeviceMesh, dims: ParallelDims):
+        self.world = mesh
+        self.dims = dims
+
+    @cached_property
+    def batch(self) -> DeviceMesh:
+        """Ranks that see different data (data loading, loss averaging): dp_replicate x dp_shard, flattened."""
+        return self.world["dp_replicate", "dp_shard"]._flatten("batch")
+
+    @property
+    def loss(self) -> DeviceMesh:
+        return self.batch
+
+    @property
+    def fsdp(self) -> DeviceMesh:
+        """FSDP2's mesh: 1-D shard group, or 2-D (replicate, shard) for HSDP."""
+        if self.dims.dp_replicate > 1:
+            return self.world["dp_replicate", "dp_shard"]
+        return self.world["dp_shard"]
+
+    @property
+    def tp(self) -> DeviceMesh:
+        return self.world["tp"]
+
+    @property
+    def pp(self) -> DeviceMesh:
+        return self.world["pp"]
+
+    @property
+    def dp_rank(self) -> int:
+        return self.batch.get_local_rank()
+
+
+def validate_layout(cfg: Config, dims: ParallelDims) -> None:
+    """Refuse layouts that cannot work, before any worker starts; each message names the setting to change."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    if m.n_heads % dims.tp or m.n_kv_heads % dims.tp:
+        ok = [d for d in range(1, m.n_kv_heads + 1) if m.n_kv_heads % d == 0 and m.n_heads % d == 0]
+        raise ConfigError(
+            f"parallel.tp_degree={dims.tp} must divide model.n_heads={m.n_heads} and "
+            f"model.n_kv_heads={m.n_kv_heads}; choose tp_degree in {ok}"
+        )
+    if m.hidden_dim % dims.tp or m.vocab_size % dims.tp:
+        raise ConfigError(
+            f"parallel.tp_degree={dims.tp} must divide the MLP width ({m.hidden_dim}) and "
+            f"model.vocab_size={m.vocab_size}"
+        )
+    if t.global_batch_size % dims.dp:
+        raise ConfigError(
+            f"train.global_batch_size={t.global_batch_size} is not divisible by the data-parallel degree "
+            f"{dims.dp} (dp_replicate x dp_shard); use a multiple of {dims.dp}"
+        )
+    local = t.global_batch_size // dims.dp
+    if t.micro_batch_size and local % t.micro_batch_size:
+        raise ConfigError(
+            f"the per-rank batch {local} (train.global_batch_size / {dims.dp} data-parallel ranks) is not a "
+            f"multiple of train.micro_batch_size={t.micro_batch_size}"
+        )
+    if dims.tp > 1 and cfg.data.seq_len % dims.tp:
+        raise ConfigError(
+            f"data.seq_len={cfg.data.seq_len} must be divisible by parallel.tp_degree={dims.tp} "
+            f"(sequence parallel splits the sequence)"
+        )
+    virtual = p.pp_virtual_stages
+    if virtual < 1:
+        raise ConfigError("parallel.pp_virtual_stages must be at least 1")
+    if p.pp_schedule in ("gpipe", "1f1b") and virtual != 1:
+        raise ConfigError(
+            f"parallel.pp_schedule='{p.pp_schedule}' runs one stage per rank: set parallel.pp_virtual_stages=1 "
+            f"or use pp_schedule='interleaved_1f1b'"
+        )
+    if dims.pp > 1:
+        stages = dims.pp * virtual
+        if m.n_layers < stages:
+            raise ConfigError(
+                f"model.n_layers={m.n_layers} is fewer than the pipeline stages pp_degree x pp_virtual_stages "
+                f"= {stages}; lower parallel.pp_degree or parallel.pp_virtual_stages"
+            )
+        micro = local // t.micro_batch_size if t.micro_batch_size else stages
+        if local % micro:
+            raise ConfigError(
+                f"the per-rank batch {local} cannot be split into {micro} pipeline micro-batches; set "
+                f"train.micro_batch_size to a divisor of {local}"
+            )
+        if p.pp_schedule != "gpipe" and micro < dims.pp:
+            raise ConfigError(
+                f"pp_schedule='{p.pp_schedule}' needs at least pp_degree={dims.pp} micro-batches, got {micro}; "
+                f"lower train.micro_batch_size or raise train.global_batch_size"
+            )
+        if p.pp_schedule == "interleaved_1f1b" and micro % dims.pp:
+            raise ConfigError(
+                f"interleaved_1f1b needs the micro-batch count ({micro}) to be a multiple of pp_degree={dims.pp}"
+            )
+        if m.tie_embeddings:
+            raise ConfigError(
+                "model.tie_embeddings=true cannot be pipelined: the embedding and the output projection live on "
+                "different stages; untie them or set parallel.pp_degree=1"
+            )

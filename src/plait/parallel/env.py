@@ -1,0 +1,56 @@
+"""Process-group set-up from the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR...)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from plait.hardware import resolve_device
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(device_spec: str, timeout_s: int) -> DistEnv:
+    """Join the process group torchrun (or `plait train --nproc`) set up; a lone process joins none.
+
+    NCCL on CUDA, gloo on the CPU. After an elastic restart torchrun hands the new workers the same
+    TCPStore, whose keys from the failed attempt make gloo connect to dead peers (upstream issue 135712):
+    each attempt therefore works under its own key prefix.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = resolve_device(device_spec, local_rank)
+    if world == 1:
+        return DistEnv(0, 1, 0, device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        store, rank, world = next(dist.rendezvous("env://"))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            store=dist.PrefixStore(f"plait_attempt_{attempt}", store),
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=timeout_s),
+        )
+    return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

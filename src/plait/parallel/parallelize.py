@@ -1,0 +1,163 @@
+"""Parallelise a plain Transformer from outside, in a fixed order:
+
+1. tensor + sequence parallel (a plan: module name -> parallel style), loss-parallel output;
+2. activation checkpointing per block (none / selective / full);
+3. FSDP2 per block and at the root, with a mixed-precision policy; HSDP on a 2-D mesh (MiCS);
+   optional CPU offload of parameters, gradients and optimizer state.
+
+Then ``materialize`` allocates the sharded parameters on the device and fills them with exactly the values
+the single-process model would have (same seed, same names), so parallel runs are comparable bit for bit.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from plait.config import Config
+from plait.model.llama import Transformer
+from plait.parallel.dims import Meshes
+
+
+def parallelize(model: Transformer, meshes: Meshes, cfg: Config, device: torch.device) -> Transformer:
+    """Apply TP/SP -> activation checkpointing -> FSDP2 to a model (or a pipeline stage of one) on meta."""
+    dims = meshes.dims
+    if dims.tp > 1:
+        apply_tp(model, meshes.tp)
+    if cfg.parallel.activation_checkpoint != "none":
+        apply_ac(model, cfg.parallel.activation_checkpoint)
+    if dims.fsdp_enabled:
+        apply_fsdp(model, meshes, cfg, device)
+    return model
+
+
+def tp_plan_block() -> dict[str, object]:
+    """Per block: norms run sequence-parallel (activations sharded on the sequence dim); attention and MLP
+    gather the sequence (all-gather) on entry, run column- then row-parallel, and reduce-scatter back to
+    sequence shards on exit. Two all-gathers and two reduce-scatters of (B, T, dim) per block and pass."""
+    return {
+        "attention_norm": SequenceParallel(),
+        "attention": PrepareModuleInput(  # (x, cos, sin): the rotary tables stay plain tensors
+            input_layouts=(Shard(1), None, None),
+            desired_input_layouts=(Replicate(), None, None),
+        ),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+
+
+def apply_tp(model: Transformer, tp_mesh) -> None:
+    """Embedding row-split over the vocabulary, output column-split with the logits left sharded on the
+    vocabulary for loss-parallel cross-entropy (no all-gather of the (B, T, vocab) logits)."""
+    top: dict[str, object] = {}
+    if model.tok_embeddings is not None:
+        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if model.norm is not None:
+        top["norm"] = SequenceParallel()
+    if model.output is not None:
+        top["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
+    if model.tok_embeddings is None:  # a later pipeline stage receives full hidden states: shard them
+        top["layers." + next(iter(model.layers))] = PrepareModuleInput(
+            input_layouts=(Replicate(), None, None),
+            desired_input_layouts=(Shard(1), None, None),
+            use_local_output=True,
+        )
+    if top:
+        parallelize_module(model, tp_mesh, top)
+    if model.output is None:  # a stage that hands hidden states on returns them whole, not sequence shards
+        last = model.layers[list(model.layers)[-1]]
+        parallelize_module(last, tp_mesh, _gather_output())
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, tp_plan_block())
+
+
+def _gather_output():
+    from torch.distributed.tensor.parallel import PrepareModuleOutput
+
+    return PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate())
+
+
+def _selective_policy(ctx, op, *args, **kwargs):
+    """Keep the outputs of matmuls and attention (expensive to recompute, cheap to keep relative to the
+    element-wise work around them); recompute norms, activations and rotary embeddings."""
+    save = op in (
+        torch.ops.aten.mm.default,
+        torch.ops.aten.addmm.default,
+        torch.ops.aten._scaled_dot_product_efficient_attention.default,
+        torch.ops.aten._scaled_dot_product_flash_attention.default,
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    )
+    return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def apply_ac(model: Transformer, mode: str) -> None:
+    for name, block in list(model.layers.items()):
+        if mode == "full":
+            wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
+        else:
+            context = partial(create_selective_checkpoint_contexts, _selective_policy)
+            wrapped = checkpoint_wrapper(block, preserve_rng_state=False, context_fn=context)
+        model.layers[name] = wrapped
+
+
+def fsdp_mp_policy(cfg: Config, device: torch.device) -> MixedPrecisionPolicy:
+    """bf16 parameters for compute where asked (or 'auto' on a device with native bf16), fp32 gradient
+    reduction always: the reduce-scatter sums in full precision."""
+    from plait.hardware import device_info
+
+    mode = cfg.train.mixed_precision
+    bf16 = mode == "bf16" or (mode == "auto" and device_info(device).bf16_native)
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
+
+
+def apply_fsdp(model: Transformer, meshes: Meshes, cfg: Config, device: torch.device) -> None:
+    """Shard each block, then the root (embedding, final norm, output). Gradient reduce-scatter over the
+    shard group; under HSDP a further all-reduce across replicas (the MiCS two-hop sync)."""
+    offload: OffloadPolicy = OffloadPolicy()
+    if cfg.parallel.cpu_offload:
+        offload = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    kwargs = dict(mesh=meshes.fsdp, mp_policy=fsdp_mp_policy(cfg, device), offload_policy=offload)
+    reshard = cfg.parallel.fsdp_reshard_after_forward
+    blocks = list(model.layers.values())
+    for i, block in enumerate(blocks):
+        # The last block's parameters are needed again at once by backward: keep them gathered.
+        fully_shard(block, reshard_after_forward=reshard and i < len(blocks) - 1, **kwargs)
+    fully_shard(model, reshard_after_forward=reshard, **kwargs)
+
+
+@torch.no_grad()
+def assign_sharded(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Copy a full (unsharded) value into a possibly sharded parameter: each rank keeps its own shard,
+    cut locally (src_data_rank=None: no communication)."""
+    if isinstance(param, DTensor):
+        local = distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+        param.to_local().copy_(local.to_local())
+    else:
+        param.copy_(value)
+
+
+def materialize(model: nn.Module, cfg: Config, device: torch.device) -> None:
+    """Allocate a parallelised model built on meta, then initialise it like the single-process model.
+    With CPU offload FSDP2 keeps the sharded parameters on the CPU, so they are allocated there."""
+    model.to_empty(device=torch.device("cpu") if cfg.parallel.cpu_offload else device)
+    model.init_weights(cfg.run.seed, assign=assign_sharded)

@@ -1,0 +1,148 @@
+"""Pipeline parallelism with torch.distributed.pipelining: stage split, stage modules, schedules.
+
+A stage is the plain Transformer with the layers it does not own deleted (layer names keep their global
+index) and, except on the first / last stage, no embedding / no final norm and output. Each stage is then
+parallelised (TP, AC, FSDP) like a whole model. With ``pp_virtual_stages = v`` a rank holds v stages,
+rank r owning stages r, r + pp, r + 2 pp, ... (the "loop" placement of interleaved schedules).
+
+Communication: activations (B_micro, T, dim) go forward and their gradients backward between neighbouring
+stages over the ``pp`` axis with point-to-point send/recv, one message per micro-batch and direction.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+)
+
+from plait.config import Config
+from plait.model.llama import ModelArgs, Transformer
+from plait.parallel.dims import Meshes
+from plait.parallel.parallelize import materialize, parallelize
+
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "zero_bubble": ScheduleInterleavedZeroBubble,
+}
+
+
+def split_layers(args: ModelArgs, num_stages: int, how: str) -> list[list[int]]:
+    """Consecutive layer ids per stage. 'layers': counts as equal as possible. 'cost': balance estimated
+    FLOPs, counting the output projection (vocab x dim, and the loss) on the last stage; the embedding
+    lookup is nearly free and is not counted."""
+    n = args.n_layers
+    if how == "layers":
+        bounds = [round(i * n / num_stages) for i in range(num_stages + 1)]
+        return [list(range(bounds[i], bounds[i + 1])) for i in range(num_stages)]
+    layer_cost = args.dim * (2 * args.dim + 2 * args.n_kv_heads * args.head_dim) + 3 * args.dim * args.hidden_dim
+    extra_last = args.vocab_size * args.dim / layer_cost  # the output projection in units of one layer
+    # Choose per-stage layer counts (each >= 1) minimising the largest stage cost; last stage pays extra.
+    best = None
+    for last in range(1, n - num_stages + 2):
+        rest = n - last
+        others = num_stages - 1
+        if others == 0:
+            counts = [n]
+        else:
+            if rest < others:
+                continue
+            base, extra = divmod(rest, others)
+            counts = [base + (1 if i < extra else 0) for i in range(others)] + [last]
+        worst = max(max(counts[:-1], default=0), counts[-1] + extra_last)
+        if best is None or worst < best[0] - 1e-9:
+            best = (worst, counts)
+    counts = best[1]
+    starts = [sum(counts[:i]) for i in range(num_stages)]
+    return [list(range(s, s + c)) for s, c in zip(starts, counts, strict=True)]
+
+
+def stage_module(args: ModelArgs, layer_ids: list[int], first: bool, last: bool) -> Transformer:
+    """The full model on meta with everything this stage does not run removed."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    keep = {str(i) for i in layer_ids}
+    for name in list(model.layers):
+        if name not in keep:
+            del model.layers[name]
+    if not first:
+        model.tok_embeddings = None
+    if not last:
+        model.norm = None
+        model.output = None
+    return model
+
+
+@dataclass
+class Pipeline:
+    schedule: object
+    parts: list[nn.Module]
+    has_first: bool
+    has_last: bool
+    num_microbatches: int
+
+
+def build_pipeline(args: ModelArgs, meshes: Meshes, cfg: Config, device: torch.device, loss_fn) -> Pipeline:
+    """This rank's stages, parallelised and initialised, wrapped in the configured schedule.
+
+    loss_fn(logits, targets) must return the mean loss of one micro-batch: the schedule divides the summed
+    gradients by the number of micro-batches (scale_grads), so the step's gradient is the batch mean.
+    """
+    pp, v = meshes.dims.pp, cfg.parallel.pp_virtual_stages
+    num_stages = pp * v
+    pp_rank = meshes.pp.get_local_rank()
+    layout = split_layers(args, num_stages, cfg.parallel.pp_split)
+    stages, parts = [], []
+    for stage_id in range(pp_rank, num_stages, pp):
+        part = stage_module(args, layout[stage_id], stage_id == 0, stage_id == num_stages - 1)
+        parallelize(part, meshes, cfg, device)
+        materialize(part, cfg, device)
+        parts.append(part)
+        stages.append(PipelineStage(part, stage_id, num_stages, device, group=meshes.pp.get_group()))
+    local_batch = cfg.train.global_batch_size // meshes.dims.dp
+    micro = local_batch // cfg.train.micro_batch_size if cfg.train.micro_batch_size else num_stages
+    cls = SCHEDULES[cfg.parallel.pp_schedule]
+    if cfg.parallel.pp_schedule in ("gpipe", "1f1b"):
+        schedule = cls(stages[0], n_microbatches=micro, loss_fn=loss_fn)
+    else:
+        schedule = cls(stages, n_microbatches=micro, loss_fn=loss_fn)
+    owned = list(range(pp_rank, num_stages, pp))
+    return Pipeline(schedule, parts, 0 in owned, num_stages - 1 in owned, micro)
+
+
+def pipeline_forward_backward(pipe: Pipeline, inputs: torch.Tensor, targets: torch.Tensor, pp_group):
+    """Run one step's micro-batches through the schedule; returns the batch-mean loss on every pp rank
+    (the last stage computes it; a sum-all-reduce over the pp axis hands it to the others)."""
+    losses: list[torch.Tensor] | None = [] if pipe.has_last else None
+    kwargs = {"target": targets, "losses": losses} if pipe.has_last else {}
+    if pipe.has_first:
+        pipe.schedule.step(inputs, **kwargs)
+    else:
+        pipe.schedule.step(**kwargs)
+    if pipe.has_last:
+        loss = torch.stack([x.detach().float() for x in losses]).mean()
+    else:
+        loss = torch.zeros((), device=inputs.device)
+    if isinstance(loss, torch.distributed.tensor.DTensor):
+        loss = loss.full_tensor()
+    dist.all_reduce(loss, group=pp_group)
+    return loss
+
+
+def bubble_fraction(schedule: str, pp: int, micro: int, virtual: int = 1) -> float:
+    """Analytic idle fraction of a stage: (p - 1) / (m + p - 1) for GPipe and 1F1B, divided by the
+    number of virtual stages for interleaved 1F1B; zero-bubble fills most of it (reported as the
+    interleaved figure here: an upper bound)."""
+    base = (pp - 1) / (micro + pp - 1)
+    return base / virtual if virtual > 1 else base if not math.isnan(base) else 0.0
