@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -109,6 +110,10 @@ class CheckpointManager:
     def load(self, path: Path, t, *, loader, state: TrainState) -> None:
         """Restore into this rank's (possibly differently sharded) model parts and optimizers."""
         meta = read_meta(path)
+        if meta.get("weights_only"):  # `plait ckpt import`: fine-tune these weights from step 0
+            for part in t.parts:
+                load_model_weights(part, path)
+            return
         model_sd, optim_sd, _ = _state_dicts(t)  # also creates empty Adam state to load into
         _dcp_load({"model": model_sd, "optim": optim_sd}, path)
         for part, opt in zip(t.parts, t.optimizers, strict=True):
@@ -166,7 +171,7 @@ def _dcp_load(state: dict, path: Path) -> None:
     try:
         with _single_process_quiet():
             dcp.load(state, checkpoint_id=str(path))
-    except Exception as e:  # DCP wraps shape/key mismatches in CheckpointException
+    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
         raise PlaitError(f"checkpoint {path} does not match this model: {_short(e)}") from None
 
 

@@ -6,16 +6,20 @@ User errors (PlaitError) print one line and exit with status 2; nothing else is 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 from plait.errors import ConfigError, PlaitError
 
 TRAIN_USAGE = """\
-usage: plait train [CONFIG.toml] [--section.key=value ...]
+usage: plait train [CONFIG.toml] [--section.key=value ...] [--nproc N] [--max-restarts R]
 
 Train a model. With no arguments: the 'tiny' model on the bundled Shakespeare corpus, on CUDA if present,
 else the CPU. A run directory that already holds checkpoints is resumed from the newest one.
+--nproc N starts N local workers (default: one per visible GPU, else 1); the parallel layout is set by the
+[parallel] options. --max-restarts R restarts the group after a lost worker. Under torchrun, use
+`torchrun --nproc-per-node N -m plait.train [CONFIG] [overrides]`.
 
 Settings resolve in this order (later wins): defaults, model preset, CONFIG.toml, --section.key=value.
 Options (type, help, default):
@@ -38,9 +42,7 @@ def split_config_args(args: list[str]) -> tuple[str | None, list[str]]:
         elif path is None:
             path = arg
         else:
-            raise ConfigError(
-                f"unexpected argument {arg!r}: give at most one config file, then --section.key=value"
-            )
+            raise ConfigError(f"unexpected argument {arg!r}: give at most one config file, then --section.key=value")
         i += 1
     return path, overrides
 
@@ -52,12 +54,36 @@ def _load(args: list[str]):
     return load_config(path, overrides)
 
 
+def _pop_int(args: list[str], flag: str) -> int | None:
+    """Remove `--flag N` / `--flag=N` from args and return N."""
+    for i, arg in enumerate(args):
+        if arg == flag or arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1] if "=" in arg else (args[i + 1] if i + 1 < len(args) else "")
+            del args[i : i + (1 if "=" in arg else 2)]
+            try:
+                return int(value)
+            except ValueError:
+                raise ConfigError(f"{flag} expects an integer, got {value!r}") from None
+    return None
+
+
 def cmd_train(args: list[str]) -> int:
     if any(a in ("-h", "--help") for a in args):
         from plait.config import options_help
 
         print(TRAIN_USAGE + options_help())
         return 0
+    args = list(args)
+    nproc, restarts = _pop_int(args, "--nproc"), _pop_int(args, "--max-restarts")
+    if "WORLD_SIZE" not in os.environ:  # not yet inside a launched worker
+        from plait.launch import _validate_before_launch, default_nproc, launch_local
+
+        nproc = default_nproc() if nproc is None else nproc
+        if nproc < 1:
+            raise ConfigError(f"--nproc={nproc} must be at least 1")
+        _validate_before_launch(args, nproc)
+        if nproc > 1 or restarts:
+            return launch_local(nproc, args, restarts or 0)
     cfg = _load(args)
     from plait.train import train
 
@@ -67,9 +93,7 @@ def cmd_train(args: list[str]) -> int:
 
 def cmd_config(args: list[str]) -> int:
     if not args or args[0] != "show" or any(a in ("-h", "--help") for a in args):
-        print(
-            "usage: plait config show [CONFIG.toml] [--section.key=value ...]\n\nPrint the resolved config."
-        )
+        print("usage: plait config show [CONFIG.toml] [--section.key=value ...]\n\nPrint the resolved config.")
         return 0 if args and args[0] in ("-h", "--help") or "show" in args else 2
     from plait.config import to_toml
 
@@ -116,9 +140,7 @@ def cmd_data(argv: list[str]) -> int:
 
 def cmd_generate(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="plait generate", description="Sample text from a checkpoint.")
-    parser.add_argument(
-        "checkpoint", help="A checkpoint directory, or a run directory (its newest checkpoint)."
-    )
+    parser.add_argument("checkpoint", help="A checkpoint directory, or a run directory (its newest checkpoint).")
     parser.add_argument("--prompt", default="ROMEO:", help="Text to continue.")
     parser.add_argument("--max-new-tokens", type=int, default=200)
     parser.add_argument("--temperature", type=float, default=0.8, help="0 for greedy decoding.")
@@ -155,15 +177,45 @@ def cmd_generate(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "data": cmd_data, "generate": cmd_generate, "config": cmd_config}
+def cmd_launch(argv: list[str]) -> int:
+    from plait.launch import cmd_launch as launch
+
+    return launch(argv)
+
+
+def cmd_ckpt(argv: list[str]) -> int:
+    from plait.interop.ckpt_cli import cmd_ckpt as run
+
+    return run(argv)
+
+
+def cmd_plan(argv: list[str]) -> int:
+    from plait.planner.cli import cmd_plan as run
+
+    return run(argv)
+
+
+COMMANDS = {
+    "train": cmd_train,
+    "data": cmd_data,
+    "generate": cmd_generate,
+    "config": cmd_config,
+    "launch": cmd_launch,
+    "ckpt": cmd_ckpt,
+    "plan": cmd_plan,
+}
 USAGE = """\
 usage: plait COMMAND [...]
 
 commands:
   train [CONFIG] [--section.key=value ...]   train a model (no arguments: the default job)
+        [--nproc N] [--max-restarts R]       ... on N local processes (default: one per GPU, else 1)
+  launch slurm --nodes N [CONFIG] [...]      write an sbatch script for a multi-node run
   data prepare INPUTS --out DIR              tokenise a corpus into token shards
   generate CHECKPOINT [--prompt TEXT]        sample text from a checkpoint (KV cache)
   config show [CONFIG] [overrides]           print the resolved config as TOML
+  ckpt inspect|export|import PATH            inspect a checkpoint; export to Hugging Face / safetensors; import
+  plan --model PRESET --cluster PRESET       choose a parallel layout from a cost model
 
 `plait COMMAND --help` for details."""
 

@@ -1,0 +1,331 @@
+"""`plait ckpt`: inspect a checkpoint, export it (Hugging Face / safetensors), import a Hugging Face model.
+
+    plait ckpt inspect PATH
+    plait ckpt export PATH --format hf|safetensors --out DIR [--dtype fp32|bf16] [--overwrite]
+    plait ckpt import HF_DIR --out RUN_DIR_OR_CKPT_DIR [--overwrite]
+
+PATH is a checkpoint directory (``.../checkpoints/step_<N>``) or a run directory (its newest checkpoint).
+An import writes a weights-only checkpoint ``step_00000000`` (model tensors + plait.json, no optimizer
+state) and, for a run directory, the run's ``config.toml`` to fine-tune from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import re
+import shutil
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from rich.console import Console
+from rich.table import Table
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+from plait.checkpoint import META, list_checkpoints, load_model_weights, read_meta
+from plait.config import Config, from_dict, to_dict, to_toml, validate
+from plait.errors import ConfigError, PlaitError
+from plait.interop.hf import (
+    build_from_tensors,
+    empty_model,
+    export_hf,
+    export_safetensors,
+    import_hf,
+    param_shapes,
+)
+from plait.model import ModelArgs, Transformer
+
+CHECKPOINT_FORMAT = "plait-checkpoint-v1"
+_STEP_DIR = re.compile(r"^step_\d+$")
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def cmd_ckpt(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="plait ckpt", description="Inspect, export and import model checkpoints.")
+    sub = parser.add_subparsers(dest="action", required=True)
+    p = sub.add_parser("inspect", help="Show a checkpoint's step, model, size, data position and config.")
+    p.add_argument("path", help="A checkpoint directory, or a run directory (its newest checkpoint).")
+    p = sub.add_parser("export", help="Write a checkpoint's model as a Hugging Face directory or safetensors.")
+    p.add_argument("path", help="A checkpoint directory, or a run directory (its newest checkpoint).")
+    p.add_argument(
+        "--format",
+        choices=["hf", "safetensors"],
+        default="hf",
+        help="'hf': a transformers LlamaForCausalLM directory; 'safetensors': one file with plait's names.",
+    )
+    p.add_argument("--out", required=True, help="Output directory (for safetensors also a path ending .safetensors).")
+    p.add_argument("--dtype", choices=list(_DTYPES), default="fp32", help="Data type of the written weights.")
+    p.add_argument("--overwrite", action="store_true", help="Replace an existing output.")
+    p = sub.add_parser("import", help="Make a plait checkpoint from a Hugging Face model directory.")
+    p.add_argument("hf_dir", help="A Llama / Mistral / Qwen2 directory with config.json and safetensors.")
+    p.add_argument(
+        "--out", required=True, help="A run directory (gets checkpoints/step_00000000) or a step_<N> directory."
+    )
+    p.add_argument("--overwrite", action="store_true", help="Move an existing output aside first.")
+    a = parser.parse_args(argv)
+    return {"inspect": _inspect, "export": _export, "import": _import}[a.action](a)
+
+
+# ------------------------------------------------------------------------------------------------ loading
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """A checkpoint directory itself, or the newest complete checkpoint of a run directory."""
+    if not path.exists():
+        raise PlaitError(f"{path} does not exist: give a checkpoint directory or a run directory")
+    if (path / META).is_file():
+        return path
+    ckpts = list_checkpoints(path / "checkpoints") or list_checkpoints(path)
+    if not ckpts:
+        raise PlaitError(f"{path} holds no complete checkpoint (looked for step_*/{META})")
+    return ckpts[-1]
+
+
+def load_checkpoint_model(ckpt: Path, device: str | torch.device = "cpu") -> Transformer:
+    """The model of a checkpoint directory (its weights only), in fp32."""
+    cfg = from_dict(read_meta(ckpt)["config"])
+    model = empty_model(cfg.model, device)
+    try:
+        load_model_weights(model, ckpt)
+    except CheckpointException as e:  # a BaseException, which load_model_weights lets through
+        raise PlaitError(f"checkpoint {ckpt} does not match its own config: {str(e).strip()[-300:]}") from None
+    return model
+
+
+def write_weights_checkpoint(
+    model: Transformer, ckpt_dir: Path, *, config: dict, tokenizer_path: Path | None, extra: dict
+) -> Path:
+    """A checkpoint holding only the model: DCP tensors (as CheckpointManager names them) + plait.json.
+
+    plait.json carries ``"weights_only": true`` and step 0; written to ``<dir>.tmp`` then renamed.
+    """
+    tmp = ckpt_dir.with_name(ckpt_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        with warnings.catch_warnings():  # DCP 'assumes' a single process without a group: intended here
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(tmp))
+        meta = {
+            "format": CHECKPOINT_FORMAT,
+            "weights_only": True,
+            "train_state": {"step": 0, "tokens": 0},
+            "config": config,
+            **extra,
+        }
+        (tmp / META).write_text(json.dumps(meta, indent=1))
+        if tokenizer_path is not None:
+            shutil.copyfile(tokenizer_path, tmp / "tokenizer.json")
+        tmp.rename(ckpt_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return ckpt_dir
+
+
+# ------------------------------------------------------------------------------------------------ inspect
+
+
+def _inspect(a: argparse.Namespace) -> int:
+    ckpt = resolve_checkpoint(Path(a.path))
+    meta = read_meta(ckpt)
+    cfg = from_dict(meta["config"])
+    m = cfg.model
+    shapes = param_shapes(m)
+    numel = sum(_prod(s) for s in shapes.values())
+    files = [p for p in ckpt.rglob("*") if p.is_file()]
+    state = meta.get("train_state", {})
+    rows: list[tuple[str, str]] = [
+        ("checkpoint", str(ckpt)),
+        ("format", f"{meta.get('format', '?')}{', weights only' if meta.get('weights_only') else ''}"),
+    ]
+    if "imported_from" in meta:
+        src = meta["imported_from"]
+        rows.append(("imported from", f"{src.get('path')} ({src.get('model_type')})"))
+    rows += [
+        ("step", f"{state.get('step', '?'):,}" if isinstance(state.get("step"), int) else "?"),
+        ("tokens", f"{state['tokens']:,}" if isinstance(state.get("tokens"), int) else "?"),
+        ("model", _shape_summary(m)),
+        ("rotary", _rope_summary(m)),
+        ("parameters", f"{numel:,} ({numel / 1e6:.2f}M; {m.num_params(exclude_embeddings=True):,} non-embedding)"),
+        ("model tensors", f"{len(shapes)} tensors, {_bytes(4 * numel)} in fp32"),
+        ("optimizer state", _optim_summary(meta)),
+        ("files", f"{len(files)} files, {_bytes(sum(p.stat().st_size for p in files))} on disk"),
+        ("data position", _data_summary(meta)),
+        ("tokenizer", _tokenizer_summary(ckpt)),
+        ("config", _config_summary(cfg)),
+    ]
+    others = list_checkpoints(ckpt.parent)
+    if len(others) > 1:
+        rows.append(("checkpoints here", ", ".join(p.name for p in others)))
+    table = Table(title=f"plait checkpoint {ckpt.name}", show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column(overflow="fold")
+    for key, value in rows:
+        table.add_row(key, value)
+    Console(width=120).print(table)
+    return 0
+
+
+def _shape_summary(m: ModelArgs) -> str:
+    return (
+        f"dim {m.dim}, {m.n_layers} layers, {m.n_heads} heads ({m.n_kv_heads} kv, head_dim {m.head_dim}), "
+        f"ffn {m.hidden_dim}, vocab {m.vocab_size}, max_seq_len {m.max_seq_len}, "
+        f"tied embeddings {'yes' if m.tie_embeddings else 'no'}"
+    )
+
+
+def _rope_summary(m: ModelArgs) -> str:
+    text = f"theta {m.rope_theta:g}"
+    if m.rope_scaling_factor:
+        text += (
+            f", llama3 scaling x{m.rope_scaling_factor:g} (original context {m.rope_original_max_seq_len}, "
+            f"low/high freq factors {m.rope_low_freq_factor:g}/{m.rope_high_freq_factor:g})"
+        )
+    return text
+
+
+def _optim_summary(meta: dict[str, Any]) -> str:
+    groups = meta.get("param_groups")
+    if not groups:
+        return "none (weights only: training starts a fresh optimizer)"
+    g = groups[0]
+    return f"AdamW, {len(groups)} parameter groups (lr {g.get('lr', 0):.3g}, betas {g.get('betas')})"
+
+
+def _data_summary(meta: dict[str, Any]) -> str:
+    loader = meta.get("loader")
+    if not loader:
+        return "none (no training data consumed)"
+    samples, batch, seq = loader["samples_consumed"], loader["global_batch_size"], loader["seq_len"]
+    return (
+        f"{samples:,} samples consumed ({samples // max(1, batch):,} batches of {batch} x {seq} tokens), "
+        f"data seed {loader.get('seed')}"
+    )
+
+
+def _tokenizer_summary(ckpt: Path) -> str:
+    path = ckpt / "tokenizer.json"
+    if not path.is_file():
+        return "none (plait generate needs a tokenizer.json here)"
+    from plait.data import load_tokenizer
+
+    return f"tokenizer.json, vocabulary {load_tokenizer(path).get_vocab_size():,}"
+
+
+def _config_summary(cfg: Config) -> str:
+    t, o, d = cfg.train, cfg.optim, cfg.data
+    return (
+        f"data {d.source} (seq_len {d.seq_len}), {t.steps} steps x batch {t.global_batch_size}, "
+        f"lr {o.lr:g} {o.schedule} (warm-up {o.warmup_steps}), precision {t.mixed_precision}, "
+        f"seed {cfg.run.seed}"
+    )
+
+
+def _prod(shape) -> int:
+    out = 1
+    for s in shape:
+        out *= s
+    return out
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+# ------------------------------------------------------------------------------------------------- export
+
+
+def _export(a: argparse.Namespace) -> int:
+    ckpt = resolve_checkpoint(Path(a.path))
+    out = Path(a.out)
+    target = out if a.format == "hf" or out.suffix == ".safetensors" else out / "model.safetensors"
+    if _occupied(target) and not a.overwrite:  # before loading the model, which may take long
+        raise ConfigError(f"{target} exists; pass --overwrite or choose another --out")
+    model = load_checkpoint_model(ckpt)
+    dtype = _DTYPES[a.dtype]
+    if a.format == "hf":
+        tokenizer = ckpt / "tokenizer.json"
+        export_hf(
+            model,
+            out,
+            tokenizer_path=tokenizer if tokenizer.is_file() else None,
+            dtype=dtype,
+            overwrite=a.overwrite,
+        )
+        hint = f"load it with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})"
+    else:
+        export_safetensors(model, target, dtype=dtype, overwrite=a.overwrite)
+        hint = f"load it with plait.interop.load_safetensors({str(target)!r})"
+    print(f"wrote {target} ({a.format}, {a.dtype}) from {ckpt}; {hint}")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------- import
+
+
+def _import(a: argparse.Namespace) -> int:
+    hf_dir, out = Path(a.hf_dir), Path(a.out)
+    if not hf_dir.is_dir():
+        raise PlaitError(f"{hf_dir} is not a directory: give a Hugging Face model directory")
+    run_dir = None if _STEP_DIR.match(out.name) else out
+    ckpt_dir = out if run_dir is None else out / "checkpoints" / "step_00000000"
+    if _occupied(out) and not a.overwrite:
+        raise ConfigError(f"{out} exists; pass --overwrite (it is moved aside) or choose another --out")
+    args, tensors = import_hf(hf_dir)
+    model = build_from_tensors(args, tensors)
+    del tensors
+    cfg = Config()
+    cfg.model = args
+    cfg.data.seq_len = min(cfg.data.seq_len, args.max_seq_len)
+    if run_dir is not None:
+        cfg.run.name, cfg.run.out_dir = run_dir.name, str(run_dir.parent)
+    validate(cfg)
+    if _occupied(out):
+        backup = out.with_name(f"{out.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
+        out.rename(backup)
+        print(f"--overwrite: previous {out} moved to {backup}")
+    hf_config = json.loads((hf_dir / "config.json").read_text())
+    tokenizer = hf_dir / "tokenizer.json"
+    ckpt_dir.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(OSError):
+        ckpt_dir.rmdir()  # an empty directory given as --out
+    write_weights_checkpoint(
+        model,
+        ckpt_dir,
+        config=to_dict(cfg),
+        tokenizer_path=tokenizer if tokenizer.is_file() else None,
+        extra={
+            "imported_from": {
+                "path": str(hf_dir.resolve()),
+                "model_type": hf_config.get("model_type"),
+                "architectures": hf_config.get("architectures"),
+                "dtype": hf_config.get("dtype", hf_config.get("torch_dtype")),
+            }
+        },
+    )
+    lines = [f"wrote {ckpt_dir}: {args.num_params() / 1e6:.2f}M parameters from {hf_dir}"]
+    if not tokenizer.is_file():
+        lines.append(f"note: {hf_dir} has no tokenizer.json; copy one into {ckpt_dir} for `plait generate`")
+    if run_dir is not None:
+        (run_dir / "config.toml").write_text(to_toml(cfg))
+        lines.append(
+            f"fine-tune: plait data prepare CORPUS --out DATA --tokenizer {tokenizer}\n"
+            f"           plait train {run_dir / 'config.toml'} --data.source=DATA"
+        )
+    print("\n".join(lines))
+    return 0
+
+
+def _occupied(path: Path) -> bool:
+    return path.exists() and (not path.is_dir() or any(path.iterdir()))

@@ -1,0 +1,532 @@
+"""Hand models over: Hugging Face Llama-format directories and plain safetensors files.
+
+``export_hf`` writes what ``transformers.AutoModelForCausalLM.from_pretrained`` reads (LlamaForCausalLM);
+``import_hf`` / ``load_hf_model`` read Llama, Mistral and Qwen2 directories back. Only safetensors are
+read, never pickle. Every tensor is checked against the shape the config implies before any is used: a
+load either matches exactly or fails naming the missing, unexpected and mis-shaped tensors.
+
+Names, plait -> Hugging Face (per layer ``i``):
+
+    tok_embeddings.weight                 model.embed_tokens.weight
+    layers.i.attention.w{q,k,v,o}.weight  model.layers.i.self_attn.{q,k,v,o}_proj.weight
+    layers.i.feed_forward.w1/w3/w2        model.layers.i.mlp.gate_proj/up_proj/down_proj
+    layers.i.attention_norm.weight        model.layers.i.input_layernorm.weight
+    layers.i.ffn_norm.weight              model.layers.i.post_attention_layernorm.weight
+    norm.weight                           model.norm.weight
+    output.weight                         lm_head.weight (absent when the embeddings are tied)
+
+q/k rows are not permuted: plait's rotary embedding already uses the "rotate half" layout of HF's Llama.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor
+
+from plait.config import SampleConfig
+from plait.errors import PlaitError
+from plait.model.llama import ModelArgs, Transformer, rope_tables
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SAFETENSORS_FORMAT = "plait-safetensors-v1"
+
+_TOP_NAMES = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_BOS_TOKENS = ("<|begin_of_text|>", "<s>", "<bos>")
+_PAD_TOKENS = ("<|pad|>", "<pad>")
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+# ------------------------------------------------------------------------------------------- names, shapes
+
+
+def hf_name(name: str) -> str:
+    """The Hugging Face name of a plait parameter."""
+    if name in _TOP_NAMES:
+        return _TOP_NAMES[name]
+    _, layer, rest = name.split(".", 2)  # layers.<i>.<rest>
+    return f"model.layers.{layer}.{_LAYER_NAMES[rest]}"
+
+
+def param_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """plait name -> shape of every parameter of a model of this shape (one entry for tied weights)."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+def check_tensors(found: Mapping[str, Sequence[int]], expected: Mapping[str, Sequence[int]], where: str) -> None:
+    """Raise PlaitError listing every missing, unexpected and mis-shaped tensor; never load a part."""
+    missing = [k for k in expected if k not in found]
+    unexpected = [k for k in found if k not in expected]
+    mismatched = [
+        f"{k} {tuple(found[k])} (expected {tuple(expected[k])})"
+        for k in expected
+        if k in found and tuple(found[k]) != tuple(expected[k])
+    ]
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {_first(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors: {_first(unexpected)}")
+    if mismatched:
+        problems.append(f"shape mismatches: {_first(mismatched)}")
+    if problems:
+        raise PlaitError(f"{where} does not match the model its config describes: {'; '.join(problems)}")
+
+
+def _first(items: Sequence[str], n: int = 4) -> str:
+    more = f", ... ({len(items) - n} more)" if len(items) > n else ""
+    return ", ".join(items[:n]) + more
+
+
+# -------------------------------------------------------------------------------------------------- config
+
+
+def hf_config(
+    args: ModelArgs, *, dtype: torch.dtype = torch.float32, bos_id: int | None = None, eos_id: int | None = None
+) -> dict:
+    """config.json of a LlamaForCausalLM with this shape.
+
+    Rotary settings use the long-standing keys (``rope_theta``, ``rope_scaling``), which every
+    transformers version reads (v5 converts them to ``rope_parameters``).
+    """
+    rope_scaling = None
+    if args.rope_scaling_factor > 0:
+        rope_scaling = {
+            "rope_type": "llama3",
+            "factor": args.rope_scaling_factor,
+            "low_freq_factor": args.rope_low_freq_factor,
+            "high_freq_factor": args.rope_high_freq_factor,
+            "original_max_position_embeddings": args.rope_original_max_seq_len,
+        }
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": args.dim,
+        "intermediate_size": args.hidden_dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads,
+        "head_dim": args.head_dim,
+        "vocab_size": args.vocab_size,
+        "hidden_act": "silu",
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,
+        "rope_scaling": rope_scaling,
+        "max_position_embeddings": args.max_seq_len,
+        "tie_word_embeddings": args.tie_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "torch_dtype": _DTYPE_NAMES[dtype],
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+    }
+
+
+def args_from_hf_config(config: Mapping, where: str = "config.json") -> ModelArgs:
+    """ModelArgs of a Llama / Mistral / Qwen2 config.json; refuses what plait's model cannot express.
+
+    Mistral (and Qwen2 with use_sliding_window) attend within a sliding window: max_seq_len is capped at
+    the window, where sliding and full causal attention are the same computation.
+    """
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise PlaitError(
+            f"{where}: model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    if config.get("quantization_config"):
+        raise PlaitError(f"{where}: quantized checkpoints are not supported; export it unquantized first")
+    if config.get("hidden_act", "silu") != "silu":
+        raise PlaitError(f"{where}: hidden_act {config['hidden_act']!r} is not supported; plait uses silu")
+    dim, heads = _int(config, "hidden_size", where), _int(config, "num_attention_heads", where)
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    if dim % heads:
+        raise PlaitError(f"{where}: hidden_size={dim} is not divisible by num_attention_heads={heads}")
+    head_dim = config.get("head_dim")
+    if head_dim is not None and head_dim != dim // heads:
+        raise PlaitError(
+            f"{where}: head_dim={head_dim} differs from hidden_size/num_attention_heads={dim // heads}; "
+            f"plait derives the head size from them, so this model is not supported"
+        )
+    if heads % kv_heads:
+        raise PlaitError(f"{where}: num_key_value_heads={kv_heads} does not divide num_attention_heads={heads}")
+    if (dim // heads) % 2:
+        raise PlaitError(f"{where}: head size {dim // heads} must be even for rotary embeddings")
+    theta, scaling = _rope_settings(config, where)
+    max_seq_len = _int(config, "max_position_embeddings", where)
+    window = config.get("sliding_window")
+    if window and (model_type == "mistral" or config.get("use_sliding_window")):
+        max_seq_len = min(max_seq_len, int(window))
+    return ModelArgs(
+        dim=dim,
+        n_layers=_int(config, "num_hidden_layers", where),
+        n_heads=heads,
+        n_kv_heads=kv_heads,
+        vocab_size=_int(config, "vocab_size", where),
+        ffn_hidden_dim=_int(config, "intermediate_size", where),
+        norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        max_seq_len=max_seq_len,
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        **scaling,
+    )
+
+
+def _int(config: Mapping, key: str, where: str) -> int:
+    value = config.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise PlaitError(f"{where}: {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _rope_settings(config: Mapping, where: str) -> tuple[float, dict]:
+    """(theta, ModelArgs rope scaling fields) from v5 ``rope_parameters`` or legacy ``rope_scaling``."""
+    params = config.get("rope_parameters") or {}
+    if any(isinstance(v, Mapping) for v in params.values()):
+        raise PlaitError(f"{where}: per-layer-type rope_parameters are not supported")
+    rope = {**(config.get("rope_scaling") or {}), **params}
+    theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise PlaitError(f"{where}: partial_rotary_factor={partial} is not supported; plait rotates all dims")
+    kind = rope.get("rope_type", rope.get("type")) or "default"
+    if kind == "default":
+        return theta, {}
+    if kind != "llama3":
+        raise PlaitError(f"{where}: rope_scaling type {kind!r} is not supported; supported: llama3, none")
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    absent = [k for k in keys if k not in rope]
+    if absent:
+        raise PlaitError(f"{where}: llama3 rope_scaling lacks {', '.join(absent)}")
+    return theta, {
+        "rope_scaling_factor": float(rope["factor"]),
+        "rope_low_freq_factor": float(rope["low_freq_factor"]),
+        "rope_high_freq_factor": float(rope["high_freq_factor"]),
+        "rope_original_max_seq_len": int(rope["original_max_position_embeddings"]),
+    }
+
+
+# -------------------------------------------------------------------------------------------------- export
+
+
+def model_tensors(model: Transformer) -> dict[str, torch.Tensor]:
+    """One full tensor per parameter, plait names (tied weights once, as tok_embeddings.weight).
+
+    Sharded (DTensor) parameters are gathered: with FSDP / TP every rank must call this.
+    """
+    tensors = {}
+    for name, param in model.named_parameters():
+        t = param.detach()
+        tensors[name] = t.full_tensor() if isinstance(t, DTensor) else t
+    check_tensors({k: v.shape for k, v in tensors.items()}, param_shapes(model.args), "the model")
+    return tensors
+
+
+def export_hf(
+    model: Transformer,
+    out_dir: str | Path,
+    *,
+    tokenizer_path: Path | None,
+    dtype: torch.dtype = torch.float32,
+    overwrite: bool = False,
+) -> Path:
+    """Write a Hugging Face Llama directory: config.json, model.safetensors, generation_config.json and,
+    given a tokenizer.json, the tokenizer (tokenizer.json + tokenizer_config.json).
+
+    Written to a temporary sibling directory and renamed into place; an existing non-empty ``out_dir`` is
+    replaced only with ``overwrite=True``.
+    """
+    if dtype not in _DTYPE_NAMES:
+        raise PlaitError(f"dtype {dtype} is not supported for export; use torch.float32 or torch.bfloat16")
+    out = Path(out_dir)
+    special = _special_tokens(Path(tokenizer_path)) if tokenizer_path is not None else {}
+    bos, eos = special.get("bos_token"), special.get("eos_token")
+    with _staged_dir(out, overwrite) as tmp:
+        tensors = {hf_name(k): v.to("cpu", dtype).contiguous() for k, v in model_tensors(model).items()}
+        save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+        config = hf_config(model.args, dtype=dtype, bos_id=bos[1] if bos else None, eos_id=eos[1] if eos else None)
+        _write_json(tmp / "config.json", config)
+        sample = SampleConfig()
+        generation = {
+            "bos_token_id": config["bos_token_id"],
+            "eos_token_id": config["eos_token_id"],
+            "do_sample": True,
+            "temperature": sample.temperature,
+            "top_k": sample.top_k,
+            "top_p": sample.top_p,
+        }
+        _write_json(tmp / "generation_config.json", generation)
+        if tokenizer_path is not None:
+            shutil.copyfile(tokenizer_path, tmp / "tokenizer.json")
+            tok_config = {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "model_max_length": model.args.max_seq_len,
+                "clean_up_tokenization_spaces": False,
+                **{key: token for key, (token, _) in special.items()},
+            }
+            _write_json(tmp / "tokenizer_config.json", tok_config)
+    return out
+
+
+def _special_tokens(tokenizer_path: Path) -> dict[str, tuple[str, int]]:
+    """{'eos_token' / 'bos_token' / 'pad_token': (text, id)} for those the tokenizer has."""
+    from plait.data import eos_id, load_tokenizer
+    from plait.errors import ConfigError
+
+    tok = load_tokenizer(tokenizer_path)
+    found = {}
+    with contextlib.suppress(ConfigError):
+        eos = eos_id(tok)
+        found["eos_token"] = (tok.id_to_token(eos), eos)
+    for key, candidates in (("bos_token", _BOS_TOKENS), ("pad_token", _PAD_TOKENS)):
+        for text in candidates:
+            if (idx := tok.token_to_id(text)) is not None:
+                found[key] = (text, idx)
+                break
+    return found
+
+
+def export_safetensors(
+    model: Transformer, path: str | Path, *, dtype: torch.dtype = torch.float32, overwrite: bool = False
+) -> Path:
+    """One safetensors file with plait's parameter names; the ModelArgs travel as JSON in its metadata."""
+    path = Path(path)
+    if path.is_dir():
+        raise PlaitError(f"{path} is a directory; give a file path such as {path / 'model.safetensors'}")
+    if path.exists() and not overwrite:
+        raise PlaitError(f"{path} exists; pass overwrite=True (--overwrite) to replace it")
+    tensors = {k: v.to("cpu", dtype).contiguous() for k, v in model_tensors(model).items()}
+    metadata = {
+        "format": "pt",
+        "plait_format": SAFETENSORS_FORMAT,
+        "model_args": json.dumps(dataclasses.asdict(model.args)),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        save_file(tensors, tmp, metadata=metadata)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+# -------------------------------------------------------------------------------------------------- import
+
+
+def import_hf(hf_dir: str | Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
+    """(ModelArgs, plait-named tensors in their stored dtype) from a Hugging Face directory.
+
+    The tensors hold one entry per parameter (``Transformer.named_parameters`` names; with tied
+    embeddings no ``output.weight``). Bias tensors are accepted only when all zero (Qwen2 always stores
+    q/k/v biases); ``rotary_emb.inv_freq`` buffers of old checkpoints are ignored (they are derived).
+    """
+    hf_dir = Path(hf_dir)
+    config_path = hf_dir / "config.json"
+    if not config_path.is_file():
+        raise PlaitError(f"{hf_dir} has no config.json: give a Hugging Face model directory")
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise PlaitError(f"{config_path} is not valid JSON: {e}") from None
+    args = args_from_hf_config(config, str(config_path))
+    expected = {hf_name(k): shape for k, shape in param_shapes(args).items()}
+    plait_names = {hf_name(k): k for k in param_shapes(args)}
+    where = str(hf_dir)
+    with contextlib.ExitStack() as stack:
+        handles = {}
+        for file in _weight_files(hf_dir):
+            try:
+                handle = stack.enter_context(safe_open(str(file), framework="pt"))
+            except (SafetensorError, OSError) as e:
+                raise PlaitError(f"cannot read {file}: {e}") from None
+            for name in handle.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
+                if name in handles:
+                    raise PlaitError(f"{where}: tensor {name} appears in more than one file")
+                handles[name] = handle
+        shapes = {n: tuple(h.get_slice(n).get_shape()) for n, h in handles.items()}
+        nonzero_bias = []
+        for name in list(shapes):
+            if name.endswith("rotary_emb.inv_freq"):
+                del shapes[name]
+            elif name.endswith(".bias") and name.removesuffix(".bias") + ".weight" in expected:
+                if handles[name].get_tensor(name).count_nonzero():
+                    nonzero_bias.append(name)
+                del shapes[name]
+        if nonzero_bias:
+            raise PlaitError(
+                f"{where} has non-zero bias tensors ({_first(nonzero_bias)}); plait's attention and MLP "
+                f"have no biases, so this model cannot be loaded exactly (Qwen2 models use q/k/v biases)"
+            )
+        if args.tie_embeddings and "lm_head.weight" in shapes:
+            embed = "model.embed_tokens.weight"
+            head = handles["lm_head.weight"].get_tensor("lm_head.weight")
+            if embed in handles and not torch.equal(head, handles[embed].get_tensor(embed)):
+                raise PlaitError(
+                    f"{where}: tie_word_embeddings is true but lm_head.weight differs from {embed}; "
+                    f"set tie_word_embeddings to false in config.json if the output projection is separate"
+                )
+            del shapes["lm_head.weight"]
+        check_tensors(shapes, expected, where)
+        tensors = {plait_names[n]: handles[n].get_tensor(n) for n in expected}
+    return args, tensors
+
+
+def _weight_files(hf_dir: Path) -> list[Path]:
+    index = hf_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+            raise PlaitError(f"{index} is not a valid safetensors index: {e!r}") from None
+        files = [hf_dir / name for name in sorted(set(weight_map.values()))]
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise PlaitError(f"{index} names shards that are missing: {_first(absent)}")
+        return files
+    if (hf_dir / "model.safetensors").is_file():
+        return [hf_dir / "model.safetensors"]
+    pickles = sorted(p.name for p in hf_dir.iterdir() if p.name.endswith(_PICKLE_SUFFIXES))
+    if pickles:
+        raise PlaitError(
+            f"{hf_dir} holds only PyTorch pickle weights ({_first(pickles)}); plait reads safetensors and "
+            f"never unpickles: convert it to safetensors first, where you trust the file (e.g. "
+            f"AutoModelForCausalLM.from_pretrained(dir).save_pretrained(out_dir))"
+        )
+    raise PlaitError(f"{hf_dir} has no model.safetensors or model.safetensors.index.json")
+
+
+def load_hf_model(hf_dir: str | Path, device: str | torch.device = "cpu") -> Transformer:
+    """A plait Transformer (fp32) holding the weights of a Hugging Face directory."""
+    args, tensors = import_hf(hf_dir)
+    return build_from_tensors(args, tensors, device)
+
+
+def load_safetensors(path: str | Path, device: str | torch.device = "cpu") -> Transformer:
+    """A plait Transformer from a file written by ``export_safetensors``."""
+    path = Path(path)
+    if not path.is_file():
+        raise PlaitError(f"{path} does not exist: give a .safetensors file written by plait")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            if meta.get("plait_format") != SAFETENSORS_FORMAT or "model_args" not in meta:
+                raise PlaitError(
+                    f"{path} is not a plait safetensors export (no model_args in its metadata); "
+                    f"for a Hugging Face directory use load_hf_model"
+                )
+            args = _args_from_json(meta["model_args"], path)
+            names = list(f.keys())
+            check_tensors({n: f.get_slice(n).get_shape() for n in names}, param_shapes(args), str(path))
+            tensors = {n: f.get_tensor(n) for n in names}
+    except SafetensorError as e:
+        raise PlaitError(f"cannot read {path}: {e}") from None
+    return build_from_tensors(args, tensors, device)
+
+
+def _args_from_json(text: str, where: Path) -> ModelArgs:
+    values = json.loads(text)
+    known = {f.name for f in dataclasses.fields(ModelArgs)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise PlaitError(f"{where}: unknown model settings {', '.join(unknown)} (written by a newer plait?)")
+    return ModelArgs(**values)
+
+
+def empty_model(args: ModelArgs, device: str | torch.device = "cpu") -> Transformer:
+    """A Transformer with uninitialised parameters and correct rotary tables, to load weights into.
+
+    Skips ``init_weights``: drawing random values for billions of parameters that are overwritten at
+    once would cost minutes on a CPU.
+    """
+    with torch.device("meta"):
+        model = Transformer(args)
+    device = torch.device(device)
+    model.to_empty(device=device)
+    model.tie_weights()  # to_empty unties
+    with torch.no_grad():
+        cos, sin = rope_tables(args, device=device)
+        model.rope_cos.copy_(cos)
+        model.rope_sin.copy_(sin)
+    return model
+
+
+def build_from_tensors(
+    args: ModelArgs, tensors: Mapping[str, torch.Tensor], device: str | torch.device = "cpu"
+) -> Transformer:
+    """A Transformer of shape ``args`` holding ``tensors`` (checked names and shapes, cast to fp32)."""
+    check_tensors({k: v.shape for k, v in tensors.items()}, param_shapes(args), "the given tensors")
+    model = empty_model(args, device)
+    state = dict(tensors)
+    if args.tie_embeddings:
+        state["output.weight"] = state["tok_embeddings.weight"]
+    model.load_state_dict(state, strict=True)
+    return model
+
+
+# --------------------------------------------------------------------------------------------------- files
+
+
+@contextlib.contextmanager
+def _staged_dir(out: Path, overwrite: bool) -> Iterator[Path]:
+    """Yield an empty temporary sibling of ``out``; on success it becomes ``out`` by rename."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise PlaitError(f"{out} exists and is not empty; pass overwrite=True (--overwrite) to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the published directory is an ordinary one
+    try:
+        yield tmp
+        old = None
+        if out.is_dir() and not any(out.iterdir()):
+            out.rmdir()
+        elif out.exists():
+            old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+            os.rename(out, old)
+        try:
+            os.rename(tmp, out)
+        except OSError:
+            if old is not None:
+                os.rename(old, out)
+            raise
+        if old is not None:
+            shutil.rmtree(old) if old.is_dir() else old.unlink()
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n")

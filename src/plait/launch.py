@@ -1,0 +1,128 @@
+"""Starting workers: N local processes through torch's elastic agent, or a Slurm batch script.
+
+`plait train --nproc N` validates the whole config and layout first, then runs the same entry point as
+`torchrun --nproc-per-node N -m plait.train` in each worker. Multi-node runs use torchrun's c10d
+rendezvous; `plait launch slurm` writes a ready sbatch script for that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+import uuid
+
+import torch
+
+from plait.errors import ConfigError, PlaitError
+
+
+def default_nproc() -> int:
+    """One process per visible GPU, else one."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 1
+
+
+def _worker(argv: list[str]) -> None:
+    from plait.cli import main
+
+    code = main(["train", *argv])
+    if code:
+        sys.exit(code)
+
+
+def launch_local(nproc: int, argv: list[str], max_restarts: int) -> int:
+    """Run `plait train argv` in nproc local workers; restart the whole group up to max_restarts times
+    when a worker dies (training then resumes from the newest checkpoint)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"plait-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",
+        max_restarts=max_restarts,
+        monitor_interval=0.2,
+        start_method="spawn",
+    )
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    try:
+        elastic_launch(config, _worker)(argv)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        raise PlaitError(
+            f"worker rank {rank} failed (exit code {failure.exitcode}) after {max_restarts} restart(s); "
+            f"see its error above"
+        ) from None
+    return 0
+
+
+SBATCH = """#!/bin/bash
+#SBATCH --job-name={name}
+#SBATCH --nodes={nodes}
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node={gpus}
+#SBATCH --cpus-per-task={cpus}
+#SBATCH --time={time}
+#SBATCH --output=%x-%j.out
+# Written by `plait launch slurm`. One torchrun agent per node; they meet at the first node (c10d
+# rendezvous) and restart the group up to {restarts} times if a worker or node is lost.
+set -euo pipefail
+head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+export OMP_NUM_THREADS=1
+srun torchrun \\
+  --nnodes={nodes} --nproc-per-node={gpus} \\
+  --rdzv-backend=c10d --rdzv-endpoint="$head_node:29500" --rdzv-id="$SLURM_JOB_ID" \\
+  --max-restarts={restarts} \\
+  -m plait.train {args}
+"""
+
+
+def cmd_launch(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="plait launch", description="Launch plait on a cluster.")
+    sub = parser.add_subparsers(dest="target", required=True)
+    p = sub.add_parser("slurm", help="Print (or write) an sbatch script running `plait train` on N nodes.")
+    p.add_argument("--nodes", type=int, required=True)
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--cpus-per-task", type=int, default=64)
+    p.add_argument("--time", default="24:00:00", help="Slurm time limit.")
+    p.add_argument("--max-restarts", type=int, default=3)
+    p.add_argument("--name", default="plait")
+    p.add_argument("--out", help="Write the script here instead of printing it.")
+    a, train_args = p.parse_known_args(argv[1:]) if argv[:1] == ["slurm"] else parser.parse_known_args(argv)
+    if a.nodes < 1 or a.gpus_per_node < 1:
+        raise ConfigError("--nodes and --gpus-per-node must be at least 1")
+    _validate_before_launch(train_args, a.nodes * a.gpus_per_node)
+    script = SBATCH.format(
+        name=a.name,
+        nodes=a.nodes,
+        gpus=a.gpus_per_node,
+        cpus=a.cpus_per_task,
+        time=a.time,
+        restarts=a.max_restarts,
+        args=" ".join(shlex.quote(x) for x in train_args),
+    )
+    if a.out:
+        if os.path.exists(a.out):
+            raise ConfigError(f"--out {a.out} exists; choose another path")
+        with open(a.out, "w") as f:
+            f.write(script)
+        print(f"wrote {a.out}: submit with sbatch {a.out}")
+    else:
+        print(script, end="")
+    return 0
+
+
+def _validate_before_launch(train_args: list[str], world_size: int):
+    """Load and check the config and the parallel layout for world_size processes (no worker started)."""
+    from plait.cli import split_config_args
+    from plait.config import load_config
+    from plait.parallel import ParallelDims, validate_layout
+
+    path, overrides = split_config_args(train_args)
+    cfg = load_config(path, overrides)
+    validate_layout(cfg, ParallelDims.from_config(cfg.parallel, world_size))
+    return cfg
