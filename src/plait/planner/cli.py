@@ -1,0 +1,253 @@
+"""`plait plan`: the planner's command line (a ranked table, the reasons, and --write / --json)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+from plait.errors import ConfigError
+
+SUFFIXES = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30}
+
+
+def parse_tokens(text: str) -> int:
+    """'4194304', '4M' (= 4 x 2^20: batch sizes are quoted in powers of two), '512k', '1.5M'."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgG]?)i?\s*", text)
+    if not match:
+        raise ConfigError(f"--global-batch-tokens={text!r} is not a number; e.g. 4194304 or 4M (= 4 x 2^20)")
+    value = float(match.group(1)) * SUFFIXES[match.group(2).lower()]
+    if value != int(value) or value < 1:
+        raise ConfigError(f"--global-batch-tokens={text!r} must be a whole number of tokens, e.g. 4M")
+    return int(value)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from plait.model import PRESETS
+    from plait.planner.cluster import PRESETS as CLUSTERS
+
+    p = argparse.ArgumentParser(
+        prog="plait plan",
+        description="Choose a parallel layout (dp_replicate x dp_shard x tp x pp, schedule, micro-batch, "
+        "activation checkpointing, offload): predicted memory per rank, step time, MFU and tokens/s.",
+    )
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", choices=list(PRESETS), help="A model preset.")
+    src.add_argument("--config", help="A plait TOML config: its model, data.seq_len and train.global_batch_size.")
+    p.add_argument(
+        "--cluster",
+        default="h100",
+        choices=[*CLUSTERS, "local"],
+        help="Cluster preset ('local': measure this machine). (h100)",
+    )
+    p.add_argument("--nodes", type=int, help="Number of nodes. (1)")
+    p.add_argument("--devices-per-node", type=int, help="Accelerators per node (preset's value).")
+    p.add_argument("--memory-gib", type=float, help="Device memory, GiB.")
+    p.add_argument("--peak-tflops", type=float, help="Dense bf16 peak per device, TFLOP/s.")
+    p.add_argument("--efficiency", type=float, help="Achieved fraction of peak on large matmuls.")
+    p.add_argument("--intra-bw", type=float, help="Per-device bandwidth inside a node, GB/s.")
+    p.add_argument("--inter-bw", type=float, help="Per-device bandwidth between nodes, GB/s.")
+    p.add_argument("--intra-latency-us", type=float, help="Collective hop latency inside a node, microseconds.")
+    p.add_argument("--inter-latency-us", type=float, help="Collective hop latency between nodes, microseconds.")
+    p.add_argument("--host-memory-gib", type=float, help="CPU memory per node, GiB (for offload).")
+    p.add_argument("--global-batch-tokens", help="Tokens per optimizer step, e.g. 4M (= 4 x 2^20).")
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        help="Tokens per sequence (default: the config's data.seq_len, or 8192 capped at the model's max_seq_len).",
+    )
+    p.add_argument("--precision", choices=["bf16", "fp32"], default="bf16", help="Compute precision. (bf16)")
+    p.add_argument("--top", type=int, default=10, help="Rows in the table. (10)")
+    p.add_argument("--write", metavar="PATH", help="Write the chosen layout as a plait TOML config.")
+    p.add_argument("--json", action="store_true", help="Print the plan as JSON instead of a table.")
+    return p
+
+
+def cmd_plan(argv: list[str]) -> int:
+    from plait.config import Config, load_config
+    from plait.model import preset_args
+    from plait.planner.cluster import get_cluster
+    from plait.planner.cost import Workload
+    from plait.planner.search import plan
+
+    a = build_parser().parse_args(argv)
+    base: Config | None = None
+    if a.config:
+        base = load_config(a.config)
+        model = base.model
+    elif a.model:
+        model = preset_args(a.model)
+    else:
+        raise ConfigError("give the model: --model PRESET (e.g. --model llama3-8b) or --config CONFIG.toml")
+    seq = a.seq_len or (base.data.seq_len if base else min(8192, model.max_seq_len))
+    if seq < 1:
+        raise ConfigError(f"--seq-len={seq} must be positive, e.g. 4096")
+    if a.global_batch_tokens is not None:
+        tokens = parse_tokens(a.global_batch_tokens)
+    elif base is not None:
+        tokens = base.train.global_batch_size * seq
+    else:
+        raise ConfigError("give --global-batch-tokens, e.g. --global-batch-tokens=4M (4 x 2^20 tokens per step)")
+    if tokens % seq:
+        lower, upper = tokens // seq * seq, (tokens // seq + 1) * seq
+        nearest = " or ".join(f"{t:,}" for t in (lower, upper) if t > 0)
+        raise ConfigError(
+            f"--global-batch-tokens={tokens:,} is not a whole number of {seq}-token sequences; use {nearest}"
+        )
+    for name in ("nodes", "devices_per_node", "top"):
+        value = getattr(a, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')}={value} must be at least 1")
+    cluster = get_cluster(
+        a.cluster,
+        nodes=a.nodes,
+        devices_per_node=a.devices_per_node,
+        memory_gib=a.memory_gib,
+        peak_flops=a.peak_tflops and a.peak_tflops * 1e12,
+        efficiency=a.efficiency,
+        intra_bw=a.intra_bw and a.intra_bw * 1e9,
+        inter_bw=a.inter_bw and a.inter_bw * 1e9,
+        intra_latency=a.intra_latency_us and a.intra_latency_us * 1e-6,
+        inter_latency=a.inter_latency_us and a.inter_latency_us * 1e-6,
+        host_memory_gib=a.host_memory_gib,
+    )
+    if cluster.efficiency > 1:
+        raise ConfigError(f"--efficiency={cluster.efficiency} is a fraction of peak: at most 1, e.g. 0.55")
+    work = Workload(model, seq, tokens // seq, a.precision)
+    result = plan(work, cluster)
+    if a.json:
+        print(json.dumps(to_json(result, a.top), indent=2))
+    else:
+        print_plan(result, a.top)
+    if a.write:
+        path = write_config(a.write, result, base)
+        if not a.json:
+            print(f"wrote {path}: train with `plait train {path}`")
+    return 0
+
+
+def to_json(result, top: int) -> dict:
+    return {
+        "model_params": result.work.model.num_params(),
+        "cluster": dataclasses.asdict(result.cluster),
+        "seq_len": result.work.seq_len,
+        "global_batch": result.work.global_batch,
+        "searched": result.searched,
+        "search_seconds": result.seconds,
+        "best": result.record(result.best),
+        "top": [result.record(i) for i in result.top(top)],
+        "explanation": result.explanation,
+    }
+
+
+def print_plan(result, top: int) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from plait.planner.search import layout_name
+
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=200)  # a pipe or a file: do not wrap the table at 80 columns
+    w, c = result.work, result.cluster
+    console.print(
+        f"[bold]plait plan[/]: {w.model.num_params() / 1e9:,.1f}B parameters, seq {w.seq_len}, "
+        f"{w.global_batch} sequences ({w.tokens:,} tokens) per step, {w.compute_dtype}; {c.describe()}. "
+        f"Searched {result.searched:,} layouts in {result.seconds:.2f} s."
+    )
+    table = Table(show_lines=False)
+    for col in (
+        "#",
+        "dp rep",
+        "dp shard",
+        "tp",
+        "pp",
+        "schedule",
+        "mb",
+        "m",
+        "AC",
+        "offload",
+        "GiB/rank",
+        "step s",
+        "tokens/s",
+        "MFU",
+        "bubble",
+        "exposed comm",
+    ):
+        table.add_column(col, justify="right" if col not in ("schedule", "AC") else "left")
+    for rank, i in enumerate(result.top(top), 1):
+        r = result.record(i)
+        sched = "-" if r["pp"] == 1 else r["schedule"] + (f" v{r['virtual']}" if r["virtual"] > 1 else "")
+        comm = r["t_tp"] + r["t_p2p"] + r["t_fsdp"]
+        table.add_row(
+            str(rank),
+            str(r["dp_replicate"]),
+            str(r["dp_shard"]),
+            str(r["tp"]),
+            str(r["pp"]),
+            sched,
+            str(r["micro_batch"]),
+            str(r["micro_batches"]),
+            r["ac"],
+            "yes" if r["offload"] else "",
+            f"{r['mem_total_gib']:.1f}",
+            f"{r['step_time']:.3g}",
+            f"{r['tokens_per_s']:,.0f}",
+            f"{r['mfu']:.1%}",
+            f"{r['t_bubble'] / r['step_time']:.0%}",
+            f"{comm / r['step_time']:.0%}",
+        )
+    console.print(table)
+    for line in result.explanation:
+        console.print(line, highlight=False)
+    console.print(f"Best layout in full: {layout_name(result.record(result.best))}", highlight=False)
+
+
+def layout_config(result, base=None):
+    """The chosen layout as a validated plait Config (the base config's other settings kept)."""
+    from plait.config import Config, ParallelConfig, validate
+
+    cfg = dataclasses.replace(base) if base is not None else Config()
+    best = result.record(result.best)
+    cfg.model = result.work.model
+    cfg.data = dataclasses.replace(cfg.data, seq_len=result.work.seq_len)
+    cfg.train = dataclasses.replace(
+        cfg.train,
+        global_batch_size=result.work.global_batch,
+        micro_batch_size=best["micro_batch"],
+        mixed_precision=result.work.compute_dtype,
+    )
+    values = dict(
+        dp_replicate_degree=best["dp_replicate"],
+        dp_shard_degree=best["dp_shard"],
+        tp_degree=best["tp"],
+        pp_degree=best["pp"],
+        pp_schedule=best["schedule"] if best["pp"] > 1 else None,
+        pp_virtual_stages=best["virtual"],
+        activation_checkpoint=best["ac"],
+        cpu_offload=best["offload"],
+        fsdp_reshard_after_forward=best["reshard"],
+    )
+    known = {f.name for f in dataclasses.fields(ParallelConfig)}
+    cfg.parallel = dataclasses.replace(
+        cfg.parallel, **{k: v for k, v in values.items() if k in known and v is not None}
+    )
+    return validate(cfg)
+
+
+def write_config(path: str, result, base=None) -> Path:
+    from plait.config import to_toml
+
+    out = Path(path)
+    cfg = layout_config(result, base)
+    best = result.record(result.best)
+    header = (
+        f"# Written by `plait plan`: {best['tokens_per_s']:,.0f} tokens/s, MFU {best['mfu']:.1%}, "
+        f"{best['mem_total_gib']:.1f} GiB per rank predicted on {result.cluster.world_size} devices "
+        f"({result.cluster.name}).\n"
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(header + to_toml(cfg))
+    return out

@@ -1,0 +1,446 @@
+"""The planner's cost model: memory per rank and step time of a parallel layout, as closed formulas.
+
+Every function takes numpy arrays with one element per layout, so the search prices ~10^6 layouts at once.
+The formulas follow what plait actually runs (``plait.parallel``): FSDP2 with bf16 compute copies and fp32
+gradient reduction, tensor parallel with sequence parallel (torchtitan's plan), activation checkpointing per
+block, torch.distributed.pipelining schedules, AdamW. docs/planner.md derives each term; the tests check the
+FLOPs, the activation bytes and the sharded state bytes against torch itself.
+
+Notation: T tokens in a micro-batch, h = dim, H = n_heads, kv = n_kv_heads * head_dim, F = SwiGLU width,
+V = vocab, L = n_layers, s = seq_len, e = bytes per activation element (2 for bf16, 4 for fp32),
+m micro-batches per step, p = pp degree, v = virtual stages per pipeline rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from plait.model.llama import ModelArgs
+from plait.planner.cluster import Cluster, GiB
+
+SCHEDULES = ("none", "gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+"""Pipeline schedules by code; 'none' is a layout without a pipeline (pp = 1)."""
+AC_MODES = ("none", "selective", "full")
+
+ALLOCATOR_OVERHEAD = 0.10
+"""Caching-allocator slack (fragmentation, rounding to blocks) as a fraction of the dynamic memory."""
+RESERVED_GIB = 2.0
+"""Per-device memory the model never sees: CUDA context, NCCL channels and cuBLAS workspaces."""
+SELECTIVE_RECOMPUTE = 0.15
+"""Selective AC recomputes only element-wise work (norms, rotary, SwiGLU gating): memory-bound, taken as
+this fraction of a layer's forward time."""
+GEMM_KNEE = 128
+"""A GEMM dimension d runs at d / (d + GEMM_KNEE) of the large-GEMM efficiency (skinny GEMMs are slower)."""
+OPTIMIZER_BYTES_PER_PARAM = 28
+"""AdamW step traffic: read param, grad, exp_avg, exp_avg_sq (4 x fp32), write param and both moments."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    model: ModelArgs
+    seq_len: int
+    global_batch: int
+    """Sequences per optimizer step."""
+    compute_dtype: str = "bf16"
+    """'bf16' (FSDP2 mixed precision: bf16 compute copies, fp32 master weights) or 'fp32'."""
+
+    @property
+    def act_bytes(self) -> int:
+        return 2 if self.compute_dtype == "bf16" else 4
+
+    @property
+    def tokens(self) -> int:
+        return self.global_batch * self.seq_len
+
+
+@dataclass
+class Layouts:
+    """Columns of candidate layouts (numpy arrays of one length)."""
+
+    dp_replicate: np.ndarray
+    dp_shard: np.ndarray
+    tp: np.ndarray
+    pp: np.ndarray
+    virtual: np.ndarray
+    schedule: np.ndarray  # index into SCHEDULES
+    micro_batch: np.ndarray  # sequences per micro-batch
+    ac: np.ndarray  # index into AC_MODES
+    offload: np.ndarray  # bool
+    reshard: np.ndarray  # bool: FSDP reshard_after_forward
+
+    @classmethod
+    def single(cls, **kw) -> Layouts:
+        """One layout from scalars: dp_replicate, dp_shard, tp, pp, virtual, schedule (name), micro_batch,
+        ac (name), offload, reshard."""
+        defaults = dict(dp_replicate=1, dp_shard=1, tp=1, pp=1, virtual=1, micro_batch=1, ac="none")
+        kw = {**defaults, "offload": False, "reshard": True, **kw}
+        kw.setdefault("schedule", "none" if kw.get("pp", 1) == 1 else "1f1b")
+        kw["schedule"] = SCHEDULES.index(kw["schedule"])
+        kw["ac"] = AC_MODES.index(kw["ac"])
+        return cls(**{k: np.asarray([v]) for k, v in kw.items()})
+
+    def __len__(self) -> int:
+        return len(self.tp)
+
+    def take(self, index) -> Layouts:
+        return Layouts(**{k: v[index] for k, v in vars(self).items()})
+
+    def row(self, i: int) -> dict:
+        out = {k: v[i].item() for k, v in vars(self).items()}
+        out["schedule"] = SCHEDULES[out["schedule"]]
+        out["ac"] = AC_MODES[out["ac"]]
+        return out
+
+
+# ------------------------------------------------------------------------------------------- parameters
+# A parameter is (dim0, dim1, how tensor parallel splits it): 0 = Shard(0) (column-parallel linear, and the
+# vocabulary-split embedding / output), 1 = Shard(1) (row-parallel linear), -1 = replicated (norm weights).
+# FSDP2 then splits dim 0 of the TP-local tensor into dp_shard chunks, padding it to ceil(dim0 / dp_shard)
+# rows on every rank: that padded size is what each rank allocates.
+
+
+def layer_params(a: ModelArgs) -> list[tuple[int, int, int]]:
+    q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+    h, f = a.dim, a.hidden_dim
+    return [
+        (q, h, 0),
+        (kv, h, 0),
+        (kv, h, 0),
+        (h, q, 1),
+        (f, h, 0),
+        (f, h, 0),
+        (h, f, 1),
+        (h, 1, -1),
+        (h, 1, -1),
+    ]
+
+
+def embed_params(a: ModelArgs) -> list[tuple[int, int, int]]:
+    return [(a.vocab_size, a.dim, 0)]
+
+
+def head_params(a: ModelArgs) -> list[tuple[int, int, int]]:
+    out = [(a.dim, 1, -1)]
+    return out if a.tie_embeddings else [*out, (a.vocab_size, a.dim, 0)]
+
+
+def sharded_numel(params, tp, shard):
+    """Elements each rank allocates for these parameters under TP degree tp and FSDP shard group size."""
+    total = 0
+    for d0, d1, split in params:
+        rows = d0 // tp if split == 0 else d0
+        cols = d1 // tp if split == 1 else d1
+        total = total + -(-rows // shard) * cols
+    return total
+
+
+def local_numel(params, tp):
+    """Elements of the TP-local (FSDP-unsharded) parameters: what an FSDP all-gather materialises."""
+    total = 0
+    for d0, d1, split in params:
+        total = total + d0 * d1 // np.where(split == -1, 1, tp)
+    return total
+
+
+def matmul_params(a: ModelArgs) -> int:
+    """Weights of one block that take part in matmuls (everything but the two norm vectors)."""
+    return sum(d0 * d1 for d0, d1, split in layer_params(a) if split != -1)
+
+
+# ---------------------------------------------------------------------------------------------- FLOPs
+
+
+def layer_flops_per_token(a: ModelArgs, seq_len: int) -> float:
+    """Forward FLOPs of one block per token: 2 per weight, plus attention 4 h s (QK^T and AV, the full
+    s x s square: the convention of MFU reports; causal kernels skip half at lower efficiency)."""
+    return 2 * matmul_params(a) + 4 * a.dim * seq_len
+
+
+def head_flops_per_token(a: ModelArgs) -> float:
+    return 2 * a.dim * a.vocab_size
+
+
+def train_flops_per_token(a: ModelArgs, seq_len: int) -> float:
+    """Forward + backward (3x forward) FLOPs per token of the whole model: the MFU numerator."""
+    return 3 * (a.n_layers * layer_flops_per_token(a, seq_len) + head_flops_per_token(a))
+
+
+# ---------------------------------------------------------------------------------------------- activations
+
+
+def _norm_bytes(e: int) -> int:
+    """Bytes per element an RMSNorm keeps for backward: its input in fp32 twice (x.float() runs twice; for
+    fp32 it is x itself, once) and the normalised value before the weight multiply (e bytes)."""
+    return 8 if e == 4 else 8 + e
+
+
+def layer_activation_bytes(a: ModelArgs, e: int, tp, ac) -> np.ndarray:
+    """Bytes kept for backward per token per block (measured on the real model: tests/test_planner.py).
+
+    none: two norms, each (norm_bytes h + 4 for rsqrt) + its output h e (the input of the next matmul);
+        q, k, v (k and v after the GQA repeat: h wide each) and the attention output h e each; logsumexp
+        4 H; SwiGLU keeps w1 x, silu(w1 x), w3 x and their product: 4 F e. Under sequence parallel every
+        term is split over tp except the two matmul inputs, which are all-gathered (2 h e).
+    full: the block input only, sequence-sharded: h e / tp.
+    selective (plait's policy: keep matmul and attention outputs): the input, q/k/v, attention output and
+        logsumexp, w1 and w3 outputs, each split over tp, and the row-parallel outputs of wo and w2, which
+        are full-size partial sums before their reduce-scatter (2 h e).
+    """
+    h, f, heads = a.dim, a.hidden_dim, a.n_heads
+    kv = a.n_kv_heads * a.head_dim
+    nb = _norm_bytes(e)
+    none = (2 * nb * h + 4 * e * h + 4 * heads + 4 * e * f + 8) / tp + 2 * e * h
+    full = e * h / tp
+    selective = (e * h + e * (h + 2 * kv) + e * h + 4 * heads + 2 * e * f) / tp + 2 * e * h
+    ac = np.asarray(ac)
+    return np.where(ac == 0, none, np.where(ac == 1, selective, full))
+
+
+def head_activation_bytes(a: ModelArgs, e: int, tp) -> np.ndarray:
+    """Per token, last stage: final norm, the output matmul's input (all-gathered: h e), the fp32
+    log-softmax of the vocab-sharded logits (4 V / tp) and the int64 target."""
+    return (_norm_bytes(e) * a.dim + 4) / tp + e * a.dim + 4 * a.vocab_size / tp + 8
+
+
+EMBED_ACTIVATION_BYTES = 8
+"""Per token, first stage: the int64 token ids the embedding keeps for its backward."""
+
+
+# ---------------------------------------------------------------------------------------------- pipeline
+
+
+def split_stages(a: ModelArgs, seq_len: int, pp, virtual):
+    """Layers on the first and on the last pipeline rank, balancing FLOPs: the last rank also runs the
+    output projection (worth x = head/layer FLOPs layers), so it gets about (L + x) / p - x layers and the
+    others share the rest. Returns (n_first, n_last); with pp = 1 both are L (one rank holds everything)."""
+    L = a.n_layers
+    x = head_flops_per_token(a) / layer_flops_per_token(a, seq_len)
+    pp = np.asarray(pp, dtype=np.int64)
+    virtual = np.asarray(virtual, dtype=np.int64)
+    others = np.maximum(pp - 1, 1)
+    ideal = (L + x) / pp - x
+    best_last, best_load = None, None
+    for k in (np.floor(ideal), np.ceil(ideal)):
+        k = np.clip(k, virtual, np.maximum(L - (pp - 1) * virtual, virtual)).astype(np.int64)
+        load = np.maximum(-(-(L - k) // others), k + x)
+        if best_last is None:
+            best_last, best_load = k, load
+        else:
+            better = load < best_load
+            best_last, best_load = np.where(better, k, best_last), np.minimum(load, best_load)
+    n_last = np.where(pp == 1, L, best_last)
+    n_first = np.where(pp == 1, L, -(-(L - n_last) // others))
+    return n_first, n_last
+
+
+def in_flight(schedule, pp, virtual, m):
+    """Micro-batches whose activations a rank holds at its peak, counted in whole-stage units, for the
+    first rank (the worst) and the last rank. GPipe: all m. 1F1B: p on the first rank, 1 on the last.
+    Interleaved (Megatron's warm-up): the first rank holds (v-1) p + 2(p-1) + 1 chunk forwards of 1/v
+    stage each, the last (v-1) p + 1. Zero-bubble (interleaved, deferred weight gradients): as interleaved."""
+    first = np.ones_like(m, dtype=np.float64)
+    last = np.ones_like(m, dtype=np.float64)
+    gpipe, one_f, inter = schedule == 1, schedule == 2, schedule >= 3
+    first = np.where(gpipe, m, first)
+    last = np.where(gpipe, m, last)
+    first = np.where(one_f, np.minimum(m, pp), first)
+    chunks_first = np.minimum(m * virtual, (virtual - 1) * pp + 2 * (pp - 1) + 1)
+    chunks_last = np.minimum(m * virtual, (virtual - 1) * pp + 1)
+    first = np.where(inter, chunks_first / virtual, first)
+    last = np.where(inter, chunks_last / virtual, last)
+    return first, last
+
+
+# ---------------------------------------------------------------------------------------------- comm
+
+
+def _spans_nodes(inner, size, per_node):
+    """Whether the ranks of one mesh-axis group sit on more than one node. Axes are laid out innermost
+    first as tp, dp_shard, dp_replicate, pp (plait.parallel.dims), so a group of `size` ranks, `inner`
+    apart, fits in a node iff inner x size <= devices per node."""
+    return (size > 1) & (inner * size > per_node)
+
+
+def _link(cluster: Cluster, spans):
+    bw = np.where(spans, cluster.inter_bw, cluster.intra_bw)
+    lat = np.where(spans, cluster.inter_latency, cluster.intra_latency)
+    return bw, lat
+
+
+def ring_time(nbytes, n, bw, lat, count=1):
+    """`count` all-gathers or reduce-scatters moving nbytes in all (full, unsharded sizes) over n ranks:
+    ring algorithm, alpha-beta: (n-1)/n x bytes / bandwidth + (n-1) hops x latency per collective."""
+    return np.where(n > 1, (n - 1) / n * nbytes / bw + count * (n - 1) * lat, 0.0)
+
+
+def allreduce_time(nbytes, n, bw, lat, count=1):
+    """All-reduce: the ring's bandwidth term 2(n-1)/n x bytes / bandwidth, with a tree's 2 log2(n) hops of
+    latency per collective (NCCL switches to trees at scale, where the ring's 2(n-1) hops would dominate)."""
+    hops = 2 * np.ceil(np.log2(np.maximum(n, 1)))
+    return np.where(n > 1, 2 * (n - 1) / n * nbytes / bw + count * hops * lat, 0.0)
+
+
+# ---------------------------------------------------------------------------------------------- the model
+
+
+def evaluate(work: Workload, cluster: Cluster, lay: Layouts) -> dict[str, np.ndarray]:
+    """Memory (bytes, worst rank) and step time (s) with their parts, MFU and tokens/s for each layout."""
+    a, s, e = work.model, work.seq_len, work.act_bytes
+    tp, pp, v = lay.tp.astype(np.int64), lay.pp.astype(np.int64), lay.virtual.astype(np.int64)
+    shard, rep = lay.dp_shard.astype(np.int64), lay.dp_replicate.astype(np.int64)
+    dp = shard * rep
+    m = (work.global_batch // dp) // lay.micro_batch
+    T = (lay.micro_batch * s).astype(np.float64)
+    G = cluster.devices_per_node
+    out: dict[str, np.ndarray] = {"micro_batches": m}
+
+    # ---- parameters per rank: first rank (embedding) and last rank (output projection)
+    n_first, n_last = split_stages(a, s, pp, v)
+    single = pp == 1
+    layer_s, layer_u = sharded_numel(layer_params(a), tp, shard), local_numel(layer_params(a), tp)
+    emb_s, emb_u = sharded_numel(embed_params(a), tp, shard), local_numel(embed_params(a), tp)
+    head_s, head_u = sharded_numel(head_params(a), tp, shard), local_numel(head_params(a), tp)
+    ranks = {
+        "first": (n_first, emb_s + np.where(single, head_s, 0), emb_u + np.where(single, head_u, 0)),
+        "last": (n_last, head_s + np.where(single, emb_s, 0), head_u + np.where(single, emb_u, 0)),
+    }
+    inflight_first, inflight_last = in_flight(lay.schedule, pp, v, m.astype(np.float64))
+    a_layer = layer_activation_bytes(a, e, tp, lay.ac)
+    a_none = layer_activation_bytes(a, e, tp, 0)
+    accumulate = (m > 1) | (pp > 1)  # gradients stay unsharded across micro-batches (no-sync accumulation)
+    held = (pp > 1) | ~lay.reshard  # gathered parameters stay gathered through the step
+    fsdp = dp > 1
+
+    mem: dict[str, dict[str, np.ndarray]] = {}
+    for name, (layers, root_s, root_u) in ranks.items():
+        is_first = name == "first"
+        has_head = single | (not is_first)
+        has_embed = single | is_first
+        sharded = layers * layer_s + root_s
+        unsharded = layers * layer_u + root_u
+        states = np.where(lay.offload, 0.0, 16.0 * sharded)  # fp32 param + fp32 grad + AdamW (2 x fp32)
+        gathered = np.where(held, unsharded, 2 * layer_u + root_u)  # current + prefetched block, and root
+        params_buf = np.where(fsdp, e * gathered, 0.0)
+        grads_buf = np.where(fsdp, np.where(accumulate, 4.0 * unsharded, e * (2 * layer_u + root_u)), 0.0)
+        tp_buf = np.where(tp > 1, 2 * T * a.dim * e, 0.0)
+        pp_buf = np.where(pp > 1, 2 * v * T * a.dim * e, 0.0)
+        inflight = inflight_first if is_first else inflight_last
+        acts = inflight * layers * a_layer * T
+        acts = acts + np.where(has_head, np.where(lay.schedule == 1, m, 1) * head_activation_bytes(a, e, tp) * T, 0)
+        acts = acts + np.where(has_embed, inflight * EMBED_ACTIVATION_BYTES * T, 0)
+        transient = np.where(lay.ac > 0, a_none * T, 0.0)  # one block recomputed during its backward
+        transient = transient + np.where(has_head, T * a.vocab_size / tp * (e + 4), 0.0)  # logits + fp32 copy
+        dynamic = params_buf + grads_buf + tp_buf + pp_buf + acts + transient
+        total = states + dynamic * (1 + ALLOCATOR_OVERHEAD) + RESERVED_GIB * GiB
+        mem[name] = dict(
+            states=states,
+            buffers=params_buf + grads_buf + tp_buf + pp_buf,
+            activations=acts,
+            transient=transient,
+            allocator=dynamic * ALLOCATOR_OVERHEAD + RESERVED_GIB * GiB,
+            total=total,
+            host=np.where(lay.offload, 16.0 * sharded, 0.0),
+            sharded=sharded,
+            unsharded=unsharded,
+            layers=layers,
+        )
+    worst_first = mem["first"]["total"] >= mem["last"]["total"]
+    for key in ("states", "buffers", "activations", "transient", "allocator", "total", "host"):
+        out[f"mem_{key}"] = np.where(worst_first, mem["first"][key], mem["last"][key])
+    out["fits_host"] = out["mem_host"] * G <= 0.9 * cluster.host_memory_gib * GiB
+    out["fits"] = (out["mem_total"] <= cluster.memory_gib * GiB) & out["fits_host"]
+
+    # ---- time
+    tp_spans = _spans_nodes(1, tp, G)
+    shard_spans = _spans_nodes(tp, shard, G)
+    rep_spans = _spans_nodes(tp * shard, rep, G)
+    pp_spans = _spans_nodes(tp * dp, pp, G)
+    out["tp_cross_node"] = tp_spans
+    tp_bw, tp_lat = _link(cluster, tp_spans)
+    sh_bw, sh_lat = _link(cluster, shard_spans)
+    rp_bw, rp_lat = _link(cluster, rep_spans)
+    pp_bw, pp_lat = _link(cluster, pp_spans)
+    local_width = a.dim / tp
+    eff = cluster.efficiency * (T / (T + GEMM_KNEE)) * (local_width / (local_width + GEMM_KNEE))
+    rate = cluster.peak_flops * eff
+    recompute = np.where(lay.ac == 2, 1.0, np.where(lay.ac == 1, SELECTIVE_RECOMPUTE, 0.0))
+    extra_collectives = np.where(lay.ac > 0, 3, 0)  # recomputing a block repeats its SP all-gathers
+
+    c_layer, c_head = layer_flops_per_token(a, s), head_flops_per_token(a)
+    mf = m.astype(np.float64)
+    w_layer = 2 * matmul_params(a)  # weight-gradient FLOPs per token (the rest of backward is input-grad)
+    per_rank = {}
+    for name, rank in mem.items():
+        layers = rank["layers"]
+        head = c_head * (single | (name == "last"))
+        fwd = T * (layers * c_layer + head) / tp
+        wgt = T * (layers * w_layer + head) / tp
+        bwd_in = 2 * fwd - wgt + recompute * T * layers * c_layer / tp
+        compute = (fwd + bwd_in + wgt) / rate
+        coll = ring_time(T * a.dim * e, tp, tp_bw, tp_lat)  # one SP all-gather or reduce-scatter
+        tp_time = layers * (8 + extra_collectives) * coll
+        p2p = np.where(pp > 1, 2 * v * (T * a.dim * e / pp_bw + pp_lat), 0.0)
+        t_mb = compute + tp_time + p2p
+        # F / B / W shares of a micro-batch (communication spread pro rata) for the zero-bubble schedule.
+        total_flops = fwd + bwd_in + wgt
+        f_t, b_t, w_t = (t_mb * x / total_flops for x in (fwd, bwd_in, wgt))
+        # FSDP (plait.parallel): forward all-gathers hide behind the forward of their micro-batch, backward
+        # ones (after reshard-after-forward) and the gradient reduce-scatter (+ the HSDP all-reduce across
+        # replicas, on the last micro-batch only: accumulation skips the sync) behind its backward. The first
+        # group's gather and the last group's reduction cannot overlap anything.
+        groups = layers + 1
+        ag = ring_time(e * rank["unsharded"], shard, sh_bw, sh_lat, groups)
+        rs = ring_time(4.0 * rank["unsharded"], shard, sh_bw, sh_lat, groups)
+        ar = allreduce_time(4.0 * rank["unsharded"] / shard, rep, rp_bw, rp_lat, groups)
+        bwd_t = b_t + w_t
+        bwd_ag = np.where(lay.reshard & (pp == 1), ag, 0.0)
+        fwd_gathers = np.where(pp == 1, mf, 1.0)  # a pipeline keeps weights gathered after the first
+        exposed = (
+            fwd_gathers * np.maximum(ag - f_t, 0)
+            + np.maximum(mf - 1, 0) * np.maximum(bwd_ag - bwd_t, 0)
+            + np.maximum(bwd_ag + rs + ar - bwd_t, 0)
+            + (ag + rs + ar) / groups
+        )
+        n_ag = fwd_gathers + np.where(pp == 1, mf, 0) * lay.reshard
+        optimizer = np.where(
+            lay.offload,
+            OPTIMIZER_BYTES_PER_PARAM * rank["sharded"] * G / cluster.host_bw
+            + (n_ag + 1) * 4.0 * rank["sharded"] / cluster.pcie_bw,
+            OPTIMIZER_BYTES_PER_PARAM * rank["sharded"] / cluster.hbm_bw,
+        )
+        per_rank[name] = dict(
+            compute=compute,
+            tp=tp_time,
+            p2p=p2p,
+            t_mb=t_mb,
+            zb=np.maximum(f_t + b_t - w_t, 0),
+            fsdp=np.where(fsdp, exposed, 0.0),
+            optimizer=optimizer,
+        )
+    slow = per_rank["first"]["t_mb"] >= per_rank["last"]["t_mb"]
+    pick = {k: np.where(slow, per_rank["first"][k], per_rank["last"][k]) for k in per_rank["first"]}
+    t_mb = pick["t_mb"]
+    bubble = np.select(
+        [lay.schedule == 0, lay.schedule <= 2, lay.schedule == 3],
+        [0.0, (pp - 1) * t_mb, (pp - 1) / v * t_mb],
+        (pp - 1) * pick["zb"] / v,
+    )
+    fsdp_time = np.maximum(per_rank["first"]["fsdp"], per_rank["last"]["fsdp"])
+    opt_time = np.maximum(per_rank["first"]["optimizer"], per_rank["last"]["optimizer"])
+    step = mf * t_mb + bubble + fsdp_time + opt_time
+    out.update(
+        t_compute=mf * pick["compute"],
+        t_tp=mf * pick["tp"],
+        t_p2p=mf * pick["p2p"],
+        t_bubble=bubble,
+        t_fsdp=fsdp_time,
+        t_optimizer=opt_time,
+        step_time=step,
+    )
+    world = dp * tp * pp
+    tokens = work.tokens
+    out["tokens_per_s"] = tokens / step
+    out["mfu"] = train_flops_per_token(a, s) * tokens / (step * world * cluster.peak_flops)
+    return out

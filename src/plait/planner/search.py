@@ -1,0 +1,341 @@
+"""Enumerate parallel layouts, price them all at once with cost.evaluate, rank, and explain the choice.
+
+The search space is every factorisation world = dp_replicate x dp_shard x tp x pp that plait can run
+(the same divisibility rules as plait.parallel.dims.validate_layout), times the micro-batch size, the
+pipeline schedule and its virtual stages, the activation-checkpointing mode, CPU offload and FSDP's
+reshard-after-forward. Layout columns are built with numpy, so ~10^6 candidates cost about a second.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from plait.errors import ConfigError
+from plait.planner.cluster import Cluster, GiB
+from plait.planner.cost import AC_MODES, Layouts, Workload, evaluate
+
+VIRTUAL_STAGES = (2, 3, 4, 5, 6, 8, 10, 12, 16)
+"""Virtual stages per pipeline rank tried for the interleaved and zero-bubble schedules."""
+TIE = 0.005
+"""Step times closer than this fraction are a tie (the model is not that precise): less memory wins."""
+TIME_PARTS = ("t_compute", "t_tp", "t_p2p", "t_bubble", "t_fsdp", "t_optimizer")
+PART_NAMES = {
+    "t_compute": "compute",
+    "t_tp": "TP communication",
+    "t_p2p": "pipeline send/recv",
+    "t_bubble": "pipeline bubble",
+    "t_fsdp": "FSDP/HSDP communication not hidden by compute",
+    "t_optimizer": "optimizer step",
+}
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass
+class Plan:
+    work: Workload
+    cluster: Cluster
+    layouts: Layouts
+    metrics: dict[str, np.ndarray]
+    order: np.ndarray
+    """Indices of the layouts that fit, fastest first."""
+    searched: int
+    seconds: float
+    explanation: list[str] = field(default_factory=list)
+
+    @property
+    def best(self) -> int:
+        return int(self.order[0])
+
+    def record(self, i: int) -> dict:
+        """One layout with its predictions, plain Python values (for tables and JSON)."""
+        rec = self.layouts.row(i)
+        for key in (
+            "micro_batches",
+            "step_time",
+            "tokens_per_s",
+            "mfu",
+            "fits",
+            "tp_cross_node",
+            *TIME_PARTS,
+        ):
+            rec[key] = self.metrics[key][i].item()
+        for key in ("total", "states", "activations", "buffers", "transient", "allocator", "host"):
+            rec[f"mem_{key}_gib"] = self.metrics[f"mem_{key}"][i].item() / GiB
+        return rec
+
+    def top(self, n: int) -> list[int]:
+        """The fastest layout of each distinct (dp_replicate, dp_shard, tp, pp, schedule, virtual)."""
+        return _distinct(self.layouts, self.order, n)
+
+
+def enumerate_layouts(work: Workload, cluster: Cluster) -> Layouts:
+    """Every layout plait can run for this model, batch and cluster (empty if none)."""
+    a, world, batch = work.model, cluster.world_size, work.global_batch
+    tps = [
+        t
+        for t in divisors(world)
+        if a.n_heads % t == 0
+        and a.n_kv_heads % t == 0
+        and a.hidden_dim % t == 0
+        and a.vocab_size % t == 0
+        and work.seq_len % t == 0
+    ]
+    base, sched = [], []
+    for tp in tps:
+        for pp in divisors(world // tp):
+            if pp > a.n_layers or (pp > 1 and a.tie_embeddings):
+                continue
+            dp = world // (tp * pp)
+            if batch % dp:
+                continue
+            local = batch // dp
+            options = [(0, 1)] if pp == 1 else _schedules(pp, a.n_layers)
+            for shard, mb in itertools.product(divisors(dp), divisors(local)):
+                m = local // mb
+                for code, v in options:
+                    if code >= 2 and m < pp or code == 3 and m % pp:
+                        continue
+                    base.append((dp // shard, shard, tp, pp, mb))
+                    sched.append((code, v))
+    if not base:
+        return Layouts(*(np.zeros(0, dtype=np.int64) for _ in range(10)))
+    base_a, sched_a = np.asarray(base, dtype=np.int64), np.asarray(sched, dtype=np.int64)
+    # Cross with AC mode x offload x reshard; reshard matters only with FSDP and no pipeline.
+    extra = np.asarray(list(itertools.product(range(len(AC_MODES)), (0, 1), (1, 0))), dtype=np.int64)
+    rows = np.repeat(np.arange(len(base_a)), len(extra))
+    ex = np.tile(extra, (len(base_a), 1))
+    lay = Layouts(
+        dp_replicate=base_a[rows, 0],
+        dp_shard=base_a[rows, 1],
+        tp=base_a[rows, 2],
+        pp=base_a[rows, 3],
+        virtual=sched_a[rows, 1],
+        schedule=sched_a[rows, 0],
+        micro_batch=base_a[rows, 4],
+        ac=ex[:, 0],
+        offload=ex[:, 1].astype(bool),
+        reshard=ex[:, 2].astype(bool),
+    )
+    # reshard_after_forward is a choice only for FSDP without a pipeline; a pipeline keeps gathered weights
+    # for the whole step (reshard=False), and without FSDP there is nothing to reshard.
+    fsdp = lay.dp_replicate * lay.dp_shard > 1
+    keep = np.where(lay.pp > 1, ~lay.reshard, np.where(fsdp, True, lay.reshard))
+    return lay.take(np.nonzero(keep)[0])
+
+
+def _schedules(pp: int, n_layers: int) -> list[tuple[int, int]]:
+    out = [(1, 1), (2, 1)]
+    for v in VIRTUAL_STAGES:
+        if pp * v <= n_layers:
+            out += [(3, v), (4, v)]
+    return out
+
+
+def plan(work: Workload, cluster: Cluster, *, hints: bool = True) -> Plan:
+    """Search, rank and explain. Raises ConfigError, with the smallest change that would help, when no
+    layout is possible or none fits in memory."""
+    _check_request(work, cluster)
+    start = time.perf_counter()
+    lay = enumerate_layouts(work, cluster)
+    if len(lay) == 0:
+        raise ConfigError(_no_layout_message(work, cluster))
+    metrics = evaluate(work, cluster, lay)
+    fits = np.nonzero(metrics["fits"])[0]
+    seconds = time.perf_counter() - start
+    if len(fits) == 0:
+        raise ConfigError(_no_fit_message(work, cluster, lay, metrics, hints))
+    # Fastest first; step times within TIE of each other count as equal and go to the leaner layout.
+    step = metrics["step_time"][fits]
+    bucket = np.floor(step / (step.min() * TIE))
+    order = fits[np.lexsort((metrics["mem_total"][fits], step, bucket))]
+    result = Plan(work, cluster, lay, metrics, order, len(lay), seconds)
+    result.explanation = explain(result)
+    return result
+
+
+def _check_request(work: Workload, cluster: Cluster) -> None:
+    a = work.model
+    if work.seq_len > a.max_seq_len:
+        raise ConfigError(
+            f"--seq-len={work.seq_len} is longer than the model supports "
+            f"(model.max_seq_len={a.max_seq_len}); "
+            f"use --seq-len={a.max_seq_len} or raise model.max_seq_len"
+        )
+    if work.global_batch < 1:
+        raise ConfigError("--global-batch-tokens must hold at least one sequence of --seq-len tokens")
+
+
+# ---------------------------------------------------------------------------------------------- explaining
+
+
+def layout_name(rec: dict) -> str:
+    parts = [f"dp {rec['dp_replicate']}x{rec['dp_shard']}", f"tp {rec['tp']}", f"pp {rec['pp']}"]
+    if rec["pp"] > 1:
+        parts.append(rec["schedule"] + (f" v={rec['virtual']}" if rec["virtual"] > 1 else ""))
+    parts.append(f"mb {rec['micro_batch']}")
+    parts.append(f"AC {rec['ac']}")
+    if rec["offload"]:
+        parts.append("offload")
+    if not rec["reshard"]:
+        parts.append("no-reshard")
+    return ", ".join(parts)
+
+
+LAYOUT_KEYS = ("dp_replicate", "dp_shard", "tp", "pp", "schedule", "virtual")
+STRATEGY_KEYS = ("tp", "pp", "schedule", "ac", "offload")
+
+
+def _distinct(lay: Layouts, indices: np.ndarray, n: int, keys=LAYOUT_KEYS) -> list[int]:
+    """The first of `indices` for each distinct value of `keys`, up to n of them."""
+    columns = [getattr(lay, k) for k in keys]
+    seen, out = set(), []
+    for i in indices:
+        key = tuple(c[i] for c in columns)
+        if key not in seen:
+            seen.add(key)
+            out.append(int(i))
+            if len(out) == n:
+                break
+    return out
+
+
+def _breakdown(rec: dict) -> str:
+    parts = [f"{PART_NAMES[k].split(' not')[0]} {rec[k]:.3g}" for k in TIME_PARTS if rec[k] > 0.0005 * rec["step_time"]]
+    return " + ".join(parts)
+
+
+def _memory(rec: dict) -> str:
+    return (
+        f"{rec['mem_total_gib']:.1f} GiB (states {rec['mem_states_gib']:.1f}, activations "
+        f"{rec['mem_activations_gib']:.1f}, buffers {rec['mem_buffers_gib']:.1f}, transient "
+        f"{rec['mem_transient_gib']:.1f}, allocator+reserve {rec['mem_allocator_gib']:.1f})"
+    )
+
+
+def _why_slower(rec: dict, best: dict) -> str:
+    """The component that grew most against the winner, in words."""
+    deltas = {k: rec[k] - best[k] for k in TIME_PARTS}
+    key = max(deltas, key=deltas.get)
+    d = deltas[key]
+    what = PART_NAMES[key]
+    if key == "t_bubble":
+        what += f" (pp={rec['pp']} with {rec['micro_batches']} micro-batches"
+        what += f", v={rec['virtual']})" if rec["virtual"] > 1 else ")"
+    elif key == "t_tp":
+        what += " across nodes" if rec["tp_cross_node"] else f" (tp={rec['tp']})"
+    elif key == "t_compute":
+        if rec["ac"] != best["ac"]:
+            what += f" (AC {rec['ac']} recomputes)"
+        elif rec["tp"] != best["tp"] or rec["micro_batch"] != best["micro_batch"]:
+            what += " (smaller matmuls per device)"
+        elif rec["pp"] != best["pp"]:
+            what += " (uneven pipeline stages)"
+    elif key == "t_optimizer" and rec["offload"]:
+        what += " on the CPU (offload)"
+    return f"{what} +{d:.3g} s"
+
+
+def explain(p: Plan, near: int = 4) -> list[str]:
+    best = p.record(p.best)
+    lines = [
+        f"Best: {layout_name(best)}: {best['tokens_per_s']:,.0f} tokens/s, MFU {best['mfu']:.1%}, step "
+        f"{best['step_time']:.3g} s = {_breakdown(best)}; memory {_memory(best)} of "
+        f"{p.cluster.memory_gib:g} GiB."
+    ]
+    close = p.metrics["step_time"][p.order] <= best["step_time"] * (1 + 2 * TIE)
+    if close.sum() > 1:
+        lines.append(
+            f"{close.sum() - 1} other layout(s) within {2 * TIE:.0%} (other dp_replicate x dp_shard splits, "
+            f"micro-batch sizes...): a tie within the model's precision, broken by lower memory."
+        )
+    for i in _distinct(p.layouts, p.order, near + 1, STRATEGY_KEYS)[1:]:
+        rec = p.record(i)
+        slower = rec["step_time"] / best["step_time"] - 1
+        lines.append(f"Near miss: {layout_name(rec)}: {slower:+.1%} step time: {_why_slower(rec, best)}.")
+    # Faster layouts that do not fit: what stops them.
+    faster = np.nonzero(~p.metrics["fits"] & (p.metrics["step_time"] < best["step_time"]))[0]
+    faster = faster[np.argsort(p.metrics["step_time"][faster])]
+    for i in _distinct(p.layouts, faster, 3, STRATEGY_KEYS):
+        rec = p.record(i)
+        gain = 1 - rec["step_time"] / best["step_time"]
+        if rec["mem_total_gib"] > p.cluster.memory_gib:
+            why = f"needs {_memory(rec)} > {p.cluster.memory_gib:g} GiB"
+        else:
+            why = f"needs {rec['mem_host_gib']:.0f} GiB of host memory per device for offload"
+        lines.append(f"Out of memory: {layout_name(rec)} would be {gain:.1%} faster but {why}.")
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------- infeasible
+
+
+def _no_layout_message(work: Workload, cluster: Cluster) -> str:
+    """No factorisation divides the batch: name the nearest batch sizes that work."""
+    a, world = work.model, cluster.world_size
+    dps = set()
+    for tp in divisors(world):
+        if a.n_heads % tp or a.n_kv_heads % tp or a.hidden_dim % tp or a.vocab_size % tp or work.seq_len % tp:
+            continue
+        for pp in divisors(world // tp):
+            if pp <= a.n_layers and (pp == 1 or not a.tie_embeddings):
+                dps.add(world // (tp * pp))
+    if not dps:
+        return f"no tensor-parallel degree divides both the model's heads and the sequence length {work.seq_len}"
+    smallest = min(dps)
+    lower = work.global_batch // smallest * smallest
+    upper = lower + smallest
+    options = [b for b in (lower, upper) if b > 0]
+    tokens = " or ".join(f"{b * work.seq_len:,} ({b} sequences)" for b in options)
+    return (
+        f"the global batch of {work.global_batch} sequences cannot be split evenly over {world} devices: "
+        f"every "
+        f"layout needs it divisible by its data-parallel degree, at least {smallest} here (world {world} / "
+        f"the largest tp x pp the model allows). Smallest change: --global-batch-tokens={tokens}"
+    )
+
+
+def _no_fit_message(work, cluster, lay, metrics, hints: bool) -> str:
+    def record(i):
+        rec = {**lay.row(i), "micro_batches": metrics["micro_batches"][i].item()}
+        for key in ("total", "states", "activations", "buffers", "transient", "allocator", "host"):
+            rec[f"mem_{key}_gib"] = metrics[f"mem_{key}"][i].item() / GiB
+        return rec
+
+    on_device = np.where(lay.offload, np.inf, metrics["mem_total"])
+    rec = record(int(np.argmin(on_device)))
+    lines = [
+        f"no layout fits in {cluster.memory_gib:g} GiB per device. The leanest, {layout_name(rec)}, needs "
+        f"{_memory(rec)}."
+    ]
+    offloaded = np.nonzero(lay.offload & (metrics["mem_total"] <= cluster.memory_gib * GiB))[0]
+    if len(offloaded):
+        host = record(int(offloaded[np.argmin(metrics["mem_host"][offloaded])]))
+        per_node = host["mem_host_gib"] * cluster.devices_per_node
+        lines.append(
+            f"With CPU offload ({layout_name(host)}) the device needs {host['mem_total_gib']:.1f} GiB but "
+            f"the "
+            f"host {per_node:,.0f} GiB per node, over 90% of its {cluster.host_memory_gib:g} GiB."
+        )
+    if not hints:
+        return " ".join(lines)
+    changes = [f"devices with at least {rec['mem_total_gib']:.0f} GiB"]
+    for factor in (2, 4, 8, 16, 32, 64):
+        bigger = Cluster(**{**vars(cluster), "nodes": cluster.nodes * factor})
+        try:
+            found = plan(work, bigger, hints=False)
+        except ConfigError:
+            continue
+        r = found.record(found.best)
+        changes.insert(0, f"--nodes={bigger.nodes} ({layout_name(r)}, {r['mem_total_gib']:.0f} GiB)")
+        break
+    if rec["mem_activations_gib"] > rec["mem_states_gib"] and work.seq_len > 256:
+        changes.append(f"a shorter sequence (activations grow with --seq-len={work.seq_len})")
+    lines.append("Smallest changes that would make it fit: " + "; or ".join(changes) + ".")
+    return " ".join(lines)
