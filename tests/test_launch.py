@@ -79,3 +79,51 @@ def test_slurm_script(tmp_path):
         cwd=os.path.dirname(os.path.dirname(__file__)),
     )
     assert bad.returncode == 2 and "world size 3 is not divisible" in bad.stderr
+
+
+def test_lost_rank_restarts_and_ends_bitwise_equal(tmp_path):
+    """Kill rank 1 at step 5 (after the step-4 checkpoint): the elastic agent restarts both workers, they
+    resume from step 4, and the final weights equal an uninterrupted run's bit for bit."""
+    import torch
+
+    data = ensure_prepared("shakespeare", tmp_path / "cache", 4096)
+    args = [
+        "train",
+        "--nproc",
+        "2",
+        "--model.preset=debug",
+        f"--data.source={data}",
+        "--data.seq_len=32",
+        "--train.global_batch_size=4",
+        "--train.steps=6",
+        "--parallel.tp_degree=2",
+        "--eval.every_steps=0",
+        "--checkpoint.every_steps=2",
+        "--checkpoint.keep_last=5",
+        "--log.tensorboard=false",
+        "--sample.max_new_tokens=0",
+        f"--run.out_dir={tmp_path}",
+    ]
+    clean = run_cli(*args, "--run.name=clean", cwd=tmp_path)
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    env_kill = {"PLAIT_FAULT_KILL": "1:5"}
+    os.environ.update(env_kill)
+    try:
+        faulty = run_cli(*args, "--run.name=faulty", "--max-restarts", "1", cwd=tmp_path)
+    finally:
+        os.environ.pop("PLAIT_FAULT_KILL")
+    assert faulty.returncode == 0, faulty.stderr[-3000:]
+    assert "killing rank 1 at step 5" in faulty.stderr and "resumed from" in faulty.stderr
+
+    def weights(run: str) -> dict:
+        from plait.checkpoint import list_checkpoints, load_model_weights
+        from plait.config import load_config
+        from plait.train import build_model
+
+        cfg = load_config(None, ["model.preset=debug"])
+        model = build_model(cfg.model, torch.device("cpu"), seed=1)
+        load_model_weights(model, list_checkpoints(tmp_path / run / "checkpoints")[-1])
+        return model.state_dict()
+
+    a, b = weights("clean"), weights("faulty")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -336,6 +337,7 @@ def _train(cfg: Config, env: DistEnv) -> dict[str, float]:
     try:
         metrics.advance(state.step)
         for step in range(state.step + 1, cfg.train.steps + 1):
+            maybe_inject_fault(env.rank, step)
             inputs, targets = next(loader)
             result = train_step(t, inputs, targets)
             state.step, state.tokens = step, state.tokens + tokens_per_step
@@ -376,6 +378,18 @@ def _train(cfg: Config, env: DistEnv) -> dict[str, float]:
         else:
             _report(cfg, None, data_dir, final)
     return final
+
+
+def maybe_inject_fault(rank: int, step: int) -> None:
+    """Fault injection for resilience tests: PLAIT_FAULT_KILL="RANK:STEP" kills that rank (hard exit, as a
+    lost machine would) when it is about to run STEP, in the first attempt only (elastic restarts go on)."""
+    spec = os.environ.get("PLAIT_FAULT_KILL")
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    kill_rank, kill_step = (int(x) for x in spec.split(":"))
+    if rank == kill_rank and step == kill_step:
+        print(f"plait: fault injection: killing rank {rank} at step {step}", file=sys.stderr, flush=True)
+        os._exit(137)
 
 
 def _layout(dims: ParallelDims) -> str:
