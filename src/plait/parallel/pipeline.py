@@ -11,7 +11,6 @@ stages over the ``pp`` axis with point-to-point send/recv, one message per micro
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -140,9 +139,7 @@ def pipeline_forward_backward(pipe: Pipeline, inputs: torch.Tensor, targets: tor
     return loss
 
 
-def bubble_fraction(schedule: str, pp: int, micro: int, virtual: int = 1) -> float:
-    """Analytic idle fraction of a stage: (p - 1) / (m + p - 1) for GPipe and 1F1B, divided by the
-    number of virtual stages for interleaved 1F1B; zero-bubble fills most of it (reported as the
-    interleaved figure here: an upper bound)."""
-    base = (pp - 1) / (micro + pp - 1)
-    return base / virtual if virtual > 1 else base if not math.isnan(base) else 0.0
+def bubble_fraction(pp: int, micro: int, virtual: int = 1) -> float:
+    """Analytic idle fraction of a stage: (p - 1) / (v m + p - 1) — GPipe and 1F1B with v = 1, interleaved
+    1F1B with v virtual stages; zero-bubble fills most of it (this is its upper bound)."""
+    return (pp - 1) / (virtual * micro + pp - 1)
