@@ -49,7 +49,7 @@ LAYOUTS: dict[int, dict[str, list[str]]] = {
         "HSDP 2x2": ["parallel.dp_replicate_degree=2", "parallel.dp_shard_degree=2"],
         "FSDP 2 + TP 2": ["parallel.dp_shard_degree=2", "parallel.tp_degree=2"],
         "PP 2 + FSDP 2": ["parallel.pp_degree=2", "parallel.dp_shard_degree=2"],
-        # FSDP2 under a pipeline re-gathers resharded blocks per micro-batch: the volume grows with m
+        # under a pipeline plait keeps FSDP2's blocks gathered: the volume does not grow with m
         "PP 2 + FSDP 2, m=4": ["parallel.pp_degree=2", "parallel.dp_shard_degree=2", "train.micro_batch_size=1"],
         "PP 2 + FSDP 2, m=4, no reshard": [
             "parallel.pp_degree=2",
@@ -277,7 +277,11 @@ def analytic(cfg, dims, pp_rank: int) -> dict[tuple[str, str], float]:
             ns, r = dims.dp_shard, dims.dp_replicate
             groups = _tp_local_shapes(a, ids, first, last, dims.tp)
             last_block = f"layers.{ids[-1]}"
-            reshard = {g: p.fsdp_reshard_after_forward and g != last_block for g in groups}
+            # as apply_fsdp: the root and the last block stay gathered after forward, and no block reshards
+            # under a pipeline (it would be gathered again for every micro-batch)
+            reshard = {
+                g: p.fsdp_reshard_after_forward and dims.pp == 1 and g not in ("root", last_block) for g in groups
+            }
             order = schedule_order(p.pp_schedule, s, num_stages, m) if dims.pp > 1 else [("F", 0), ("B", 0)]
             for g, shapes in groups.items():
                 full = _padded(shapes, ns) * BYTES

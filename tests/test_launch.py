@@ -127,3 +127,29 @@ def test_lost_rank_restarts_and_ends_bitwise_equal(tmp_path):
 
     a, b = weights("clean"), weights("faulty")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_layout_auto_uses_the_planner(tmp_path):
+    data = ensure_prepared("shakespeare", tmp_path / "cache", 4096)
+    result = run_cli(
+        "train",
+        "--nproc",
+        "2",
+        "--layout",
+        "auto",
+        "--model.preset=debug",
+        f"--data.source={data}",
+        "--data.seq_len=32",
+        "--train.global_batch_size=4",
+        "--train.steps=2",
+        "--eval.every_steps=0",
+        "--sample.max_new_tokens=0",
+        f"--run.out_dir={tmp_path}",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "plait train --layout auto:" in result.stderr and "Best:" in result.stderr
+    chosen = result.stderr.split("using: ")[1].splitlines()[0]
+    assert "parallel.dp_shard_degree=" in chosen and "parallel.tp_degree=" in chosen
+    bad = run_cli("train", "--layout", "fastest", cwd=tmp_path)
+    assert bad.returncode == 2 and "only 'auto'" in bad.stderr

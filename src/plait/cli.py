@@ -13,12 +13,13 @@ from pathlib import Path
 from plait.errors import ConfigError, PlaitError
 
 TRAIN_USAGE = """\
-usage: plait train [CONFIG.toml] [--section.key=value ...] [--nproc N] [--max-restarts R]
+usage: plait train [CONFIG.toml] [--section.key=value ...] [--nproc N] [--max-restarts R] [--layout auto]
 
 Train a model. With no arguments: the 'tiny' model on the bundled Shakespeare corpus, on CUDA if present,
 else the CPU. A run directory that already holds checkpoints is resumed from the newest one.
 --nproc N starts N local workers (default: one per visible GPU, else 1); the parallel layout is set by the
-[parallel] options. --max-restarts R restarts the group after a lost worker. Under torchrun, use
+[parallel] options, or chosen by the planner with --layout auto. --max-restarts R restarts the group
+after a lost worker. Under torchrun, use
 `torchrun --nproc-per-node N -m plait.train [CONFIG] [overrides]`.
 
 Settings resolve in this order (later wins): defaults, model preset, CONFIG.toml, --section.key=value.
@@ -67,6 +68,15 @@ def _pop_int(args: list[str], flag: str) -> int | None:
     return None
 
 
+def _pop_str(args: list[str], flag: str) -> str | None:
+    for i, arg in enumerate(args):
+        if arg == flag or arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1] if "=" in arg else (args[i + 1] if i + 1 < len(args) else "")
+            del args[i : i + (1 if "=" in arg else 2)]
+            return value
+    return None
+
+
 def cmd_train(args: list[str]) -> int:
     if any(a in ("-h", "--help") for a in args):
         from plait.config import options_help
@@ -75,12 +85,21 @@ def cmd_train(args: list[str]) -> int:
         return 0
     args = list(args)
     nproc, restarts = _pop_int(args, "--nproc"), _pop_int(args, "--max-restarts")
+    layout = _pop_str(args, "--layout")
     if "WORLD_SIZE" not in os.environ:  # not yet inside a launched worker
         from plait.launch import _validate_before_launch, default_nproc, launch_local
 
         nproc = default_nproc() if nproc is None else nproc
         if nproc < 1:
             raise ConfigError(f"--nproc={nproc} must be at least 1")
+        if layout == "auto":
+            from plait.planner.auto import auto_layout_overrides
+
+            overrides, why = auto_layout_overrides(_load(args), nproc)
+            print("\n".join(["plait train --layout auto:", *why, "using: " + " ".join(overrides)]), file=sys.stderr)
+            args += [f"--{o}" for o in overrides]
+        elif layout is not None:
+            raise ConfigError(f"--layout={layout!r}: only 'auto' is accepted (or set the [parallel] options)")
         _validate_before_launch(args, nproc)
         if nproc > 1 or restarts:
             return launch_local(nproc, args, restarts or 0)
@@ -195,6 +214,12 @@ def cmd_plan(argv: list[str]) -> int:
     return run(argv)
 
 
+def cmd_doctor(argv: list[str]) -> int:
+    from plait.health import cmd_doctor as run
+
+    return run(argv)
+
+
 COMMANDS = {
     "train": cmd_train,
     "data": cmd_data,
@@ -203,6 +228,7 @@ COMMANDS = {
     "launch": cmd_launch,
     "ckpt": cmd_ckpt,
     "plan": cmd_plan,
+    "doctor": cmd_doctor,
 }
 USAGE = """\
 usage: plait COMMAND [...]
@@ -216,6 +242,7 @@ commands:
   config show [CONFIG] [overrides]           print the resolved config as TOML
   ckpt inspect|export|import PATH            inspect a checkpoint; export to Hugging Face / safetensors; import
   plan --model PRESET --cluster PRESET       choose a parallel layout from a cost model
+  doctor [--nproc N] [CONFIG] [overrides]    check devices and collectives per mesh axis (busbw table)
 
 `plait COMMAND --help` for details."""
 
