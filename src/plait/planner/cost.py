@@ -171,9 +171,9 @@ def train_flops_per_token(a: ModelArgs, seq_len: int) -> float:
 
 
 def _norm_bytes(e: int) -> int:
-    """Bytes per element an RMSNorm keeps for backward: its input in fp32 twice (x.float() runs twice; for
-    fp32 it is x itself, once) and the normalised value before the weight multiply (e bytes)."""
-    return 8 if e == 4 else 8 + e
+    """Bytes per element an RMSNorm keeps for backward: its input in fp32 (x itself for fp32 models, one fp32
+    copy for bf16: the norm upcasts once) and the normalised value before the weight multiply (e bytes)."""
+    return 4 + e
 
 
 def layer_activation_bytes(a: ModelArgs, e: int, tp, ac) -> np.ndarray:
