@@ -52,10 +52,7 @@ WORDS = [
 
 def make_docs(n: int = 40, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
-    return [
-        f"doc {i}: " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 200))) + "\n"
-        for i in range(n)
-    ]
+    return [f"doc {i}: " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 200))) + "\n" for i in range(n)]
 
 
 def write_jsonl(path: Path, docs: list[str], field: str = "text") -> Path:
@@ -170,10 +167,7 @@ def test_prepare_formats_agree_and_manifest(tmp_path: Path, docs: list[str]) -> 
         assert m["splits"] == ref["splits"], name
         assert m["tokenizer_sha256"] == ref["tokenizer_sha256"]
     # Training on the same documents from another format yields the same tokenizer.
-    assert (
-        prepare([jsonl], tmp_path / "trained", vocab_size=VOCAB)["tokenizer_sha256"]
-        == ref["tokenizer_sha256"]
-    )
+    assert prepare([jsonl], tmp_path / "trained", vocab_size=VOCAB)["tokenizer_sha256"] == ref["tokenizer_sha256"]
 
 
 def test_prepare_shards_and_hashes(prepared: Path) -> None:
@@ -366,9 +360,7 @@ class FailingDataset(TokenDataset):
 
 
 def test_prefetch_thread_errors_reach_the_caller(prepared: Path) -> None:
-    loader = TokenLoader(
-        FailingDataset(prepared), seq_len=SEQ, global_batch_size=8, shuffle=False, prefetch=2
-    )
+    loader = TokenLoader(FailingDataset(prepared), seq_len=SEQ, global_batch_size=8, shuffle=False, prefetch=2)
     next(loader), next(loader)  # windows 0..15 are fine
     with pytest.raises(RuntimeError, match="disk on fire"):
         next(loader)  # window 20 is in the third batch

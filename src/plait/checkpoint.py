@@ -1,23 +1,39 @@
-"""Checkpoints with torch.distributed.checkpoint (DCP): sharded, layout-independent, atomic.
+"""Checkpoints with torch.distributed.checkpoint (DCP): sharded, layout-independent, asynchronous, atomic.
 
-A checkpoint is a directory ``<run>/checkpoints/step_<N>/`` holding
+A checkpoint is a directory ``<checkpoints>/step_<N>/`` (local, or ``s3://bucket/prefix/step_<N>/``) holding
 - DCP files with every tensor: the model (fully qualified names) and the optimizer state per parameter
-  name, so it loads under another layout or world size;
-- ``plait.json`` with everything that is not a tensor (step, token count, data-loader position, optimizer
-  hyper-parameters, the resolved config) — plain JSON, so loading never unpickles anything;
+  name, so it loads under another layout or world size, and each rank's CPU/CUDA RNG state;
+- ``plait.json`` with everything that is not a tensor (step, token count, data-loader position, LR schedule,
+  optimizer hyper-parameters, the resolved config, a hash of DCP's metadata file) — plain JSON;
 - ``tokenizer.json``, so ``plait generate`` needs nothing but the checkpoint.
 
-A save writes to ``step_<N>.tmp`` and renames it when complete: a crash mid-save leaves no directory that
-looks like a checkpoint.
+Life of a save (``CheckpointManager.maybe_save``): the loop is blocked while the state is copied to CPU
+memory ("staged", ``dcp.async_save``); every rank then writes its shards from a background thread, and
+DCP's coordinator writes ``.metadata`` once all ranks' writes have succeeded. Only then does the main rank
+publish: it writes ``plait.json`` last and, on a local disk, renames ``step_<N>.tmp`` to ``step_<N>``.
+``list_checkpoints`` accepts only directories with ``plait.json``, so a crash at any moment leaves nothing it
+would load. A save that fails (an unreachable bucket, a full disk) is retried, then reported, and training
+goes on; the next save tries again. A finished save is published at the next ``maybe_save``, and
+``close()`` waits for the last one.
+
+Loading never unpickles (see ``plait.storage``). A checkpoint whose files are missing or truncated, whose
+metadata is damaged, or whose tensors do not fit the model (missing, unexpected, other shapes, not tensors)
+raises PlaitError listing what does not match, on every rank, before any tensor is changed. Corrupt bytes
+inside a record are caught by its CRC32 while it is read: PlaitError again, but tensors read before it may
+already hold checkpoint values, so a failed load must end the run (as it does: nothing catches it).
 """
 
 from __future__ import annotations
 
-import contextlib
+import hashlib
 import json
+import os
 import re
-import shutil
+import sys
+import threading
+import time
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +42,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -35,11 +53,22 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from plait.config import CheckpointConfig
-from plait.errors import PlaitError
+from plait import storage
+from plait.config import CheckpointConfig, Config
+from plait.errors import ConfigError, PlaitError
+from plait.storage import DCP_METADATA, Location, RemotePath
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-META = "plait.json"
+_ANY_STEP_DIR = re.compile(r"^step_(\d+)(\.tmp)?$")
+META = storage.META_FILE
+FORMAT = "plait-checkpoint-v1"
+
+# A run that fails with a save in flight waits this long for it before giving up on it (see close()).
+ABANDON_AFTER_S = 30.0
+
+# DCP warns on every save/load without a process group that it "assumes" one process: that is intended.
+_NO_DIST_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
+warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
 
 
 @dataclass
@@ -50,72 +79,323 @@ class TrainState:
     tokens: int = 0
 
 
-def list_checkpoints(ckpt_dir: Path) -> list[Path]:
-    """Complete checkpoints, oldest first."""
-    if not ckpt_dir.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in ckpt_dir.iterdir() if (m := _STEP_DIR.match(p.name))]
-    return [p for _, p in sorted(found) if (p / META).is_file() and (p / ".metadata").is_file()]
+# ------------------------------------------------------------------------------------------------ finding
 
 
-def read_meta(path: Path) -> dict[str, Any]:
+def checkpoint_dir(cfg: Config) -> Location:
+    """Where this run's checkpoints go: checkpoint.dir (a directory or s3://bucket/prefix), by default
+    <run.out_dir>/<run.name>/checkpoints."""
+    if cfg.run.out_dir.startswith("s3://"):
+        raise ConfigError(
+            f"run.out_dir={cfg.run.out_dir!r}: metrics and TensorBoard files need a local directory; put only "
+            f"the checkpoints on S3 with checkpoint.dir=s3://bucket/prefix"
+        )
+    if not cfg.checkpoint.dir:
+        return cfg.run_dir / "checkpoints"
+    return storage.location(cfg.checkpoint.dir, cfg.checkpoint.s3_endpoint)
+
+
+def list_checkpoints(ckpt_dir: Location | str) -> list[Location]:
+    """Published checkpoints (with plait.json and DCP metadata), oldest first."""
+    root = ckpt_dir if isinstance(ckpt_dir, Path | RemotePath) else storage.location(ckpt_dir)
     try:
-        return json.loads((path / META).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise PlaitError(f"checkpoint {path} has no readable {META}: {e}") from None
+        tree = storage.list_tree(root)
+    except PlaitError:
+        raise
+    except Exception as e:
+        raise PlaitError(f"cannot list checkpoints in {root}: {_one_line(e)}") from None
+    found = [
+        (int(m.group(1)), name)
+        for name, files in tree.items()
+        if (m := _STEP_DIR.match(name)) and META in files and DCP_METADATA in files
+    ]
+    return [root / name for _, name in sorted(found)]
+
+
+def read_meta(path: Location | str) -> dict[str, Any]:
+    path = path if isinstance(path, Path | RemotePath) else storage.location(path)
+    try:
+        return json.loads(storage.read_bytes(path / META))
+    except PlaitError:
+        raise
+    except Exception as e:
+        raise PlaitError(f"checkpoint {path} has no readable {META}: {_one_line(e)}") from None
+
+
+def step_of(path: Location) -> int:
+    m = _ANY_STEP_DIR.match(path.name)
+    return int(m.group(1)) if m else -1
+
+
+# ------------------------------------------------------------------------------------------------- saving
+
+
+@dataclass
+class _Outcome:
+    step: int
+    ok: bool
+    error: str = ""
+    blocked_s: float = 0.0
+    write_s: float = 0.0
+    num_bytes: int = 0
 
 
 class CheckpointManager:
-    """Saves and restores model, optimizer, LR schedule, data position and counters of a run."""
+    """Saves (asynchronously, on its own cadence) and restores model, optimizer, LR schedule, data position,
+    RNG and counters of a run.
 
-    def __init__(self, ckpt_dir: Path, cfg: CheckpointConfig, *, is_writer: bool = True):
+    Communication plan: an asynchronous save runs DCP's collectives (gather the save plans, scatter the
+    final plan, gather the write results; a handful of small messages per save) on a gloo group of its own
+    from a background thread, so they never interleave with the training step's collectives. A second gloo
+    group carries the main thread's decisions: whether a time-based save is due (rank 0's clock decides, one
+    broadcast per step when checkpoint.every_minutes is set) and whether every rank found a checkpoint
+    loadable (one all-gather per load).
+    """
+
+    def __init__(
+        self,
+        ckpt_dir: Location,
+        cfg: CheckpointConfig,
+        *,
+        total_steps: int = 0,
+        is_writer: bool = True,
+        config: dict | None = None,
+        tokenizer_path: Path | None = None,
+    ):
         self.dir = ckpt_dir
         self.cfg = cfg
+        self.total_steps = total_steps
         self.is_writer = is_writer
+        self.config = config or {}
+        self.tokenizer_path = tokenizer_path
+        self.failed_saves = 0
+        self._distributed = dist.is_initialized() and dist.get_world_size() > 1
+        self._rank = dist.get_rank() if dist.is_initialized() else 0
+        self._control = dist.new_group(backend="gloo") if self._distributed else None
+        self._save_group = dist.new_group(backend="gloo") if self._distributed and cfg.async_enabled else None
+        self._stager: DefaultStager | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._pending: Future | None = None
+        self._last_save_time = time.monotonic()
+        if self.is_writer and not storage.is_remote(self.dir):
+            storage.makedirs(self.dir)
 
-    def should_save(self, step: int, total_steps: int) -> bool:
+    # ---------------------------------------------------------------------------------------- cadence
+
+    def should_save(self, step: int) -> bool:
+        """Every checkpoint.every_steps, every checkpoint.every_minutes (rank 0's clock decides for all
+        ranks), and at the last step if checkpoint.save_final."""
         every = self.cfg.every_steps
-        return (every > 0 and step % every == 0) or (step == total_steps and self.cfg.save_final)
+        due = (every > 0 and step % every == 0) or (step == self.total_steps and self.cfg.save_final)
+        if self.cfg.every_minutes > 0:
+            late = time.monotonic() - self._last_save_time >= 60 * self.cfg.every_minutes
+            if self._control is not None:
+                flag = torch.tensor([int(late)])
+                dist.broadcast(flag, src=0, group=self._control)
+                late = bool(flag.item())
+            due = due or late
+        return due
 
-    def save(self, step: int, t, *, loader, state: TrainState, config: dict, tokenizer_path: Path | None) -> Path:
-        """Every rank writes its shards; the main rank writes the metadata and publishes the directory."""
-        final = self.dir / f"step_{step:08d}"
-        tmp = self.dir / f"step_{step:08d}.tmp"
-        if self.is_writer:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        _barrier()
+    def maybe_save(self, step: int, t, *, loader, state: TrainState) -> dict[str, float]:
+        """Publish a save that has finished; start one if due. Returns metrics of a save that ended in this
+        call (else nothing): saved_step or failed_step, blocked_s (how long the save held up the loop),
+        write_s (from staged to published), size_mb, and failed_saves (saves lost so far in this run)."""
+        report = self._collect(wait=False)
+        if self.should_save(step):
+            report.update(self.save(step, t, loader=loader, state=state))
+        return report
+
+    def latest(self) -> Location | None:
+        """The newest published checkpoint, the same on every rank. (Rank 0 publishes from a background
+        thread, so ranks listing the directory on their own could see different newest checkpoints.)"""
+        found = list_checkpoints(self.dir) if self.is_writer or self._control is None else []
+        if self._control is None:
+            return found[-1] if found else None
+        box = [found[-1].name if found else None]
+        dist.broadcast_object_list(box, src=0, group=self._control)
+        return self.dir / box[0] if box[0] else None
+
+    def wait(self) -> dict[str, float]:
+        """Wait for the save in flight (if any) to be published or to fail; its report."""
+        return self._collect(wait=True)
+
+    def close(self) -> dict[str, float]:
+        """Wait for the save in flight and publish it; release threads, buffers and groups. Returns on
+        every rank only once the last checkpoint is visible.
+
+        Called while an exception propagates (the run failed), it waits at most ABANDON_AFTER_S for the save
+        in flight (a lost peer would make it wait for the collective timeout) and not for the other ranks."""
+        failing = sys.exc_info()[0] is not None
+        if failing and self._pending is not None:
+            try:
+                self._pending.result(timeout=ABANDON_AFTER_S)
+            except TimeoutError:
+                _warn(f"run failed with a checkpoint save in flight; abandoned after {ABANDON_AFTER_S} s")
+                self._pending = None
+                return {}
+        report = self._collect(wait=True)
+        if self._control is not None and not failing:
+            dist.barrier(group=self._control)
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+        for group in (self._save_group, self._control):
+            if group is not None:
+                dist.destroy_process_group(group)
+        self._save_group = self._control = None
+        return report
+
+    # ------------------------------------------------------------------------------------------- save
+
+    def save(self, step: int, t, *, loader, state: TrainState) -> dict[str, float]:
+        """Start saving this step (asynchronously if checkpoint.async_enabled; see the module docstring).
+        Returns the report of a save that ended meanwhile: the previous one, or this one if synchronous."""
+        start = time.perf_counter()
+        report = self._collect(wait=True)  # one save in flight at a time: its staging buffers are reused
+        self._last_save_time = time.monotonic()
         model_sd, optim_sd, groups = _state_dicts(t)
-        with _single_process_quiet():
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
-        if self.is_writer:
-            meta = {
-                "format": "plait-checkpoint-v1",
-                "train_state": asdict(state),
-                "loader": loader.state_dict(),
-                "scheduler": t.schedulers[0].state_dict(),
-                "param_groups": groups,
-                "config": config,
-            }
-            (tmp / META).write_text(json.dumps(meta, indent=1, default=_jsonable))
-            if tokenizer_path is not None:
-                shutil.copyfile(tokenizer_path, tmp / "tokenizer.json")
-            if final.exists():  # an older save of the same step (a rerun): replace it only now
-                shutil.rmtree(final)
-            tmp.rename(final)
-            self._retain()
-        _barrier()
-        return final
+        tensors = {"model": model_sd, "optim": optim_sd, "rng": {f"rank_{self._rank}": _rng_state()}}
+        meta = {
+            "format": FORMAT,
+            "train_state": asdict(state),
+            "loader": loader.state_dict(),
+            "scheduler": t.schedulers[0].state_dict(),
+            "param_groups": groups,
+            "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+            "config": self.config,
+        }
+        meta = json.loads(json.dumps(meta, default=_jsonable))  # a snapshot: the loop moves on meanwhile
+        target = self._staging_path(step)
+        writer = storage.dcp_writer(target)
+        common = dict(storage_writer=writer, no_dist=not self._distributed)
+        if self.cfg.async_enabled:
+            if self._stager is None:
+                # CPU buffers kept between saves; pinned where there is a GPU to copy from.
+                pinned = torch.cuda.is_available()
+                self._stager = DefaultStager(StagingOptions(pinned, False, False, False))
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plait-checkpoint")
+            written = dcp.async_save(tensors, process_group=self._save_group, async_stager=self._stager, **common)
+            staged = time.perf_counter()
+            self._pending = self._executor.submit(self._finish, step, written, meta, target, start, staged)
+        else:
+            written = Future()
+            try:
+                written.set_result(dcp.save(tensors, **common))
+            except BaseException as e:  # DCP's CheckpointException is a BaseException
+                if isinstance(e, KeyboardInterrupt | SystemExit):
+                    raise
+                written.set_exception(e)
+            self._pending = Future()
+            self._pending.set_result(self._finish(step, written, meta, target, start, start))
+            report.update(self._collect(wait=True))
+        return report
 
-    def load(self, path: Path, t, *, loader, state: TrainState) -> None:
-        """Restore into this rank's (possibly differently sharded) model parts and optimizers."""
+    def _staging_path(self, step: int) -> Location:
+        name = f"step_{step:08d}"
+        return self.dir / name if storage.is_remote(self.dir) else self.dir / f"{name}.tmp"
+
+    def _finish(
+        self, step: int, written: Future, meta: dict, target: Location, start: float, staged: float
+    ) -> _Outcome:
+        """Wait for every rank's shards (DCP's coordinator gathers all write results before it writes
+        .metadata, and a failure anywhere fails the future on every rank), then publish on the main rank."""
+        try:
+            md: Metadata = written.result()
+            if self.is_writer:
+                storage.retry(lambda: self._publish(step, meta, target), "publish")
+        except BaseException as e:
+            if isinstance(e, KeyboardInterrupt | SystemExit):
+                raise
+            return _Outcome(step, False, _short(e), blocked_s=staged - start)
+        num_bytes = sum(getattr(info, "length", 0) for info in (md.storage_data or {}).values())
+        # Synchronous: the loop waited for all of it. Asynchronous: only for the staging.
+        end = time.perf_counter()
+        blocked = end - start if staged == start else staged - start
+        outcome = _Outcome(step, True, blocked_s=blocked, write_s=end - staged, num_bytes=num_bytes)
+        if self.is_writer:
+            try:
+                storage.retry(self._retain, "retention")
+            except Exception as e:  # an old checkpoint that could not be deleted is not worth stopping for
+                _warn(f"checkpoint retention in {self.dir} failed: {_one_line(e)}")
+        return outcome
+
+    def _publish(self, step: int, meta: dict, target: Location) -> None:
+        _maybe_crash_before_publish(step)
+        if self.tokenizer_path is not None:
+            storage.copy_in(self.tokenizer_path, target / "tokenizer.json")
+        meta = {**meta, "dcp_metadata_sha256": hashlib.sha256(storage.read_bytes(target / DCP_METADATA)).hexdigest()}
+        text = json.dumps(meta, indent=1).encode()
+        final = self.dir / f"step_{step:08d}"
+        if storage.is_remote(self.dir):
+            storage.write_bytes(target / META, text)  # written last: this is the publish
+            return
+        storage.write_bytes(target / META, text)
+        if final.exists():  # an older save of the same step (a rerun): replace it only now
+            storage.remove_tree(final)
+        storage.rename(target, final)
+
+    def _collect(self, *, wait: bool) -> dict[str, float]:
+        """The outcome of the save in flight, if it has finished (or once it has, with wait)."""
+        if self._pending is None or not (wait or self._pending.done()):
+            return {}
+        outcome: _Outcome = self._pending.result()
+        self._pending = None
+        if outcome.ok:
+            return {
+                "saved_step": outcome.step,
+                "blocked_s": outcome.blocked_s,
+                "write_s": outcome.write_s,
+                "size_mb": outcome.num_bytes / 2**20,
+                "failed_saves": self.failed_saves,
+            }
+        self.failed_saves += 1
+        if self.is_writer:
+            _warn(
+                f"checkpoint of step {outcome.step} was not saved to {self.dir}: {outcome.error}; "
+                f"training continues and the next save tries again"
+            )
+        return {"failed_step": outcome.step, "blocked_s": outcome.blocked_s, "failed_saves": self.failed_saves}
+
+    def _retain(self) -> None:
+        """Keep the newest checkpoint.keep_last checkpoints and every checkpoint.keep_every-th step; remove
+        the others, and what failed or interrupted saves left behind (no save is in flight now)."""
+        tree = storage.list_tree(self.dir)
+        published = sorted(step_of(self.dir / n) for n, files in tree.items() if _STEP_DIR.match(n) and META in files)
+        keep = set(published[-max(1, self.cfg.keep_last) :])
+        if self.cfg.keep_every > 0:
+            keep |= {s for s in published if s % self.cfg.keep_every == 0}
+        for name, files in tree.items():
+            step = step_of(self.dir / name)
+            if step < 0 or (step in keep and _STEP_DIR.match(name)):
+                continue
+            if META in files or name.endswith(".tmp") or step < (published[-1] if published else -1):
+                storage.remove_tree(self.dir / name)
+
+    # ------------------------------------------------------------------------------------------- load
+
+    def load(self, path: Location, t, *, loader, state: TrainState) -> None:
+        """Restore into this rank's (possibly differently sharded) model parts and optimizers. Every rank
+        checks the tensors it needs (present, tensors, same shapes; files present and long enough) and all
+        agree before anything is read; see the module docstring for corrupt bytes."""
         meta = read_meta(path)
         if meta.get("weights_only"):  # `plait ckpt import`: fine-tune these weights from step 0
             for part in t.parts:
-                load_model_weights(part, path)
+                load_model_weights(part, path, group=self._control)
             return
         model_sd, optim_sd, _ = _state_dicts(t)  # also creates empty Adam state to load into
-        _dcp_load({"model": model_sd, "optim": optim_sd}, path)
+        wanted = {"model": model_sd, "optim": optim_sd}
+        everyone = _union({f"model.{k}" for k in model_sd}, self._control)  # all pipeline stages' tensors
+        problems, md = _check(path, meta, wanted, expect_model=everyone)
+        # RNG state of this rank, where the saving run had this rank (and this kind of device)
+        saved = md.state_dict_metadata if md is not None else {}
+        rng = {k: v for k, v in _rng_state().items() if f"rng.rank_{self._rank}.{k}" in saved}
+        if rng:
+            wanted["rng"] = {f"rank_{self._rank}": rng}
+        _agree(problems, path, self._control)
+        _agree(_read(wanted, path), path, self._control)
         for part, opt in zip(t.parts, t.optimizers, strict=True):
             set_model_state_dict(
                 part, {k: v for k, v in model_sd.items() if k in _names(part)}, options=StateDictOptions(strict=True)
@@ -130,11 +410,8 @@ class CheckpointManager:
                 group["lr"] = lr
         loader.load_state_dict(meta["loader"])
         state.step, state.tokens = meta["train_state"]["step"], meta["train_state"]["tokens"]
-
-    def _retain(self) -> None:
-        keep = max(1, self.cfg.keep_last)
-        for old in list_checkpoints(self.dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        if rng:
+            _set_rng_state(rng)
 
 
 def _state_dicts(t) -> tuple[dict, dict, list]:
@@ -155,39 +432,197 @@ def _names(part: nn.Module) -> set[str]:
     return set(get_model_state_dict(part))
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
+def _union(names: set[str], group) -> set[str]:
+    """The union of every rank's names (pipeline stages hold different parts of the model)."""
+    if group is None:
+        return names
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, sorted(names), group=group)
+    return {n for rank_names in everyone for n in rank_names}
 
 
-def load_model_weights(model: nn.Module, path: Path) -> None:
-    """Load only the model from a checkpoint (generation, evaluation, export)."""
+def _rng_state() -> dict[str, torch.Tensor]:
+    out = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = torch.cuda.get_rng_state()
+    return out
+
+
+def _set_rng_state(rng: dict[str, torch.Tensor]) -> None:
+    if "cpu" in rng:
+        torch.set_rng_state(rng["cpu"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])
+
+
+def _maybe_crash_before_publish(step: int) -> None:
+    """Fault injection for tests: PLAIT_FAULT_SAVE_CRASH=STEP ends the process (as a lost machine would)
+    after STEP's shards and DCP metadata are written and before the checkpoint is published."""
+    if os.environ.get("PLAIT_FAULT_SAVE_CRASH") == str(step):
+        print(f"plait: fault injection: crashing before publishing step {step}", file=sys.stderr, flush=True)
+        os._exit(137)
+
+
+# ------------------------------------------------------------------------------------------------ loading
+
+
+def load_model_weights(model: nn.Module, path: Location | str, *, group=None) -> None:
+    """Load only the model from a checkpoint (generation, evaluation, export, a pipeline stage)."""
+    path = path if isinstance(path, Path | RemotePath) else storage.location(path)
     sd = get_model_state_dict(model)
-    _dcp_load({"model": sd}, path)
+    problems, _ = _check(path, read_meta(path), {"model": sd})
+    _agree(problems, path, group)
+    _agree(_read({"model": sd}, path), path, group)
     set_model_state_dict(model, sd, options=StateDictOptions(strict=True))
 
 
-def _dcp_load(state: dict, path: Path) -> None:
+def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    """DCP's key for each leaf: nested names joined with dots."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{name}."))
+        else:
+            out[name] = value
+    return out
+
+
+def _check(
+    path: Location, meta: dict, wanted: dict, expect_model: set[str] | None = None
+) -> tuple[list[str], Metadata | None]:
+    """Everything that would make loading `wanted` from `path` fail or load wrong, as readable lines."""
     try:
-        with _single_process_quiet():
-            dcp.load(state, checkpoint_id=str(path))
-    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
-        raise PlaitError(f"checkpoint {path} does not match this model: {_short(e)}") from None
+        raw = storage.read_bytes(path / DCP_METADATA)
+    except Exception as e:
+        return [f"{DCP_METADATA} cannot be read ({_one_line(e)})"], None
+    expected_hash = meta.get("dcp_metadata_sha256")
+    if expected_hash and hashlib.sha256(raw).hexdigest() != expected_hash:
+        return [f"{DCP_METADATA} does not match the hash in {META} (damaged, or files of different saves)"], None
+    try:
+        md = storage.parse_metadata(raw)
+    except PlaitError as e:
+        return [str(e)], None
+    saved = md.state_dict_metadata
+    problems: list[str] = []
+    missing, not_tensor, shapes = [], [], []
+    for key, value in _flatten(wanted).items():
+        entry = saved.get(key)
+        if entry is None:
+            missing.append(key)
+        elif not isinstance(entry, TensorStorageMetadata):
+            not_tensor.append(key)
+        elif tuple(entry.size) != tuple(value.shape):
+            shapes.append(f"{key} {tuple(entry.size)} in the checkpoint, {tuple(value.shape)} in the model")
+    if expect_model is not None:
+        unexpected = sorted(k for k in saved if k.startswith("model.") and k not in expect_model)
+        if unexpected:
+            problems.append(f"{len(unexpected)} tensors not in this model: {_some(unexpected)}")
+    if missing:
+        kinds = {"model": "of the model", "optim": "of the optimizer state"}
+        parts = []
+        for kind in sorted({k.split(".", 1)[0] for k in missing}):
+            names = sorted(k for k in missing if k.split(".", 1)[0] == kind)
+            parts.append(f"{len(names)} {kinds.get(kind, kind)} ({_some(names, 3)})")
+        problems.append("tensors missing from the checkpoint: " + ", ".join(parts))
+    if shapes:
+        problems.append(f"{len(shapes)} shapes differ: {_some(shapes)}")
+    if not_tensor:
+        problems.append(f"not tensors (pickled objects, which plait never loads): {_some(sorted(not_tensor))}")
+    problems.extend(_check_files(path, md))
+    return problems, md
 
 
-@contextlib.contextmanager
-def _single_process_quiet():
-    """DCP warns that it 'assumes' a single process when no group exists: that is intended here."""
-    with warnings.catch_warnings():
-        if not dist.is_initialized():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
+def _check_files(path: Location, md: Metadata) -> list[str]:
+    """Every shard file DCP's metadata points into exists and is long enough."""
+    need: dict[str, int] = {}
+    for info in (md.storage_data or {}).values():
+        rel = getattr(info, "relative_path", None)
+        if rel is not None:
+            need[rel] = max(need.get(rel, 0), info.offset + info.length)
+    try:
+        sizes = storage.file_sizes(path)
+    except Exception as e:
+        return [f"its files cannot be listed ({_one_line(e)})"]
+    missing = sorted(f for f in need if f not in sizes)
+    short = sorted(f"{f} has {sizes[f]} of {n} bytes" for f, n in need.items() if f in sizes and sizes[f] < n)
+    out = []
+    if missing:
+        out.append(f"{len(missing)} shard files missing: {_some(missing)}")
+    if short:
+        out.append(f"{len(short)} shard files truncated: {_some(short)}")
+    return out
 
 
-def _short(e: Exception) -> str:
+def _agree(problems: list[str], path: Location, group) -> None:
+    """Raise on every rank if any rank found a problem (ranks check different tensors: pipeline stages)."""
+    if group is not None:
+        everyone: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, problems, group=group)
+        merged: list[str] = []
+        for rank_problems in everyone:
+            merged.extend(p for p in rank_problems if p not in merged)
+        problems = merged
+    if problems:
+        raise PlaitError(f"checkpoint {path} cannot be loaded: " + "; ".join(problems))
+
+
+class _TensorsOnly(DefaultLoadPlanner):
+    """DCP's planner, except that a non-tensor record is refused instead of unpickled."""
+
+    def load_bytes(self, read_item, value) -> None:
+        raise PlaitError(f"{read_item.dest_index.fqn} is a pickled object; plait loads tensors only")
+
+
+def _read(state: dict, path: Location) -> list[str]:
+    """Fill `state` in place from the checkpoint; the problems met (a checksum, a file that vanished).
+
+    Every process reads on its own (DCP without collectives: its load plan needs nothing from other ranks,
+    and DTensors pick out their own shards from the global metadata), so one rank can load alone (the main
+    rank reading a published checkpoint back) and callers agree on the outcome afterwards."""
+    try:
+        with warnings.catch_warnings():  # pytest resets the module-level filter per test
+            warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
+            dcp.load(state, storage_reader=storage.dcp_reader(path), planner=_TensorsOnly(), no_dist=True)
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        if isinstance(e, KeyboardInterrupt | SystemExit):
+            raise
+        return [f"reading failed: {_short(e)}"]
+    return []
+
+
+# -------------------------------------------------------------------------------------------------- small
+
+
+def _some(items: list[str], n: int = 4) -> str:
+    return ", ".join(items[:n]) + (f" and {len(items) - n} more" if len(items) > n else "")
+
+
+def _one_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
-    hits = [line.strip() for line in text if "Size mismatch" in line or "Missing key" in line or "size" in line]
-    return "; ".join(hits[:5]) or (text[-1] if text else type(e).__name__)
+    return f"{type(e).__name__}: {text[-1] if text else ''}".rstrip(": ")
+
+
+_ERROR_LINE = re.compile(r"^\s*(?:[\w.]+\.)?(\w*(?:Error|Exception|Interrupt)): (.+)$")
+
+
+def _short(e: BaseException) -> str:
+    """The innermost error line of an exception (DCP's carry whole per-rank tracebacks in their text)."""
+    lines = [m for line in str(e).splitlines() if (m := _ERROR_LINE.match(line))]
+    if not lines:
+        return _one_line(e)
+    name, text = lines[-1].groups()
+    return f"{name}: {text.strip()}"
+
+
+_warn_lock = threading.Lock()
+
+
+def _warn(message: str) -> None:
+    from plait.metrics import console
+
+    with _warn_lock:
+        console.print(f"[yellow]warning:[/] {message}", highlight=False)
 
 
 def _jsonable(obj):

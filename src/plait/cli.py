@@ -214,6 +214,36 @@ def cmd_plan(argv: list[str]) -> int:
     return run(argv)
 
 
+def cmd_bench(argv: list[str]) -> int:
+    from plait.bench import cmd_bench as run
+
+    return run(argv)
+
+
+def cmd_lineage(argv: list[str]) -> int:
+    from plait.lifecycle.cli import cmd_lineage as run
+
+    return run(argv)
+
+
+def cmd_eval(argv: list[str]) -> int:
+    from plait.lifecycle.cli import cmd_eval as run
+
+    return run(argv)
+
+
+def cmd_compress(argv: list[str]) -> int:
+    from plait.lifecycle.cli import cmd_compress as run
+
+    return run(argv)
+
+
+def cmd_finetune(argv: list[str]) -> int:
+    from plait.lifecycle.cli import cmd_finetune as run
+
+    return run(argv)
+
+
 def cmd_doctor(argv: list[str]) -> int:
     from plait.health import cmd_doctor as run
 
@@ -228,7 +258,12 @@ COMMANDS = {
     "launch": cmd_launch,
     "ckpt": cmd_ckpt,
     "plan": cmd_plan,
+    "bench": cmd_bench,
     "doctor": cmd_doctor,
+    "lineage": cmd_lineage,
+    "eval": cmd_eval,
+    "compress": cmd_compress,
+    "finetune": cmd_finetune,
 }
 USAGE = """\
 usage: plait COMMAND [...]
@@ -242,7 +277,12 @@ commands:
   config show [CONFIG] [overrides]           print the resolved config as TOML
   ckpt inspect|export|import PATH            inspect a checkpoint; export to Hugging Face / safetensors; import
   plan --model PRESET --cluster PRESET       choose a parallel layout from a cost model
+  bench [CONFIG] [overrides] [--steps N]     time a config in one process: tokens/s, MFU, breakdown, compile
   doctor [--nproc N] [CONFIG] [overrides]    check devices and collectives per mesh axis (busbw table)
+  finetune prepare|merge|generate ...        instruction data; fold adapters in; many adapters in one batch
+  eval MODEL [--suite S.yaml] [--json OUT]   perplexity and a behavioural test suite (exit 1 on failures)
+  compress quantize|prune|distill MODEL      int8/int4 weights, pruning, distillation; size/speed/ppl deltas
+  lineage show|diff|list REF                 where a model came from: runs, data, parents, code, hashes
 
 `plait COMMAND --help` for details."""
 

@@ -36,6 +36,9 @@ class RunConfig:
     """'auto' (CUDA if present, else CPU), 'cpu', 'cuda' or 'cuda:N'."""
     overwrite: bool = False
     """Start afresh where a run already exists (the old one is moved to <name>.old-<time>)."""
+    health_check_enabled: bool = True
+    """Before training, check every device's arithmetic and the collectives of every mesh axis against known
+    values (well under a second for one process); a failure stops the run naming the bad rank."""
 
 
 @dataclass
@@ -95,6 +98,9 @@ class EvalConfig:
     """Validation loss every N steps (and at the end); 0 disables."""
     num_batches: int = 8
     """Validation batches per evaluation."""
+    suite: str = ""
+    """A behavioural test suite (YAML; see `plait eval --help`) run as a monitor at every evaluation, its
+    results logged and recorded in the lineage registry (one process only). Empty: none."""
 
 
 @dataclass
@@ -115,6 +121,17 @@ class CheckpointConfig:
     """Number of most recent checkpoints kept."""
     save_final: bool = True
     """Save a checkpoint when training ends."""
+    every_minutes: float = 0.0
+    """Also save when this many minutes have passed since the last save (0: off); rank 0's clock decides."""
+    keep_every: int = 0
+    """Also keep, forever, every checkpoint whose step is a multiple of this (0: off)."""
+    async_enabled: bool = True
+    """Write checkpoints in the background: the loop waits only while the state is copied to CPU memory."""
+    dir: str = ""
+    """Where checkpoints go: a directory or s3://bucket/prefix ('' = <run.out_dir>/<run.name>/checkpoints)."""
+    s3_endpoint: str = ""
+    """S3 endpoint URL for s3:// checkpoints, e.g. http://127.0.0.1:8333 ('' = AWS, or $AWS_ENDPOINT_URL);
+    credentials come from the usual AWS environment variables or profile."""
 
 
 @dataclass
@@ -145,6 +162,75 @@ class ParallelConfig:
 
 
 @dataclass
+class GuardConfig:
+    nonfinite_policy: Literal["skip", "rollback", "stop"] = "skip"
+    """When the loss or gradient norm is NaN/inf: 'skip' the update, 'rollback' to the newest checkpoint and
+    go on from there, or 'stop' the run."""
+    max_consecutive_failures: int = 5
+    """Give up with an error after this many failed steps in a row (non-finite, or skipped spikes)."""
+    spike_window: int = 50
+    """Loss spike detection compares each loss with the mean and spread of this many previous steps."""
+    spike_num_std: float = 6.0
+    """A loss above mean + spike_num_std x std of the window is a spike: a warning and a metric."""
+    spike_skip_enabled: bool = False
+    """Also skip the update of a step whose loss is a spike."""
+    hang_timeout_s: int = 600
+    """No step progress for this long: report the rank and what it was doing, dump Python stacks and exit
+    non-zero (so an elastic agent restarts the group); must exceed the longest step, eval or save. 0: off."""
+    straggler_ratio: float = 2.0
+    """Every log interval, name a rank whose own time per step is more than this times its peers' median
+    (one small all-gather); 0: off."""
+
+
+LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
+
+
+@dataclass
+class FinetuneConfig:
+    init_from: str = ""
+    """Start from these weights: a plait checkpoint or run directory, or a Hugging Face model directory (the
+    [model] settings must match it: start from its config.toml). Empty: initialise afresh or resume."""
+    lora_rank: int = 0
+    """LoRA adapter rank: freeze the base weights and train low-rank adapters; 0 trains every weight."""
+    lora_alpha: float = 16.0
+    """LoRA scale numerator: an adapter's output is multiplied by lora_alpha / lora_rank."""
+    lora_targets: str = "wq,wk,wv,wo"
+    """Comma-separated linear layers that get adapters: wq, wk, wv, wo (attention), w1, w2, w3 (MLP)."""
+    lora_dropout: float = 0.0
+    """Dropout on the adapters' input while training."""
+
+
+@dataclass
+class LineageConfig:
+    enabled: bool = True
+    """Record the run, its checkpoints and adapters (parents, config, data, code, metrics, weight hashes)."""
+    path: str = ""
+    """The lineage registry (SQLite); empty: <run.out_dir>/lineage.sqlite."""
+    hash_checkpoints: bool = True
+    """Record each checkpoint's weights hash (the main rank reads the published checkpoint back once)."""
+
+
+@dataclass
+class CompileConfig:
+    enabled: bool = False
+    """torch.compile each transformer block (regional: one graph, reused by every block; static shapes).
+    Off by default: the first step then compiles (~30 s on a CPU, ~1 min for a 1B model on a GPU) and CPUs
+    gain little; on a GPU turn it on (see docs/performance.md)."""
+    mode: Literal["default", "max-autotune-no-cudagraphs", "max-autotune"] = "default"
+    """'default': quick compile, fused element-wise kernels; 'max-autotune-no-cudagraphs': also benchmarks
+    matmul and attention kernel choices (minutes of compile, faster steps); 'max-autotune': also CUDA graphs
+    (least launch overhead, more memory; not for FSDP, whose parameters move every step)."""
+    strict: bool = False
+    """Stop with an error, instead of a warning, when a compiled block recompiles after the first step."""
+    cache_dir: str = ""
+    """Persistent compile cache (Inductor and Triton caches plus one mega-cache file that a restarted or
+    scaled-out job loads first); empty: <run.out_dir>/<run.name>/compile_cache."""
+    float8: bool = False
+    """Float8 matmuls in the transformer blocks through torchao (needs compile.enabled, torchao and an NVIDIA
+    GPU of compute capability 8.9+: H100, H200, L4, L40S)."""
+
+
+@dataclass
 class SampleConfig:
     prompt: str = "ROMEO:"
     """Prompt of the sample printed after training (empty: no sample)."""
@@ -169,6 +255,10 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+    lineage: LineageConfig = field(default_factory=LineageConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
 
     @property
@@ -309,10 +399,20 @@ def validate(cfg: Config) -> Config:
     _non_negative("optim", o, ["warmup_steps", "weight_decay", "min_lr_ratio"])
     _non_negative("model", m, ["ffn_hidden_dim", "rope_scaling_factor"])
     _non_negative("eval", cfg.eval, ["every_steps", "num_batches"])
-    _non_negative("checkpoint", cfg.checkpoint, ["every_steps", "keep_last"])
+    _non_negative("checkpoint", cfg.checkpoint, ["every_steps", "keep_last", "every_minutes", "keep_every"])
     _non_negative("data", d, ["prefetch"])
     _non_negative("sample", cfg.sample, ["max_new_tokens", "temperature", "top_k"])
     _positive("log", cfg.log, ["every_steps"])
+    _positive("guard", cfg.guard, ["max_consecutive_failures", "spike_num_std"])
+    _non_negative("guard", cfg.guard, ["hang_timeout_s", "straggler_ratio"])
+    if cfg.guard.spike_window < 2:
+        raise ConfigError(f"guard.spike_window={cfg.guard.spike_window} must be at least 2, e.g. 50")
+    if 0 < cfg.guard.straggler_ratio <= 1:
+        raise ConfigError(f"guard.straggler_ratio={cfg.guard.straggler_ratio} must be above 1 (e.g. 2.0), or 0 for off")
+    if cfg.guard.nonfinite_policy == "rollback" and not cfg.checkpoint.every_steps:
+        raise ConfigError(
+            "guard.nonfinite_policy='rollback' reloads the newest checkpoint: set checkpoint.every_steps (e.g. 100)"
+        )
     if m.dim % m.n_heads:
         raise ConfigError(
             f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}; "
@@ -353,7 +453,57 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"run.device={cfg.run.device!r} is not a device; use 'auto', 'cpu' or 'cuda'")
     if not cfg.run.name or "/" in cfg.run.name:
         raise ConfigError(f"run.name={cfg.run.name!r} must be a non-empty name without '/'")
+    _validate_finetune(cfg)
+    _validate_compile(cfg)
     return cfg
+
+
+def _validate_compile(cfg: Config) -> None:
+    c, p = cfg.compile, cfg.parallel
+    if c.float8 and not c.enabled:
+        raise ConfigError("compile.float8=true needs compile.enabled=true (torchao's float8 casts are fast compiled)")
+    if c.enabled and p.tp_degree > 1:
+        # Seen with torch 2.13 (shared/TORCH-ON-CPU.md): per-block compile under FSDP2 + TP gives silently wrong
+        # gradients (loss off by 2e-3 after 4 steps); TP alone crashes in backward; whole-model compile fails.
+        raise ConfigError(
+            f"compile.enabled=true with parallel.tp_degree={p.tp_degree} is refused: torch.compile with tensor "
+            "parallelism is broken in torch 2.13 (FSDP2 + TP trains on silently wrong gradients; TP alone fails in "
+            "backward with \"'Tensor' object has no attribute '_local_tensor'\"); set parallel.tp_degree=1 or "
+            "compile.enabled=false"
+        )
+    if c.enabled and p.pp_degree > 1 and p.pp_schedule == "zero_bubble":
+        raise ConfigError(
+            "compile.enabled=true with parallel.pp_schedule='zero_bubble' is refused: zero-bubble splits each "
+            "stage's backward into separate input- and weight-gradient passes, not verified through compiled "
+            "blocks (plait's compile tests run 1f1b); use pp_schedule='1f1b', or compile.enabled=false"
+        )
+
+
+def _validate_finetune(cfg: Config) -> None:
+    f = cfg.finetune
+    _non_negative("finetune", f, ["lora_rank"])
+    if not f.lora_rank:
+        return
+    _positive("finetune", f, ["lora_alpha"])
+    if not 0 <= f.lora_dropout < 1:
+        raise ConfigError(f"finetune.lora_dropout={f.lora_dropout} must be in [0, 1), e.g. 0.05")
+    targets = [t.strip() for t in f.lora_targets.split(",") if t.strip()]
+    unknown = [t for t in targets if t not in LORA_TARGETS]
+    if not targets or unknown:
+        raise ConfigError(
+            f"finetune.lora_targets={f.lora_targets!r} must name layers from {', '.join(LORA_TARGETS)}, "
+            f"e.g. 'wq,wk,wv,wo'"
+        )
+    if not f.init_from:
+        raise ConfigError(
+            f"finetune.lora_rank={f.lora_rank} adapts a trained model: set finetune.init_from to its checkpoint, "
+            f"run directory or Hugging Face directory"
+        )
+    if cfg.parallel.tp_degree > 1 or cfg.parallel.pp_degree > 1:
+        raise ConfigError(
+            "finetune.lora_rank > 0 runs on one process or data parallel (DDP/FSDP/HSDP): set "
+            "parallel.tp_degree=1 and parallel.pp_degree=1"
+        )
 
 
 def _positive(section: str, obj, names: list[str]) -> None:

@@ -61,9 +61,7 @@ def device_info(device: torch.device) -> DeviceInfo:
         props = torch.cuda.get_device_properties(device)
         peak = props.multi_processor_count * 1024 * 2 * 1.5e9
         return DeviceInfo(device, name, peak, "estimated from SM count", torch.cuda.is_bf16_supported())
-    return DeviceInfo(
-        device, _cpu_name(), _cpu_peak_fp32(), "estimated fp32 FMA peak of the CPU cores", False
-    )
+    return DeviceInfo(device, _cpu_name(), _cpu_peak_fp32(), "estimated fp32 FMA peak of the CPU cores", False)
 
 
 def _cpu_name() -> str:

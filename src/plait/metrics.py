@@ -73,8 +73,8 @@ class MetricsLogger:
         self.last.update(record)
         if self._progress is not None:
             self._progress.update(self._task, status=_status_line(self.last))
-        else:
-            console.print(f"step {step:>6} {_status_line(record)}", highlight=False)
+        elif line := _status_line(record):  # records without a headline figure (guard/, checkpoint/) stay quiet
+            console.print(f"step {step:>6} {line}", highlight=False)
 
     def advance(self, step: int) -> None:
         if self._progress is not None:

@@ -10,6 +10,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,12 +21,17 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from plait.checkpoint import CheckpointManager, TrainState, list_checkpoints, read_meta
+from plait.checkpoint import CheckpointManager, TrainState, checkpoint_dir, list_checkpoints, read_meta
+from plait.compile import CompileMonitor, apply_compile
 from plait.config import Config, to_dict, to_toml
 from plait.data import TokenDataset, TokenLoader, ensure_prepared, eos_id, load_tokenizer, unigram_entropy
-from plait.errors import ConfigError, PlaitError
+from plait.errors import ConfigError
 from plait.generate import generate
+from plait.guards import Guard
 from plait.hardware import device_info, memory_stats
+from plait.health import run_health_check
+from plait.lifecycle.finetune import apply_finetune
+from plait.lifecycle.tracking import RunLineage
 from plait.metrics import MetricsLogger, console
 from plait.model import ModelArgs, Transformer
 from plait.optim import build_optimizer, build_scheduler
@@ -103,7 +109,7 @@ def build_trainable(cfg: Config, device: torch.device, meshes: Meshes | None = N
     """Build the model on meta, parallelise it from outside (or split it into pipeline stages), allocate,
     initialise like the single-process model, and attach optimizers."""
     if meshes is None:
-        parts, pipeline = [build_model(cfg.model, device, cfg.run.seed)], None
+        parts, pipeline = [apply_compile(build_model(cfg.model, device, cfg.run.seed), cfg)], None
     elif meshes.dims.pp > 1:
         pipeline = build_pipeline(cfg.model, meshes, cfg, device, cross_entropy)
         parts = pipeline.parts
@@ -113,6 +119,7 @@ def build_trainable(cfg: Config, device: torch.device, meshes: Meshes | None = N
         parallelize(model, meshes, cfg, device)
         materialize(model, cfg, device)
         parts, pipeline = [model], None
+    apply_finetune(cfg, parts, meshes)  # finetune.init_from weights; LoRA adapters on a frozen base
     optimizers = [build_optimizer(part, cfg.optim, device) for part in parts]
     schedulers = [build_scheduler(opt, cfg.optim, cfg.train.steps) for opt in optimizers]
     return Trainable(cfg, device, parts, optimizers, schedulers, meshes, pipeline)
@@ -122,26 +129,37 @@ def build_trainable(cfg: Config, device: torch.device, meshes: Meshes | None = N
 class StepResult:
     loss: torch.Tensor  # mean loss over the global batch (a 0-d tensor: no device sync)
     grad_norm: torch.Tensor
+    stepped: bool = True  # False when should_step withheld the update
 
 
-def train_step(t: Trainable, inputs: torch.Tensor, targets: torch.Tensor) -> StepResult:
+def train_step(
+    t: Trainable,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    should_step: Callable[[torch.Tensor, torch.Tensor], bool] | None = None,
+) -> StepResult:
     """One optimizer step over this rank's batch: micro-batches (gradient accumulation or the pipeline
-    schedule), the global gradient norm and clipping, the optimizer and LR schedule."""
+    schedule), the global gradient norm and clipping, the optimizer and LR schedule.
+
+    should_step(loss, grad_norm), given the global values, may withhold the update (plait.guards): the
+    gradients are then dropped and neither the optimizer nor the LR schedule moves."""
     with t.loss_context(), t.autocast():
         if t.pipeline is not None:
             loss = pipeline_forward_backward(t.pipeline, inputs, targets, t.meshes.pp.get_group())
         else:
             loss = _accumulate(t, inputs, targets)
     norm = clip_grad_norm(t.parameters(), t.cfg.train.grad_clip, t.meshes)
-    for opt, sched in zip(t.optimizers, t.schedulers, strict=True):
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sched.step()
     if t.meshes is not None and t.meshes.dims.dp > 1:
         # Each data-parallel rank holds the mean over its own sequences: average them. (gloo has no AVG.)
         dist.all_reduce(loss, group=t.meshes.batch.get_group())
         loss = loss / t.meshes.dims.dp
-    return StepResult(loss, norm)
+    stepped = should_step is None or should_step(loss, norm)
+    for opt, sched in zip(t.optimizers, t.schedulers, strict=True):
+        if stepped:
+            opt.step()
+            sched.step()
+        opt.zero_grad(set_to_none=True)
+    return StepResult(loss, norm, stepped)
 
 
 def _accumulate(t: Trainable, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -249,8 +267,13 @@ def prepare_run_dir(cfg: Config, is_main: bool = True) -> Path | None:
     moved aside to <run>.old-<time>, never deleted.
     """
     run_dir = cfg.run_dir
-    ckpts = list_checkpoints(run_dir / "checkpoints")
+    ckpts = list_checkpoints(checkpoint_dir(cfg))
     if cfg.run.overwrite and ckpts:
+        if cfg.checkpoint.dir:
+            raise ConfigError(
+                f"run.overwrite=true moves {run_dir} aside, but the checkpoints in checkpoint.dir="
+                f"{cfg.checkpoint.dir} would stay and be resumed; delete them or choose another checkpoint.dir"
+            )
         if is_main:
             backup = run_dir.with_name(f"{run_dir.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
             run_dir.rename(backup)
@@ -300,6 +323,8 @@ def _train(cfg: Config, env: DistEnv) -> dict[str, float]:
         split.num_samples(cfg.data.seq_len)
 
     meshes = Meshes(dims.build_mesh(device.type), dims) if env.world_size > 1 else None
+    run_health_check(cfg, env, meshes)  # refuses to start on a rank that computes or communicates wrongly
+    compiler = CompileMonitor.start(cfg, device, env.is_main)  # compile caches set up before the first compile
     t = build_trainable(cfg, device, meshes)
     loader = TokenLoader(
         train_data,
@@ -314,7 +339,14 @@ def _train(cfg: Config, env: DistEnv) -> dict[str, float]:
     )
     state = TrainState()
     run_dir = cfg.run_dir
-    checkpointer = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint, is_writer=env.is_main)
+    checkpointer = CheckpointManager(
+        checkpoint_dir(cfg),
+        cfg.checkpoint,
+        total_steps=cfg.train.steps,
+        is_writer=env.is_main,
+        config=to_dict(cfg),
+        tokenizer_path=data_dir / "tokenizer.json",
+    )
     if resume_from is not None:
         checkpointer.load(resume_from, t, loader=loader, state=state)
         if env.is_main:
@@ -332,19 +364,25 @@ def _train(cfg: Config, env: DistEnv) -> dict[str, float]:
             f"as {_layout(dims)}, {cfg.train.steps} steps x {tokens_per_step:,} tokens, data {data_dir}"
         )
     metrics = MetricsLogger(run_dir, cfg.log, cfg.train.steps, enabled=env.is_main)
+    lineage = RunLineage.start(cfg, env, t, data_dir, resume_from, metrics)  # the lineage registry's record
     final: dict[str, float] = {}
     last_time, last_step = time.perf_counter(), state.step
+    guard = Guard(cfg, env, t, checkpointer=checkpointer, loader=loader, metrics=metrics)
     try:
         metrics.advance(state.step)
-        for step in range(state.step + 1, cfg.train.steps + 1):
+        while state.step < cfg.train.steps:
+            step = state.step + 1
             maybe_inject_fault(env.rank, step)
             inputs, targets = next(loader)
-            result = train_step(t, inputs, targets)
+            guard.before_step(step)
+            result = train_step(t, inputs, targets, should_step=guard.should_step)
+            compiler.check(step)  # static shapes: any compilation after the first step is a recompilation
+            if guard.after_step(step, state):  # rolled back: model, data and state.step are a checkpoint's
+                last_time, last_step = time.perf_counter(), state.step
+                continue
             state.step, state.tokens = step, state.tokens + tokens_per_step
             if metrics.should_log(step, cfg.train.steps):
-                loss = result.loss.item()  # the only device sync of a logged step
-                if not math.isfinite(loss):
-                    raise PlaitError(f"loss is {loss} at step {step}; lower optim.lr (now {cfg.optim.lr})")
+                loss = result.loss.item()  # read already by guard.should_step: no further device sync
                 elapsed = time.perf_counter() - last_time
                 final = {
                     "loss": loss,
@@ -354,27 +392,36 @@ def _train(cfg: Config, env: DistEnv) -> dict[str, float]:
                     "mfu": flops_per_step * (step - last_step) / elapsed / (info.peak_flops * env.world_size),
                     "tokens": state.tokens,
                     **memory_stats(device),
+                    **compiler.metrics(),
                 }
                 metrics.log(step, final)
                 last_time, last_step = time.perf_counter(), step
             if cfg.eval.every_steps and (step % cfg.eval.every_steps == 0 or step == cfg.train.steps):
-                final["val_loss"] = evaluate(t, val_data)
+                with compiler.expect("evaluation"):  # no_grad: compiled once more, the first time only
+                    final["val_loss"] = evaluate(t, val_data)
                 metrics.log(step, {"loss": final["val_loss"]}, prefix="val")
+                lineage.monitor(step)  # eval.suite's behavioural assertions, if any
                 last_time = time.perf_counter()  # evaluation time is not training throughput
-            if checkpointer.should_save(step, cfg.train.steps):
-                checkpointer.save(
-                    step, t, loader=loader, state=state, config=to_dict(cfg), tokenizer_path=data_dir / "tokenizer.json"
-                )
-                last_time = time.perf_counter()
+            saved = checkpointer.maybe_save(step, t, loader=loader, state=state)
+            lineage.checkpoint(step, saved, final)  # weights hash (and a LoRA run's adapter) of a save begun now
+            if saved:
+                metrics.log(step, saved, prefix="checkpoint")
+                last_time = time.perf_counter()  # checkpoint time is not training throughput
             metrics.advance(step)
     finally:
+        guard.close()
+        saved = checkpointer.close()  # waits for the save in flight and publishes it
+        if saved:
+            metrics.log(state.step, saved, prefix="checkpoint")
         metrics.close()
         loader.close()
+    lineage.finish(final)
     if env.is_main:
         if not final:
             console.print(f"run {run_dir} already finished at step {state.step}; nothing to train")
         if meshes is None:
-            _report(cfg, t.model, data_dir, final)
+            with torch.compiler.set_stance("force_eager"):  # sampling changes shapes every token
+                _report(cfg, t.model, data_dir, final)
         else:
             _report(cfg, None, data_dir, final)
     return final
@@ -404,7 +451,7 @@ def _report(cfg: Config, model: Transformer | None, data_dir: Path, final: dict[
             f"(unigram entropy of the corpus: {baseline:.3f}; a model that learned nothing scores "
             f"{math.log(cfg.model.vocab_size):.3f})"
         )
-    ckpts = list_checkpoints(cfg.run_dir / "checkpoints")
+    ckpts = list_checkpoints(checkpoint_dir(cfg))
     if ckpts:
         console.print(f"checkpoint: {ckpts[-1]}")
     if model is None and cfg.sample.prompt and cfg.sample.max_new_tokens and ckpts:

@@ -55,9 +55,7 @@ def shard_paths(data_dir: str | Path, manifest: dict[str, Any], split: str) -> l
         expected = shard["num_tokens"] * itemsize
         if path.stat().st_size != expected:
             size = path.stat().st_size
-            raise ConfigError(
-                f"shard {path} has {size} bytes, manifest says {expected}: prepare the data again"
-            )
+            raise ConfigError(f"shard {path} has {size} bytes, manifest says {expected}: prepare the data again")
         out.append((path, shard["num_tokens"]))
     return out
 
@@ -78,6 +76,11 @@ class TokenDataset:
         sizes = np.array([len(s) for s in self._shards], dtype=np.int64)
         self._starts = np.concatenate([[0], np.cumsum(sizes)])  # stream offset of each shard, plus the end
         self.num_tokens: int = int(self._starts[-1])
+        # Instruction data (`plait finetune prepare`) has a uint8 loss mask beside each shard: 0 marks a token
+        # that is not a target (a prompt's); the batches give such targets -100, which cross-entropy ignores.
+        self.has_loss_mask = bool(manifest.get("loss_mask"))
+        shards = [s for s in manifest["splits"][split]["shards"] if s["num_tokens"]] if self.has_loss_mask else []
+        self._masks = [np.memmap(self.data_dir / s["mask_file"], dtype=np.uint8, mode="r") for s in shards]
 
     def num_samples(self, seq_len: int) -> int:
         """Number of whole windows of `seq_len + 1` tokens; the remainder of the stream is dropped."""
@@ -92,8 +95,10 @@ class TokenDataset:
                 f"needs at least {seq_len + 1}: lower seq_len or prepare more data"
             )
 
-    def sample(self, i: int, seq_len: int) -> np.ndarray:
-        """Window `i`: tokens [i*(seq_len+1), (i+1)*(seq_len+1)) of the stream as int64, across shards."""
+    def sample(self, i: int, seq_len: int, *, loss_mask: bool = False) -> np.ndarray:
+        """Window `i`: tokens [i*(seq_len+1), (i+1)*(seq_len+1)) of the stream as int64, across shards (with
+        loss_mask=True the window of the loss mask instead)."""
+        source = self._masks if loss_mask else self._shards
         if not 0 <= i < self.num_samples(seq_len):
             raise IndexError(f"window {i} out of range for {self.num_samples(seq_len)} windows")
         start, end = i * (seq_len + 1), (i + 1) * (seq_len + 1)
@@ -103,7 +108,7 @@ class TokenDataset:
         while pos < end:  # usually one iteration; more only when the window crosses shard boundaries
             lo = pos - self._starts[k]
             hi = min(end, self._starts[k + 1]) - self._starts[k]
-            out[pos - start : pos - start + hi - lo] = self._shards[k][lo:hi]
+            out[pos - start : pos - start + hi - lo] = source[k][lo:hi]
             pos += hi - lo
             k += 1
         return out
@@ -152,6 +157,10 @@ class _BatchPlan:
             rows[j] = self.dataset.sample(self.window(first + j), self.seq_len)
         inputs = torch.from_numpy(np.ascontiguousarray(rows[:, :-1]))  # (B, T)
         targets = torch.from_numpy(np.ascontiguousarray(rows[:, 1:]))  # (B, T)
+        if self.dataset.has_loss_mask:  # a new array: the targets above may share memory with the inputs
+            windows = [self.window(first + j) for j in range(len(rows))]
+            masks = np.stack([self.dataset.sample(w, self.seq_len, loss_mask=True) for w in windows])
+            targets = torch.from_numpy(np.where(masks[:, 1:] == 1, rows[:, 1:], -100))
         if pin:
             inputs, targets = inputs.pin_memory(), targets.pin_memory()
         return inputs, targets
@@ -219,9 +228,7 @@ class TokenLoader:
         self._thread: threading.Thread | None = None
 
     def _make_plan(self, seq_len: int, global_batch_size: int, seed: int) -> _BatchPlan:
-        return _BatchPlan(
-            self.dataset, seq_len, global_batch_size, self.dp_rank, self.dp_degree, seed, self.shuffle
-        )
+        return _BatchPlan(self.dataset, seq_len, global_batch_size, self.dp_rank, self.dp_degree, seed, self.shuffle)
 
     @property
     def seq_len(self) -> int:

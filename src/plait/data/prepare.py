@@ -323,9 +323,7 @@ def prepare(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the published directory is an ordinary one
     try:
-        manifest = _prepare_into(
-            tmp, files, given_tok, tokenizer, vocab_size, val_fraction, text_field, shard_tokens
-        )
+        manifest = _prepare_into(tmp, files, given_tok, tokenizer, vocab_size, val_fraction, text_field, shard_tokens)
         _publish(tmp, out, overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -366,9 +364,7 @@ def _prepare_into(
         "vocab_size": vocab,
         "eos_id": eos,
         "splits": {split: w.close() for split, w in writers.items()},
-        "sources": [
-            {"path": str(path.resolve()), "num_documents": n} for path, n in zip(files, counts, strict=True)
-        ],
+        "sources": [{"path": str(path.resolve()), "num_documents": n} for path, n in zip(files, counts, strict=True)],
         "tokenizer": TOKENIZER_FILE,
         "tokenizer_sha256": _sha256_file(tmp / TOKENIZER_FILE),
     }

@@ -2,7 +2,9 @@
 
 1. tensor + sequence parallel (a plan: module name -> parallel style), loss-parallel output;
 2. activation checkpointing per block (none / selective / full);
-3. FSDP2 per block and at the root, with a mixed-precision policy; HSDP on a 2-D mesh (MiCS);
+3. torch.compile per block (compile.enabled; see plait.compile), after AC so the checkpointed block is
+   traced whole, before FSDP2 so its collectives stay outside the compiled graphs;
+4. FSDP2 per block and at the root, with a mixed-precision policy; HSDP on a 2-D mesh (MiCS);
    optional CPU offload of parameters, gradients and optimizer state.
 
 Then ``materialize`` allocates the sharded parameters on the device and fills them with exactly the values
@@ -27,18 +29,21 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from plait.compile import apply_compile
 from plait.config import Config
 from plait.model.llama import Transformer
 from plait.parallel.dims import Meshes
 
 
 def parallelize(model: Transformer, meshes: Meshes, cfg: Config, device: torch.device) -> Transformer:
-    """Apply TP/SP -> activation checkpointing -> FSDP2 to a model (or a pipeline stage of one) on meta."""
+    """Apply TP/SP -> activation checkpointing -> compile -> FSDP2 to a model (or a pipeline stage of one)
+    on meta."""
     dims = meshes.dims
     if dims.tp > 1:
         apply_tp(model, meshes.tp)
     if cfg.parallel.activation_checkpoint != "none":
         apply_ac(model, cfg.parallel.activation_checkpoint)
+    apply_compile(model, cfg)
     if dims.fsdp_enabled:
         apply_fsdp(model, meshes, cfg, device)
     return model

@@ -1,0 +1,380 @@
+"""`plait bench`: measure one configuration in one process.
+
+    plait bench [CONFIG.toml] [--section.key=value ...] [--steps N] [--warmup W] [--json PATH] [--no-warm-run]
+
+The job is built exactly as `plait train` builds it (`build_trainable`, the prefetching loader, `train_step`),
+then timed in three parts:
+
+1. the first step, which includes compilation when compile.enabled (the "cold" start);
+2. W warm-up steps, then N steps as training runs them, with one device synchronisation at the end of each
+   step (on CUDA): tokens/s, step time (the median step; the mean is reported too) and MFU come from this pass;
+3. N more steps timed phase by phase, synchronising the device at each boundary (which costs the overlap of
+   host and device work, so these phases add up to a little more than pass 2's step): data wait (the time
+   `next(loader)` blocks), forward + backward + gradient norm (until the first optimizer's step pre-hook),
+   the optimizer (from that hook to the end of the step: AdamW, LR schedule, zero_grad).
+
+Exposed communication is 0 by construction: one process runs no collectives. (Under FSDP on several GPUs it
+would be the step time minus this single-process compute estimate; `plait bench` does not launch groups.)
+
+With compile.enabled, the compile cache is a fresh temporary directory (unless compile.cache_dir is set), so
+the first step is a true cold start; a second process then builds the same job on that cache and reports its
+first step: the warm start a restarted job sees.
+"""
+
+from __future__ import annotations
+
+import time
+
+_PROCESS_T0 = time.perf_counter()  # before torch is imported: time-to-first-step includes the imports
+
+import json  # noqa: E402
+import os  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+from plait.compile import CompileMonitor  # noqa: E402
+from plait.config import Config  # noqa: E402
+from plait.errors import ConfigError  # noqa: E402
+
+USAGE = """\
+usage: plait bench [CONFIG.toml] [--section.key=value ...] [--steps N] [--warmup W] [--json PATH] [--no-warm-run]
+
+Measure a configuration in one process: the first step (with compilation when compile.enabled), then W
+warm-up steps (default 3) and N timed steps (default 20), reported as tokens/s, MFU against the device's
+dense peak, a step-time breakdown (data wait / forward+backward / exposed communication / optimizer), peak
+memory, and, with compile.enabled, the first step cold vs warm (a second process on the compile cache).
+--json PATH also writes the results as JSON. Options are those of `plait train --help`.
+"""
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _git_commit() -> str:
+    """The checkout's short commit (with '+dirty' when it has changes), or '' outside a git checkout."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True)
+    except OSError:
+        return ""
+    if head.returncode:
+        return ""
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
+def _precision(cfg: Config, device: torch.device) -> str:
+    from plait.hardware import device_info
+
+    mode = cfg.train.mixed_precision
+    bf16 = mode == "bf16" or (mode == "auto" and device_info(device).bf16_native)
+    text = "bf16 autocast, fp32 master weights" if bf16 else "fp32"
+    return text + (" + float8 matmuls in blocks (torchao)" if cfg.compile.float8 else "")
+
+
+def run_bench(cfg: Config, steps: int, warmup: int) -> dict:
+    """Build and time the job in this process; returns the results (see the module docstring)."""
+    from plait.data import TokenDataset, TokenLoader, ensure_prepared
+    from plait.hardware import device_info, memory_stats, resolve_device
+    from plait.train import build_trainable, train_step
+
+    device = resolve_device(cfg.run.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    cfg.train.steps = 1 + warmup + 2 * steps  # the LR schedule spans exactly the measured steps
+    data_dir = ensure_prepared(cfg.data.source, Path(cfg.data.cache_dir).expanduser(), cfg.model.vocab_size)
+    dataset = TokenDataset(data_dir, "train")
+    torch.manual_seed(cfg.run.seed)
+
+    t_build = time.perf_counter()
+    compiler = CompileMonitor.start(cfg, device, is_main=True)
+    t = build_trainable(cfg, device)
+    loader = TokenLoader(
+        dataset,
+        seq_len=cfg.data.seq_len,
+        global_batch_size=cfg.train.global_batch_size,
+        seed=cfg.run.seed,
+        shuffle=cfg.data.shuffle,
+        device=device,
+        prefetch=cfg.data.prefetch,
+    )
+    built = time.perf_counter()
+    try:
+        x, y = next(loader)
+        train_step(t, x, y)
+        _sync(device)
+        compiler.check(1)
+        first_step = time.perf_counter()
+        for step in range(warmup):
+            x, y = next(loader)
+            train_step(t, x, y)
+            compiler.check(2 + step)
+        _sync(device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+
+        # Pass 2: the loop as training runs it; one device sync per step, at its end (as a logged step has).
+        times = []
+        for step in range(steps):
+            t0 = time.perf_counter()
+            x, y = next(loader)
+            result = train_step(t, x, y)
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+            compiler.check(2 + warmup + step)
+        step_time = statistics.median(times)  # robust to a step slowed by another process
+        loss = result.loss.item()
+
+        # Pass 3: the same steps phase by phase.
+        phases = _phase_breakdown(t, loader, device, steps, compiler, first_check=2 + warmup + steps)
+    finally:
+        loader.close()
+
+    info = device_info(device)
+    tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
+    flops_per_step = cfg.model.flops_per_token(cfg.data.seq_len) * tokens_per_step
+    return {
+        "device": info.name,
+        "device_type": device.type,
+        "peak_flops": info.peak_flops,
+        "peak_source": info.peak_source,
+        "preset_params": cfg.model.num_params(),
+        "n_layers": cfg.model.n_layers,
+        "dim": cfg.model.dim,
+        "seq_len": cfg.data.seq_len,
+        "global_batch_size": cfg.train.global_batch_size,
+        "micro_batch_size": cfg.train.micro_batch_size or cfg.train.global_batch_size,
+        "precision": _precision(cfg, device),
+        "activation_checkpoint": cfg.parallel.activation_checkpoint,
+        "compile": {"enabled": cfg.compile.enabled, "mode": cfg.compile.mode} if cfg.compile.enabled else None,
+        "steps": steps,
+        "warmup": warmup,
+        "tokens_per_s": tokens_per_step / step_time,
+        "step_time_s": step_time,
+        "step_time_mean_s": statistics.mean(times),
+        "mfu": flops_per_step / step_time / info.peak_flops,
+        "flops_per_step": flops_per_step,
+        "breakdown_s": phases,
+        "breakdown_method": (
+            "medians of per-step phases with the device synchronised at each boundary; data = time blocked in "
+            "next(loader); compute = forward + backward + gradient norm; optimizer = optimizer step pre-hook to end "
+            "of step; exposed communication = 0 (one process, no collectives)"
+        ),
+        "memory": memory_stats(device),
+        "memory_note": "CUDA allocator peak over the timed steps"
+        if device.type == "cuda"
+        else "peak resident set of the process" + (" (compilation included)" if cfg.compile.enabled else ""),
+        "first_step": {
+            "from_build_s": first_step - t_build,
+            "build_s": built - t_build,
+            "from_process_start_s": first_step - _PROCESS_T0,
+            **compiler.metrics(),
+        },
+        "final_loss": loss,
+        "torch": torch.__version__,
+        "commit": _git_commit(),
+        "threads": torch.get_num_threads(),
+        "load_avg_1m": os.getloadavg()[0],
+    }
+
+
+def _phase_breakdown(t, loader, device: torch.device, steps: int, compiler: CompileMonitor, first_check: int):
+    from plait.train import train_step
+
+    marks: dict[str, float] = {}
+
+    def mark(name: str):
+        def hook(*_args, **_kwargs):
+            _sync(device)
+            marks[name] = time.perf_counter()
+
+        return hook
+
+    handle = t.optimizers[0].register_step_pre_hook(mark("optimizer_start"))
+    rows: dict[str, list[float]] = {"data": [], "compute": [], "communication_exposed": [], "optimizer": []}
+    try:
+        for step in range(steps):
+            _sync(device)
+            t0 = time.perf_counter()
+            x, y = next(loader)
+            _sync(device)
+            t1 = time.perf_counter()
+            train_step(t, x, y)
+            _sync(device)
+            t2 = time.perf_counter()
+            compiler.check(first_check + step)
+            rows["data"].append(t1 - t0)
+            rows["compute"].append(marks["optimizer_start"] - t1)
+            rows["communication_exposed"].append(0.0)
+            rows["optimizer"].append(t2 - marks["optimizer_start"])
+    finally:
+        handle.remove()
+    return {k: statistics.median(v) for k, v in rows.items()} | {
+        "total": statistics.median([sum(r) for r in zip(*rows.values(), strict=True)])
+    }
+
+
+def warm_start(cfg_args: list[str], cache_dir: str) -> dict:
+    """Run the same job's first step in a fresh process on `cache_dir`: what a restarted job waits for."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "warm.json"
+        cmd = [
+            sys.executable,
+            "-m",
+            "plait.cli",
+            "bench",
+            *cfg_args,
+            f"--compile.cache_dir={cache_dir}",
+            "--steps=1",
+            "--warmup=0",
+            "--no-warm-run",
+            f"--json={out}",
+            "--quiet",
+        ]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode:
+            raise RuntimeError(f"the warm-start run failed:\n{proc.stderr[-3000:]}")
+        return json.loads(out.read_text())["first_step"]
+
+
+def print_report(r: dict) -> None:
+    from rich.table import Table
+
+    from plait.metrics import console
+
+    table = Table(title=f"plait bench: {r['device']} ({r['device_type']}), torch {r['torch']}, commit {r['commit']}")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    table.add_column("note")
+    table.add_row(
+        "model", f"{r['preset_params'] / 1e6:.1f}M", f"{r['n_layers']} layers x dim {r['dim']}, {r['precision']}"
+    )
+    table.add_row(
+        "batch",
+        f"{r['global_batch_size']} x {r['seq_len']}",
+        f"micro-batch {r['micro_batch_size']}, activation checkpointing {r['activation_checkpoint']}",
+    )
+    comp = r["compile"]
+    table.add_row("compile", comp["mode"] if comp else "off", "regional (per block), static shapes" if comp else "")
+    table.add_row("tokens/s", f"{r['tokens_per_s']:,.0f}", f"{r['steps']} steps after {r['warmup']} warm-up")
+    table.add_row(
+        "step time",
+        f"{r['step_time_s'] * 1e3:,.1f} ms",
+        f"median (mean {r['step_time_mean_s'] * 1e3:,.1f} ms), whole step",
+    )
+    table.add_row("MFU", f"{100 * r['mfu']:.2f}%", f"peak {r['peak_flops'] / 1e12:,.1f} TFLOP/s: {r['peak_source']}")
+    b = r["breakdown_s"]
+    for name, label in [
+        ("data", "  data wait"),
+        ("compute", "  forward+backward+norm"),
+        ("communication_exposed", "  exposed communication"),
+        ("optimizer", "  optimizer"),
+    ]:
+        share = 100 * b[name] / b["total"] if b["total"] else 0.0
+        table.add_row(label, f"{b[name] * 1e3:,.1f} ms", f"{share:.1f}% of the synchronised step")
+    mem = r["memory"]
+    table.add_row("peak memory", f"{mem['mem_peak_gib']:.2f} GiB", r["memory_note"])
+    fs = r["first_step"]
+    table.add_row("first step", f"{fs['from_build_s']:.1f} s", f"{fs['from_process_start_s']:.1f} s from process start")
+    if comp:
+        table.add_row(
+            "  compile (first run)",
+            f"{fs['compile_time_s']:.1f} s",
+            f"FX-graph cache hits {fs['compile_fxgraph_cache_hit']}, misses {fs['compile_fxgraph_cache_miss']}; "
+            f"recompiles {fs['compile_recompiles']}",
+        )
+        warm = r.get("warm_start")
+        if warm:
+            table.add_row(
+                "  first step (warm)",
+                f"{warm['from_build_s']:.1f} s",
+                f"{warm['from_process_start_s']:.1f} s from process start; compile {warm['compile_time_s']:.1f} s, "
+                f"FX-graph hits {warm['compile_fxgraph_cache_hit']}, AOTAutograd hits "
+                f"{warm['compile_aotautograd_cache_hit']}",
+            )
+            table.add_row("  warm / cold", f"{r['warm_over_cold']:.2f}", "first step from process start (goal <= 0.2)")
+    console.print(table)
+
+
+def _pop_flag(args: list[str], flag: str) -> bool:
+    if flag in args:
+        args.remove(flag)
+        return True
+    return False
+
+
+def _pop_value(args: list[str], flag: str) -> str | None:
+    for i, arg in enumerate(args):
+        if arg == flag or arg.startswith(flag + "="):
+            if "=" in arg:
+                del args[i]
+                return arg.split("=", 1)[1]
+            if i + 1 >= len(args):
+                raise ConfigError(f"{flag} needs a value")
+            value = args[i + 1]
+            del args[i : i + 2]
+            return value
+    return None
+
+
+def cmd_bench(argv: list[str]) -> int:
+    """`plait bench`: parse the bench flags, then the config like `plait train`."""
+    if any(a in ("-h", "--help") for a in argv):
+        from plait.config import options_help
+
+        print(USAGE + "\nOptions (type, help, default):\n" + options_help())
+        return 0
+    args = list(argv)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError("plait bench runs one process; start it without torchrun")
+    values = {}
+    for flag, default in (("--steps", 20), ("--warmup", 3)):
+        raw = _pop_value(args, flag)
+        try:
+            values[flag] = default if raw is None else int(raw)
+        except ValueError:
+            raise ConfigError(f"{flag} expects an integer, got {raw!r}") from None
+    steps, warmup = values["--steps"], values["--warmup"]
+    if steps < 1 or warmup < 0:
+        raise ConfigError(f"need --steps >= 1 and --warmup >= 0 (got {steps}, {warmup})")
+    json_path = _pop_value(args, "--json")
+    no_warm, quiet = _pop_flag(args, "--no-warm-run"), _pop_flag(args, "--quiet")
+
+    from plait.cli import split_config_args
+    from plait.config import load_config
+
+    path, overrides = split_config_args(args)
+    cfg = load_config(path, overrides)
+    if cfg.parallel.pp_degree * cfg.parallel.tp_degree * cfg.parallel.dp_replicate_degree > 1:
+        raise ConfigError("plait bench runs one process: leave the [parallel] degrees at 1")
+    tmp = None
+    if cfg.compile.enabled and not cfg.compile.cache_dir:
+        tmp = tempfile.TemporaryDirectory(prefix="plait-bench-cache-")  # a true cold start
+        cfg.compile.cache_dir = tmp.name
+    try:
+        results = run_bench(cfg, steps, warmup)
+        if cfg.compile.enabled and not no_warm:
+            cfg_args = ([path] if path else []) + [f"--{o}" for o in overrides if not o.startswith("compile.cache_dir")]
+            warm = warm_start(cfg_args, cfg.compile.cache_dir)
+            results["warm_start"] = warm
+            results["warm_over_cold"] = warm["from_process_start_s"] / results["first_step"]["from_process_start_s"]
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(results, indent=1) + "\n")
+    if not quiet:
+        print_report(results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cmd_bench(sys.argv[1:]))

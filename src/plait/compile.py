@@ -1,0 +1,315 @@
+"""torch.compile for training: regional compilation, a recompilation guard, a persistent cache, float8.
+
+Regional compilation. Each TransformerBlock is wrapped by torch.compile on its own, with static shapes
+(dynamic=False: the loader yields fixed (B, T) batches) and fullgraph=True (a graph break is an error, not a
+silent slowdown). Every block runs the same code on the same shapes, so Dynamo traces one block, Inductor
+compiles its forward and backward once, and all other blocks reuse that graph: compile time is one block's,
+whatever the depth. The embedding, final norm, output projection and loss stay eager. In `parallelize` the
+wrapping comes after activation checkpointing (the checkpointed block is traced whole) and before FSDP2, so
+FSDP2's hooks sit outside the compiled region: its all-gathers and reduce-scatters are not traced and still
+overlap with the compiled compute as in eager mode.
+
+Recompilation guard. After the first training step nothing should compile again: the shapes never change.
+`CompileMonitor.check` runs after every step and looks at the compilations Dynamo recorded since; any new one
+is a recompilation, reported with Dynamo's guard-failure text (a warning, or an error with compile.strict).
+The first evaluation compiles the blocks once more (no_grad changes the graph): `expect()` marks that.
+
+Persistent cache. Before the first compile TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR point into
+compile.cache_dir (default <run_dir>/compile_cache, beside the checkpoints), so a restarted job finds
+Inductor's FX-graph and AOTAutograd caches warm. After warm-up the main rank also writes torch's "mega-cache"
+(`torch.compiler.save_cache_artifacts`: every compiled graph in one file, `mega_cache.bin`); every rank
+loads it before compiling, so a job scaled out to machines without the cache directory skips Inductor too.
+On a GPU that file holds the Triton kernels as well; on a CPU the C++ kernels are rebuilt from the cached
+source (g++), so there the directory matters more than the file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from plait.config import Config
+from plait.errors import ConfigError, PlaitError
+
+MEGA_CACHE_FILE = "mega_cache.bin"
+
+
+# ------------------------------------------------------------------------------------------ compilation
+
+
+def apply_compile(model: nn.Module, cfg: Config) -> nn.Module:
+    """Compile each block of `model` (a Transformer or a pipeline stage of one) in place; float8 first if
+    asked. Nothing happens with compile.enabled=false."""
+    c = cfg.compile
+    if not c.enabled:
+        return model
+    if c.float8:
+        apply_float8(model)
+    for name, block in list(model.layers.items()):
+        model.layers[name] = torch.compile(block, mode=c.mode, dynamic=False, fullgraph=True)
+    return model
+
+
+def apply_float8(model: nn.Module) -> None:
+    """Swap the blocks' linear layers for torchao's Float8Linear (dynamic tensorwise scaling): matmuls in
+    float8 e4m3 forward / e5m2 gradients, master weights and everything else unchanged. The output
+    projection stays in bf16 (the vocabulary matmul is the most sensitive to precision), and so does any
+    layer whose sizes are not multiples of 16 (a float8 GEMM requirement)."""
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError:
+        raise ConfigError("compile.float8=true needs torchao: pip install torchao") from None
+
+    def eligible(module: nn.Module, fqn: str) -> bool:
+        return (
+            isinstance(module, nn.Linear)
+            and fqn.startswith("layers.")
+            and module.in_features % 16 == 0
+            and module.out_features % 16 == 0
+        )
+
+    convert_to_float8_training(model, config=Float8LinearConfig(), module_filter_fn=eligible)
+
+
+def check_float8_support(device: torch.device) -> None:
+    """Refuse float8 before anything is built where it cannot run, naming every reason at once."""
+    problems = []
+    try:
+        import torchao  # noqa: F401
+    except ImportError:
+        problems.append("torchao is not installed (pip install torchao)")
+    if device.type != "cuda":
+        problems.append(f"this run is on {device.type}, not an NVIDIA GPU")
+    elif torch.cuda.get_device_capability(device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(device)
+        problems.append(f"{torch.cuda.get_device_name(device)} is sm{major}{minor}")
+    if problems:
+        raise ConfigError(
+            f"compile.float8=true cannot run here: {'; '.join(problems)}. Float8 training needs torchao and an "
+            f"NVIDIA GPU of compute capability 8.9+ (H100, H200, L4, L40S); set compile.float8=false"
+        )
+
+
+# --------------------------------------------------------------------------------------------- cache
+
+
+def cache_dir(cfg: Config) -> Path:
+    return Path(cfg.compile.cache_dir).expanduser() if cfg.compile.cache_dir else cfg.run_dir / "compile_cache"
+
+
+def point_caches_at(directory: Path) -> None:
+    """Inductor and Triton read these variables when they first compile: set them before that."""
+    directory.mkdir(parents=True, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str((directory / "inductor").resolve())
+    os.environ["TRITON_CACHE_DIR"] = str((directory / "triton").resolve())
+
+
+class MegaCache:
+    """The mega-cache file: what `torch.compiler.save_cache_artifacts()` returned at each save point of this
+    process (warm-up, first evaluation), length-prefixed, loaded back with `load_cache_artifacts`.
+
+    Why each save's blob is kept rather than the last one only: torch 2.13 appends every save of a process to
+    one byte string, and its loader turns the appended batches into a dict keyed by artifact type, so a blob
+    saved twice loads only its last batch. Each blob loaded in turn restores all of them. The blobs of the
+    file this process loaded are kept too unless this process has recorded every key they held.
+    """
+
+    MAGIC = b"PLAITMC1"
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.loaded_blobs: list[bytes] = []
+        self.loaded_keys: set[str] = set()
+        self.blobs: list[bytes] = []
+
+    def load(self) -> int:
+        """Load the file, if any, into the local caches; returns the number of distinct artifacts."""
+        if not self.path.is_file():
+            return 0
+        try:
+            blobs = self._split(self.path.read_bytes())
+            for blob in blobs:
+                info = torch.compiler.load_cache_artifacts(blob)
+                if info is not None:
+                    self.loaded_keys |= _keys(info)
+        except Exception as e:  # another torch version, a truncated copy: compile from scratch instead
+            warnings.warn(f"compile cache {self.path} could not be loaded ({e}); compiling from scratch", stacklevel=2)
+            return 0
+        self.loaded_blobs = blobs
+        return len(self.loaded_keys)
+
+    def save(self) -> int:
+        """Write everything compiled or found in the caches so far (atomically); returns the number of
+        distinct artifacts the file holds."""
+        saved = torch.compiler.save_cache_artifacts()
+        if saved is None:
+            return len(self.loaded_keys)
+        data, info = saved
+        self.blobs.append(data)
+        keys = _keys(info)
+        blobs = self.blobs if self.loaded_keys <= keys else self.loaded_blobs + self.blobs
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(self.MAGIC + b"".join(len(b).to_bytes(8, "little") + b for b in blobs))
+        tmp.replace(self.path)
+        return len(keys | self.loaded_keys)
+
+    @classmethod
+    def _split(cls, data: bytes) -> list[bytes]:
+        if not data.startswith(cls.MAGIC):
+            raise ValueError("not a plait mega-cache file")
+        blobs, i = [], len(cls.MAGIC)
+        while i < len(data):
+            n = int.from_bytes(data[i : i + 8], "little")
+            blobs.append(data[i + 8 : i + 8 + n])
+            i += 8 + n
+        return blobs
+
+
+def _keys(info) -> set[str]:
+    return {f"{kind}:{key}" for kind, keys in info.artifacts.items() for key in keys}
+
+
+# ------------------------------------------------------------------------------------ recompile guard
+
+
+def _cache_counters() -> dict[str, int]:
+    from torch._dynamo.utils import counters
+
+    return {
+        "fxgraph_cache_hit": counters["inductor"]["fxgraph_cache_hit"],
+        "fxgraph_cache_miss": counters["inductor"]["fxgraph_cache_miss"],
+        "aotautograd_cache_hit": counters["aot_autograd"]["autograd_cache_hit"],
+        "aotautograd_cache_miss": counters["aot_autograd"]["autograd_cache_miss"],
+    }
+
+
+def _compilations() -> list:
+    """Dynamo's record of recent compilations (frames and lazily compiled backward graphs), oldest first."""
+    from torch._dynamo.utils import get_compilation_metrics
+
+    return get_compilation_metrics()
+
+
+def _key(m) -> tuple:
+    return (m.compile_id, m.start_time_us, m.co_name)
+
+
+@dataclass
+class CompileMonitor:
+    """Counts compilations and recompilations of one training run, keeps the mega-cache file current and
+    reports cache hits. A disabled monitor (compile.enabled=false) does nothing."""
+
+    enabled: bool = False
+    strict: bool = False
+    is_writer: bool = False
+    loaded_artifacts: int = 0
+    compiles: int = 0  # compilations expected: first step, first evaluation
+    recompiles: int = 0  # compilations after warm-up: each one a bug or a config change
+    compile_time_s: float = 0.0  # Dynamo + AOTAutograd + Inductor time, all compilations
+    first_step_s: float = 0.0  # from set-up to the end of the first step: what a restart waits for
+    saved_artifacts: int = 0
+    mega_cache: MegaCache | None = None
+    reasons: list[str] = field(default_factory=list)
+    _seen: set = field(default_factory=set)
+    _counters0: dict = field(default_factory=dict)
+    _start: float = 0.0
+    _checks: int = 0
+    _expected: set = field(default_factory=set)
+
+    @classmethod
+    def start(cls, cfg: Config, device: torch.device, is_main: bool) -> CompileMonitor:
+        """Set up before the model is built: float8 support, the cache directory, the mega-cache file."""
+        if not cfg.compile.enabled:
+            return cls()
+        if cfg.compile.float8:
+            check_float8_support(device)
+        directory = cache_dir(cfg)
+        point_caches_at(directory)
+        mega_cache = MegaCache(directory / MEGA_CACHE_FILE)
+        monitor = cls(enabled=True, strict=cfg.compile.strict, is_writer=is_main, mega_cache=mega_cache)
+        monitor._seen = {_key(m) for m in _compilations()}
+        monitor._counters0 = _cache_counters()
+        monitor._start = time.perf_counter()
+        monitor.loaded_artifacts = mega_cache.load()
+        return monitor
+
+    def _new(self) -> list:
+        new = [m for m in _compilations() if _key(m) not in self._seen]
+        self._seen.update(_key(m) for m in new)
+        self.compile_time_s += sum((m.duration_us or 0) for m in new) / 1e6
+        return new
+
+    def check(self, step: int) -> None:
+        """After a training step: the first step's compilations are the warm-up; any later one is a
+        recompilation, warned about (or an error with compile.strict) with Dynamo's reason."""
+        if not self.enabled:
+            return
+        new = self._new()
+        self._checks += 1
+        if self._checks == 1:
+            self.first_step_s = time.perf_counter() - self._start
+            self.compiles += len(new)
+            self._save()
+            return
+        if new:
+            self._recompiled(new, f"step {step}")
+
+    @contextlib.contextmanager
+    def expect(self, phase: str):
+        """Compilations inside are expected the first time `phase` runs (evaluation: no_grad and eval mode
+        change the graph), recompilations on any later run."""
+        if not self.enabled:
+            yield
+            return
+        self._recompiled(self._new(), "between steps")  # nothing may have slipped in unseen
+        yield
+        new = self._new()
+        if phase in self._expected:
+            self._recompiled(new, phase)
+        else:
+            self._expected.add(phase)
+            self.compiles += len(new)
+            if new:
+                self._save()
+
+    def _recompiled(self, new: list, where: str) -> None:
+        if not new:
+            return
+        self.recompiles += len(new)
+        reasons = sorted({(m.recompile_reason or f"new frame {m.co_name}").splitlines()[0] for m in new})
+        self.reasons.extend(reasons)
+        message = (
+            f"torch.compile recompiled {len(new)} time(s) at {where} although shapes are static; "
+            f"guard failure: {'; '.join(reasons)}"
+        )
+        if self.strict:
+            raise PlaitError(f"{message} (compile.strict=true; set it false to only warn)")
+        warnings.warn(message, stacklevel=3)
+
+    def _save(self) -> None:
+        if self.is_writer and self.mega_cache is not None:
+            self.saved_artifacts = self.mega_cache.save()
+
+    def cache_hits(self) -> dict[str, int]:
+        now = _cache_counters()
+        return {k: now[k] - self._counters0.get(k, 0) for k in now}
+
+    def metrics(self) -> dict[str, float]:
+        """compile_* values for the metrics log ({} when compilation is off)."""
+        if not self.enabled:
+            return {}
+        return {
+            "compile_time_s": self.compile_time_s,
+            "compile_first_step_s": self.first_step_s,
+            "compile_compiles": self.compiles,
+            "compile_recompiles": self.recompiles,
+            "compile_loaded_artifacts": self.loaded_artifacts,
+            **{f"compile_{k}": v for k, v in self.cache_hits().items()},
+        }

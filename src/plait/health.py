@@ -1,0 +1,562 @@
+"""Health checks: does every device compute correctly, and does every collective on every mesh axis deliver
+the right values, at what bus bandwidth?
+
+`plait doctor [--nproc N] [CONFIG] [--parallel.*=...]` runs everything and prints an nccl-tests-style table
+per mesh axis; `plait train` runs the quick part before the first step (run.health_check_enabled): the
+arithmetic check and each collective once at a small size, and refuses to start when a rank is wrong.
+
+Fault injection, for tests: PLAIT_FAULT_BAD_RANK=R makes rank R's arithmetic wrong; PLAIT_FAULT_SLOW_RANK=R:S
+makes rank R S seconds slower in it (and, while training, in every step: see plait.guards).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+import os
+import socket
+import statistics
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from plait.errors import ConfigError, PlaitError
+from plait.hardware import device_info
+from plait.parallel.dims import AXES, Meshes, ParallelDims
+
+MiB = 1 << 20
+DEFAULT_SIZES = (1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB)
+PREFLIGHT_BYTES = 64 * 1024  # one small size: correctness, not speed, before training
+# fp32 matmul vs an fp64 reference, error relative to max |C|: 512 products of N(0, 1) values per element
+# were seen 4e-7 off on this CPU (MKL); the error grows ~sqrt(K), so K=2048 on a GPU expects ~1e-6.
+# 1e-4 leaves two orders of headroom for other BLAS libraries and still catches a wrong element or a
+# flipped bit in the top 13 of the mantissa. The checksum compares fp64 sums of C: seen 2e-9.
+MATMUL_RTOL = 1e-4
+CHECKSUM_RTOL = 1e-4
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+# torch 2.13 renamed the tensor-in, tensor-out collectives (the old names warn); older versions lack the new.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def bus_factor(op: str, n: int) -> float:
+    """nccl-tests' bus-bandwidth factors: what each rank's links carry relative to the algorithm bandwidth
+    (data size / time), so busbw is comparable with the hardware's link speed whatever n is."""
+    if op == "all_reduce":
+        return 2 * (n - 1) / n
+    if op in ("all_gather", "reduce_scatter"):
+        return (n - 1) / n
+    return 1.0  # send/recv: every byte crosses one link once
+
+
+def injected(name: str) -> tuple[int, float | None] | None:
+    """A fault-injection variable, 'A' or 'A:B', as (int(A), float(B) or None); None when unset."""
+    spec = os.environ.get(name, "").strip()
+    if not spec:
+        return None
+    head, _, tail = spec.partition(":")
+    try:
+        return int(head), (float(tail) if tail else None)
+    except ValueError:
+        raise ConfigError(f"{name}={spec!r} must look like RANK or RANK:VALUE (e.g. 1:0.5)") from None
+
+
+# ------------------------------------------------------------------------------------------ arithmetic
+
+
+@dataclass
+class ComputeResult:
+    rank: int
+    host: str
+    device: str
+    size: int  # the matmul is (size x size) @ (size x size) in fp32
+    seconds: float  # best of the repetitions
+    matmul_err: float  # max |C - C_fp64| / max |C_fp64|
+    checksum_err: float  # column sums of C against (column sums of A) @ B, relative
+    fingerprint: str  # hash of C's bytes: equal devices should agree bit for bit
+
+    @property
+    def tflops(self) -> float:
+        return 2 * self.size**3 / self.seconds / 1e12
+
+    @property
+    def wrong(self) -> str | None:
+        if not math.isfinite(self.matmul_err) or self.matmul_err > MATMUL_RTOL:
+            return f"matmul differs from the fp64 reference (max rel err {self.matmul_err:.1e} > {MATMUL_RTOL:.0e})"
+        if not math.isfinite(self.checksum_err) or self.checksum_err > CHECKSUM_RTOL:
+            return f"matmul checksum is off (rel err {self.checksum_err:.1e} > {CHECKSUM_RTOL:.0e})"
+        return None
+
+
+def check_compute(
+    device: torch.device, rank: int, size: int | None = None, reps: int = 5, turns: tuple[int, int] | None = None
+) -> ComputeResult:
+    """A seeded fp32 matmul on this device, timed (best of reps) and compared with an fp64 reference and an
+    ABFT checksum (the column sums of C must equal the column sums of A times B).
+
+    turns=(local_rank, local_world_size): processes that share the CPU time their matmul one at a time
+    (a barrier over the world between turns), or the timings would measure each other."""
+    size = size or (2048 if device.type == "cuda" else 512)
+    bad, slow = injected("PLAIT_FAULT_BAD_RANK"), injected("PLAIT_FAULT_SLOW_RANK")
+    gen = torch.Generator().manual_seed(20240901)
+    a = torch.randn(size, size, generator=gen).to(device)
+    b = torch.randn(size, size, generator=gen).to(device)
+    with _highest_precision():
+        best, c = math.inf, None
+        for turn in range(turns[1] if turns else 1):
+            if turns is None or turn == turns[0]:
+                for _ in range(reps):
+                    _sync(device)
+                    start = time.perf_counter()
+                    c = a @ b
+                    if slow is not None and slow[0] == rank:
+                        time.sleep(slow[1] or 1.0)
+                    _sync(device)
+                    best = min(best, time.perf_counter() - start)
+            if turns is not None:
+                dist.barrier()
+        if bad is not None and bad[0] == rank:
+            c[size // 2, size // 3] += c.abs().max()  # one wrong element, as a faulty unit would produce
+        ref = a.double() @ b.double()
+        colsum = a.double().sum(0) @ b.double()
+        errs = torch.stack(
+            [
+                (c.double() - ref).abs().max() / ref.abs().max(),
+                (c.double().sum(0) - colsum).abs().max() / (a.double().abs().sum(0) @ b.double().abs()).max(),
+            ]
+        ).tolist()
+    fingerprint = hashlib.sha1(c.cpu().numpy().tobytes()).hexdigest()[:10]
+    name = device_info(device).name
+    return ComputeResult(rank, socket.gethostname(), name, size, best, errs[0], errs[1], fingerprint)
+
+
+@contextlib.contextmanager
+def _highest_precision():
+    """The reference comparison needs true fp32 matmuls, not TF32 (which a run may have switched on)."""
+    old = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(old)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ------------------------------------------------------------------------------------------ collectives
+
+
+@dataclass
+class CollectiveRow:
+    axis: str
+    degree: int
+    op: str
+    nbytes: int  # nccl-tests' size: the full buffer (all-gather output, reduce-scatter input)
+    seconds: float = math.nan  # per operation, slowest rank; nan when only checked
+    wrong_ranks: list[int] = field(default_factory=list)
+
+    @property
+    def algbw(self) -> float:
+        return self.nbytes / self.seconds / 1e9
+
+    @property
+    def busbw(self) -> float:
+        return self.algbw * bus_factor(self.op, self.degree)
+
+
+def _pattern(numel: int, device: torch.device, shift: int | torch.Tensor = 0) -> torch.Tensor:
+    """Small integers 1..13 (exact in fp32 even after summing over 10^5 ranks)."""
+    return ((torch.arange(numel, device=device) + shift) % 13 + 1).float()
+
+
+def _prepare(op: str, group, numel: int, device: torch.device):
+    """Buffers with known values for `op` over `group`, a function issuing it, and one checking the result
+    of its first run (max absolute error, a 0-d tensor: no device sync)."""
+    n, r = group.size(), group.rank()
+    m = numel // n  # per-rank chunk
+    if op == "all_reduce":
+        x = _pattern(numel, device) * (r + 1)
+        expected = _pattern(numel, device) * (n * (n + 1) / 2)
+        return (lambda: dist.all_reduce(x, group=group)), (lambda: (x - expected).abs().max())
+    if op == "all_gather":
+        x = _pattern(m, device) + 16 * r
+        out = torch.empty(n * m, device=device)
+        expected = _pattern(m, device).repeat(n) + 16 * torch.arange(n, device=device).repeat_interleave(m)
+        return (lambda: all_gather_single(out, x, group=group)), (lambda: (out - expected).abs().max())
+    if op == "reduce_scatter":
+        idx = torch.arange(n * m, device=device)
+        x = ((idx % m + idx // m) % 13 + 1).float() * (r + 1)  # chunk c holds (i + c) % 13 + 1, scaled by r + 1
+        out = torch.empty(m, device=device)
+        expected = _pattern(m, device, shift=r) * (n * (n + 1) / 2)
+        return (lambda: reduce_scatter_single(out, x, group=group)), (lambda: (out - expected).abs().max())
+    # send/recv around the axis ring: send to the next rank, receive from the previous one
+    nxt, prv = dist.get_global_rank(group, (r + 1) % n), dist.get_global_rank(group, (r - 1) % n)
+    x, out = _pattern(numel, device) * (r + 1), torch.empty(numel, device=device)
+    expected = _pattern(numel, device) * ((r - 1) % n + 1)
+
+    def run():
+        ops = [dist.P2POp(dist.isend, x, nxt, group), dist.P2POp(dist.irecv, out, prv, group)]
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+
+    return run, (lambda: (out - expected).abs().max())
+
+
+def axis_groups(meshes: Meshes | None) -> list[tuple[str, int, object]]:
+    """(axis, degree, this rank's process group) for every mesh axis with more than one rank."""
+    if meshes is None:
+        return []
+    degrees = {"pp": meshes.dims.pp, "dp_replicate": meshes.dims.dp_replicate, "dp_shard": meshes.dims.dp_shard}
+    degrees["tp"] = meshes.dims.tp
+    return [(axis, degrees[axis], meshes.world.get_group(axis)) for axis in AXES if degrees[axis] > 1]
+
+
+def check_collectives(
+    meshes: Meshes | None, device: torch.device, sizes: tuple[int, ...], iters: int
+) -> list[CollectiveRow]:
+    """Every op on every axis and size: one run checked against known values, then `iters` timed runs.
+
+    Communication plan: all groups of one axis run the op at once (as training does), one axis at a time;
+    the results (errors and times per rank) are all-gathered over the world at the end, so every rank
+    returns the same rows: the time of the slowest rank, and the ranks that received wrong values.
+    """
+    rows, errors, times = [], [], []
+    for axis, degree, group in axis_groups(meshes):
+        for op in OPS:
+            for nbytes in sizes:
+                numel = max(degree, nbytes // 4 // degree * degree)
+                run, check = _prepare(op, group, numel, device)
+                run()
+                errors.append(check())
+                seconds = math.nan
+                if iters > 0:
+                    dist.all_reduce(torch.zeros(1, device=device), group=group)  # start together
+                    _sync(device)
+                    start = time.perf_counter()
+                    for _ in range(iters):
+                        run()
+                    _sync(device)
+                    seconds = (time.perf_counter() - start) / iters
+                times.append(seconds)
+                rows.append(CollectiveRow(axis, degree, op, numel * 4))
+    if not rows:
+        return rows
+    mine = torch.stack([torch.stack(errors).float(), torch.tensor(times, device=device)], dim=1)  # (rows, 2)
+    gathered = torch.empty(dist.get_world_size() * mine.numel(), device=device)
+    all_gather_single(gathered, mine.flatten())
+    per_rank = gathered.view(-1, *mine.shape).cpu()  # (world, rows, 2)
+    for i, row in enumerate(rows):
+        err, secs = per_rank[:, i, 0], per_rank[:, i, 1]
+        row.wrong_ranks = [r for r, e in enumerate(err.tolist()) if e != 0]
+        row.seconds = secs.max().item()
+    return rows
+
+
+# ------------------------------------------------------------------------------------------ the report
+
+
+@dataclass
+class HealthReport:
+    compute: list[ComputeResult]
+    collectives: list[CollectiveRow]
+    slow_ratio: float
+    seconds: float = 0.0
+
+    def wrong(self) -> dict[int, list[str]]:
+        """Ranks whose results are wrong, with the reasons."""
+        out: dict[int, list[str]] = {}
+        for c in self.compute:
+            if c.wrong:
+                out.setdefault(c.rank, []).append(c.wrong)
+        for row in self.collectives:
+            for r in row.wrong_ranks:
+                why = f"{row.op} on axis {row.axis} delivered wrong values ({_size(row.nbytes)})"
+                out.setdefault(r, []).append(why)
+        return out
+
+    def slow(self) -> dict[int, float]:
+        """Ranks whose matmul takes more than slow_ratio x the median of their peers: rank -> ratio."""
+        if len(self.compute) < 2 or self.slow_ratio <= 0:
+            return {}
+        out = {}
+        for c in self.compute:
+            peers = statistics.median(o.seconds for o in self.compute if o.rank != c.rank)
+            ratio = c.seconds / max(peers, 1e-12)
+            if ratio > self.slow_ratio:
+                out[c.rank] = ratio
+        return out
+
+    def disagree(self) -> list[int]:
+        """Ranks whose matmul bits differ from the majority of the same device model (a warning only:
+        different BLAS builds may legitimately round differently)."""
+        out = []
+        for c in self.compute:
+            peers = [o.fingerprint for o in self.compute if o.device == c.device]
+            majority = max(set(peers), key=peers.count)
+            if peers.count(majority) > len(peers) / 2 and c.fingerprint != majority:
+                out.append(c.rank)
+        return out
+
+    def problems(self) -> list[str]:
+        by_rank = {c.rank: c for c in self.compute}
+        lines = [f"rank {r} ({_where(by_rank.get(r))}): {'; '.join(why)}" for r, why in sorted(self.wrong().items())]
+        for r, ratio in sorted(self.slow().items()):
+            c = by_rank[r]
+            lines.append(
+                f"rank {r} ({_where(c)}) is slow: {ratio:.1f}x its peers' median time for a {c.size}x{c.size} "
+                f"matmul ({1e3 * c.seconds:.1f} ms)"
+            )
+        return lines
+
+
+def _where(c: ComputeResult | None) -> str:
+    return f"{c.host}, {c.device}" if c else "?"
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", MiB), ("KiB", 1024)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:g} {unit}"
+    return f"{nbytes} B"
+
+
+def run_checks(
+    device: torch.device,
+    rank: int,
+    meshes: Meshes | None,
+    *,
+    sizes: tuple[int, ...] = (PREFLIGHT_BYTES,),
+    iters: int = 0,
+    slow_ratio: float = 2.0,
+) -> HealthReport:
+    """All checks on this rank; with a process group, every rank returns the same report."""
+    start = time.perf_counter()
+    turns = None
+    if device.type == "cpu" and dist.is_initialized() and dist.get_world_size() > 1:  # ranks share the cores
+        world = dist.get_world_size()
+        turns = (int(os.environ.get("LOCAL_RANK", rank)), int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    mine = check_compute(device, rank, turns=turns)
+    compute = [mine]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        compute = [None] * dist.get_world_size()
+        dist.all_gather_object(compute, mine)
+    rows = check_collectives(meshes, device, sizes, iters)
+    return HealthReport(compute, rows, slow_ratio, time.perf_counter() - start)
+
+
+def run_health_check(cfg, env, meshes: Meshes | None) -> HealthReport | None:
+    """The check before training (run.health_check_enabled): refuse to start when a rank computes or
+    communicates wrongly; warn about a slow rank. Every rank decides alike (the report is gathered)."""
+    if not cfg.run.health_check_enabled:
+        return None
+    from plait.metrics import console
+
+    report = run_checks(env.device, env.rank, meshes, slow_ratio=cfg.guard.straggler_ratio or 2.0)
+    wrong = report.wrong()
+    if wrong:
+        raise PlaitError(
+            "health check failed, training not started: "
+            + "; ".join(p for p in report.problems() if "is slow" not in p)
+            + f". Run `plait doctor --nproc {env.world_size}` with the same [parallel] options for details, "
+            "or set run.health_check_enabled=false to train anyway"
+        )
+    if env.is_main:
+        for line in report.problems():
+            console.print(f"[yellow]health check warning:[/] {line}", highlight=False)
+        axes = ", ".join(dict.fromkeys(f"{r.axis}({r.degree})" for r in report.collectives))
+        err = max(x.matmul_err for x in report.compute)
+        console.print(
+            f"health check ok: {len(report.compute)} rank(s), matmul vs fp64 {err:.0e}"
+            + (f", collectives on {axes}" if axes else "")
+            + f" [{report.seconds:.2f} s]",
+            highlight=False,
+        )
+    return report
+
+
+# ------------------------------------------------------------------------------------------ plait doctor
+
+DOCTOR_USAGE = """\
+usage: plait doctor [CONFIG.toml] [--nproc N] [--parallel.KEY=VALUE ...] [--sizes 1M,4M,16M,64M] [--iters N]
+
+Check the machine before a run: each rank's device computes a seeded fp32 matmul, compared with an fp64
+reference and a checksum (and timed: a rank over guard.straggler_ratio x its peers' median is slow); then
+all-reduce, all-gather, reduce-scatter and send/recv run on every mesh axis of the [parallel] layout,
+checked against known values and timed over a size sweep, reported like nccl-tests (algbw = size / time;
+busbw = algbw x 2(n-1)/n for all-reduce, (n-1)/n for all-gather and reduce-scatter, 1 for send/recv).
+Exits 1 naming the rank when a rank is wrong or slow. --nproc N starts N local workers; under torchrun use
+`torchrun --nproc-per-node N -m plait.cli doctor [...]`.
+"""
+
+
+def parse_sizes(text: str) -> tuple[int, ...]:
+    """'64K,1M,4M' -> bytes."""
+    units = {"": 1, "B": 1, "K": 1024, "KB": 1024, "KIB": 1024, "M": MiB, "MB": MiB, "MIB": MiB, "G": 1 << 30}
+    out = []
+    for item in text.split(","):
+        item = item.strip().upper()
+        number = item.rstrip("KMGIB")
+        try:
+            value = int(float(number) * units[item[len(number) :]])
+        except (ValueError, KeyError):
+            raise ConfigError(f"--sizes entry {item!r} is not a size; use e.g. 64K,1M,16M") from None
+        if value < 4:
+            raise ConfigError(f"--sizes entry {item!r} is below one fp32 element")
+        out.append(value)
+    return tuple(out)
+
+
+def _pop_flag(args: list[str], flag: str) -> str | None:
+    for i, arg in enumerate(args):
+        if arg == flag or arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1] if "=" in arg else (args[i + 1] if i + 1 < len(args) else "")
+            del args[i : i + (1 if "=" in arg else 2)]
+            return value
+    return None
+
+
+def cmd_doctor(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print(DOCTOR_USAGE)
+        return 0
+    from plait.cli import _pop_int, split_config_args
+    from plait.config import load_config
+
+    args = list(argv)
+    nproc = _pop_int(args, "--nproc")
+    sizes_text, iters_text = _pop_flag(args, "--sizes"), _pop_flag(args, "--iters")
+    sizes = parse_sizes(sizes_text) if sizes_text else DEFAULT_SIZES
+    try:
+        iters = int(iters_text) if iters_text is not None else None
+    except ValueError:
+        raise ConfigError(f"--iters expects an integer, got {iters_text!r}") from None
+    if iters is not None and iters < 1:
+        raise ConfigError(f"--iters={iters} must be at least 1")
+    cfg = load_config(*split_config_args(args))
+    if "WORLD_SIZE" not in os.environ:  # not yet inside a launched worker
+        from plait.launch import default_nproc
+
+        nproc = default_nproc() if nproc is None else nproc
+        if nproc < 1:
+            raise ConfigError(f"--nproc={nproc} must be at least 1")
+        ParallelDims.from_config(cfg.parallel, nproc)  # refuse an impossible layout before starting workers
+        if nproc > 1:
+            forwarded = [a for a in argv if not (a == "--nproc" or a.startswith("--nproc="))]
+            if "--nproc" in argv:
+                del forwarded[argv.index("--nproc")]  # its value followed it
+            return _launch(nproc, forwarded)
+    return _doctor(cfg, sizes, iters)
+
+
+def _doctor(cfg, sizes: tuple[int, ...], iters: int | None) -> int:
+    from plait.parallel.env import init_distributed, shutdown
+
+    env = init_distributed(cfg.run.device, cfg.parallel.timeout_s)
+    try:
+        dims = ParallelDims.from_config(cfg.parallel, env.world_size)
+        meshes = Meshes(dims.build_mesh(env.device.type), dims) if env.world_size > 1 else None
+        iters = iters or (20 if env.device.type == "cuda" else 5)
+        report = run_checks(
+            env.device, env.rank, meshes, sizes=sizes, iters=iters, slow_ratio=cfg.guard.straggler_ratio or 2.0
+        )
+        if env.is_main:
+            print_report(report, dims, iters)
+        return 1 if report.problems() else 0
+    finally:
+        shutdown()
+
+
+def print_report(report: HealthReport, dims: ParallelDims, iters: int) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=None if sys.stdout.isatty() else 120, highlight=False)
+    wrong, slow, differ = report.wrong(), report.slow(), set(report.disagree())
+    c0 = report.compute[0]
+    title = f"devices: {c0.size}x{c0.size} fp32 matmul (best of 5) vs an fp64 reference"
+    table = Table(title=title, title_justify="left")
+    for name in ("rank", "host", "device", "time (ms)", "TFLOP/s", "max rel err", "checksum err", "bits", "status"):
+        table.add_column(name, justify="left" if name in ("host", "device", "status", "bits") else "right")
+    for c in report.compute:
+        status = "WRONG" if c.rank in wrong else f"SLOW {slow[c.rank]:.1f}x" if c.rank in slow else "ok"
+        bits = c.fingerprint + (" (differs)" if c.rank in differ else "")
+        table.add_row(
+            str(c.rank), c.host, c.device, f"{1e3 * c.seconds:.2f}", f"{c.tflops:.3f}",
+            f"{c.matmul_err:.1e}", f"{c.checksum_err:.1e}", bits, status,
+        )  # fmt: skip
+    console.print(table)
+    layout = f"pp={dims.pp} dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} tp={dims.tp}"
+    if not report.collectives:
+        console.print(f"collectives: none to check ({layout}: no mesh axis has more than one rank)")
+    else:
+        console.print(f"collectives of layout {layout}; busbw = algbw x 2(n-1)/n (all-reduce), (n-1)/n (gathers)")
+    for axis in dict.fromkeys(r.axis for r in report.collectives):
+        rows = [r for r in report.collectives if r.axis == axis]
+        n = rows[0].degree
+        groups = dims.world_size // n
+        title = f"axis {axis}: {groups} group(s) of {n} ranks at once, fp32, {iters} iterations, slowest rank's time"
+        table = Table(title=title, title_justify="left")
+        for name in ("op", "size", "count", "time (us)", "algbw (GB/s)", "busbw (GB/s)", "check"):
+            table.add_column(name, justify="left" if name in ("op", "check") else "right")
+        for r in rows:
+            check = "ok" if not r.wrong_ranks else "WRONG on rank " + ",".join(map(str, r.wrong_ranks))
+            table.add_row(
+                r.op, _size(r.nbytes), f"{r.nbytes // 4:,}", f"{1e6 * r.seconds:,.1f}",
+                f"{r.algbw:.3f}", f"{r.busbw:.3f}", check,
+            )  # fmt: skip
+        peak = {op: max(r.busbw for r in rows if r.op == op) for op in OPS}
+        table.caption = "peak busbw (GB/s): " + ", ".join(f"{op} {bw:.2f}" for op, bw in peak.items())
+        table.caption_justify = "left"
+        console.print(table)
+    problems = report.problems()
+    if problems:
+        console.print("[bold red]doctor: FAILED[/]")
+        for line in problems:
+            console.print(f"  {line}")
+    else:
+        console.print(f"doctor: all {len(report.compute)} rank(s) healthy [{report.seconds:.1f} s]")
+    if differ:
+        console.print(f"note: rank(s) {sorted(differ)} produced matmul bits unlike their same-model peers")
+
+
+def _doctor_worker(argv: list[str]) -> None:
+    from plait.cli import main
+
+    code = main(["doctor", *argv])
+    if code:
+        sys.exit(code)
+
+
+def _launch(nproc: int, argv: list[str]) -> int:
+    """`plait doctor argv` in nproc local workers (torch's elastic agent, as `plait train --nproc`)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"plait-doctor-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",
+        max_restarts=0,
+        monitor_interval=0.2,
+        start_method="spawn",
+    )
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    try:
+        elastic_launch(config, _doctor_worker)(argv)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        if failure.exitcode == 1:  # a check failed: rank 0 has printed which
+            return 1
+        raise PlaitError(f"doctor worker rank {rank} failed (exit code {failure.exitcode}); see above") from None
+    return 0

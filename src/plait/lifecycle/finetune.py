@@ -1,0 +1,258 @@
+"""Fine-tuning: start from any plait checkpoint or Hugging Face directory, full or with LoRA adapters, on plain
+or instruction data.
+
+- ``apply_finetune`` is the trainer's one call (in ``build_trainable``, before the optimizers exist): it loads
+  ``finetune.init_from`` into the freshly built model parts (any layout), then, with ``finetune.lora_rank``,
+  adds adapters and freezes the base, so the optimizer only ever sees the adapters.
+- ``prepare_instructions`` turns JSONL records ``{"prompt": ..., "response": ...}`` into token shards plus a
+  per-token loss mask (0 on the prompt), which the loader turns into targets of -100: only the response is
+  learned. Continued pre-training needs nothing special: ``init_from`` plus a new ``data.source``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from plait.checkpoint import list_checkpoints, load_model_weights, read_meta
+from plait.config import Config
+from plait.errors import ConfigError, PlaitError
+from plait.lifecycle.lora import apply_lora_config, is_lora_param
+from plait.model.llama import ModelArgs, canonical_name
+
+DEFAULT_TEMPLATE = "### Instruction:\n{prompt}\n\n### Response:\n"
+
+
+# --------------------------------------------------------------------------------------------- the trainer
+
+
+def apply_finetune(cfg: Config, parts: list[nn.Module], meshes=None) -> None:
+    """Load ``finetune.init_from`` (unless the run resumes from its own checkpoint) and add LoRA adapters.
+
+    Works on the parts as built by any layout: the weights are loaded by parameter name, each rank keeping its
+    shard. With adapters under data parallelism the base stays sharded (FSDP2) and frozen, while the small
+    adapters are replicated plain tensors whose gradients are averaged by ``_sync_adapter_grads``.
+    """
+    f = cfg.finetune
+    if not f.init_from and not f.lora_rank:
+        return
+    ckpts = list_checkpoints(cfg.run_dir / "checkpoints")
+    if f.lora_rank and ckpts and read_meta(ckpts[-1]).get("weights_only"):
+        raise ConfigError(
+            f"{cfg.run_dir} holds an imported (weights-only) checkpoint; a LoRA fine-tune writes a run of its own: "
+            f"pass --finetune.init_from={cfg.run_dir} --run.name=<a new name>"
+        )
+    if f.init_from and not ckpts:  # with checkpoints the trainer resumes them instead
+        load_init_weights(parts, f.init_from, cfg.model)
+    if f.lora_rank:
+        for part in parts:
+            apply_lora_config(part, f, cfg.run.seed)
+        if meshes is not None and meshes.dims.dp > 1:
+            _sync_adapter_grads(parts, meshes.batch.get_group(), meshes.dims.dp)
+
+
+def _sync_adapter_grads(parts: list[nn.Module], group, dp: int) -> None:
+    """Communication plan: each adapter gradient is all-reduced (sum, then divided by dp) over the batch
+    (data-parallel) axis as autograd produces it, one small all-reduce per adapter tensor and micro-batch. A
+    tensor hook runs before accumulation, so micro-batches add already-averaged gradients. FSDP2 reduces the
+    (frozen, gradient-free) base as before, which is nothing."""
+
+    def average(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        dist.all_reduce(grad, group=group)
+        return grad / dp
+
+    for part in parts:
+        for name, param in part.named_parameters():
+            if is_lora_param(name):
+                param.register_hook(average)
+
+
+def load_init_weights(parts: list[nn.Module], ref: str, args: ModelArgs) -> dict[str, Any]:
+    """Copy the weights of a plait checkpoint / run directory or a Hugging Face directory into ``parts``
+    (possibly sharded or pipeline stages); refuses a model of another shape. Returns what was loaded."""
+    kind, path = resolve_weights(ref)
+    if kind == "hf":
+        from plait.interop.hf import import_hf
+        from plait.parallel.parallelize import assign_sharded
+
+        src_args, tensors = import_hf(path)
+        check_same_model(src_args, args, ref)
+        with torch.no_grad():
+            for part in parts:
+                for name, param in part.named_parameters():
+                    assign_sharded(param, tensors[canonical_name(name)].float())
+    else:
+        config = read_meta(path).get("config", {})
+        if config.get("finetune", {}).get("lora_rank"):
+            raise ConfigError(
+                f"finetune.init_from={ref} is a LoRA run's checkpoint (base + unmerged adapters); merge it first: "
+                f"plait finetune merge {ref} --out DIR, then start from DIR"
+            )
+        check_same_model(ModelArgs(**config.get("model", {})), args, ref)
+        for part in parts:
+            load_model_weights(part, path)
+    return {"kind": kind, "path": str(path)}
+
+
+def resolve_weights(ref: str | Path) -> tuple[str, Path]:
+    """('hf', dir) for a Hugging Face directory, ('checkpoint', step dir) for a plait checkpoint or run."""
+    path = Path(ref).expanduser()
+    if (path / "config.json").is_file() and not (path / "plait.json").is_file():
+        return "hf", path
+    from plait.interop.ckpt_cli import resolve_checkpoint
+
+    try:
+        return "checkpoint", resolve_checkpoint(path)
+    except PlaitError as e:
+        raise ConfigError(f"finetune.init_from={ref}: {e}") from None
+
+
+def check_same_model(found: ModelArgs, expected: ModelArgs, where: str) -> None:
+    """Refuse weights of another shape, or with other rotary/norm settings (max_seq_len may differ)."""
+    skip = {"max_seq_len", "multiple_of", "ffn_dim_multiplier", "ffn_hidden_dim"}
+    a, b = dataclasses.asdict(found), dataclasses.asdict(expected)
+    diff = [f"model.{k}: {a[k]!r} there, {b[k]!r} here" for k in a if k not in skip and a[k] != b[k]]
+    if found.hidden_dim != expected.hidden_dim:
+        diff.append(f"model.ffn_hidden_dim: {found.hidden_dim} there, {expected.hidden_dim} here")
+    if diff:
+        raise ConfigError(
+            f"finetune.init_from={where} holds another model ({'; '.join(diff[:4])}); start from its config "
+            f"(the config.toml of its run, or `plait ckpt import` for a Hugging Face directory)"
+        )
+
+
+# ------------------------------------------------------------------------------------------ instruction data
+
+
+def _records(path: Path, prompt_field: str, response_field: str):
+    opener = gzip.open if path.name.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{where} is not valid JSON ({e})") from None
+            if not isinstance(record, dict) or not all(
+                isinstance(record.get(k), str) for k in (prompt_field, response_field)
+            ):
+                raise ConfigError(f"{where} needs string fields {prompt_field!r} and {response_field!r}")
+            yield record[prompt_field], record[response_field]
+
+
+def _is_val(index: int, prompt: str, response: str, val_fraction: float) -> bool:
+    digest = hashlib.sha1(f"{index}\0{prompt}\0{response}".encode("utf-8", "surrogatepass")).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < val_fraction
+
+
+def prepare_instructions(
+    inputs: Sequence[str | Path],
+    out_dir: str | Path,
+    *,
+    tokenizer: str | Path,
+    template: str = DEFAULT_TEMPLATE,
+    prompt_field: str = "prompt",
+    response_field: str = "response",
+    val_fraction: float = 0.1,
+    train_on_prompt: bool = False,
+    overwrite: bool = False,
+) -> dict[str, Any]:
+    """Tokenise prompt/response records into a prepared directory with loss masks; returns its manifest.
+
+    Each record becomes ``template.format(prompt=...)`` + response + EOS. The mask is 0 on the formatted
+    prompt and 1 on the response and its EOS (all 1 with ``train_on_prompt``). The directory has the
+    ``plait-tokens-v1`` layout the trainer reads (``--data.source=DIR``), plus ``<split>_mask_*.bin`` files.
+    """
+    from plait.data import eos_id, load_tokenizer
+    from plait.data.loader import FORMAT, MANIFEST
+
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise ConfigError(f"{out} exists; pass --overwrite or choose another --out")
+    if "{prompt}" not in template:
+        raise ConfigError(f"the prompt template {template!r} must contain {{prompt}}")
+    if not 0 <= val_fraction < 1:
+        raise ConfigError(f"val_fraction={val_fraction} must be in [0, 1)")
+    files = [Path(p) for p in inputs]
+    for path in files:
+        if not path.is_file() or not path.name.endswith((".jsonl", ".jsonl.gz")):
+            raise ConfigError(f"instruction input {path} must be an existing .jsonl or .jsonl.gz file")
+    tok = load_tokenizer(tokenizer)
+    eos = eos_id(tok)
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    dtype = np.dtype("<u2") if vocab <= 65535 else np.dtype("<u4")
+    docs: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {"train": [], "val": []}
+    sources, index = [], 0
+    for path in files:
+        records = list(_records(path, prompt_field, response_field))
+        if not records:
+            raise ConfigError(f"{path} has no records")
+        sources.append({"path": str(path.resolve()), "num_documents": len(records)})
+        prompts = tok.encode_batch([template.format(prompt=p) for p, _ in records], add_special_tokens=False)
+        responses = tok.encode_batch([r for _, r in records], add_special_tokens=False)
+        for (p, r), pe, re_ in zip(records, prompts, responses, strict=True):
+            ids = np.array([*pe.ids, *re_.ids, eos], dtype=dtype)
+            mask = np.ones(len(ids), dtype=np.uint8)
+            if not train_on_prompt:
+                mask[: len(pe.ids)] = 0
+            docs["val" if _is_val(index, p, r, val_fraction) else "train"].append((ids, mask))
+            index += 1
+    if val_fraction > 0 and not docs["val"] and len(docs["train"]) >= 2:
+        docs["val"].append(docs["train"].pop())
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    os.chmod(tmp, 0o755)
+    try:
+        splits = {}
+        for split, items in docs.items():
+            tokens = np.concatenate([i for i, _ in items]) if items else np.zeros(0, dtype=dtype)
+            masks = np.concatenate([m for _, m in items]) if items else np.zeros(0, dtype=np.uint8)
+            shard = {"file": f"{split}_00000.bin", "mask_file": f"{split}_mask_00000.bin", "num_tokens": len(tokens)}
+            for key, array in (("file", tokens), ("mask_file", masks)):
+                data = array.tobytes()
+                (tmp / shard[key]).write_bytes(data)
+                shard["sha256" if key == "file" else "mask_sha256"] = hashlib.sha256(data).hexdigest()
+            splits[split] = {
+                "shards": [shard],
+                "num_tokens": len(tokens),
+                "num_documents": len(items),
+                "num_target_tokens": int(masks.sum()),
+            }
+        shutil.copyfile(
+            Path(tokenizer) / "tokenizer.json" if Path(tokenizer).is_dir() else tokenizer, tmp / "tokenizer.json"
+        )
+        manifest = {
+            "format": FORMAT,
+            "dtype": "uint16" if dtype.itemsize == 2 else "uint32",
+            "vocab_size": vocab,
+            "eos_id": eos,
+            "splits": splits,
+            "sources": sources,
+            "tokenizer": "tokenizer.json",
+            "tokenizer_sha256": hashlib.sha256((tmp / "tokenizer.json").read_bytes()).hexdigest(),
+            "loss_mask": {"template": template, "train_on_prompt": train_on_prompt},
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest

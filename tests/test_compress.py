@@ -1,0 +1,211 @@
+"""Compression: int8/int4 weight-only quantization, magnitude and structured pruning with a fine-tune after,
+distillation; each reports size, speed and perplexity before and after."""
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from plait.cli import main
+from plait.lifecycle.compress import QuantLinear, quantize_model
+from plait.lifecycle.lineage import Registry
+from plait.lifecycle.models import load_model
+from plait.model import ModelArgs
+from plait.train import build_model
+
+transformers = pytest.importorskip("transformers")
+
+TEXT = "First Citizen: Before we proceed any further, hear me speak.\nAll: Speak, speak.\n"
+# Both sides compute in fp32 (see tests/test_interop.py for the same bound and its reason).
+LOGITS_ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> tuple[Path, Path]:
+    """(run directory, data) of a tiny model trained for a few steps, so perplexity means something."""
+    root = tmp_path_factory.mktemp("compress")
+    docs = root / "docs"
+    docs.mkdir()
+    for i in range(8):
+        (docs / f"d{i}.txt").write_text(TEXT * (4 + i) + f"Document {i}.\n")
+    data = root / "data"
+    assert main(["data", "prepare", str(docs), "--out", str(data), "--vocab-size", "300"]) == 0
+    vocab = json.loads((data / "manifest.json").read_text())["vocab_size"]
+    args = [
+        "--model.preset=debug",
+        "--model.n_layers=2",
+        f"--model.vocab_size={vocab}",
+        f"--data.source={data}",
+        "--data.seq_len=32",
+        "--train.global_batch_size=4",
+        "--train.steps=12",
+        "--optim.warmup_steps=2",
+        "--eval.every_steps=0",
+        "--log.tensorboard=false",
+        "--sample.prompt=",
+        f"--run.out_dir={root / 'runs'}",
+        "--run.name=teacher",
+    ]
+    assert main(["train", *args]) == 0
+    return root / "runs" / "teacher", data
+
+
+def report(out: Path) -> dict:
+    return json.loads((out / "compress.json").read_text())
+
+
+def test_quantized_layers_match_their_dequantized_weights():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, 40, bias=False)
+    x = torch.randn(3, 5, 96)
+    q8 = QuantLinear.from_linear(linear, 8, 0)
+    # The forward dequantizes and runs one matmul: the reference does the same in another order.
+    assert (q8(x) - torch.nn.functional.linear(x, q8.dequantize())).abs().max() < 1e-5
+    assert ((q8.dequantize() - linear.weight).abs() <= q8.scales[:, None] / 2 + 1e-7).all()
+    q4 = QuantLinear.from_linear(linear, 4, 32)
+    assert q4.qweight.dtype == torch.uint8 and q4.qweight.shape == (40, 48)  # two codes per byte
+    scales = q4.scales.repeat_interleave(32, dim=1)  # (out, in): each column's group scale
+    assert ((q4.dequantize() - linear.weight).abs() <= scales / 2 + 1e-7).all()
+    assert q4.group_size == 32 and QuantLinear(96, 8, 4, 64).group_size == 32  # 64 does not divide 96
+
+
+def test_tied_output_is_not_quantized_twice():
+    args = ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=16, tie_embeddings=True)
+    model = quantize_model(build_model(args, torch.device("cpu"), 0), 8)
+    assert model.output.weight is model.tok_embeddings.weight and isinstance(
+        model.layers["0"].attention.wq, QuantLinear
+    )
+
+
+@pytest.mark.parametrize("bits,max_size_ratio,max_ppl_change", [(8, 0.5, 0.02), (4, 0.4, 0.25)])
+def test_quantize_reports_size_speed_and_perplexity_deltas(trained, tmp_path, bits, max_size_ratio, max_ppl_change):
+    run, data = trained
+    out = tmp_path / f"int{bits}"
+    assert main(["compress", "quantize", str(run), "--bits", str(bits), "--group-size", "32", "--out", str(out)]) == 0
+    r = report(out)
+    before, after = r["before"], r["after"]
+    # Embeddings stay fp32; every linear shrinks 4x (int8) or ~7x (int4 with fp32 group scales).
+    assert after["size_mb"] / before["size_mb"] < max_size_ratio
+    assert abs(after["perplexity"] / before["perplexity"] - 1) < max_ppl_change
+    assert after["tokens_per_s"] > 0 and before["tokens_per_s"] > 0
+    loaded = load_model(out)
+    assert loaded.kind == "quantized" and loaded.meta["bits"] == bits
+    assert main(["eval", str(out), "--seq-len", "32", "--batches", "2"]) == 0
+    reg = Registry(run.parent / "lineage.sqlite")
+    art = reg.find(str(out))
+    assert art.kind == "quantized" and reg.get(art.parent_id).kind == "checkpoint"
+    assert art.metrics["perplexity_after"] == after["perplexity"]
+
+
+def test_magnitude_pruning_keeps_its_zeros_through_the_fine_tune(trained, tmp_path):
+    run, data = trained
+    out = tmp_path / "pruned"
+    assert (
+        main(
+            [
+                "compress",
+                "prune",
+                str(run),
+                "--method",
+                "magnitude",
+                "--sparsity",
+                "0.5",
+                "--finetune-steps",
+                "4",
+                "--lr",
+                "1e-3",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    r = report(out)
+    model = load_model(out).model
+    for name, p in model.named_parameters():
+        if name.endswith(("wq.weight", "w2.weight")):
+            assert (p == 0).float().mean() >= 0.5, name
+    assert r["after"]["nonzero_m"] < 0.8 * r["before"]["nonzero_m"]
+    assert r["info"]["pruned_only"]["perplexity"] > 0 and r["after"]["perplexity"] > 0
+    assert (out / "config.toml").is_file()  # an ordinary plait run: train, generate, export as usual
+
+
+def test_structured_pruning_gives_a_smaller_model_transformers_loads(trained, tmp_path):
+    run, data = trained
+    out, hf = tmp_path / "structured", tmp_path / "structured-hf"
+    assert (
+        main(
+            [
+                "compress",
+                "prune",
+                str(run),
+                "--method",
+                "structured",
+                "--sparsity",
+                "0.5",
+                "--out",
+                str(out),
+                "--hf-out",
+                str(hf),
+            ]
+        )
+        == 0
+    )
+    r = report(out)
+    model = load_model(out).model
+    teacher = load_model(run).model
+    assert model.args.hidden_dim < teacher.args.hidden_dim
+    assert r["after"]["size_mb"] < r["before"]["size_mb"] and r["after"]["params_m"] < r["before"]["params_m"]
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    x = torch.randint(0, model.args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (hf_model(x).logits - model(x)).abs().max() < LOGITS_ATOL
+
+
+def test_distillation_trains_a_student_on_the_teachers_logits(trained, tmp_path):
+    run, data = trained
+    out, hf = tmp_path / "student", tmp_path / "student-hf"
+    assert (
+        main(
+            [
+                "compress",
+                "distill",
+                "--teacher",
+                str(run),
+                "--student",
+                "model.n_layers=1",
+                "--steps",
+                "8",
+                "--temperature",
+                "2.0",
+                "--out",
+                str(out),
+                "--hf-out",
+                str(hf),
+            ]
+        )
+        == 0
+    )
+    r = report(out)
+    first, last = r["info"]["loss"]
+    assert last < first  # the KL to the teacher went down
+    assert r["after"]["params_m"] < r["before"]["params_m"]
+    student = load_model(out).model
+    assert student.args.n_layers == 1
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    x = torch.randint(0, student.args.vocab_size, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (hf_model(x).logits - student(x)).abs().max() < LOGITS_ATOL
+    reg = Registry(run.parent / "lineage.sqlite")
+    art = reg.find("student")
+    assert art.kind == "distilled" and [c.kind for c in reg.children(art.id)] == ["export"]
+
+
+def test_a_copy_is_quantized_not_the_source(trained):
+    run, _ = trained
+    model = load_model(run).model
+    before = copy.deepcopy(model.state_dict())
+    quantize_model(copy.deepcopy(model), 8)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())

@@ -1,0 +1,295 @@
+"""Guards while training: skip / rollback / stop on a non-finite step, loss spikes, stragglers and the hang
+watchdog. Unit tests need no process group; the policies run in one process and on two gloo ranks (FSDP),
+and the watchdog through the real CLI, whose elastic agent restarts the hung group."""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from parallel_harness import free_port
+from plait.checkpoint import TrainState
+from plait.config import load_config
+from plait.errors import ConfigError, PlaitError
+from plait.guards import Faults, Guard, SpikeDetector, describe_stack, find_straggler
+from plait.metrics import MetricsLogger
+from plait.parallel.env import DistEnv
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    from plait.data import ensure_prepared
+
+    # one cache per session, shared by test_health and test_guards: tokenising costs seconds
+    return ensure_prepared("shakespeare", tmp_path_factory.getbasetemp() / "guard-health-cache", 4096)
+
+
+def base(data_dir: Path, steps: int) -> list[str]:
+    return [
+        "model.preset=debug",
+        f"data.source={data_dir}",
+        "data.seq_len=32",
+        "train.global_batch_size=4",
+        f"train.steps={steps}",
+        "optim.warmup_steps=2",
+        "eval.every_steps=0",
+        "log.every_steps=1",
+        "log.tensorboard=false",
+        "sample.max_new_tokens=0",
+        "run.device=cpu",
+        "lineage.enabled=false",  # not under test here
+    ]
+
+
+def rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(records: list[dict]) -> dict[int, float]:
+    """The last logged training loss of each step (a rolled-back run logs replayed steps again)."""
+    return {r["step"]: r["train/loss"] for r in records if "train/loss" in r}
+
+
+# ------------------------------------------------------------------------------------------ units
+
+
+def test_spike_detector():
+    spikes = SpikeDetector(window=4, num_std=3.0)
+    for step, loss in enumerate([2.0, 2.1, 1.9, 2.0], start=1):
+        assert spikes.score(5.0) is None  # the window is not full yet
+        spikes.add(step, loss)
+    assert spikes.score(2.15) is None and spikes.score(1.0) is None  # noise, and a drop, are no spike
+    assert spikes.score(3.0) == pytest.approx((3.0 - 2.0) / 0.0707106, rel=1e-4)
+    spikes.truncate(2)
+    assert [s for s, _ in spikes.losses] == [1, 2] and spikes.score(9.0) is None
+
+
+def test_find_straggler_charges_waiting_to_the_rank_that_caused_it():
+    # Rank 1 spends 0.3 s on host work between steps; inside the step the others wait those 0.3 s for it.
+    s = find_straggler(local_s=[0.01, 0.31, 0.01, 0.02], sync_s=[0.40, 0.10, 0.40, 0.39])
+    assert s.rank == 1 and s.ratio == pytest.approx(0.41 / 0.11, rel=1e-6)
+    even = find_straggler(local_s=[0.01, 0.012], sync_s=[0.10, 0.101])
+    assert even.ratio < 1.1
+
+
+def test_fault_variables(monkeypatch):
+    monkeypatch.setenv("PLAIT_FAULT_NAN", "3:2")
+    monkeypatch.setenv("PLAIT_FAULT_HANG", "1:4")
+    monkeypatch.setenv("PLAIT_FAULT_SLOW_RANK", "0:0.25")
+    f0, f1 = Faults(0), Faults(1)
+    assert (f0.nan_step, f0.nan_left, f0.hang_step, f0.slow_s) == (3, 2, 0, 0.25)
+    assert (f1.hang_step, f1.slow_s) == (4, 0.0)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # a restarted group: transient faults are gone
+    assert Faults(1).hang_step == 0 and Faults(1).nan_left == 0
+    monkeypatch.setenv("PLAIT_FAULT_NAN", "soon")
+    with pytest.raises(ConfigError, match="PLAIT_FAULT_NAN='soon'"):
+        Faults(0)
+
+
+def test_describe_stack_names_the_phase():
+    """The watchdog reads the phase from the training thread's stack: here a thread blocked in a function
+    that looks, to it, like plait.train._accumulate."""
+    code = "def _accumulate(event):\n    event.wait()\n"
+    namespace: dict = {}
+    exec(compile(code, "/site/plait/train.py", "exec"), namespace)
+    event = threading.Event()
+    thread = threading.Thread(target=namespace["_accumulate"], args=(event,))
+    thread.start()
+    try:
+        time.sleep(0.05)
+        phase, where = describe_stack(sys._current_frames()[thread.ident])
+    finally:
+        event.set()
+        thread.join()
+    assert phase == "forward/backward" and "in wait" in where
+
+
+def test_guard_spikes_warn_and_optionally_skip(tmp_path):
+    env = DistEnv(0, 1, 0, torch.device("cpu"))
+    for skip in (False, True):
+        cfg = load_config(
+            None, ["guard.spike_window=3", "guard.spike_num_std=4", "guard.hang_timeout_s=0", f"run.out_dir={tmp_path}"]
+        )
+        cfg.guard.spike_skip_enabled = skip
+        metrics = MetricsLogger(tmp_path / f"skip{skip}", cfg.log, 10)
+        guard = Guard(cfg, env, metrics=metrics)
+        state = TrainState()
+        decisions = []
+        for step, loss in enumerate([3.0, 2.9, 2.95, 2.92, 9.0, 2.9], start=1):
+            guard.before_step(step)
+            decisions.append(guard.should_step(torch.tensor(loss), torch.tensor(1.0)))
+            assert guard.after_step(step, state) is False
+        guard.close()
+        metrics.close()
+        assert decisions == [True] * 4 + [not skip, True]
+        records = [r for r in rows(tmp_path / f"skip{skip}") if r["step"] == 5]
+        assert records[0]["guard/loss_spike" if not skip else "guard/skipped"] == 1
+        assert guard.num_spikes == 1 and guard.num_skipped == int(skip)
+
+
+# ------------------------------------------------------------------------------------------ one process
+
+
+def test_skip_policy_drops_the_bad_step_and_finishes(data_dir, tmp_path, monkeypatch):
+    from plait.train import train
+
+    clean = train(load_config(None, [*base(data_dir, 5), f"run.out_dir={tmp_path}", "run.name=clean"]))
+    monkeypatch.setenv("PLAIT_FAULT_NAN", "3")
+    faulty = train(load_config(None, [*base(data_dir, 5), f"run.out_dir={tmp_path}", "run.name=skip"]))
+    records = rows(tmp_path / "skip")
+    skipped = [r for r in records if "guard/skipped" in r]
+    assert [(r["step"], r["guard/reason"]) for r in skipped] == [(3, "non-finite")]
+    assert skipped[0]["guard/loss"] != skipped[0]["guard/loss"]  # NaN, recorded as such
+    assert max(r["step"] for r in records) == 5 and faulty["loss"] == faulty["loss"]
+    # Steps 1-2 are the clean run's; the skipped update leaves the weights as they were, so later
+    # losses differ from the clean run only through the batch that was dropped.
+    assert [losses(records)[s] for s in (1, 2)] == [losses(rows(tmp_path / "clean"))[s] for s in (1, 2)]
+    assert clean["loss"] != faulty["loss"]
+
+
+def test_rollback_policy_replays_to_the_clean_trajectory(data_dir, tmp_path, monkeypatch):
+    """NaN at step 7 with checkpoints every 4 steps: reload step 4, replay 5-8; the replayed losses equal the
+    uninterrupted run's exactly (the checkpoint restores model, optimizer, schedule and data position)."""
+    from plait.train import train
+
+    args = [*base(data_dir, 8), f"run.out_dir={tmp_path}", "checkpoint.every_steps=4", "checkpoint.keep_last=5"]
+    args.append("checkpoint.async_enabled=false")  # the step-4 save is surely published by step 7
+    train(load_config(None, [*args, "run.name=clean"]))
+    monkeypatch.setenv("PLAIT_FAULT_NAN", "7")
+    train(load_config(None, [*args, "run.name=rollback", "guard.nonfinite_policy=rollback"]))
+    records = rows(tmp_path / "rollback")
+    rollbacks = [(r["step"], r["guard/rollback_to"]) for r in records if "guard/rollback_to" in r]
+    assert rollbacks == [(7, 4)]
+    assert [r["step"] for r in records if "train/loss" in r] == [1, 2, 3, 4, 5, 6, 5, 6, 7, 8]
+    assert losses(records) == losses(rows(tmp_path / "clean"))
+
+
+def test_stop_policy_and_giving_up(data_dir, tmp_path, monkeypatch):
+    from plait.train import train
+
+    with pytest.raises(ConfigError, match="set checkpoint.every_steps"):
+        load_config(None, ["guard.nonfinite_policy=rollback"])
+    monkeypatch.setenv("PLAIT_FAULT_NAN", "2")
+    with pytest.raises(PlaitError, match=r"loss is nan and gradient norm nan at step 2; lower optim.lr"):
+        train(load_config(None, [*base(data_dir, 4), f"run.out_dir={tmp_path}", "guard.nonfinite_policy=stop"]))
+    monkeypatch.setenv("PLAIT_FAULT_NAN", "2:10")  # every step from 2 on
+    overrides = [*base(data_dir, 9), f"run.out_dir={tmp_path}", "run.name=giveup", "guard.max_consecutive_failures=3"]
+    with pytest.raises(PlaitError, match=r"3 failed steps in a row \(the latest: step 4, non-finite"):
+        train(load_config(None, overrides))
+
+
+# ------------------------------------------------------------------------------------------ two ranks
+
+
+def _worker(rank: int, world: int, port: int, jobs: list, out_dir: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
+    os.environ.update(MASTER_PORT=str(port), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    from plait.parallel.env import init_distributed, shutdown
+    from plait.train import _train
+
+    results = []
+    try:
+        env = init_distributed("cpu", 120)
+        for i, (overrides, fault_env) in enumerate(jobs):
+            os.environ.update(fault_env)
+            try:
+                cfg = load_config(None, [*overrides, f"run.out_dir={out_dir}", f"run.name=job{i}"])
+                _train(cfg, env)
+                run_dir = Path(out_dir) / f"job{i}"
+                results.append({"error": None, "rows": rows(run_dir) if rank == 0 else None})
+            except PlaitError as e:  # raised alike on every rank: the group stays usable
+                results.append({"error": str(e), "rows": None})
+            except Exception:
+                results.append({"error": traceback.format_exc(), "rows": None})
+                raise
+            finally:
+                for key in fault_env:
+                    os.environ.pop(key)
+    finally:
+        if rank == 0:
+            Path(out_dir, "results.json").write_text(json.dumps(results))
+        shutdown()
+
+
+def test_two_ranks_refuse_skip_rollback_and_name_the_straggler(data_dir, tmp_path):
+    """Four jobs on one two-rank FSDP group: a bad rank refuses to start; skip drops step 3 on both ranks
+    while rank 1, 0.5 s slow per step, is named a straggler; rollback (asynchronous saves) equals the clean
+    run."""
+    fsdp = [*base(data_dir, 6), "log.every_steps=2", "checkpoint.every_steps=2", "checkpoint.keep_last=5"]
+    jobs = [
+        (fsdp, {"PLAIT_FAULT_BAD_RANK": "1"}),
+        ([*fsdp, "guard.straggler_ratio=1.5"], {"PLAIT_FAULT_NAN": "3", "PLAIT_FAULT_SLOW_RANK": "1:0.5"}),
+        ([*fsdp, "guard.nonfinite_policy=rollback"], {"PLAIT_FAULT_NAN": "5"}),
+        (fsdp, {}),
+    ]
+    ctx = mp.start_processes(
+        _worker, args=(2, free_port(), jobs, str(tmp_path)), nprocs=2, join=False, start_method="spawn"
+    )
+    try:
+        while not ctx.join(timeout=600):
+            pass
+    except mp.ProcessRaisedException as e:
+        detail = (tmp_path / "results.json").read_text() if (tmp_path / "results.json").exists() else ""
+        raise AssertionError(f"a worker failed: {e}\n{detail[-3000:]}") from None
+    refused, skip, rollback, clean = json.loads((tmp_path / "results.json").read_text())
+
+    assert refused["error"].startswith("health check failed, training not started: rank 1 ")
+    assert "matmul differs" in refused["error"] and "plait doctor --nproc 2" in refused["error"]
+
+    assert skip["error"] is None, skip["error"]
+    assert [r["step"] for r in skip["rows"] if "guard/skipped" in r] == [3]
+    stragglers = [r for r in skip["rows"] if "guard/straggler_rank" in r]
+    assert [r["step"] for r in stragglers] == [2, 4, 6]  # log steps after the first interval (step 1)
+    assert all(r["guard/straggler_rank"] == 1 and r["guard/straggler_ratio"] > 1.5 for r in stragglers), stragglers
+
+    assert rollback["error"] is None and clean["error"] is None, (rollback["error"], clean["error"])
+    # Saves are asynchronous here: the step-4 checkpoint may still be in flight at step 5, and then the
+    # newest published one, step 2, is the one to go back to.
+    targets = [(r["step"], r["guard/rollback_to"]) for r in rollback["rows"] if "guard/rollback_to" in r]
+    assert targets in ([(5, 4)], [(5, 2)])
+    assert losses(rollback["rows"]) == losses(clean["rows"])
+    assert all(r["guard/straggler_rank"] == -1 for r in clean["rows"] if "guard/straggler_rank" in r)
+
+
+# ------------------------------------------------------------------------------------------ the watchdog
+
+
+@pytest.mark.slow
+def test_hang_watchdog_reports_exits_and_the_group_restarts(data_dir, tmp_path):
+    """Rank 1 hangs in forward at step 3: its watchdog names the rank and phase, dumps the stacks and exits
+    non-zero; the elastic agent restarts both workers, which resume from the step-2 checkpoint and finish."""
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env["PLAIT_FAULT_HANG"] = "1:3"
+    args = [f"--{o}" for o in base(data_dir, 4)]
+    args += ["--checkpoint.every_steps=2", "--guard.hang_timeout_s=3", "--parallel.timeout_s=60"]
+    result = subprocess.run(
+        [sys.executable, "-m", "plait.cli", "train", "--nproc", "2", "--max-restarts", "1", *args],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**env, "PYTHONPATH": str(Path(__file__).parent)},
+        timeout=600,
+    )
+    err = result.stderr
+    assert result.returncode == 0, err[-4000:]
+    assert "fault injection: rank 1 hangs in forward" in err
+    report = next(line for line in err.splitlines() if "hang watchdog: rank 1" in line)
+    assert "in step 3, phase forward/backward, at plait/guards.py" in report and "exiting with code 124" in report
+    assert "last collective entered: gloo:" in report  # from the flight recorder
+    peer = next((line for line in err.splitlines() if "hang watchdog: rank 0" in line), None)
+    if peer is not None:  # unless the agent stopped it first: rank 0 waits in a collective for rank 1
+        assert "in step 3, phase" in peer and "last collective entered: gloo:" in peer, peer
+    assert "Most recent call first" in err or "most recent call first" in err  # faulthandler's stacks
+    assert "resumed from" in err and "step_00000002" in err
+    metrics = rows(tmp_path / "runs" / "default")
+    assert max(r["step"] for r in metrics) == 4
+    print(peer or "(rank 0 was stopped first)", report, sep="\n")

@@ -1,0 +1,116 @@
+"""Health checks: the arithmetic check, the report's verdicts, the check before training and `plait doctor`
+(one process in-process; four real gloo workers through the CLI with an injected bad and slow rank)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from plait.cli import main as cli_main
+from plait.config import load_config
+from plait.errors import PlaitError
+from plait.health import CollectiveRow, ComputeResult, HealthReport, bus_factor, check_compute, parse_sizes
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    from plait.data import ensure_prepared
+
+    # one cache per session, shared by test_health and test_guards: tokenising costs seconds
+    return ensure_prepared("shakespeare", tmp_path_factory.getbasetemp() / "guard-health-cache", 4096)
+
+
+def test_bus_bandwidth_factors_and_sizes():
+    assert bus_factor("all_reduce", 4) == 1.5 and bus_factor("all_gather", 4) == 0.75
+    assert bus_factor("reduce_scatter", 2) == 0.5 and bus_factor("send_recv", 8) == 1.0
+    row = CollectiveRow("dp_shard", 4, "all_reduce", 1 << 20, seconds=1e-3)
+    assert row.algbw == pytest.approx(1.048576) and row.busbw == pytest.approx(1.048576 * 1.5)
+    assert parse_sizes("64K,1M,2g") == (65536, 1 << 20, 2 << 30)
+    with pytest.raises(PlaitError, match="not a size"):
+        parse_sizes("12parsecs")
+
+
+def test_compute_check_catches_an_injected_bad_rank(monkeypatch):
+    cpu = torch.device("cpu")
+    good = check_compute(cpu, rank=0, size=128, reps=1)
+    assert good.wrong is None and good.matmul_err < 1e-5 and good.seconds > 0
+    monkeypatch.setenv("PLAIT_FAULT_BAD_RANK", "1")
+    assert check_compute(cpu, rank=0, size=128, reps=1).wrong is None  # another rank's fault
+    bad = check_compute(cpu, rank=1, size=128, reps=1)
+    assert "differs from the fp64 reference" in bad.wrong and bad.fingerprint != good.fingerprint
+
+
+def test_report_names_wrong_slow_and_disagreeing_ranks():
+    def dev(rank, seconds, err=1e-7, bits="aaaa"):
+        return ComputeResult(rank, "node", "GPU-X", 512, seconds, err, 1e-9, bits)
+
+    report = HealthReport(
+        [dev(0, 0.010), dev(1, 0.035), dev(2, 0.011, err=0.5, bits="bbbb"), dev(3, 0.012)],
+        [CollectiveRow("tp", 2, "all_gather", 4096, 1e-4, wrong_ranks=[3])],
+        slow_ratio=2.0,
+    )
+    problems = "\n".join(report.problems())
+    assert "rank 2 (node, GPU-X): matmul differs" in problems
+    assert "rank 3 (node, GPU-X): all_gather on axis tp delivered wrong values" in problems
+    assert "rank 1 (node, GPU-X) is slow: 3.2x" in problems  # 35 ms vs the median of 10, 11, 12
+    assert sorted(report.wrong()) == [2, 3] and list(report.slow()) == [1] and report.disagree() == [2]
+    # Two ranks: each is compared with its one peer, so a 3x slower rank is still named.
+    assert list(HealthReport([dev(0, 0.01), dev(1, 0.03)], [], 2.0).slow()) == [1]
+
+
+def test_training_refuses_to_start_on_a_bad_device(data_dir, tmp_path, monkeypatch):
+    from plait.train import train
+
+    overrides = [
+        "model.preset=debug",
+        f"data.source={data_dir}",
+        "data.seq_len=32",
+        "train.global_batch_size=4",
+        "train.steps=1",
+        "eval.every_steps=0",
+        "sample.max_new_tokens=0",
+        "log.tensorboard=false",
+        f"run.out_dir={tmp_path}",
+    ]
+    monkeypatch.setenv("PLAIT_FAULT_BAD_RANK", "0")
+    with pytest.raises(PlaitError, match=r"health check failed, training not started: rank 0 .*matmul differs"):
+        train(load_config(None, overrides))
+    assert not (tmp_path / "default" / "metrics.jsonl").exists()
+    final = train(load_config(None, [*overrides, "run.health_check_enabled=false"]))
+    assert final["loss"] > 0
+
+
+def test_doctor_one_process(capsys):
+    assert cli_main(["doctor", "--run.device=cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "512x512 fp32 matmul" in out and "no mesh axis has more than one rank" in out
+    assert "doctor: all 1 rank(s) healthy" in out
+
+
+@pytest.mark.slow
+def test_doctor_four_processes_names_the_bad_and_the_slow_rank(tmp_path):
+    """dp_shard=2 x tp=2 on four gloo workers: every op on both axes is checked and timed; rank 2's arithmetic
+    is corrupted and rank 1 is 0.3 s slower per matmul, so doctor prints the tables and exits 1 naming both."""
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env.update(PLAIT_FAULT_BAD_RANK="2", PLAIT_FAULT_SLOW_RANK="1:0.3")
+    args = ["doctor", "--nproc", "4", "--run.device=cpu", "--parallel.dp_shard_degree=2", "--parallel.tp_degree=2"]
+    result = subprocess.run(
+        [sys.executable, "-m", "plait.cli", *args, "--sizes", "64K,256K", "--iters", "2"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=600,
+    )
+    out = result.stdout
+    assert result.returncode == 1, result.stderr[-3000:]
+    for axis in ("dp_shard", "tp"):
+        assert f"axis {axis}: 2 group(s) of 2 ranks" in out, out
+    for op in ("all_reduce", "all_gather", "reduce_scatter", "send_recv"):
+        assert sum(line.split("│")[1].strip() == op for line in out.splitlines() if "│" in line) == 4  # 2 axes x 2
+    assert "WRONG on rank" not in out  # the collectives themselves are fine
+    assert "doctor: FAILED" in out
+    assert "rank 2 (" in out and "matmul differs from the fp64 reference" in out
+    assert "rank 1 (" in out and "is slow" in out
