@@ -19,7 +19,6 @@ import socket
 import statistics
 import sys
 import time
-import uuid
 from dataclasses import dataclass, field
 
 import torch
@@ -538,22 +537,11 @@ def _doctor_worker(argv: list[str]) -> None:
 def _launch(nproc: int, argv: list[str]) -> int:
     """`plait doctor argv` in nproc local workers (torch's elastic agent, as `plait train --nproc`)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=nproc,
-        run_id=f"plait-doctor-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint="127.0.0.1:0",
-        max_restarts=0,
-        monitor_interval=0.2,
-        start_method="spawn",
-    )
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    from plait.launch import elastic_run
+
     try:
-        elastic_launch(config, _doctor_worker)(argv)
+        elastic_run(_doctor_worker, argv, nproc, name="plait-doctor")
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         if failure.exitcode == 1:  # a check failed: rank 0 has printed which

@@ -31,17 +31,16 @@ def _worker(argv: list[str]) -> None:
         sys.exit(code)
 
 
-def launch_local(nproc: int, argv: list[str], max_restarts: int) -> int:
-    """Run `plait train argv` in nproc local workers; restart the whole group up to max_restarts times
-    when a worker dies (training then resumes from the newest checkpoint)."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+def elastic_run(entrypoint, argv: list[str], nproc: int, *, max_restarts: int = 0, name: str = "plait") -> None:
+    """Run entrypoint(argv) in nproc local workers under torch's elastic agent (c10d rendezvous on
+    loopback); a failed worker raises ChildFailedError after max_restarts restarts of the group."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=nproc,
-        run_id=f"plait-{uuid.uuid4().hex[:8]}",
+        run_id=f"{name}-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
         rdzv_endpoint="127.0.0.1:0",
         max_restarts=max_restarts,
@@ -49,8 +48,16 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int) -> int:
         start_method="spawn",
     )
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    elastic_launch(config, entrypoint)(argv)
+
+
+def launch_local(nproc: int, argv: list[str], max_restarts: int) -> int:
+    """Run `plait train argv` in nproc local workers; restart the whole group up to max_restarts times
+    when a worker dies (training then resumes from the newest checkpoint)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
     try:
-        elastic_launch(config, _worker)(argv)
+        elastic_run(_worker, argv, nproc, max_restarts=max_restarts)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         raise PlaitError(
