@@ -23,11 +23,6 @@ from pathlib import Path
 
 STARTUP_TIMEOUT_S = 60
 
-# Extra override for training runs that checkpoint to this server. The lineage registry reads each published
-# checkpoint back through plait.lifecycle.models.load_model, which takes local paths only (Path(ref)): with
-# S3 checkpoints it fails at the first save. Off until it reads S3 locations (plait.storage.Location) too.
-S3_WITHOUT_LINEAGE = "lineage.enabled=false"
-
 
 def weed_binary() -> str | None:
     return shutil.which("weed")

@@ -24,7 +24,7 @@ from plait.checkpoint import CheckpointManager, TrainState, list_checkpoints, lo
 from plait.config import load_config
 from plait.errors import ConfigError, PlaitError
 from plait.storage import location, parse_metadata, remove_tree
-from s3_server import S3_WITHOUT_LINEAGE, SeaweedS3, weed_binary
+from s3_server import SeaweedS3, weed_binary
 
 STEPS = 8
 
@@ -330,7 +330,6 @@ def s3_args(s3: SeaweedS3, prefix: str) -> list[str]:
     return [
         f"checkpoint.dir=s3://{s3.bucket}/{prefix}",
         f"checkpoint.s3_endpoint={s3.endpoint}",
-        S3_WITHOUT_LINEAGE,
     ]
 
 
@@ -350,6 +349,44 @@ def test_s3_save_and_resume(s3, data_dir, straight, tmp_path):
     (tmp_path / "s" / "metrics.jsonl").unlink()
     resumed = run(data_dir, tmp_path, "s", *s3_args(s3, "runs/s"))
     assert resumed["loss"] == {s: ref["loss"][s] for s in (7, 8)}
+
+
+def test_s3_checkpoints_reach_lineage_generate_inspect_and_export(s3, data_dir, tmp_path):
+    """S3 checkpoints are first-class: the lineage registry records each (read back from S3 to hash its
+    weights), and `plait ckpt inspect | export` and `plait generate` take s3:// paths (endpoint from
+    $AWS_ENDPOINT_URL); the export is recorded in the lineage as a child of the S3 checkpoint."""
+    from plait.lifecycle.lineage import Registry
+    from plait.lifecycle.lora import model_weights_hash
+    from plait.lifecycle.models import load_model
+
+    url = f"s3://{s3.bucket}/runs/lineage"
+    run(data_dir, tmp_path, "l", *s3_args(s3, "runs/lineage"), "checkpoint.every_steps=4")
+    registry = Registry(tmp_path / "lineage.sqlite", create=False)
+    recorded = {a.path: a for a in registry.all("checkpoint")}
+    assert sorted(recorded) == [f"{url}/step_00000004", f"{url}/step_00000008"]
+    newest = location(f"{url}/step_00000008", s3.endpoint)
+    assert recorded[str(newest)].weights_hash == model_weights_hash(load_model(newest).model)
+
+    env = {**os.environ, "AWS_ENDPOINT_URL": s3.endpoint}
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        done = subprocess.run(
+            [sys.executable, "-m", "plait.cli", *args], capture_output=True, text=True, env=env, timeout=300
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done
+
+    shown = cli("ckpt", "inspect", url).stdout
+    assert "step_00000008" in shown and "vocabulary" in shown and "checkpoints here" in shown
+    sample = cli("generate", url, "--prompt", "ROMEO:", "--max-new-tokens", "8", "--device", "cpu").stdout
+    assert sample.startswith("ROMEO:")
+    out = tmp_path / "hf"
+    exported = cli("ckpt", "export", url, "--out", str(out), "--registry", str(tmp_path / "lineage.sqlite"))
+    assert "recorded in the lineage registry" in exported.stdout
+    export = registry.by_path(out)
+    assert export is not None and export.kind == "export" and export.parent_id == recorded[str(newest)].id
+    tree = cli("lineage", "show", str(out), "--registry", str(tmp_path / "lineage.sqlite")).stdout
+    assert "step_00000008" in tree and "export" in tree
 
 
 def test_s3_outage_during_training_is_survived(s3, data_dir, tmp_path, capsys):

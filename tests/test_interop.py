@@ -372,6 +372,17 @@ def test_ckpt_export_hf_loads_in_transformers(trained_run, tmp_path, capsys):
     bf16 = tmp_path / "bf16"
     assert cmd_ckpt(["export", str(trained_run), "--out", str(bf16), "--dtype", "bf16"]) == 0
     assert json.loads((bf16 / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    # Both exports are in the run's lineage registry, children of the checkpoint, hashed as written.
+    from plait.lifecycle.lineage import Registry
+    from plait.lifecycle.models import load_model
+
+    registry = Registry(trained_run.parent / "lineage.sqlite", create=False)
+    ckpt = registry.by_path(trained_run / "checkpoints" / "step_00000002")
+    for path in (out, bf16):
+        export = registry.by_path(path)
+        assert export.kind == "export" and export.parent_id == ckpt.id
+        assert export.weights_hash == load_model(path).weights_hash()
+    assert registry.by_path(out).weights_hash == ckpt.weights_hash != registry.by_path(bf16).weights_hash
 
 
 def test_ckpt_export_safetensors(trained_run, tmp_path):

@@ -81,10 +81,22 @@ def test_slurm_script(tmp_path):
     assert bad.returncode == 2 and "world size 3 is not divisible" in bad.stderr
 
 
-def test_lost_rank_restarts_and_ends_bitwise_equal(tmp_path):
-    """Kill rank 1 at step 5 (after the step-4 checkpoint): the elastic agent restarts both workers, they
-    resume from step 4, and the final weights equal an uninterrupted run's bit for bit."""
+def test_random_lost_ranks_restart_and_end_bitwise_equal(tmp_path):
+    """Kill a random rank at a random step, three times in one run (the i-th kill fires in elastic attempt
+    i): the agent restarts the group each time, each attempt resumes from the newest complete checkpoint,
+    no more than one checkpoint interval of finished steps is redone per kill, and the final weights equal
+    an uninterrupted run's bit for bit. The seed is printed on failure; PLAIT_TEST_SEED replays it."""
+    import random
+    import re
+
     import torch
+
+    seed = int(os.environ.get("PLAIT_TEST_SEED", random.SystemRandom().randrange(2**32)))
+    rng = random.Random(seed)
+    steps, every = 12, 2
+    kills = [(rng.randrange(2), s) for s in sorted(rng.sample(range(2, steps + 1), 3))]
+    spec = ",".join(f"{r}:{s}" for r, s in kills)
+    why = f"seed {seed}, PLAIT_FAULT_KILL={spec}"
 
     data = ensure_prepared("shakespeare", tmp_path / "cache", 4096)
     args = [
@@ -95,25 +107,31 @@ def test_lost_rank_restarts_and_ends_bitwise_equal(tmp_path):
         f"--data.source={data}",
         "--data.seq_len=32",
         "--train.global_batch_size=4",
-        "--train.steps=6",
+        f"--train.steps={steps}",
         "--parallel.tp_degree=2",
         "--eval.every_steps=0",
-        "--checkpoint.every_steps=2",
-        "--checkpoint.keep_last=5",
+        f"--checkpoint.every_steps={every}",
+        "--checkpoint.keep_last=3",
         "--log.tensorboard=false",
         "--sample.max_new_tokens=0",
         f"--run.out_dir={tmp_path}",
     ]
     clean = run_cli(*args, "--run.name=clean", cwd=tmp_path)
     assert clean.returncode == 0, clean.stderr[-3000:]
-    env_kill = {"PLAIT_FAULT_KILL": "1:5"}
-    os.environ.update(env_kill)
+    os.environ["PLAIT_FAULT_KILL"] = spec
     try:
-        faulty = run_cli(*args, "--run.name=faulty", "--max-restarts", "1", cwd=tmp_path)
+        faulty = run_cli(*args, "--run.name=faulty", "--max-restarts", str(len(kills)), cwd=tmp_path)
     finally:
         os.environ.pop("PLAIT_FAULT_KILL")
-    assert faulty.returncode == 0, faulty.stderr[-3000:]
-    assert "killing rank 1 at step 5" in faulty.stderr and "resumed from" in faulty.stderr
+    assert faulty.returncode == 0, f"{why}\n{faulty.stderr[-3000:]}"
+    for rank, step in kills:
+        assert f"killing rank {rank} at step {step}" in faulty.stderr, why
+    found = re.findall(r"resumed from \S+\s+\(step (\d+)\)|restarted from step (0)", faulty.stderr)
+    resumed = [int(a or b) for a, b in found]
+    assert len(resumed) == len(kills), f"{why}: resumed at steps {resumed}"
+    for (_, step), at in zip(kills, resumed, strict=True):
+        redone = (step - 1) - at  # steps finished before the kill that the next attempt runs again
+        assert 0 <= redone <= every, f"{why}: killed before step {step}, resumed from step {at}"
 
     def weights(run: str) -> dict:
         from plait.checkpoint import list_checkpoints, load_model_weights
@@ -126,7 +144,16 @@ def test_lost_rank_restarts_and_ends_bitwise_equal(tmp_path):
         return model.state_dict()
 
     a, b = weights("clean"), weights("faulty")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), why
+
+
+def test_fault_kill_spec_is_checked_before_workers_start(tmp_path, monkeypatch):
+    monkeypatch.setenv("PLAIT_FAULT_KILL", "1:5,x")
+    bad = run_cli("train", "--nproc", "2", "--model.preset=debug", cwd=tmp_path)
+    assert bad.returncode == 2 and "expected RANK:STEP" in bad.stderr
+    monkeypatch.setenv("PLAIT_FAULT_KILL", "3:5")
+    bad = run_cli("train", "--nproc", "2", "--model.preset=debug", cwd=tmp_path)
+    assert bad.returncode == 2 and "names rank 3, but the run has 2 ranks" in bad.stderr
 
 
 def test_layout_auto_uses_the_planner(tmp_path):

@@ -21,7 +21,7 @@ import pytest
 from parallel_harness import read_metrics, run_layouts
 from plait.checkpoint import list_checkpoints
 from plait.config import load_config
-from s3_server import S3_WITHOUT_LINEAGE, SeaweedS3, weed_binary
+from s3_server import SeaweedS3, weed_binary
 from test_parallel import GRAD_NORM_RTOL, LOSS_RTOL, STEPS, base
 
 SAVE_STEP = 6
@@ -136,7 +136,6 @@ def matrix(data_dir, tmp_path_factory, s3) -> dict[str, dict]:
                "checkpoint.keep_last=5", f"checkpoint.dir={root / 'timed'}"])  # fmt: skip
     names.append("timed")
     s3_dir = [f"checkpoint.dir=s3://{s3.bucket}/reshard", f"checkpoint.s3_endpoint={s3.endpoint}"] if s3 else []
-    s3_dir += [S3_WITHOUT_LINEAGE] if s3 else []
     if s3:
         w4.append([*base(data_dir), *SAVES["FSDP 2 x TP 2"], f"checkpoint.every_steps={SAVE_STEP}", *s3_dir])
         names.append("save FSDP 2 x TP 2 on S3")

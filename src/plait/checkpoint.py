@@ -25,11 +25,14 @@ already hold checkpoint values, so a failed load must end the run (as it does: n
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import os
 import re
+import shutil
 import sys
+import tempfile
 import threading
 import time
 import warnings
@@ -120,6 +123,41 @@ def read_meta(path: Location | str) -> dict[str, Any]:
         raise
     except Exception as e:
         raise PlaitError(f"checkpoint {path} has no readable {META}: {_one_line(e)}") from None
+
+
+def resolve_checkpoint(ref: str | os.PathLike | Location, endpoint: str = "") -> Location:
+    """A checkpoint (a local directory or an s3:// prefix holding plait.json), or the newest complete
+    checkpoint of a run directory or of a checkpoints directory. The S3 endpoint comes from ``endpoint``, else
+    $AWS_ENDPOINT_URL."""
+    loc = ref if isinstance(ref, Path | RemotePath) else storage.location(ref, endpoint)
+    try:
+        if storage.exists(loc / META):
+            return loc
+        found = storage.exists(loc)
+    except PlaitError:
+        raise
+    except Exception as e:
+        raise PlaitError(f"cannot read {loc}: {_one_line(e)}") from None
+    if not found:
+        raise PlaitError(f"{loc} does not exist: give a checkpoint directory or a run directory")
+    ckpts = list_checkpoints(loc / "checkpoints") or list_checkpoints(loc)
+    if not ckpts:
+        raise PlaitError(f"{loc} holds no complete checkpoint (looked for step_*/{META})")
+    return ckpts[-1]
+
+
+def local_file(loc: Location) -> Path | None:
+    """A local path to a small file of a checkpoint (its tokenizer): the file itself, or for S3 a copy in a
+    temporary directory that lives as long as the process. None where the file does not exist."""
+    if isinstance(loc, Path):
+        return loc if loc.is_file() else None
+    if not storage.exists(loc):
+        return None
+    directory = Path(tempfile.mkdtemp(prefix="plait-s3-"))
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    target = directory / loc.name
+    target.write_bytes(storage.read_bytes(loc))
+    return target
 
 
 def step_of(path: Location) -> int:

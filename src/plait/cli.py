@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
 from plait.errors import ConfigError, PlaitError
 
@@ -173,7 +172,7 @@ def cmd_generate(argv: list[str]) -> int:
         raise ConfigError("need --temperature >= 0, --top-k >= 0, 0 < --top-p <= 1, --max-new-tokens >= 1")
     from plait.generate import generate, load_for_generation
 
-    model, tok, eos = load_for_generation(Path(a.checkpoint), a.device)
+    model, tok, eos = load_for_generation(a.checkpoint, a.device)
     ids = tok.encode(a.prompt).ids
     if not ids:
         raise ConfigError("--prompt is empty after tokenisation; give some text")

@@ -72,25 +72,22 @@ def generate(
     return out
 
 
-def load_for_generation(path: Path, device: str = "auto"):
+def load_for_generation(path: str | Path, device: str = "auto"):
     """(model, tokenizer, eos id) from a checkpoint directory, or from a run directory's newest checkpoint."""
-    from plait.checkpoint import list_checkpoints, load_model_weights, read_meta
+    from plait.checkpoint import load_model_weights, local_file, read_meta, resolve_checkpoint
     from plait.config import from_dict
     from plait.data import eos_id, load_tokenizer
     from plait.hardware import resolve_device
 
-    if not path.exists():
-        raise PlaitError(f"{path} does not exist: give a checkpoint directory or a run directory")
-    if not (path / "plait.json").is_file():
-        ckpts = list_checkpoints(path / "checkpoints") or list_checkpoints(path)
-        if not ckpts:
-            raise PlaitError(f"{path} holds no complete checkpoint (looked for step_*/plait.json)")
-        path = ckpts[-1]
+    path = resolve_checkpoint(path)
     cfg = from_dict(read_meta(path)["config"])
     with torch.device("meta"):
         model = Transformer(cfg.model)
     model.to_empty(device=resolve_device(device))
     model.init_weights(0)  # rotary tables; the weights are overwritten below
     load_model_weights(model, path)
-    tok = load_tokenizer(path / "tokenizer.json")
+    tok_path = local_file(path / "tokenizer.json")
+    if tok_path is None:
+        raise PlaitError(f"checkpoint {path} has no tokenizer.json: plait generate needs one to read prompts")
+    tok = load_tokenizer(tok_path)
     return model, tok, eos_id(tok)

@@ -132,4 +132,10 @@ def _validate_before_launch(train_args: list[str], world_size: int):
     path, overrides = split_config_args(train_args)
     cfg = load_config(path, overrides)
     validate_layout(cfg, ParallelDims.from_config(cfg.parallel, world_size))
+    if os.environ.get("PLAIT_FAULT_KILL"):
+        from plait.train import parse_fault_kills
+
+        for rank, _ in parse_fault_kills(os.environ["PLAIT_FAULT_KILL"]):
+            if rank >= world_size:
+                raise ConfigError(f"PLAIT_FAULT_KILL names rank {rank}, but the run has {world_size} ranks")
     return cfg

@@ -23,7 +23,7 @@ from rich.progress import (
 
 from plait.config import LogConfig
 
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)  # paths stay on one line: copy-pasteable, greppable
 
 
 class MetricsLogger:

@@ -94,6 +94,7 @@ def location(path: str | os.PathLike, endpoint: str = "") -> Location:
     if text.startswith("s3://"):
         if len(text) <= len("s3://") or text[len("s3://") :].startswith("/"):
             raise PlaitError(f"{text!r} is not an S3 location; write s3://bucket/prefix")
+        endpoint = endpoint or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL", "")
         return RemotePath(text, {"endpoint_url": endpoint} if endpoint else {})
     if "://" in text:
         raise PlaitError(f"{text!r}: only local directories and s3://bucket/prefix are supported")

@@ -351,6 +351,8 @@ def _train(cfg: Config, env: DistEnv) -> dict[str, float]:
         checkpointer.load(resume_from, t, loader=loader, state=state)
         if env.is_main:
             console.print(f"resumed from {resume_from} (step {state.step})")
+    elif env.is_main and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        console.print(f"restarted from step 0: no complete checkpoint in {checkpoint_dir(cfg)} yet")
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(to_toml(cfg))
@@ -428,15 +430,27 @@ def _train(cfg: Config, env: DistEnv) -> dict[str, float]:
 
 
 def maybe_inject_fault(rank: int, step: int) -> None:
-    """Fault injection for resilience tests: PLAIT_FAULT_KILL="RANK:STEP" kills that rank (hard exit, as a
-    lost machine would) when it is about to run STEP, in the first attempt only (elastic restarts go on)."""
+    """Fault injection for resilience tests: PLAIT_FAULT_KILL="RANK:STEP[,RANK:STEP...]" kills a rank (hard
+    exit, as a lost machine would) when it is about to run STEP. The i-th entry fires in elastic attempt i
+    (the first run is attempt 0), so one run can lose several ranks in turn and still finish."""
     spec = os.environ.get("PLAIT_FAULT_KILL")
-    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+    if not spec:
         return
-    kill_rank, kill_step = (int(x) for x in spec.split(":"))
-    if rank == kill_rank and step == kill_step:
+    kills = parse_fault_kills(spec)
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt < len(kills) and kills[attempt] == (rank, step):
         print(f"plait: fault injection: killing rank {rank} at step {step}", file=sys.stderr, flush=True)
         os._exit(137)
+
+
+def parse_fault_kills(spec: str) -> list[tuple[int, int]]:
+    try:
+        kills = [tuple(int(x) for x in item.split(":")) for item in spec.split(",")]
+    except ValueError:
+        kills = []
+    if not kills or any(len(k) != 2 or min(k) < 0 for k in kills):
+        raise ConfigError(f"PLAIT_FAULT_KILL={spec!r}: expected RANK:STEP[,RANK:STEP...], e.g. '1:5,0:9'")
+    return kills  # type: ignore[return-value]
 
 
 def _layout(dims: ParallelDims) -> str:

@@ -28,7 +28,7 @@ from rich.table import Table
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from plait.checkpoint import META, list_checkpoints, load_model_weights, read_meta
+from plait.checkpoint import META, list_checkpoints, load_model_weights, local_file, read_meta, resolve_checkpoint
 from plait.config import Config, from_dict, to_dict, to_toml, validate
 from plait.errors import ConfigError, PlaitError
 from plait.interop.hf import (
@@ -40,6 +40,7 @@ from plait.interop.hf import (
     param_shapes,
 )
 from plait.model import ModelArgs, Transformer
+from plait.storage import Location, file_sizes
 
 CHECKPOINT_FORMAT = "plait-checkpoint-v1"
 _STEP_DIR = re.compile(r"^step_\d+$")
@@ -62,6 +63,9 @@ def cmd_ckpt(argv: list[str]) -> int:
     p.add_argument("--out", required=True, help="Output directory (for safetensors also a path ending .safetensors).")
     p.add_argument("--dtype", choices=list(_DTYPES), default="fp32", help="Data type of the written weights.")
     p.add_argument("--overwrite", action="store_true", help="Replace an existing output.")
+    p.add_argument(
+        "--registry", help="Lineage registry to record the export in; default: lineage.sqlite in or above PATH."
+    )
     p = sub.add_parser("import", help="Make a plait checkpoint from a Hugging Face model directory.")
     p.add_argument("hf_dir", help="A Llama / Mistral / Qwen2 directory with config.json and safetensors.")
     p.add_argument(
@@ -75,19 +79,7 @@ def cmd_ckpt(argv: list[str]) -> int:
 # ------------------------------------------------------------------------------------------------ loading
 
 
-def resolve_checkpoint(path: Path) -> Path:
-    """A checkpoint directory itself, or the newest complete checkpoint of a run directory."""
-    if not path.exists():
-        raise PlaitError(f"{path} does not exist: give a checkpoint directory or a run directory")
-    if (path / META).is_file():
-        return path
-    ckpts = list_checkpoints(path / "checkpoints") or list_checkpoints(path)
-    if not ckpts:
-        raise PlaitError(f"{path} holds no complete checkpoint (looked for step_*/{META})")
-    return ckpts[-1]
-
-
-def load_checkpoint_model(ckpt: Path, device: str | torch.device = "cpu") -> Transformer:
+def load_checkpoint_model(ckpt: Location, device: str | torch.device = "cpu") -> Transformer:
     """The model of a checkpoint directory (its weights only), in fp32."""
     cfg = from_dict(read_meta(ckpt)["config"])
     model = empty_model(cfg.model, device)
@@ -133,13 +125,13 @@ def write_weights_checkpoint(
 
 
 def _inspect(a: argparse.Namespace) -> int:
-    ckpt = resolve_checkpoint(Path(a.path))
+    ckpt = resolve_checkpoint(a.path)
     meta = read_meta(ckpt)
     cfg = from_dict(meta["config"])
     m = cfg.model
     shapes = param_shapes(m)
     numel = sum(_prod(s) for s in shapes.values())
-    files = [p for p in ckpt.rglob("*") if p.is_file()]
+    files = file_sizes(ckpt)
     state = meta.get("train_state", {})
     rows: list[tuple[str, str]] = [
         ("checkpoint", str(ckpt)),
@@ -156,7 +148,7 @@ def _inspect(a: argparse.Namespace) -> int:
         ("parameters", f"{numel:,} ({numel / 1e6:.2f}M; {m.num_params(exclude_embeddings=True):,} non-embedding)"),
         ("model tensors", f"{len(shapes)} tensors, {_bytes(4 * numel)} in fp32"),
         ("optimizer state", _optim_summary(meta)),
-        ("files", f"{len(files)} files, {_bytes(sum(p.stat().st_size for p in files))} on disk"),
+        ("files", f"{len(files)} files, {_bytes(sum(files.values()))} on disk"),
         ("data position", _data_summary(meta)),
         ("tokenizer", _tokenizer_summary(ckpt)),
         ("config", _config_summary(cfg)),
@@ -210,9 +202,9 @@ def _data_summary(meta: dict[str, Any]) -> str:
     )
 
 
-def _tokenizer_summary(ckpt: Path) -> str:
-    path = ckpt / "tokenizer.json"
-    if not path.is_file():
+def _tokenizer_summary(ckpt: Location) -> str:
+    path = local_file(ckpt / "tokenizer.json")
+    if path is None:
         return "none (plait generate needs a tokenizer.json here)"
     from plait.data import load_tokenizer
 
@@ -247,7 +239,7 @@ def _bytes(n: int) -> str:
 
 
 def _export(a: argparse.Namespace) -> int:
-    ckpt = resolve_checkpoint(Path(a.path))
+    ckpt = resolve_checkpoint(a.path)
     out = Path(a.out)
     target = out if a.format == "hf" or out.suffix == ".safetensors" else out / "model.safetensors"
     if _occupied(target) and not a.overwrite:  # before loading the model, which may take long
@@ -255,11 +247,10 @@ def _export(a: argparse.Namespace) -> int:
     model = load_checkpoint_model(ckpt)
     dtype = _DTYPES[a.dtype]
     if a.format == "hf":
-        tokenizer = ckpt / "tokenizer.json"
         export_hf(
             model,
             out,
-            tokenizer_path=tokenizer if tokenizer.is_file() else None,
+            tokenizer_path=local_file(ckpt / "tokenizer.json"),
             dtype=dtype,
             overwrite=a.overwrite,
         )
@@ -267,8 +258,36 @@ def _export(a: argparse.Namespace) -> int:
     else:
         export_safetensors(model, target, dtype=dtype, overwrite=a.overwrite)
         hint = f"load it with plait.interop.load_safetensors({str(target)!r})"
-    print(f"wrote {target} ({a.format}, {a.dtype}) from {ckpt}; {hint}")
+    recorded = _record_export(a, ckpt, model, target, dtype)
+    print(f"wrote {target} ({a.format}, {a.dtype}) from {ckpt}; {hint}{recorded}")
     return 0
+
+
+def _record_export(a: argparse.Namespace, ckpt: Location, model: Transformer, target: Path, dtype) -> str:
+    """Record the export in the lineage registry covering the checkpoint (if there is one), as a child of the
+    checkpoint, with the hash of the weights as written (a bf16 export has other weights than its source)."""
+    from plait.lifecycle.lineage import open_registry
+    from plait.lifecycle.lora import model_weights_hash
+    from plait.lifecycle.models import Loaded, artifact_for
+
+    registry = open_registry(a.registry, ckpt)
+    if registry is None:
+        return ""
+    meta = read_meta(ckpt)
+    source = Loaded(
+        model, "checkpoint", ckpt, None, meta.get("config"), {k: meta[k] for k in meta if k == "imported_from"}
+    )
+    parent = artifact_for(registry, source)
+    written = model_weights_hash(model.to(dtype).float()) if dtype != torch.float32 else source.weights_hash()
+    registry.record(
+        "export",
+        name=target.name if a.format == "safetensors" else Path(a.out).name,
+        path=target if a.format == "safetensors" else Path(a.out),
+        parent=parent.id,
+        weights_hash=written,
+        extra={"format": a.format, "dtype": a.dtype, "source": str(ckpt)},
+    )
+    return f" (recorded in the lineage registry {registry.path})"
 
 
 # ------------------------------------------------------------------------------------------------- import

@@ -27,11 +27,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from plait.checkpoint import list_checkpoints, load_model_weights, read_meta
+from plait.checkpoint import list_checkpoints, load_model_weights, read_meta, resolve_checkpoint
 from plait.config import Config
 from plait.errors import ConfigError, PlaitError
 from plait.lifecycle.lora import apply_lora_config, is_lora_param
 from plait.model.llama import ModelArgs, canonical_name
+from plait.storage import Location
 
 DEFAULT_TEMPLATE = "### Instruction:\n{prompt}\n\n### Response:\n"
 
@@ -108,12 +109,12 @@ def load_init_weights(parts: list[nn.Module], ref: str, args: ModelArgs) -> dict
     return {"kind": kind, "path": str(path)}
 
 
-def resolve_weights(ref: str | Path) -> tuple[str, Path]:
-    """('hf', dir) for a Hugging Face directory, ('checkpoint', step dir) for a plait checkpoint or run."""
-    path = Path(ref).expanduser()
-    if (path / "config.json").is_file() and not (path / "plait.json").is_file():
+def resolve_weights(ref: str | Path) -> tuple[str, Location]:
+    """('hf', dir) for a Hugging Face directory, ('checkpoint', step dir) for a plait checkpoint or run (local
+    or s3://)."""
+    path = ref if str(ref).startswith("s3://") else Path(ref).expanduser()
+    if isinstance(path, Path) and (path / "config.json").is_file() and not (path / "plait.json").is_file():
         return "hf", path
-    from plait.interop.ckpt_cli import resolve_checkpoint
 
     try:
         return "checkpoint", resolve_checkpoint(path)

@@ -335,7 +335,7 @@ def _dump(value: Mapping | None) -> str | None:
 
 def _norm(path: str | Path | None) -> str | None:
     if path is None or "://" in str(path):  # a remote location (s3://...) is kept as written
-        return None if path is None else str(path)
+        return None if path is None else str(path).rstrip("/")
     return str(Path(path).expanduser().resolve())
 
 
@@ -366,7 +366,7 @@ def open_registry(explicit: str | None, near: str | Path | None = None, *, creat
     exists; None when there is none (and ``create`` is false)."""
     if explicit:
         return Registry(explicit, create=create)
-    found = find_registry(near) if near is not None else None
+    found = find_registry(near) if near is not None and "://" not in str(near) else None
     if found is None and Path("runs", REGISTRY_FILE).is_file():
         found = Path("runs", REGISTRY_FILE)
     return Registry(found, create=False) if found else None

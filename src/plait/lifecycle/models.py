@@ -19,14 +19,15 @@ from plait.errors import PlaitError
 from plait.lifecycle.lineage import Artifact, Registry
 from plait.lifecycle.lora import ADAPTER_FORMAT, apply_lora, load_adapter, model_weights_hash
 from plait.model.llama import Transformer
+from plait.storage import Location, RemotePath
 
 
 @dataclass
 class Loaded:
     model: Transformer
     kind: str  # checkpoint | hf | adapter | safetensors | quantized
-    path: Path
-    tokenizer: Path | None
+    path: Location  # local, or s3:// for a checkpoint there
+    tokenizer: Path | None  # always local (fetched from S3 where need be)
     config: dict | None = None  # the plait config that made it, where known
     meta: dict[str, Any] = field(default_factory=dict)
     _hash: str | None = None
@@ -53,11 +54,16 @@ def safetensors_format(path: Path) -> str | None:
         return None
 
 
-def load_model(ref: str | Path, *, device: str | torch.device = "cpu", base: str | Path | None = None) -> Loaded:
-    """The model behind an artifact reference (see the module docstring), in fp32 on ``device``."""
-    from plait.interop.ckpt_cli import resolve_checkpoint
+def load_model(
+    ref: str | Path | RemotePath, *, device: str | torch.device = "cpu", base: str | Path | None = None
+) -> Loaded:
+    """The model behind an artifact reference (see the module docstring), in fp32 on ``device``. An s3://
+    reference is a plait checkpoint (or run / checkpoints prefix) there."""
+    from plait.checkpoint import resolve_checkpoint
     from plait.interop.hf import load_hf_model, load_safetensors
 
+    if isinstance(ref, RemotePath) or str(ref).startswith("s3://"):
+        return _load_checkpoint(resolve_checkpoint(ref), device)
     path = Path(ref).expanduser()
     if not path.exists():
         raise PlaitError(f"{path} does not exist: give a checkpoint, run, Hugging Face directory or adapter file")
@@ -86,8 +92,8 @@ def _tok(directory: Path) -> Path | None:
     return tok if tok.is_file() else None
 
 
-def _load_checkpoint(ckpt: Path, device) -> Loaded:
-    from plait.checkpoint import load_model_weights, read_meta
+def _load_checkpoint(ckpt: Location, device) -> Loaded:
+    from plait.checkpoint import load_model_weights, local_file, read_meta
     from plait.config import from_dict, to_dict
     from plait.interop.hf import empty_model
 
@@ -104,7 +110,7 @@ def _load_checkpoint(ckpt: Path, device) -> Loaded:
             raise
         raise PlaitError(f"checkpoint {ckpt} does not match its own config: {str(e).strip()[-300:]}") from None
     extra = {k: meta[k] for k in ("imported_from", "weights_only", "train_state") if k in meta}
-    return Loaded(model, "checkpoint", ckpt, _tok(ckpt), to_dict(cfg), extra)
+    return Loaded(model, "checkpoint", ckpt, local_file(ckpt / "tokenizer.json"), to_dict(cfg), extra)
 
 
 def _load_adapter(path: Path, device, base: str | Path | None) -> Loaded:

@@ -23,6 +23,7 @@ from plait.config import Config, to_dict
 from plait.errors import PlaitError
 from plait.lifecycle.lineage import Registry, code_version, data_fingerprint, process_info, registry_path
 from plait.lifecycle.lora import lora_tensors, model_weights_hash, save_adapter, weights_hash
+from plait.storage import Location, exists, location
 
 
 class RunLineage:
@@ -43,7 +44,7 @@ class RunLineage:
     # ------------------------------------------------------------------------------------------------ start
 
     @classmethod
-    def start(cls, cfg: Config, env, t, data_dir: Path, resume_from: Path | None, metrics=None) -> RunLineage:
+    def start(cls, cfg: Config, env, t, data_dir: Path, resume_from: Location | None, metrics=None) -> RunLineage:
         self = cls(cfg, t, env.is_main, metrics)
         f = cfg.finetune
         resuming = resume_from is not None
@@ -61,7 +62,8 @@ class RunLineage:
             from plait.lifecycle.finetune import resolve_weights
 
             with contextlib.suppress(PlaitError):  # a resumed run need not still have its init_from
-                self.base_path = str(resolve_weights(f.init_from)[1].resolve())
+                where = resolve_weights(f.init_from)[1]
+                self.base_path = str(where.resolve() if isinstance(where, Path) else where)
         if cfg.eval.suite:
             from plait.data import load_tokenizer
             from plait.lifecycle.evaluate import load_suite
@@ -91,27 +93,27 @@ class RunLineage:
         )
         return self
 
-    def _parent(self, resume_from: Path | None, start_hash: str | None) -> str | None:
+    def _parent(self, resume_from: Location | None, start_hash: str | None) -> str | None:
         """The artifact this run continues: the checkpoint it resumes, else the weights of init_from (added to
         the registry if it does not know them, or knows other weights at that path)."""
-        from plait.checkpoint import read_meta
+        from plait.checkpoint import META, read_meta
 
         reg = self.registry
         assert reg is not None
         if resume_from is not None:
-            path = Path(resume_from)
+            path = resume_from
         elif self.base_path is not None:
-            path = Path(self.base_path)
+            path = location(self.base_path)
         else:
             return None
         known = reg.by_path(path)
         if known is not None and (start_hash is None or known.weights_hash in (None, start_hash)):
             return known.id
-        if not (path / "plait.json").is_file():  # a Hugging Face directory
+        if not exists(path / META):  # a Hugging Face directory
             kind, name, meta = "import", path.name, {"imported_from": {"path": str(path)}}
         else:
             meta = read_meta(path)
-            run_name = path.parents[1].name if path.parent.name == "checkpoints" else path.parent.name
+            run_name = path.parent.parent.name if path.parent.name == "checkpoints" else path.parent.name
             kind = "import" if meta.get("imported_from") else "checkpoint"
             name = run_name if kind == "import" else f"{run_name}/{path.name}"
         previous_run = reg.by_path(self.cfg.run_dir, kinds=("run",)) if resume_from is not None else None
@@ -148,8 +150,17 @@ class RunLineage:
         if self.lora or (self.registry is not None and self.cfg.lineage.hash_checkpoints):
             from plait.lifecycle.models import load_model
 
-            model = load_model(path).model  # fp32 on the CPU: the same hash whatever the training layout
-            digest = model_weights_hash(model, include_lora=True)
+            try:  # fp32 on the CPU: the same hash whatever the training layout
+                model = load_model(path).model
+                digest = model_weights_hash(model, include_lora=True)
+            except Exception as e:  # bookkeeping never stops training (e.g. S3 unreachable right now)
+                from plait.metrics import console
+
+                console.print(
+                    f"lineage: could not read back {path} to hash its weights ({str(e)[:200]}); "
+                    "recorded without a weights hash",
+                    style="yellow",
+                )
         adapter_path = None
         if self.lora and model is not None:
             f = self.cfg.finetune
