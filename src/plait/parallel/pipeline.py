@@ -11,6 +11,7 @@ stages over the ``pp`` axis with point-to-point send/recv, one message per micro
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -120,11 +121,18 @@ def build_pipeline(args: ModelArgs, meshes: Meshes, cfg: Config, device: torch.d
     return Pipeline(schedule, parts, 0 in owned, num_stages - 1 in owned, micro)
 
 
+# torch >= 2.10: step(return_outputs=False) stops the last stage keeping each micro-batch's output (the
+# logits: micro_batch x seq x vocab) for a merged return value plait never reads.
+_KEEPS_OUTPUTS_UNLESS_TOLD = "return_outputs" in inspect.signature(ScheduleGPipe.step).parameters
+
+
 def pipeline_forward_backward(pipe: Pipeline, inputs: torch.Tensor, targets: torch.Tensor, pp_group):
     """Run one step's micro-batches through the schedule; returns the batch-mean loss on every pp rank
     (the last stage computes it; a sum-all-reduce over the pp axis hands it to the others)."""
     losses: list[torch.Tensor] | None = [] if pipe.has_last else None
     kwargs = {"target": targets, "losses": losses} if pipe.has_last else {}
+    if _KEEPS_OUTPUTS_UNLESS_TOLD:  # else the last stage holds every micro-batch's logits until the step ends
+        kwargs["return_outputs"] = False
     if pipe.has_first:
         pipe.schedule.step(inputs, **kwargs)
     else:

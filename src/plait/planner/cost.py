@@ -13,6 +13,7 @@ m micro-batches per step, p = pp degree, v = virtual stages per pipeline rank.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -235,22 +236,93 @@ def split_stages(a: ModelArgs, seq_len: int, pp, virtual):
     return n_first, n_last
 
 
-def in_flight(schedule, pp, virtual, m):
-    """Micro-batches whose activations a rank holds at its peak, counted in whole-stage units, for the
-    first rank (the worst) and the last rank. GPipe: all m. 1F1B: p on the first rank, 1 on the last.
-    Interleaved (Megatron's warm-up): the first rank holds (v-1) p + 2(p-1) + 1 chunk forwards of 1/v
-    stage each, the last (v-1) p + 1. Zero-bubble (interleaved, deferred weight gradients): as interleaved."""
-    first = np.ones_like(m, dtype=np.float64)
-    last = np.ones_like(m, dtype=np.float64)
-    gpipe, one_f, inter = schedule == 1, schedule == 2, schedule >= 3
-    first = np.where(gpipe, m, first)
-    last = np.where(gpipe, m, last)
-    first = np.where(one_f, np.minimum(m, pp), first)
-    chunks_first = np.minimum(m * virtual, (virtual - 1) * pp + 2 * (pp - 1) + 1)
-    chunks_last = np.minimum(m * virtual, (virtual - 1) * pp + 1)
-    first = np.where(inter, chunks_first / virtual, first)
-    last = np.where(inter, chunks_last / virtual, last)
-    return first, last
+_F, _B, _I, _W = 0, 1, 2, 3  # forward, full backward, input gradient, weight gradient
+
+
+def _rank_actions(schedule: str, p: int, v: int, m: int, r: int) -> tuple[np.ndarray, np.ndarray]:
+    """The compute actions of pipeline rank r in the order torch.distributed.pipelining runs them, as two
+    arrays: op (_F, _B, _I or _W) and local stage index.
+
+    GPipe: all forwards, then all backwards. 1F1B: min(m, p - r) warm-up forwards, then one backward and one
+    forward in turn. Interleaved 1F1B and zero bubble (torch's ``_get_1f1b_rank_ops``): warm-up forwards
+    ((v - 1) p + k (p - 1 - r) with k = 2, resp. 1), then forward + backward pairs, walking the local stages
+    round by round; zero bubble splits each backward into I and a W that lags r backward ops behind."""
+    if schedule in ("gpipe", "1f1b"):
+        warm = m if schedule == "gpipe" else min(m, p - r)
+        ops = [_F] * warm + [_B, _F] * (m - warm) + [_B] * warm
+        return np.array(ops), np.zeros(len(ops), dtype=np.int64)
+    zero_bubble = schedule == "zero_bubble"
+    per_round = m // max(1, m // p)
+    total = m * v
+    warm = min(total, (v - 1) * per_round + (1 if zero_bubble else 2) * (p - 1 - r))
+    op = np.arange(total + warm)  # warm-up (F), steady (F, then B), cool-down (B); W after B once op >= warm + r
+    fwd_stage = (op // per_round) % v
+    bwd_stage = v - 1 - ((op - warm) // per_round) % v
+    lag_stage = v - 1 - ((op - r - warm) // per_round) % v  # W at op is for the backward of op - r
+    ops = np.stack([np.full_like(op, _F), np.full_like(op, _I if zero_bubble else _B), np.full_like(op, _W)], 1)
+    stages = np.stack([fwd_stage, bwd_stage, lag_stage], 1)
+    valid = np.stack([op < total, op >= warm, zero_bubble & (op - warm >= r)], 1)
+    ops, stages = ops[valid], stages[valid]
+    if zero_bubble:  # the weight gradients still owed after the last backward, oldest first
+        late = np.arange(total + warm - min(r, total), total + warm)
+        ops = np.concatenate([ops, np.full_like(late, _W)])
+        stages = np.concatenate([stages, v - 1 - ((late - warm) // per_round) % v])
+    return ops, stages
+
+
+@functools.lru_cache(maxsize=4096)
+def held_chunks(schedule: str, p: int, v: int, m: int, r: int) -> np.ndarray:
+    """How rank r's activations stack up: one row per forward, holding per local stage (first v columns)
+    the micro-batches whose forward is done and whose backward (zero bubble: weight gradient) is not, and
+    (last v columns) those whose zero-bubble weight gradient is done. The rank's activation peak is the
+    largest row weighted by the bytes one micro-batch of each stage keeps in each state."""
+    ops, stages = _rank_actions(schedule, p, v, m, r)
+    delta = np.zeros((len(ops), 2 * v), dtype=np.int64)
+    rows = np.arange(len(ops))
+    delta[rows, stages] = np.select([ops == _F, (ops == _B) | (ops == _W)], [1, -1], 0)
+    delta[rows, v + stages] = ops == _W
+    # Peaks come right after a forward that the next action does not extend (a B or W lowers the total).
+    peak = (ops == _F) & (np.append(ops[1:], _B) != _F)
+    return np.unique(np.cumsum(delta, axis=0)[peak], axis=0).astype(np.float64)
+
+
+def peak_activations(schedule, pp, virtual, m, rank_is_last: bool, weight) -> np.ndarray:
+    """Per layout (pp > 1): the peak over the schedule of sum over local stages s of held(s) x bytes(s) +
+    done(s) x residue(s), where ``weight(s, mask)`` returns (bytes, residue) of one micro-batch of stage s
+    for the layouts in ``mask``, on the first or the last pipeline rank. 0 where pp = 1."""
+    out = np.zeros(len(pp), dtype=np.float64)
+    piped = np.nonzero(pp > 1)[0]
+    keys, group = np.unique(np.stack([schedule, pp, virtual, m], axis=1)[piped], axis=0, return_inverse=True)
+    order = np.argsort(group.ravel(), kind="stable")
+    bounds = np.searchsorted(group.ravel()[order], np.arange(len(keys) + 1))
+    for g, key in enumerate(keys):
+        sched, p, v, mb = (int(x) for x in key)
+        idx = piped[order[bounds[g] : bounds[g + 1]]]  # the layouts with this schedule, pp, v and m
+        rows = held_chunks(SCHEDULES[sched], p, v, mb, p - 1 if rank_is_last else 0)
+        held, residue = zip(*(weight(s, idx) for s in range(v)), strict=True)
+        out[idx] = np.max(rows @ np.stack([*held, *residue]), axis=0)  # (v held + v done) x layouts in the group
+    return out
+
+
+ZERO_BUBBLE_LAST_MARGIN = 1.25
+"""Zero bubble's last pipeline rank keeps more than ``zero_bubble_residue`` accounts for (each micro-batch's
+loss graph lives in the schedule until the step ends): measured 3-20% above the model on the last rank
+(tests/test_plan_vs_runtime.py), so its activations are taken 25% larger: a zero-bubble layout the planner
+calls fitting must fit. The first rank's prediction is exact."""
+
+
+def zero_bubble_residue(a: ModelArgs, e: int, tp, layers, has_head) -> np.ndarray:
+    """Bytes per token one micro-batch of a stage keeps after its zero-bubble weight gradient, until the step
+    ends (measured: tests/test_plan_vs_runtime.py). torch's input-gradient pass runs with retain_graph=True
+    and the weight pass only visits the weight gradients, so what no weight gradient needs stays saved: per
+    layer the attention's q, k, v (h wide each after the GQA repeat), output and logsumexp, both norms' fp32
+    inputs and inverse RMS; for the final stage also the fp32 log-softmax, the logits, the final norm's input
+    and its output."""
+    h = a.dim
+    layer = (4 * e * h + 4 * a.n_heads + 8 + 8 * h) / tp
+    head = (4 * a.vocab_size + e * a.vocab_size + 4 * h + 4) / tp + e * h
+    received = np.where(e == 4, 4 * h / tp, 0)  # an fp32 stage's first norm input is the receive buffer
+    return layers * layer - received + np.where(has_head, head, 0)
 
 
 # ---------------------------------------------------------------------------------------------- comm
@@ -306,7 +378,6 @@ def evaluate(work: Workload, cluster: Cluster, lay: Layouts) -> dict[str, np.nda
         "first": (n_first, emb_s + np.where(single, head_s, 0), emb_u + np.where(single, head_u, 0)),
         "last": (n_last, head_s + np.where(single, emb_s, 0), head_u + np.where(single, emb_u, 0)),
     }
-    inflight_first, inflight_last = in_flight(lay.schedule, pp, v, m.astype(np.float64))
     a_layer = layer_activation_bytes(a, e, tp, lay.ac)
     a_none = layer_activation_bytes(a, e, tp, 0)
     accumulate = (m > 1) | (pp > 1)  # gradients stay unsharded across micro-batches (no-sync accumulation)
@@ -325,11 +396,34 @@ def evaluate(work: Workload, cluster: Cluster, lay: Layouts) -> dict[str, np.nda
         params_buf = np.where(fsdp, e * gathered, 0.0)
         grads_buf = np.where(fsdp, np.where(accumulate, 4.0 * unsharded, e * (2 * layer_u + root_u)), 0.0)
         tp_buf = np.where(tp > 1, 2 * T * a.dim * e, 0.0)
-        pp_buf = np.where(pp > 1, 2 * v * T * a.dim * e, 0.0)
-        inflight = inflight_first if is_first else inflight_last
-        acts = inflight * layers * a_layer * T
-        acts = acts + np.where(has_head, np.where(lay.schedule == 1, m, 1) * head_activation_bytes(a, e, tp) * T, 0)
-        acts = acts + np.where(has_embed, inflight * EMBED_ACTIVATION_BYTES * T, 0)
+        # torch's stages keep one receive buffer per micro-batch and direction: activations into every stage
+        # but the first, gradients into every stage but the last (2 v - 1 of the rank's v stages).
+        pp_buf = np.where(pp > 1, (2 * v - 1) * m * T * a.dim * e, 0.0)
+        # One micro-batch of one of this rank's v stages: its layers. A stage that receives its input holds it
+        # in a receive buffer (counted below), one that sends keeps its output until the backward, and the
+        # final stage keeps its logits (the schedule's stage output) and the loss's activations.
+        chunk, hand_off = layers / v * a_layer * T, T * a.dim * e
+        head = head_activation_bytes(a, e, tp) * T + T * a.vocab_size / tp * e
+        rank_last = not is_first
+
+        zb_layer = zero_bubble_residue(a, e, tp, layers / v, False)
+        zb_last = zero_bubble_residue(a, e, tp, layers / v, True)
+
+        def stage_bytes(s, idx, rank_last=rank_last, chunk=chunk, head=head, hand_off=hand_off, zb=(zb_layer, zb_last)):
+            first_stage, last_stage = s == 0 and not rank_last, rank_last and s == int(v[idx][0]) - 1
+            held = chunk[idx] + (head[idx] if last_stage else hand_off[idx]) - (0 if first_stage else hand_off[idx])
+            residue = 0 * held if first_stage else zb[1 if last_stage else 0][idx] * T[idx]
+            residue = np.where(lay.ac[idx] == 2, 0, residue)  # full AC: the residue is recomputed, not kept
+            return held, residue
+
+        acts = np.where(
+            single,
+            chunk + np.where(has_head, head_activation_bytes(a, e, tp) * T, 0),
+            peak_activations(lay.schedule, pp, v, m, rank_last, stage_bytes),
+        )
+        if rank_last:
+            acts = np.where(lay.schedule == SCHEDULES.index("zero_bubble"), acts * ZERO_BUBBLE_LAST_MARGIN, acts)
+        acts = acts + np.where(has_embed, m * T * EMBED_ACTIVATION_BYTES, 0)  # the token ids of all micro-batches
         transient = np.where(lay.ac > 0, a_none * T, 0.0)  # one block recomputed during its backward
         transient = transient + np.where(has_head, T * a.vocab_size / tp * (e + 4), 0.0)  # logits + fp32 copy
         dynamic = params_buf + grads_buf + tp_buf + pp_buf + acts + transient
@@ -346,6 +440,9 @@ def evaluate(work: Workload, cluster: Cluster, lay: Layouts) -> dict[str, np.nda
             unsharded=unsharded,
             layers=layers,
         )
+    for name in ("first", "last"):  # per pipeline rank, for the comparison with measured memory
+        for key in ("states", "buffers", "activations"):
+            out[f"mem_{key}_{name}"] = mem[name][key]
     worst_first = mem["first"]["total"] >= mem["last"]["total"]
     for key in ("states", "buffers", "activations", "transient", "allocator", "total", "host"):
         out[f"mem_{key}"] = np.where(worst_first, mem["first"][key], mem["last"][key])
