@@ -95,7 +95,7 @@ def main() -> None:
             matrices = [p for n, p in model.named_parameters() if p.ndim >= 2 and "tok_embeddings" not in n]
             others = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "tok_embeddings" not in n)]
             groups = [{"params": matrices, "weight_decay": o.weight_decay}, {"params": others, "weight_decay": 0.0}]
-        fused = device.type == "cuda"
+        fused = device.type in ("cuda", "cpu")  # as plait.optim does: the same optimizer on both sides
         opt = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=fused, foreach=not fused)
         gen = torch.Generator().manual_seed(0)
         offsets = torch.arange(a.seq_len + 1, device=device)

@@ -149,3 +149,42 @@ def test_eval_cli_reports_json_exit_status_and_lineage(setup, tmp_path, capsys):
     assert [e.metrics["failed"] for e in evals] == [0, 5]
     assert reg.get(evals[0].parent_id).path == str((root / "run" / "checkpoints" / "step_00000000").resolve())
     assert main(["eval", run, "--suite", str(tmp_path / "missing.yaml")]) == 2
+
+
+def test_monitors_run_in_a_tensor_parallel_run(setup, tmp_path):
+    """eval.suite under TP 2 (2 processes): every rank gathers the sharded weights into the main rank's plain
+    copy, which runs the suite at each evaluation. At the last one the copy is the final checkpoint's model:
+    the recorded completions and verdicts equal a single-process run of the suite on that checkpoint."""
+    import os
+    import subprocess
+    import sys
+
+    from plait.lifecycle.evaluate import load_suite
+    from plait.lifecycle.models import load_model
+
+    root, model, tok = setup
+    suite, _ = suite_for(model, tok)
+    path = tmp_path / "suite.json"
+    path.write_text(json.dumps(suite))
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    args = [
+        "train", "--nproc", "2", "--model.dim=64", "--model.n_layers=2", "--model.n_heads=4",
+        "--model.n_kv_heads=2", "--model.multiple_of=16", f"--model.vocab_size={model.args.vocab_size}",
+        f"--data.source={root / 'data'}", "--data.seq_len=32", "--train.global_batch_size=4",
+        "--train.steps=4", "--eval.every_steps=2", f"--eval.suite={path}", "--parallel.tp_degree=2",
+        "--log.tensorboard=false", "--sample.max_new_tokens=0", f"--run.out_dir={tmp_path}", "--run.name=tp",
+    ]  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "plait.cli", *args], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "monitor mixed at step 4" in done.stderr
+    reg = Registry(tmp_path / "lineage.sqlite")
+    monitors = reg.events(reg.find("tp").id, "monitor")
+    assert [m["step"] for m in monitors] == [2, 4]
+    final = load_model(tmp_path / "tp").model
+    expected = run_suite(final, tok, load_suite(path))
+    got = monitors[-1]["payload"]
+    assert got["completions"] == expected.completions
+    assert [r["passed"] for r in got["results"]] == [r.passed for r in expected.results]
+    assert got["failed"] == expected.failed > 0 and got["passed"] == expected.passed > 0

@@ -19,6 +19,8 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from plait.config import Config, to_dict
 from plait.errors import PlaitError
 from plait.lifecycle.lineage import Registry, code_version, data_fingerprint, process_info, registry_path
@@ -38,6 +40,7 @@ class RunLineage:
         self.suite = None
         self.tokenizer = None
         self._monitor_note = False
+        self._suite_copy = None  # multi-process runs: the main rank's plain copy for the suite
         self._recorded: set[int] = set()  # steps whose checkpoints are in the registry
         self.first_step = 1
 
@@ -199,20 +202,25 @@ class RunLineage:
     # ---------------------------------------------------------------------------------------------- monitor
 
     def monitor(self, step: int) -> None:
-        """Run the behavioural suite on the model being trained (single process), log and record it."""
+        """Run the behavioural suite on the model being trained, log and record it. Under FSDP / TP every rank
+        takes part in gathering the weights (one parameter at a time) into a plain copy on the main rank,
+        which runs the suite; pipeline stages are not gathered (skipped with a note)."""
         if self.suite is None:
             return
-        if self.t.meshes is not None:
+        if self.t.pipeline is not None:
             if self.is_main and not self._monitor_note:
                 from plait.metrics import console
 
-                console.print("eval.suite: monitors run in single-process runs only; skipped here")
+                console.print("eval.suite: monitors do not run under pipeline parallelism yet; skipped")
                 self._monitor_note = True
+            return
+        model = self._suite_model()
+        if model is None:  # not the main rank
             return
         from plait.lifecycle.evaluate import run_suite
         from plait.metrics import console
 
-        report = run_suite(self.t.model, self.tokenizer, self.suite)
+        report = run_suite(model, self.tokenizer, self.suite)
         failed = sorted({r.test for r in report.results if not r.passed})
         console.print(
             f"monitor {self.suite.name} at step {step}: {report.passed} passed, {report.failed} failed"
@@ -223,6 +231,29 @@ class RunLineage:
             self.metrics.log(step, {"passed": report.passed, "failed": report.failed}, prefix="monitor")
         if self.registry is not None and self.run_id is not None:
             self.registry.add_event(self.run_id, "monitor", report.to_dict(), step)
+
+    def _suite_model(self):
+        """The model to run the suite on: the trained one in a single process, else (main rank only) a plain
+        fp32 CPU copy refreshed from the sharded weights, which every rank gathers in the same order."""
+        if self.t.meshes is None:
+            return self.t.model
+        from plait.lifecycle.lora import _full
+        from plait.model.llama import canonical_name
+
+        if self.is_main and self._suite_copy is None:
+            from plait.interop.hf import empty_model
+            from plait.lifecycle.lora import apply_lora_config
+
+            self._suite_copy = empty_model(self.cfg.model, "cpu")
+            if self.lora:
+                apply_lora_config(self._suite_copy, self.cfg.finetune, self.cfg.run.seed)
+        target = dict(self._suite_copy.named_parameters()) if self.is_main else {}
+        with torch.no_grad():
+            for name, param in self.t.model.named_parameters():
+                full = _full(param)  # a collective for DTensors: every rank, same order
+                if self.is_main:
+                    target[canonical_name(name)].copy_(full)
+        return self._suite_copy if self.is_main else None
 
     # ----------------------------------------------------------------------------------------------- finish
 
