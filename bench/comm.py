@@ -255,23 +255,24 @@ def analytic(cfg, dims, pp_rank: int) -> dict[tuple[str, str], float]:
         # per block; the embedding reduce-scatters its vocabulary-partial output (its backward all-gathers);
         # the output projection all-gathers its input (backward: reduce-scatter); loss-parallel cross-entropy
         # all-reduces the max, the sum of exponentials and the target logit of each token (b * T floats each).
-        # Between pipeline stages the hand-off is gathered to full (forward), the receiver's input grad gathered
-        # in backward. Sequence-parallel norm weights get partial gradients: one all-reduce of dim floats each.
+        # Between pipeline stages each TP rank hands on its sequence shard: no TP traffic at stage boundaries.
+        # Sequence-parallel norm weights get partial gradients: one all-reduce of dim floats each.
         if dims.tp > 1:
             n = dims.tp
             add("all_gather", "tp", act, n, m * len(ids) * 4)
             add("reduce_scatter", "tp", act, n, m * len(ids) * 4)
-            add("reduce_scatter" if first else "all_gather", "tp", act, n, m)  # embedding fwd / stage-input bwd
             if first:
+                add("reduce_scatter", "tp", act, n, m)  # embedding fwd
                 add("all_gather", "tp", act, n, m)  # embedding bwd
-            add("all_gather", "tp", act, n, m)  # output-projection input fwd / stage-output gather
             if last:
+                add("all_gather", "tp", act, n, m)  # output-projection input fwd
                 add("reduce_scatter", "tp", act, n, m)  # output-projection input bwd
                 add("all_reduce", "tp", tokens * BYTES, n, 3 * m)
             add("all_reduce", "tp", a.dim * BYTES, n, 2 * len(ids) + (1 if last else 0))
-        # pipeline: one (b, T, dim) message per micro-batch forward to the next stage and backward to the previous
+        # pipeline: one (b, T/tp, dim) message per micro-batch forward to the next stage and backward to the
+        # previous (each TP rank sends its own sequence shard)
         if dims.pp > 1:
-            add("send", "pp", act, 2, m * ((not last) + (not first)))
+            add("send", "pp", act / dims.tp, 2, m * ((not last) + (not first)))
         # FSDP2: a state machine per parameter group (each block, and the stage's root: embedding / norm / output)
         if dims.fsdp_enabled:
             ns, r = dims.dp_shard, dims.dp_replicate

@@ -81,25 +81,29 @@ def apply_tp(model: Transformer, tp_mesh) -> None:
         top["norm"] = SequenceParallel()
     if model.output is not None:
         top["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
-    if model.tok_embeddings is None:  # a later pipeline stage receives full hidden states: shard them
+    # Between pipeline stages the hidden states travel as each TP rank's sequence shard (B, T/tp, dim): a
+    # block returns its local shard under SP, so a stage hands on what its last block returns (TP rank j of
+    # one stage talks to TP rank j of the next): 1/tp of the bytes, no gather. The receiving stage wraps the
+    # shard as a sequence-sharded DTensor (so the model sees the global length, for the rotary tables) and its
+    # first block takes the local shard again.
+    if model.tok_embeddings is None:
         top["layers." + next(iter(model.layers))] = PrepareModuleInput(
-            input_layouts=(Replicate(), None, None),
+            input_layouts=(Shard(1), None, None),
             desired_input_layouts=(Shard(1), None, None),
             use_local_output=True,
         )
+        model.register_forward_pre_hook(partial(_sequence_shard_input, mesh=tp_mesh))
     if top:
         parallelize_module(model, tp_mesh, top)
-    if model.output is None:  # a stage that hands hidden states on returns them whole, not sequence shards
-        last = model.layers[list(model.layers)[-1]]
-        parallelize_module(last, tp_mesh, _gather_output())
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, tp_plan_block())
 
 
-def _gather_output():
-    from torch.distributed.tensor.parallel import PrepareModuleOutput
-
-    return PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate())
+def _sequence_shard_input(module, args, *, mesh):
+    x, *rest = args
+    if not isinstance(x, DTensor):
+        x = DTensor.from_local(x, mesh, [Shard(1)], run_check=False)
+    return (x, *rest)
 
 
 def _selective_policy(ctx, op, *args, **kwargs):

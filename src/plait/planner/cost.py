@@ -398,11 +398,11 @@ def evaluate(work: Workload, cluster: Cluster, lay: Layouts) -> dict[str, np.nda
         tp_buf = np.where(tp > 1, 2 * T * a.dim * e, 0.0)
         # torch's stages keep one receive buffer per micro-batch and direction: activations into every stage
         # but the first, gradients into every stage but the last (2 v - 1 of the rank's v stages).
-        pp_buf = np.where(pp > 1, (2 * v - 1) * m * T * a.dim * e, 0.0)
+        pp_buf = np.where(pp > 1, (2 * v - 1) * m * T * a.dim * e / tp, 0.0)  # sequence shards under TP
         # One micro-batch of one of this rank's v stages: its layers. A stage that receives its input holds it
         # in a receive buffer (counted below), one that sends keeps its output until the backward, and the
         # final stage keeps its logits (the schedule's stage output) and the loss's activations.
-        chunk, hand_off = layers / v * a_layer * T, T * a.dim * e
+        chunk, hand_off = layers / v * a_layer * T, T * a.dim * e / tp
         head = head_activation_bytes(a, e, tp) * T + T * a.vocab_size / tp * e
         rank_last = not is_first
 
@@ -478,7 +478,7 @@ def evaluate(work: Workload, cluster: Cluster, lay: Layouts) -> dict[str, np.nda
         compute = (fwd + bwd_in + wgt) / rate
         coll = ring_time(T * a.dim * e, tp, tp_bw, tp_lat)  # one SP all-gather or reduce-scatter
         tp_time = layers * (8 + extra_collectives) * coll
-        p2p = np.where(pp > 1, 2 * v * (T * a.dim * e / pp_bw + pp_lat), 0.0)
+        p2p = np.where(pp > 1, 2 * v * (T * a.dim * e / tp / pp_bw + pp_lat), 0.0)  # each TP rank: its shard
         t_mb = compute + tp_time + p2p
         # F / B / W shares of a micro-batch (communication spread pro rata) for the zero-bubble schedule.
         total_flops = fwd + bwd_in + wgt
