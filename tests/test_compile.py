@@ -133,6 +133,31 @@ def test_restart_on_the_persistent_cache_compiles_less(runs, data_dir):
     assert stats["aotautograd_cache_hit"] > 0 and stats["aotautograd_cache_miss"] == 0, stats
     # Measured 5 s vs 32 s of compilation on two cores; a loose bound keeps a loaded machine from failing it.
     assert stats["time_s"] < 0.6 * cold["time_s"], (stats, cold)
+    # The first job left Inductor's SIMD verdicts beside the cache for the next one (no dlopen probes).
+    verdict = json.loads((cache / "cpu_vec_isa.json").read_text())
+    assert verdict["passed"] and all(verdict["passed"].values()), verdict
+
+
+def test_vec_isa_verdict_answers_the_probe(tmp_path, monkeypatch):
+    """A matching verdict answers Inductor's dlopen probe for the ISAs that passed, without a child process;
+    a verdict for another torch or machine is ignored."""
+    from torch._inductor import cpu_vec_isa
+
+    import plait.compile as pc
+
+    isas = cpu_vec_isa.valid_vec_isa_list()
+    if not isas:
+        pytest.skip("no SIMD ISA candidates on this CPU")
+    monkeypatch.setattr(pc, "_KNOWN_ISAS", {})
+    monkeypatch.setattr(cpu_vec_isa.VecISA, "_probe_load", lambda self, path: False)  # "the child failed"
+    path = tmp_path / pc.VEC_ISA_FILE
+    path.write_text(json.dumps({"key": {**pc._vec_isa_key(), "torch": "0.0"}, "passed": {"VecAVX2": True}}))
+    pc._reuse_vec_isa_verdict(path)
+    assert not cpu_vec_isa.VecISA._probe_load(isas[0], "x.so")  # another torch: not used
+    name = type(isas[0]).__name__
+    path.write_text(json.dumps({"key": pc._vec_isa_key(), "passed": {name: True}}))
+    pc._reuse_vec_isa_verdict(path)
+    assert cpu_vec_isa.VecISA._probe_load(isas[0], "x.so")
 
 
 def test_mega_cache_file_alone_fills_an_empty_cache(runs, tmp_path):

@@ -109,6 +109,69 @@ def point_caches_at(directory: Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str((directory / "inductor").resolve())
     os.environ["TRITON_CACHE_DIR"] = str((directory / "triton").resolve())
+    _reuse_vec_isa_verdict(directory / VEC_ISA_FILE)
+
+
+VEC_ISA_FILE = "cpu_vec_isa.json"
+"""Inductor's verdict on this CPU's SIMD instruction sets. Every process that compiles for the CPU probes each
+candidate ISA: a cached C++ build, then a child Python that dlopens it (~0.2 s each, 1.3 s of a 7 s warm start
+here). The verdicts are kept beside the cache, keyed by torch version, machine, compiler and ISA list, and a
+later process answers the dlopen probe from them (`VecISA._probe_load`, private: skipped where torch lacks
+it). Not through config.cpp.vec_isa_ok: that setting is part of the FX-graph cache key, so setting it would
+make every cached graph miss."""
+
+_KNOWN_ISAS: dict[str, bool] = {}
+
+
+def _vec_isa_key() -> dict:
+    import platform
+
+    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+
+    return {
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "cxx": os.environ.get("CXX", ""),
+        "isas": [type(isa).__name__ for isa in valid_vec_isa_list()],
+    }
+
+
+def _reuse_vec_isa_verdict(path: Path) -> None:
+    import json
+
+    from torch._inductor import cpu_vec_isa
+
+    probe = getattr(cpu_vec_isa.VecISA, "_probe_load", None)
+    if probe is None:
+        return
+    with contextlib.suppress(OSError, ValueError):
+        saved = json.loads(path.read_text())
+        if saved.get("key") == _vec_isa_key():
+            _KNOWN_ISAS.update({k: v for k, v in saved.get("passed", {}).items() if v is True})
+    if _KNOWN_ISAS and not getattr(probe, "_plait", False):
+
+        def known_or_probe(self, output_path: str, _probe=probe) -> bool:
+            return _KNOWN_ISAS.get(type(self).__name__, False) or _probe(self, output_path)
+
+        known_or_probe._plait = True
+        cpu_vec_isa.VecISA._probe_load = known_or_probe
+
+
+def remember_vec_isa_verdict(directory: Path) -> None:
+    """After compiling: record which candidate ISAs passed Inductor's probe (already run, and cached, in this
+    process), for the next process on this cache."""
+    import json
+
+    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+
+    path = directory / VEC_ISA_FILE
+    if path.exists():
+        return
+    with contextlib.suppress(OSError):
+        passed = {type(isa).__name__: bool(isa) for isa in valid_vec_isa_list()}
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"key": _vec_isa_key(), "passed": passed}))
+        tmp.replace(path)
 
 
 class MegaCache:
@@ -296,6 +359,7 @@ class CompileMonitor:
     def _save(self) -> None:
         if self.is_writer and self.mega_cache is not None:
             self.saved_artifacts = self.mega_cache.save()
+            remember_vec_isa_verdict(self.mega_cache.path.parent)
 
     def cache_hits(self) -> dict[str, int]:
         now = _cache_counters()
