@@ -46,6 +46,13 @@ LAYOUTS: dict[int, dict[str, list[str]]] = {
     4: {
         "DP 4": ["parallel.dp_replicate_degree=4", "parallel.dp_shard_degree=1"],
         "FSDP 4": ["parallel.dp_shard_degree=4"],
+        # gradient accumulation: one reduce-scatter after the last micro-batch, or one after each
+        "FSDP 4, m=2": ["parallel.dp_shard_degree=4", "train.micro_batch_size=1"],
+        "FSDP 4, m=2, reduce every micro-batch": [
+            "parallel.dp_shard_degree=4",
+            "train.micro_batch_size=1",
+            "parallel.fsdp_reduce_every_micro_batch=true",
+        ],
         "HSDP 2x2": ["parallel.dp_replicate_degree=2", "parallel.dp_shard_degree=2"],
         "FSDP 2 + TP 2": ["parallel.dp_shard_degree=2", "parallel.tp_degree=2"],
         "PP 2 + FSDP 2": ["parallel.pp_degree=2", "parallel.dp_shard_degree=2"],
@@ -283,7 +290,11 @@ def analytic(cfg, dims, pp_rank: int) -> dict[tuple[str, str], float]:
             reshard = {
                 g: p.fsdp_reshard_after_forward and dims.pp == 1 and g not in ("root", last_block) for g in groups
             }
-            order = schedule_order(p.pp_schedule, s, num_stages, m) if dims.pp > 1 else [("F", 0), ("B", 0)]
+            if dims.pp > 1:
+                order = schedule_order(p.pp_schedule, s, num_stages, m)
+            else:  # gradient accumulation: forward and backward of each micro-batch in turn
+                order = [op for i in range(m) for op in (("F", i), ("B", i))]
+            reduces = m if dims.pp == 1 and p.fsdp_reduce_every_micro_batch else 1
             for g, shapes in groups.items():
                 full = _padded(shapes, ns) * BYTES
                 gathered, gathers = False, 0
@@ -296,8 +307,8 @@ def analytic(cfg, dims, pp_rank: int) -> dict[tuple[str, str], float]:
                     if op == "B" and dims.pp == 1:  # reshard after backward (pipelining defers it to the end)
                         gathered = False
                 add("all_gather", "dp_shard", full, ns, gathers)
-                add("reduce_scatter", "dp_shard", full, ns)
-                add("all_reduce", "dp_replicate", full / ns, r)
+                add("reduce_scatter", "dp_shard", full, ns, reduces)
+                add("all_reduce", "dp_replicate", full / ns, r, reduces)
     return dict(vol)
 
 

@@ -97,6 +97,12 @@ LAYOUTS = {
             "train.micro_batch_size=1",
         ],
         "HSDP 2x2": ["parallel.dp_replicate_degree=2", "parallel.dp_shard_degree=2"],
+        "HSDP 2x2, accumulation, reduce every micro-batch": [
+            "parallel.dp_replicate_degree=2",
+            "parallel.dp_shard_degree=2",
+            "train.micro_batch_size=1",
+            "parallel.fsdp_reduce_every_micro_batch=true",
+        ],
         "HSDP 2x2, selective AC": ["parallel.dp_replicate_degree=2", "parallel.activation_checkpoint=selective"],
         "FSDP+TP": ["parallel.dp_shard_degree=2", "parallel.tp_degree=2"],
         "FSDP+TP, full AC": ["parallel.tp_degree=2", "parallel.activation_checkpoint=full"],
@@ -152,6 +158,7 @@ def layout(*overrides: str, world: int):
         (["parallel.pp_degree=2", "parallel.pp_virtual_stages=2"], 2, r"runs one stage per rank"),
         (["train.global_batch_size=6"], 4, r"global_batch_size=6 is not divisible by the data-parallel degree 4"),
         (["parallel.pp_degree=2", "model.tie_embeddings=true"], 2, r"cannot be pipelined"),
+        (["parallel.pp_degree=2", "parallel.fsdp_reduce_every_micro_batch=true"], 2, r"does not apply under pipeline"),
         (["parallel.tp_degree=2", "data.seq_len=33"], 2, r"seq_len=33 must be divisible by parallel.tp_degree"),
     ],
 )

@@ -349,13 +349,29 @@ def test_cli_writes_a_config_that_loads(tmp_path, capsys):
 def test_written_layouts_pass_the_runtime_checks():
     """Every layout the planner proposes must be accepted by plait.parallel's own validation."""
     dims_mod = pytest.importorskip("plait.parallel.dims")
-    for name, nodes, batch in [("llama3-8b", 1, 32), ("llama3-70b", 8, 256), ("llama3-405b", 64, 256)]:
+    for name, nodes, batch in [("llama3-8b", 1, 32), ("llama3-70b", 8, 256), ("llama3-405b", 64, 1024)]:
         result = plan(Workload(preset_args(name), 8192, batch), get_cluster("h100", nodes=nodes))
         for i in result.top(5):
             result.order = np.asarray([i])  # make layout i the chosen one
             cfg = layout_config(result)
             dims = dims_mod.ParallelDims.from_config(cfg.parallel, nodes * 8)
             dims_mod.validate_layout(cfg, dims)
+
+
+def test_sharded_accumulation_when_unsharded_gradients_do_not_fit():
+    """405B on 512 H100 with 128 sequences per data-parallel group: a pipeline holds a receive buffer per
+    micro-batch and no-sync accumulation holds the stage's fp32 gradients unsharded; the planner reduces every
+    micro-batch instead (parallel.fsdp_reduce_every_micro_batch) and writes that into the config."""
+    result = plan(Workload(preset_args("llama3-405b"), 8192, 1024), get_cluster("h100", nodes=64))
+    best = result.record(result.best)
+    assert best["sync_each"] and best["pp"] == 1 and best["micro_batches"] > 1, best
+    assert layout_config(result).parallel.fsdp_reduce_every_micro_batch
+    lay, met = result.layouts, result.metrics
+    same = (lay.dp_shard == best["dp_shard"]) & (lay.tp == best["tp"]) & (lay.micro_batch == best["micro_batch"])
+    same &= (lay.ac == lay.ac[result.best]) & (lay.offload == best["offload"]) & (lay.reshard == best["reshard"])
+    no_sync = np.nonzero(same & ~lay.sync_each)[0]
+    assert len(no_sync) == 1 and met["mem_total"][no_sync[0]] > met["mem_total"][result.best]
+    assert met["step_time"][no_sync[0]] < met["step_time"][result.best] or not met["fits"][no_sync[0]]
 
 
 def test_cli_errors_name_the_setting():

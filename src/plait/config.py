@@ -153,6 +153,11 @@ class ParallelConfig:
     first and last stages also run the embedding and the output projection)."""
     fsdp_reshard_after_forward: bool = True
     """FSDP: free gathered parameters after forward (less memory, one more all-gather in backward)."""
+    fsdp_reduce_every_micro_batch: bool = False
+    """FSDP with gradient accumulation: reduce-scatter gradients after every micro-batch and accumulate them
+    sharded (memory: no unsharded fp32 gradients held across micro-batches; traffic: one reduce-scatter per
+    micro-batch) instead of once after the last. Not with pipeline parallelism (its schedule accumulates
+    unsharded)."""
     cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state in CPU memory (FSDP2 offload)."""
     activation_checkpoint: Literal["none", "selective", "full"] = "none"

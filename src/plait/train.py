@@ -167,8 +167,8 @@ def _accumulate(t: Trainable, inputs: torch.Tensor, targets: torch.Tensor) -> to
     num_micro = inputs.shape[0] // micro
     total = torch.zeros((), device=inputs.device)
     for i, (x, y) in enumerate(zip(inputs.chunk(num_micro), targets.chunk(num_micro), strict=True)):
-        if t.fsdp:  # reduce-scatter gradients once, after the last micro-batch
-            t.model.set_requires_gradient_sync(i == num_micro - 1)
+        if t.fsdp:  # reduce-scatter once, after the last micro-batch (or after each: sharded accumulation)
+            t.model.set_requires_gradient_sync(i == num_micro - 1 or t.cfg.parallel.fsdp_reduce_every_micro_batch)
         loss = cross_entropy(t.model(x), y) / num_micro
         loss.backward()
         total += _local(loss.detach())

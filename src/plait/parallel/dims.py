@@ -165,3 +165,8 @@ def validate_layout(cfg: Config, dims: ParallelDims) -> None:
                 "model.tie_embeddings=true cannot be pipelined: the embedding and the output projection live on "
                 "different stages; untie them or set parallel.pp_degree=1"
             )
+        if p.fsdp_reduce_every_micro_batch:
+            raise ConfigError(
+                "parallel.fsdp_reduce_every_micro_batch=true does not apply under pipeline parallelism (the "
+                "schedule accumulates gradients unsharded and reduces them once); set it false or pp_degree=1"
+            )

@@ -229,6 +229,7 @@ def layout_config(result, base=None):
         activation_checkpoint=best["ac"],
         cpu_offload=best["offload"],
         fsdp_reshard_after_forward=best["reshard"],
+        fsdp_reduce_every_micro_batch=best["sync_each"],
     )
     known = {f.name for f in dataclasses.fields(ParallelConfig)}
     cfg.parallel = dataclasses.replace(

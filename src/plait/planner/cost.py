@@ -70,13 +70,14 @@ class Layouts:
     ac: np.ndarray  # index into AC_MODES
     offload: np.ndarray  # bool
     reshard: np.ndarray  # bool: FSDP reshard_after_forward
+    sync_each: np.ndarray  # bool: FSDP reduce-scatters every micro-batch (sharded gradient accumulation)
 
     @classmethod
     def single(cls, **kw) -> Layouts:
         """One layout from scalars: dp_replicate, dp_shard, tp, pp, virtual, schedule (name), micro_batch,
-        ac (name), offload, reshard."""
+        ac (name), offload, reshard, sync_each."""
         defaults = dict(dp_replicate=1, dp_shard=1, tp=1, pp=1, virtual=1, micro_batch=1, ac="none")
-        kw = {**defaults, "offload": False, "reshard": True, **kw}
+        kw = {**defaults, "offload": False, "reshard": True, "sync_each": False, **kw}
         kw.setdefault("schedule", "none" if kw.get("pp", 1) == 1 else "1f1b")
         kw["schedule"] = SCHEDULES.index(kw["schedule"])
         kw["ac"] = AC_MODES.index(kw["ac"])
@@ -380,7 +381,8 @@ def evaluate(work: Workload, cluster: Cluster, lay: Layouts) -> dict[str, np.nda
     }
     a_layer = layer_activation_bytes(a, e, tp, lay.ac)
     a_none = layer_activation_bytes(a, e, tp, 0)
-    accumulate = (m > 1) | (pp > 1)  # gradients stay unsharded across micro-batches (no-sync accumulation)
+    # gradients stay unsharded across micro-batches (no-sync accumulation), unless reduced after each one
+    accumulate = ((m > 1) & ~lay.sync_each) | (pp > 1)
     held = (pp > 1) | ~lay.reshard  # gathered parameters stay gathered through the step
     fsdp = dp > 1
 
@@ -494,13 +496,16 @@ def evaluate(work: Workload, cluster: Cluster, lay: Layouts) -> dict[str, np.nda
         bwd_t = b_t + w_t
         bwd_ag = np.where(lay.reshard & (pp == 1), ag, 0.0)
         fwd_gathers = np.where(pp == 1, mf, 1.0)  # a pipeline keeps weights gathered after the first
+        # With fsdp_reduce_every_micro_batch every micro-batch's backward also reduces (and its last group's
+        # reduction is exposed each time).
+        early = np.where(lay.sync_each, bwd_ag + rs + ar, bwd_ag)
         exposed = (
             fwd_gathers * np.maximum(ag - f_t, 0)
-            + np.maximum(mf - 1, 0) * np.maximum(bwd_ag - bwd_t, 0)
+            + np.maximum(mf - 1, 0) * (np.maximum(early - bwd_t, 0) + lay.sync_each * (rs + ar) / groups)
             + np.maximum(bwd_ag + rs + ar - bwd_t, 0)
             + (ag + rs + ar) / groups
         )
-        n_ag = fwd_gathers + np.where(pp == 1, mf, 0) * lay.reshard
+        n_ag = fwd_gathers + np.where(pp == 1, mf, 0) * lay.reshard + lay.sync_each * np.maximum(mf - 1, 0)
         optimizer = np.where(
             lay.offload,
             OPTIMIZER_BYTES_PER_PARAM * rank["sharded"] * G / cluster.host_bw

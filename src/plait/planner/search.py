@@ -105,10 +105,11 @@ def enumerate_layouts(work: Workload, cluster: Cluster) -> Layouts:
                     base.append((dp // shard, shard, tp, pp, mb))
                     sched.append((code, v))
     if not base:
-        return Layouts(*(np.zeros(0, dtype=np.int64) for _ in range(10)))
+        return Layouts(*(np.zeros(0, dtype=np.int64) for _ in range(11)))
     base_a, sched_a = np.asarray(base, dtype=np.int64), np.asarray(sched, dtype=np.int64)
-    # Cross with AC mode x offload x reshard; reshard matters only with FSDP and no pipeline.
-    extra = np.asarray(list(itertools.product(range(len(AC_MODES)), (0, 1), (1, 0))), dtype=np.int64)
+    # Cross with AC mode x offload x reshard x reduce-every-micro-batch; the last two matter only with FSDP and
+    # no pipeline (and the last only with more than one micro-batch).
+    extra = np.asarray(list(itertools.product(range(len(AC_MODES)), (0, 1), (1, 0), (0, 1))), dtype=np.int64)
     rows = np.repeat(np.arange(len(base_a)), len(extra))
     ex = np.tile(extra, (len(base_a), 1))
     lay = Layouts(
@@ -122,11 +123,14 @@ def enumerate_layouts(work: Workload, cluster: Cluster) -> Layouts:
         ac=ex[:, 0],
         offload=ex[:, 1].astype(bool),
         reshard=ex[:, 2].astype(bool),
+        sync_each=ex[:, 3].astype(bool),
     )
     # reshard_after_forward is a choice only for FSDP without a pipeline; a pipeline keeps gathered weights
     # for the whole step (reshard=False), and without FSDP there is nothing to reshard.
     fsdp = lay.dp_replicate * lay.dp_shard > 1
     keep = np.where(lay.pp > 1, ~lay.reshard, np.where(fsdp, True, lay.reshard))
+    accumulates = (lay.pp == 1) & fsdp & (batch // (lay.dp_replicate * lay.dp_shard) > lay.micro_batch)
+    keep &= accumulates | ~lay.sync_each
     return lay.take(np.nonzero(keep)[0])
 
 
@@ -185,6 +189,8 @@ def layout_name(rec: dict) -> str:
         parts.append("offload")
     if not rec["reshard"]:
         parts.append("no-reshard")
+    if rec.get("sync_each"):
+        parts.append("reduce every micro-batch")
     return ", ".join(parts)
 
 
