@@ -151,10 +151,12 @@ def test_eval_cli_reports_json_exit_status_and_lineage(setup, tmp_path, capsys):
     assert main(["eval", run, "--suite", str(tmp_path / "missing.yaml")]) == 2
 
 
-def test_monitors_run_in_a_tensor_parallel_run(setup, tmp_path):
-    """eval.suite under TP 2 (2 processes): every rank gathers the sharded weights into the main rank's plain
-    copy, which runs the suite at each evaluation. At the last one the copy is the final checkpoint's model:
-    the recorded completions and verdicts equal a single-process run of the suite on that checkpoint."""
+@pytest.mark.parametrize("layout", ["--parallel.tp_degree=2", "--parallel.pp_degree=2"])
+def test_monitors_run_in_parallel_runs(setup, tmp_path, layout):
+    """eval.suite under TP 2 and PP 2 (2 processes each): every rank gathers its stage's weights, pipeline
+    stages travel over the pp axis, and the main rank's plain copy runs the suite at each evaluation. At the
+    last one the copy is the final checkpoint's model: the recorded completions and verdicts equal a
+    single-process run of the suite on that checkpoint."""
     import os
     import subprocess
     import sys
@@ -171,7 +173,7 @@ def test_monitors_run_in_a_tensor_parallel_run(setup, tmp_path):
         "train", "--nproc", "2", "--model.dim=64", "--model.n_layers=2", "--model.n_heads=4",
         "--model.n_kv_heads=2", "--model.multiple_of=16", f"--model.vocab_size={model.args.vocab_size}",
         f"--data.source={root / 'data'}", "--data.seq_len=32", "--train.global_batch_size=4",
-        "--train.steps=4", "--eval.every_steps=2", f"--eval.suite={path}", "--parallel.tp_degree=2",
+        "--train.steps=4", "--eval.every_steps=2", f"--eval.suite={path}", layout,
         "--log.tensorboard=false", "--sample.max_new_tokens=0", f"--run.out_dir={tmp_path}", "--run.name=tp",
     ]  # fmt: skip
     done = subprocess.run(

@@ -39,7 +39,6 @@ class RunLineage:
         self.hashable = t.pipeline is None
         self.suite = None
         self.tokenizer = None
-        self._monitor_note = False
         self._suite_copy = None  # multi-process runs: the main rank's plain copy for the suite
         self._recorded: set[int] = set()  # steps whose checkpoints are in the registry
         self.first_step = 1
@@ -203,16 +202,9 @@ class RunLineage:
 
     def monitor(self, step: int) -> None:
         """Run the behavioural suite on the model being trained, log and record it. Under FSDP / TP every rank
-        takes part in gathering the weights (one parameter at a time) into a plain copy on the main rank,
-        which runs the suite; pipeline stages are not gathered (skipped with a note)."""
+        takes part in gathering the weights (one parameter at a time; pipeline stages over the pp axis) into
+        a plain copy on the main rank, which runs the suite."""
         if self.suite is None:
-            return
-        if self.t.pipeline is not None:
-            if self.is_main and not self._monitor_note:
-                from plait.metrics import console
-
-                console.print("eval.suite: monitors do not run under pipeline parallelism yet; skipped")
-                self._monitor_note = True
             return
         model = self._suite_model()
         if model is None:  # not the main rank
@@ -234,7 +226,9 @@ class RunLineage:
 
     def _suite_model(self):
         """The model to run the suite on: the trained one in a single process, else (main rank only) a plain
-        fp32 CPU copy refreshed from the sharded weights, which every rank gathers in the same order."""
+        fp32 CPU copy refreshed from the sharded weights. Every rank gathers its stage's parameters in the same
+        order (DTensor collectives over the stage's own mesh); under a pipeline the first data-parallel /
+        tensor-parallel rank of each stage then sends its stage over the pp axis to the main rank."""
         if self.t.meshes is None:
             return self.t.model
         from plait.lifecycle.lora import _full
@@ -247,13 +241,32 @@ class RunLineage:
             self._suite_copy = empty_model(self.cfg.model, "cpu")
             if self.lora:
                 apply_lora_config(self._suite_copy, self.cfg.finetune, self.cfg.run.seed)
-        target = dict(self._suite_copy.named_parameters()) if self.is_main else {}
+        meshes = self.t.meshes
+        sender = self.t.pipeline is not None and meshes.dp_rank == 0 and meshes.tp.get_local_rank() == 0
+        tensors: dict[str, torch.Tensor] = {}
         with torch.no_grad():
-            for name, param in self.t.model.named_parameters():
-                full = _full(param)  # a collective for DTensors: every rank, same order
-                if self.is_main:
-                    target[canonical_name(name)].copy_(full)
-        return self._suite_copy if self.is_main else None
+            for part in self.t.parts:
+                for name, param in part.named_parameters():
+                    full = _full(param)  # a collective for DTensors: every rank of the stage, same order
+                    if self.is_main or sender:
+                        tensors[canonical_name(name)] = full.to("cpu", copy=True)
+        if sender:  # ranks (pp, dp 0, tp 0): one pp group, whose rank 0 is the main rank
+            import torch.distributed as dist
+
+            stages: list | None = [None] * meshes.dims.pp if self.is_main else None
+            dist.gather_object(tensors, stages, group=meshes.pp.get_group(), group_dst=0)
+            if self.is_main:
+                tensors = {k: v for stage in stages for k, v in stage.items()}
+        if not self.is_main:
+            return None
+        target = dict(self._suite_copy.named_parameters())
+        missing = sorted(set(target) - set(tensors))
+        if missing:
+            raise PlaitError(f"eval.suite: the gathered model lacks {', '.join(missing[:4])}")
+        with torch.no_grad():
+            for name, param in target.items():
+                param.copy_(tensors[name])
+        return self._suite_copy
 
     # ----------------------------------------------------------------------------------------------- finish
 
