@@ -181,8 +181,8 @@ def test_mega_cache_file_alone_fills_an_empty_cache(runs, tmp_path):
 
 @pytest.mark.slow
 def test_compiled_parallel_layouts_match_eager(data_dir, tmp_path):
-    """FSDP, FSDP + full activation checkpointing and a 1F1B pipeline, compiled (strict: any recompilation
-    fails the job), against the eager single-process run of the same batches."""
+    """FSDP (plain, full AC, selective AC, CPU offload) and a 1F1B pipeline, compiled (strict: any
+    recompilation fails the job), against the eager single-process run of the same batches."""
     from plait.train import train
 
     train(load_config(None, [*base(data_dir), "eval.every_steps=0", f"run.out_dir={tmp_path}", "run.name=ref"]))
@@ -192,6 +192,8 @@ def test_compiled_parallel_layouts_match_eager(data_dir, tmp_path):
         "FSDP": ["parallel.dp_shard_degree=2"],
         "PP 1f1b": ["parallel.pp_degree=2", "parallel.pp_schedule=1f1b"],
         "FSDP, full AC": ["parallel.dp_shard_degree=2", "parallel.activation_checkpoint=full"],
+        "FSDP, selective AC": ["parallel.dp_shard_degree=2", "parallel.activation_checkpoint=selective"],
+        "FSDP, CPU offload": ["parallel.dp_shard_degree=2", "parallel.cpu_offload=true"],
     }
     results = run_layouts(2, [[*compiled, *extra] for extra in jobs.values()])
     for name, got in zip(jobs, results, strict=True):
