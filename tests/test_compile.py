@@ -161,19 +161,147 @@ def test_vec_isa_verdict_answers_the_probe(tmp_path, monkeypatch):
 
 
 def test_mega_cache_file_alone_fills_an_empty_cache(runs, tmp_path):
-    """A scaled-out job's machine has no cache directory, only the mega-cache file: loading it (in a fresh
-    process, before any compile) writes every graph of the first run into the local caches."""
-    shutil.copy(runs["out"] / "cold" / "compile_cache" / "mega_cache.bin", tmp_path / "mega_cache.bin")
+    """A scaled-out job's machine has no cache directory, only the mega-cache file and the signed manifest:
+    checked out and loaded (in a fresh process, before any compile), it writes every graph of the first run
+    into the local caches."""
+    for name in ("mega_cache.bin", "plait-manifest.json"):
+        shutil.copy(runs["out"] / "cold" / "compile_cache" / name, tmp_path / name)
     code = (
         "import sys; from pathlib import Path; from plait.compile import MegaCache, point_caches_at\n"
-        "d = Path(sys.argv[1]); point_caches_at(d); print(MegaCache(d / 'mega_cache.bin').load())"
+        "from plait.trusted_dir import TrustedDir\n"
+        "d = Path(sys.argv[1]); w = d / 'work'; assert TrustedDir(d).checkout(w).loaded == 1\n"
+        "point_caches_at(w); print(MegaCache(w / 'mega_cache.bin').load())"
     )
     proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     # 3 Inductor graphs (forward, backward, evaluation) + 2 AOTAutograd entries (training, evaluation), saved at
     # two points of the first run (warm-up, first evaluation): both batches must come back.
     assert int(proc.stdout.split()[-1]) == 5
-    assert list((tmp_path / "inductor" / "fxgraph").rglob("*")), "no FX graph written to the fresh cache"
+    assert list((tmp_path / "work" / "inductor" / "fxgraph").rglob("*")), "no FX graph written to the fresh cache"
+
+
+# ------------------------------------------------------------------------------------ untrusted caches
+
+
+class _Exploit:
+    """Unpickling this runs a shell command that creates the marker file."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def plant_exploits(cache: Path, marker: Path) -> int:
+    """Replace every file of a compile cache (but its manifest) by a crafted pickle; the mega-cache keeps
+    plait's framing so that only the pickle inside could stop it. Returns the number of files planted."""
+    import pickle
+
+    from plait.compile import MegaCache
+
+    payload = pickle.dumps(_Exploit(marker))
+    files = [p for p in cache.rglob("*") if p.is_file() and p.name != "plait-manifest.json"]
+    for p in files:
+        if p.name == "mega_cache.bin":
+            p.write_bytes(MegaCache.MAGIC + len(payload).to_bytes(8, "little") + payload)
+        else:
+            p.write_bytes(payload)
+    # and files plait never wrote, where Inductor would look for graphs
+    (cache / "inductor" / "fxgraph" / "zz" / "planted").mkdir(parents=True)
+    (cache / "inductor" / "fxgraph" / "zz" / "planted" / "entry").write_bytes(payload)
+    return len(files) + 1
+
+
+def test_tampered_shared_cache_runs_no_code(runs, data_dir, tmp_path):
+    """A shared compile cache whose every file was replaced by a pickle that runs code (the signed manifest
+    left in place): nothing is unpickled, the job compiles from scratch, matches eager, and says why."""
+    cache = tmp_path / "shared_cache"
+    shutil.copytree(runs["out"] / "cold" / "compile_cache", cache)
+    marker = tmp_path / "pwned"
+    assert plant_exploits(cache, marker) > 5
+    run = train_in_subprocess(
+        tmp_path, "victim", [*single(data_dir), "compile.enabled=true", f"compile.cache_dir={cache}"]
+    )
+    assert not marker.exists(), "a planted pickle was executed"
+    check_parity("tampered cache", run, runs["eager"])
+    stats = run["compile"]
+    assert stats["fxgraph_cache_hit"] == 0 and stats["loaded_artifacts"] == 0, stats  # compiled from scratch
+    assert "changed since plait signed it" in run["stderr"], run["stderr"][-2000:]
+    assert (cache / "inductor" / "fxgraph" / "zz" / "planted" / "entry").exists()  # left there, not deleted
+
+
+def test_copied_run_with_a_foreign_cache_resumes_without_running_it(data_dir, tmp_path):
+    """A run directory copied from someone else: its compile cache is signed with their key and every file
+    is a crafted pickle. Resuming it with compile on runs none of them."""
+    from plait.trusted_dir import TrustedDir
+
+    train_in_subprocess(tmp_path, "copied", [*base(data_dir), "train.steps=2", "checkpoint.save_final=true"])
+    cache = tmp_path / "copied" / "compile_cache"
+    marker = tmp_path / "pwned"
+    cache.mkdir()
+    (cache / "inductor" / "fxgraph").mkdir(parents=True)
+    (cache / "inductor" / "fxgraph" / "entry").write_bytes(b"x")
+    (cache / "mega_cache.bin").write_bytes(b"x")
+    plant_exploits(cache, marker)
+    attacker = {**os.environ, "PLAIT_KEY_FILE": str(tmp_path / "attacker.key")}
+    subprocess.run(  # the attacker signs the planted files with a key of their own
+        [
+            sys.executable,
+            "-c",
+            f"from plait.trusted_dir import TrustedDir; TrustedDir({str(cache)!r}).publish("
+            f"__import__('pathlib').Path({str(cache)!r}))",
+        ],
+        env=attacker,
+        check=True,
+        timeout=120,
+    )
+    assert (cache / "plait-manifest.json").is_file() and TrustedDir(cache).checkout(tmp_path / "w").loaded == 0
+    run = train_in_subprocess(tmp_path, "copied", [*base(data_dir), "train.steps=3", "compile.enabled=true"])
+    assert not marker.exists(), "a planted pickle was executed"
+    assert sorted(run["loss"]) == [1, 2, 3] and run["compile"]["fxgraph_cache_hit"] == 0, run["compile"]
+    assert "signature does not match this user's key" in run["stderr"], run["stderr"][-2000:]
+
+
+def test_trusted_dir_checks_every_file_before_copying_it(tmp_path, monkeypatch):
+    """Unit rules of the signed store: only files whose bytes match the signed manifest are copied; paths
+    outside the store, links, unsigned files and a key others can read are refused."""
+    from plait.trusted_dir import MANIFEST, TrustedDir, user_key
+
+    monkeypatch.setenv("PLAIT_KEY_FILE", str(tmp_path / "keys" / "k"))
+    work, store = tmp_path / "work", TrustedDir(tmp_path / "store")
+    (work / "a").mkdir(parents=True)
+    (work / "a" / "one").write_bytes(b"1")
+    (work / "two").write_bytes(b"2")
+    (work / "x.lock").write_bytes(b"")
+    assert store.publish(work) == 2
+    assert oct((tmp_path / "keys" / "k").stat().st_mode & 0o777) == "0o600"
+    got = store.checkout(tmp_path / "out1")
+    assert got.loaded == 2 and not got.rejected and (tmp_path / "out1" / "a" / "one").read_bytes() == b"1"
+
+    (store.root / "two").write_bytes(b"evil")  # changed after signing
+    (store.root / "three").write_bytes(b"unsigned")
+    (tmp_path / "outside").write_bytes(b"secret")
+    (store.root / "a" / "link").symlink_to(tmp_path / "outside")
+    got = store.checkout(tmp_path / "out2")
+    assert got.loaded == 1 and got.rejected == ["two: changed since plait signed it"] and got.untrusted_files == 1
+    assert sorted(p.name for p in (tmp_path / "out2").rglob("*") if p.is_file()) == ["one"]
+
+    manifest = json.loads((store.root / MANIFEST).read_text())
+    manifest["files"]["../outside"] = manifest["files"].pop("two")  # a forged entry breaks the signature
+    (store.root / MANIFEST).write_text(json.dumps(manifest))
+    got = store.checkout(tmp_path / "out3")
+    assert got.loaded == 0 and "signature does not match" in got.rejected[0]
+    assert not (tmp_path / "out3").exists()
+
+    (store.root / MANIFEST).unlink()
+    assert "no plait signature" in store.checkout(tmp_path / "out4").rejected[0]
+
+    (tmp_path / "keys" / "k").chmod(0o644)
+    key, why = user_key()
+    assert key is None and "chmod 600" in why
+    with pytest.warns(UserWarning, match="chmod 600"):
+        assert store.publish(work) == 0
 
 
 # ------------------------------------------------------------------------------------------- multi-process

@@ -14,13 +14,14 @@ Recompilation guard. After the first training step nothing should compile again:
 is a recompilation, reported with Dynamo's guard-failure text (a warning, or an error with compile.strict).
 The first evaluation compiles the blocks once more (no_grad changes the graph): `expect()` marks that.
 
-Persistent cache. Before the first compile TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR point into
-compile.cache_dir (default <run_dir>/compile_cache, beside the checkpoints), so a restarted job finds
-Inductor's FX-graph and AOTAutograd caches warm. After warm-up the main rank also writes torch's "mega-cache"
-(`torch.compiler.save_cache_artifacts`: every compiled graph in one file, `mega_cache.bin`); every rank
-loads it before compiling, so a job scaled out to machines without the cache directory skips Inductor too.
-On a GPU that file holds the Triton kernels as well; on a CPU the C++ kernels are rebuilt from the cached
-source (g++), so there the directory matters more than the file.
+Persistent cache. compile.cache_dir (default <run_dir>/compile_cache, beside the checkpoints) keeps
+Inductor's FX-graph and AOTAutograd caches, compiled kernels and torch's "mega-cache"
+(`torch.compiler.save_cache_artifacts`: every compiled graph in one file, `mega_cache.bin`), so a restarted
+job, or one scaled out to machines that get a copy of the directory, skips Inductor. Those files are pickles
+and shared objects, so torch never reads that directory: each process compiles in a private directory of its
+own (TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR point there before the first compile), filled first with
+the cache files whose bytes match plait's signature, and the main rank signs and publishes what it compiled
+back after warm-up (`plait.trusted_dir`). A cache plait did not sign is reported once and not loaded.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from torch import nn
 
 from plait.config import Config
 from plait.errors import ConfigError, PlaitError
+from plait.trusted_dir import TrustedDir, private_dir
 
 MEGA_CACHE_FILE = "mega_cache.bin"
 
@@ -279,6 +281,7 @@ class CompileMonitor:
     first_step_s: float = 0.0  # from set-up to the end of the first step: what a restart waits for
     saved_artifacts: int = 0
     mega_cache: MegaCache | None = None
+    store: TrustedDir | None = None  # compile.cache_dir: signed by the main rank after each save point
     reasons: list[str] = field(default_factory=list)
     _seen: set = field(default_factory=set)
     _counters0: dict = field(default_factory=dict)
@@ -288,15 +291,26 @@ class CompileMonitor:
 
     @classmethod
     def start(cls, cfg: Config, device: torch.device, is_main: bool) -> CompileMonitor:
-        """Set up before the model is built: float8 support, the cache directory, the mega-cache file."""
+        """Set up before the model is built: float8 support, this process's private cache directory filled
+        with what verifies in compile.cache_dir, the mega-cache file."""
         if not cfg.compile.enabled:
             return cls()
         if cfg.compile.float8:
             check_float8_support(device)
-        directory = cache_dir(cfg)
-        point_caches_at(directory)
-        mega_cache = MegaCache(directory / MEGA_CACHE_FILE)
-        monitor = cls(enabled=True, strict=cfg.compile.strict, is_writer=is_main, mega_cache=mega_cache)
+        store = TrustedDir(cache_dir(cfg))
+        work = private_dir("plait-compile-")
+        report = store.checkout(work)
+        if report.rejected and is_main:
+            more = f" and {len(report.rejected) - 3} more" if len(report.rejected) > 3 else ""
+            warnings.warn(
+                f"compile cache {store.root}: not loaded where plait cannot vouch for it "
+                f"({'; '.join(report.rejected[:3])}{more}); those files can run code, so they are left unread "
+                f"and compiled again ({report.loaded} signed files loaded)",
+                stacklevel=2,
+            )
+        point_caches_at(work)
+        mega_cache = MegaCache(work / MEGA_CACHE_FILE)
+        monitor = cls(enabled=True, strict=cfg.compile.strict, is_writer=is_main, mega_cache=mega_cache, store=store)
         monitor._seen = {_key(m) for m in _compilations()}
         monitor._counters0 = _cache_counters()
         monitor._start = time.perf_counter()
@@ -360,6 +374,8 @@ class CompileMonitor:
         if self.is_writer and self.mega_cache is not None:
             self.saved_artifacts = self.mega_cache.save()
             remember_vec_isa_verdict(self.mega_cache.path.parent)
+            if self.store is not None:
+                self.store.publish(self.mega_cache.path.parent)
 
     def cache_hits(self) -> dict[str, int]:
         now = _cache_counters()
