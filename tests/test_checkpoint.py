@@ -157,6 +157,90 @@ def test_crash_before_publish_leaves_nothing_loadable(data_dir, straight, tmp_pa
     assert sorted(p.name for p in ckpt_dir.iterdir()) == ["step_00000006", "step_00000008"]
 
 
+def test_damaged_newest_checkpoint_is_skipped_with_a_warning_and_kept(data_dir, straight, tmp_path, capsys):
+    """The newest checkpoint lost its .metadata: the run resumes from the previous one (bitwise equal to the
+    uninterrupted run) saying so, and the damaged files are kept, moved aside when the step is saved again."""
+    ref, _ = straight
+    run(data_dir, tmp_path, "d", "checkpoint.every_steps=2", "checkpoint.keep_last=2")
+    ckpt_dir = tmp_path / "d" / "checkpoints"
+    newest = ckpt_dir / "step_00000008"
+    (newest / ".metadata").unlink()
+    kept = sorted(p.name for p in newest.iterdir())
+    (tmp_path / "d" / "metrics.jsonl").unlink()
+    capsys.readouterr()
+    resumed = run(data_dir, tmp_path, "d", "checkpoint.every_steps=2", "checkpoint.keep_last=2")
+    out = capsys.readouterr().err
+    assert f"checkpoint {newest} is damaged (.metadata missing); left as it is, resuming from" in " ".join(out.split())
+    assert resumed["loss"] == {s: ref["loss"][s] for s in (7, 8)}
+    aside = [p for p in ckpt_dir.iterdir() if p.name.startswith("step_00000008.damaged-")]
+    assert len(aside) == 1 and sorted(p.name for p in aside[0].iterdir()) == kept
+    assert steps(list_checkpoints(ckpt_dir)) == [6, 8]
+
+
+def test_retention_counts_only_complete_checkpoints(data_dir, tmp_path):
+    """keep_last=1 with a damaged checkpoint of a later step (a truncated shard, both files present): it holds
+    no retention slot, every new save is kept, and the damaged one is never deleted."""
+    run(data_dir, tmp_path, "e", "train.steps=4", "checkpoint.every_steps=2", "checkpoint.keep_last=1")
+    ckpt_dir = tmp_path / "e" / "checkpoints"
+    bad = ckpt_dir / "step_00000010"
+    shutil.copytree(ckpt_dir / "step_00000004", bad)
+    shard = bad / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:1000])
+    (tmp_path / "e" / "metrics.jsonl").unlink()
+    resumed = run(data_dir, tmp_path, "e", "checkpoint.every_steps=2", "checkpoint.keep_last=1")
+    assert sorted(resumed["loss"]) == [5, 6, 7, 8]
+    assert steps(list_checkpoints(ckpt_dir)) == [8, 10]  # both published; only step 8 loads
+    assert (shard.stat().st_size, sorted(p.name for p in ckpt_dir.iterdir())) == (
+        1000,
+        ["step_00000008", "step_00000010"],
+    )
+    assert [r["saved_step"] for r in resumed["checkpoint"] if "saved_step" in r] == [6, 8]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 12 MiB tmpfs: room for one checkpoint of the debug model (8.4 MiB), not two."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(mnt)], capture_output=True)
+    if done.returncode:
+        pytest.skip(f"a tmpfs cannot be mounted here: {done.stderr.decode().strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_disk_full_saves_clean_up_and_a_lost_final_checkpoint_fails_the_run(data_dir, tmp_path, small_disk):
+    """Checkpoints on a full disk. With 6 MiB free every save fails with ENOSPC: each partial directory is
+    removed, training goes on to the end, and the run exits 2 because its final checkpoint is lost. With the
+    space freed (room for one checkpoint), the first save succeeds, later ones are refused before writing a
+    byte (not enough free space for another), and the run again exits 2 naming its newest checkpoint."""
+    ckpts = small_disk / "ckpts"
+    ballast = small_disk / "ballast"
+    ballast.write_bytes(b"\0" * (6 << 20))
+
+    def train(name: str) -> str:
+        args = [f"--{a}" for a in base(data_dir, tmp_path, name, "checkpoint.every_steps=2", f"checkpoint.dir={ckpts}")]
+        done = subprocess.run(
+            [sys.executable, "-m", "plait.cli", "train", *args], capture_output=True, text=True, timeout=300
+        )
+        text = " ".join((done.stdout + done.stderr).split())
+        assert done.returncode == 2 and "Traceback" not in text, text[-3000:]
+        assert sorted(records(tmp_path / name)["loss"]) == list(range(1, STEPS + 1))  # training went on
+        assert "the final checkpoint (step 8) could not be written" in text, text[-3000:]
+        return text
+
+    text = train("full")
+    assert "checkpoint of step 2 was not saved" in text and "the checkpoint disk is full" in text, text[-3000:]
+    assert "the newest complete checkpoint is none" in text
+    assert list(ckpts.iterdir()) == []  # no partial directories left
+
+    ballast.unlink()
+    text = train("room_for_one")
+    assert "checkpoint of step 4 was not saved" in text and "not enough free space on the checkpoint disk" in text
+    assert f"the newest complete checkpoint is {ckpts / 'step_00000002'}" in text
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000002"]
+
+
 def test_rng_state_is_restored(data_dir, tmp_path):
     from plait.data import TokenDataset, TokenLoader
     from plait.train import build_trainable

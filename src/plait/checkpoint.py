@@ -100,19 +100,57 @@ def checkpoint_dir(cfg: Config) -> Location:
 
 def list_checkpoints(ckpt_dir: Location | str) -> list[Location]:
     """Published checkpoints (with plait.json and DCP metadata), oldest first."""
+    return scan_checkpoints(ckpt_dir)[0]
+
+
+def scan_checkpoints(ckpt_dir: Location | str) -> tuple[list[Location], list[tuple[Location, str]]]:
+    """(complete checkpoints, damaged ones with what is wrong), each oldest first.
+
+    Complete: a step directory with plait.json and DCP's .metadata. Damaged: a published step directory
+    (plait.json, or locally any ``step_<N>`` without ``.tmp``, which only a publish creates) that lacks one
+    of them. Damaged checkpoints are never loaded, counted for retention, or deleted by plait. A remote
+    step directory without plait.json is a save that never finished, not a damaged checkpoint."""
     root = ckpt_dir if isinstance(ckpt_dir, Path | RemotePath) else storage.location(ckpt_dir)
+    return _classify(root, _tree(root))
+
+
+def _tree(root: Location) -> dict[str, set[str]]:
     try:
-        tree = storage.list_tree(root)
+        return storage.list_tree(root)
     except PlaitError:
         raise
     except Exception as e:
         raise PlaitError(f"cannot list checkpoints in {root}: {_one_line(e)}") from None
-    found = [
-        (int(m.group(1)), name)
-        for name, files in tree.items()
-        if (m := _STEP_DIR.match(name)) and META in files and DCP_METADATA in files
-    ]
-    return [root / name for _, name in sorted(found)]
+
+
+def _classify(root: Location, tree: dict[str, set[str]]) -> tuple[list[Location], list[tuple[Location, str]]]:
+    complete, damaged = [], []
+    for name, files in tree.items():
+        if not (m := _STEP_DIR.match(name)):
+            continue
+        if META in files and DCP_METADATA in files:
+            complete.append((int(m.group(1)), name, ""))
+        elif META in files or not storage.is_remote(root):
+            lost = [f for f in (META, DCP_METADATA) if f not in files]
+            damaged.append((int(m.group(1)), name, f"{' and '.join(lost)} missing"))
+    return [root / n for _, n, _ in sorted(complete)], [(root / n, why) for _, n, why in sorted(damaged)]
+
+
+def checkpoint_problems(path: Location) -> str:
+    """Why a checkpoint with both files present still cannot be loaded ("" if it looks loadable): plait.json
+    unreadable or without a step and config, .metadata not the one plait.json names, shard files missing or
+    short. Reads plait.json and .metadata only, not the tensors (their CRC32s are checked while loading)."""
+    try:
+        meta = read_meta(path)
+        step = meta.get("train_state", {}).get("step", 0) if isinstance(meta, dict) else None
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            return f"{META} has no valid step ({step!r})"
+        if not meta.get("weights_only") and not isinstance(meta.get("config"), dict):
+            return f"{META} has no config"
+    except PlaitError as e:
+        return str(e)
+    problems, _ = _check(path, meta, {})
+    return "; ".join(problems)
 
 
 def read_meta(path: Location | str) -> dict[str, Any]:
@@ -215,8 +253,13 @@ class CheckpointManager:
         self._executor: ThreadPoolExecutor | None = None
         self._pending: Future | None = None
         self._last_save_time = time.monotonic()
+        self._last_size = 0  # bytes of the last complete save: the free space the next one needs
+        self.final_lost = ""  # why the run's final checkpoint could not be written, if it could not
+        self._verified: dict[str, str] = {}  # checkpoint name -> its problems ("" for none), for retention
         if self.is_writer and not storage.is_remote(self.dir):
             storage.makedirs(self.dir)
+            for stale in Path(self.dir).glob("step_*.tmp"):  # saves an earlier process never finished
+                storage.remove_tree(stale)
 
     # ---------------------------------------------------------------------------------------- cadence
 
@@ -294,6 +337,12 @@ class CheckpointManager:
         start = time.perf_counter()
         report = self._collect(wait=True)  # one save in flight at a time: its staging buffers are reused
         self._last_save_time = time.monotonic()
+        short = self._short_of_space()
+        if short:  # refused before writing a byte: a save that cannot fit would only fill the disk
+            self._pending = Future()
+            self._pending.set_result(_Outcome(step, False, short))
+            report.update(self._collect(wait=True))
+            return report
         model_sd, optim_sd, groups = _state_dicts(t)
         tensors = {"model": model_sd, "optim": optim_sd, "rng": {f"rank_{self._rank}": _rng_state()}}
         meta = {
@@ -331,6 +380,23 @@ class CheckpointManager:
             report.update(self._collect(wait=True))
         return report
 
+    def _short_of_space(self) -> str:
+        """Why the next save cannot fit on the checkpoint disk (the main rank measures, all ranks agree),
+        or "". Known only after a first save (its size) and only on a local disk."""
+        why = ""
+        if self.is_writer and self._last_size and not storage.is_remote(self.dir):
+            free = shutil.disk_usage(self.dir).free
+            if free < self._last_size:
+                why = (
+                    f"not enough free space on the checkpoint disk ({_mb(free)} free, a checkpoint takes "
+                    f"{_mb(self._last_size)}); free space or lower checkpoint.keep_last"
+                )
+        if self._control is not None:
+            box = [why]
+            dist.broadcast_object_list(box, src=0, group=self._control)
+            why = box[0]
+        return why
+
     def _staging_path(self, step: int) -> Location:
         name = f"step_{step:08d}"
         return self.dir / name if storage.is_remote(self.dir) else self.dir / f"{name}.tmp"
@@ -347,8 +413,9 @@ class CheckpointManager:
         except BaseException as e:
             if isinstance(e, KeyboardInterrupt | SystemExit):
                 raise
-            return _Outcome(step, False, _short(e), blocked_s=staged - start)
+            return _Outcome(step, False, self._failed_save(e, target), blocked_s=staged - start)
         num_bytes = sum(getattr(info, "length", 0) for info in (md.storage_data or {}).values())
+        self._last_size = num_bytes
         # Synchronous: the loop waited for all of it. Asynchronous: only for the staging.
         end = time.perf_counter()
         blocked = end - start if staged == start else staged - start
@@ -359,6 +426,21 @@ class CheckpointManager:
             except Exception as e:  # an old checkpoint that could not be deleted is not worth stopping for
                 _warn(f"checkpoint retention in {self.dir} failed: {_one_line(e)}")
         return outcome
+
+    def _failed_save(self, error: BaseException, target: Location) -> str:
+        """After a failed save (every rank's writes have ended: DCP fails the save on all ranks together),
+        the main rank removes what it left behind; returns the reason in plain words."""
+        reason = _short(error)
+        # torch's writer reports a full disk as "unexpected pos A vs B": look at the disk before cleaning up
+        free = None if storage.is_remote(self.dir) else _free_bytes(Path(self.dir))
+        if free is not None and (_is_no_space(error) or free < 1 << 20):
+            reason = f"the checkpoint disk is full ({_mb(free)} left on {self.dir}; torch said: {reason})"
+        if self.is_writer:
+            try:
+                storage.remove_tree(target)
+            except Exception as e:
+                reason += f"; its partial files in {target} could not be removed ({_one_line(e)})"
+        return reason
 
     def _publish(self, step: int, meta: dict, target: Location) -> None:
         _maybe_crash_before_publish(step)
@@ -371,8 +453,13 @@ class CheckpointManager:
             storage.write_bytes(target / META, text)  # written last: this is the publish
             return
         storage.write_bytes(target / META, text)
-        if final.exists():  # an older save of the same step (a rerun): replace it only now
-            storage.remove_tree(final)
+        if final.exists():  # an older save of the same step (a rerun): replace it only now ...
+            if (final / DCP_METADATA).exists() and not checkpoint_problems(final):
+                storage.remove_tree(final)
+            else:  # ... unless it is damaged: that one is the user's to inspect
+                aside = final.with_name(f"{final.name}.damaged-{time.strftime('%Y%m%d-%H%M%S')}")
+                storage.rename(final, aside)
+                _warn(f"damaged checkpoint {final} moved to {aside} to make room for the new save of its step")
         storage.rename(target, final)
 
     def _collect(self, *, wait: bool) -> dict[str, float]:
@@ -390,6 +477,8 @@ class CheckpointManager:
                 "failed_saves": self.failed_saves,
             }
         self.failed_saves += 1
+        if outcome.step == self.total_steps and self.cfg.save_final:
+            self.final_lost = f"the final checkpoint (step {outcome.step}) could not be written: {outcome.error}"
         if self.is_writer:
             _warn(
                 f"checkpoint of step {outcome.step} was not saved to {self.dir}: {outcome.error}; "
@@ -398,18 +487,31 @@ class CheckpointManager:
         return {"failed_step": outcome.step, "blocked_s": outcome.blocked_s, "failed_saves": self.failed_saves}
 
     def _retain(self) -> None:
-        """Keep the newest checkpoint.keep_last checkpoints and every checkpoint.keep_every-th step; remove
-        the others, and what failed or interrupted saves left behind (no save is in flight now)."""
+        """Keep the newest checkpoint.keep_last complete checkpoints and every checkpoint.keep_every-th
+        step; remove the other complete ones and what failed or interrupted saves left behind (no save is in
+        flight now). Damaged checkpoints are neither counted nor removed: they are the user's to inspect."""
         tree = storage.list_tree(self.dir)
-        published = sorted(step_of(self.dir / n) for n, files in tree.items() if _STEP_DIR.match(n) and META in files)
-        keep = set(published[-max(1, self.cfg.keep_last) :])
+        complete, damaged = _classify(self.dir, tree)
+        for c in complete:  # published checkpoints never change: each is verified once
+            if c.name not in self._verified:
+                self._verified[c.name] = checkpoint_problems(c)
+                if self._verified[c.name]:
+                    _warn(f"checkpoint {c} is damaged ({self._verified[c.name]}): kept, but not counted or loaded")
+        damaged += [(c, self._verified[c.name]) for c in complete if self._verified[c.name]]
+        complete = [c for c in complete if not self._verified[c.name]]
+        steps = [step_of(c) for c in complete]
+        keep = set(steps[-max(1, self.cfg.keep_last) :])
         if self.cfg.keep_every > 0:
-            keep |= {s for s in published if s % self.cfg.keep_every == 0}
-        for name, files in tree.items():
-            step = step_of(self.dir / name)
-            if step < 0 or (step in keep and _STEP_DIR.match(name)):
+            keep |= {s for s in steps if s % self.cfg.keep_every == 0}
+        for c in complete:
+            if step_of(c) not in keep:
+                storage.remove_tree(c)
+        known = {c.name for c in complete} | {d.name for d, _ in damaged}
+        for name in tree:
+            if name in known or not _ANY_STEP_DIR.match(name):
                 continue
-            if META in files or name.endswith(".tmp") or step < (published[-1] if published else -1):
+            # a partial save: step_<N>.tmp on a local disk, an unpublished step_<N> prefix on S3
+            if name.endswith(".tmp") or (steps and step_of(self.dir / name) < steps[-1]):
                 storage.remove_tree(self.dir / name)
 
     # ------------------------------------------------------------------------------------------- load
@@ -630,6 +732,31 @@ def _read(state: dict, path: Location) -> list[str]:
 
 
 # -------------------------------------------------------------------------------------------------- small
+
+
+def _mb(num_bytes: int) -> str:
+    return f"{num_bytes / 2**20:,.1f} MiB"
+
+
+def _free_bytes(path: Path) -> int | None:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def _is_no_space(e: BaseException) -> bool:
+    import errno
+
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def _some(items: list[str], n: int = 4) -> str:

@@ -21,11 +21,20 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from plait.checkpoint import CheckpointManager, TrainState, checkpoint_dir, list_checkpoints, read_meta
+from plait.checkpoint import (
+    CheckpointManager,
+    TrainState,
+    checkpoint_dir,
+    checkpoint_problems,
+    list_checkpoints,
+    read_meta,
+    scan_checkpoints,
+    step_of,
+)
 from plait.compile import CompileMonitor, apply_compile
 from plait.config import Config, to_dict, to_toml
 from plait.data import TokenDataset, TokenLoader, ensure_prepared, eos_id, load_tokenizer, unigram_entropy
-from plait.errors import ConfigError
+from plait.errors import ConfigError, PlaitError
 from plait.generate import generate
 from plait.guards import Guard
 from plait.hardware import device_info, memory_stats
@@ -46,6 +55,7 @@ from plait.parallel import (
 )
 from plait.parallel.env import shutdown
 from plait.parallel.pipeline import Pipeline, build_pipeline, pipeline_forward_backward
+from plait.storage import Location
 
 
 def build_model(args: ModelArgs, device: torch.device, seed: int) -> Transformer:
@@ -260,15 +270,16 @@ def evaluate(t: Trainable, dataset: TokenDataset) -> float:
     return mean.item()
 
 
-def prepare_run_dir(cfg: Config, is_main: bool = True) -> Path | None:
+def prepare_run_dir(cfg: Config, is_main: bool = True) -> list[Location]:
     """Refuse to mix runs: a run directory with checkpoints is resumed only by the same model shape.
 
-    Returns the checkpoint to resume from (None for a fresh start). With run.overwrite the old outputs are
-    moved aside to <run>.old-<time>, never deleted.
+    Returns the checkpoints to resume from, newest first (empty for a fresh start): the first is the newest
+    that looks loadable; damaged newer ones are reported and left on disk. With run.overwrite the old
+    outputs are moved aside to <run>.old-<time>, never deleted.
     """
     run_dir = cfg.run_dir
-    ckpts = list_checkpoints(checkpoint_dir(cfg))
-    if cfg.run.overwrite and ckpts:
+    complete, damaged = scan_checkpoints(checkpoint_dir(cfg))
+    if cfg.run.overwrite and (complete or damaged):
         if cfg.checkpoint.dir:
             raise ConfigError(
                 f"run.overwrite=true moves {run_dir} aside, but the checkpoints in checkpoint.dir="
@@ -278,10 +289,20 @@ def prepare_run_dir(cfg: Config, is_main: bool = True) -> Path | None:
             backup = run_dir.with_name(f"{run_dir.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
             run_dir.rename(backup)
             console.print(f"run.overwrite: previous outputs moved to {backup}")
-        return None
-    if not ckpts:
-        return None
-    saved = read_meta(ckpts[-1]).get("config", {}).get("model", {})
+        return []
+    candidates = list(reversed(complete))
+    while candidates and (why := checkpoint_problems(candidates[0])):
+        damaged.append((candidates.pop(0), why))
+    newest = step_of(candidates[0]) if candidates else -1
+    for path, why in sorted(damaged, key=lambda d: step_of(d[0])):
+        if is_main and step_of(path) > newest:
+            _warn(
+                f"checkpoint {path} is damaged ({why}); left as it is, "
+                + (f"resuming from {candidates[0]}" if candidates else "no complete checkpoint to resume from")
+            )
+    if not candidates:
+        return []
+    saved = read_meta(candidates[0]).get("config", {}).get("model", {})
     current = to_dict(cfg)["model"]
     diff = [f"model.{k}: checkpoint {saved.get(k)!r} vs now {v!r}" for k, v in current.items() if saved.get(k) != v]
     if diff:
@@ -289,7 +310,26 @@ def prepare_run_dir(cfg: Config, is_main: bool = True) -> Path | None:
             f"{run_dir} holds a checkpoint of a different model ({'; '.join(diff[:4])}); "
             f"choose another run.name, or pass --run.overwrite=true to move the old run aside"
         )
-    return ckpts[-1]
+    return candidates
+
+
+def resume(checkpointer: CheckpointManager, candidates: list[Location], t, loader, state, is_main: bool):
+    """Load the newest checkpoint that loads; one that fails (on every rank alike) is reported, kept, and the
+    previous one tried. Every tensor, the data position and the counters come from the one that loads."""
+    for i, path in enumerate(candidates):
+        try:
+            checkpointer.load(path, t, loader=loader, state=state)
+            return path
+        except PlaitError as e:
+            if i + 1 == len(candidates):
+                raise
+            if is_main:
+                _warn(f"{e}; left as it is, trying the previous checkpoint {candidates[i + 1]}")
+    return None
+
+
+def _warn(message: str) -> None:
+    console.print(f"[yellow]warning:[/] {message}", highlight=False)
 
 
 def train(cfg: Config) -> dict[str, float]:
@@ -306,7 +346,7 @@ def _train(cfg: Config, env: DistEnv) -> dict[str, float]:
     dims = ParallelDims.from_config(cfg.parallel, env.world_size)
     validate_layout(cfg, dims)
     torch.manual_seed(cfg.run.seed)
-    resume_from = prepare_run_dir(cfg, env.is_main)
+    candidates = prepare_run_dir(cfg, env.is_main)
     cache_dir = Path(cfg.data.cache_dir).expanduser()
     data_dir = ensure_prepared(cfg.data.source, cache_dir, cfg.model.vocab_size) if env.is_main else None
     if env.world_size > 1:  # the main rank tokenises the bundled corpus once; the others wait for it
@@ -347,8 +387,8 @@ def _train(cfg: Config, env: DistEnv) -> dict[str, float]:
         config=to_dict(cfg),
         tokenizer_path=data_dir / "tokenizer.json",
     )
+    resume_from = resume(checkpointer, candidates, t, loader, state, env.is_main) if candidates else None
     if resume_from is not None:
-        checkpointer.load(resume_from, t, loader=loader, state=state)
         if env.is_main:
             console.print(f"resumed from {resume_from} (step {state.step})")
     elif env.is_main and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
@@ -417,6 +457,13 @@ def _train(cfg: Config, env: DistEnv) -> dict[str, float]:
             metrics.log(state.step, saved, prefix="checkpoint")
         metrics.close()
         loader.close()
+    if checkpointer.final_lost:  # trained, but a restart would redo work: not a success
+        newest = list_checkpoints(checkpoint_dir(cfg))
+        raise PlaitError(
+            f"{checkpointer.final_lost}. Training reached step {state.step}; the newest complete checkpoint is "
+            f"{newest[-1] if newest else 'none'}. Free space (or fix the storage) and rerun the same command to "
+            f"resume from it"
+        )
     lineage.finish(final)
     if env.is_main:
         if not final:
