@@ -221,6 +221,20 @@ def _phase_breakdown(t, loader, device: torch.device, steps: int, compiler: Comp
     }
 
 
+def release_device() -> None:
+    """Give back what the finished cold run still holds: its process group of one, Dynamo's compiled graphs
+    (they keep references to the model), and the CUDA caching allocator's blocks."""
+    import gc
+
+    from plait.parallel.env import shutdown
+
+    shutdown()
+    torch.compiler.reset()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def warm_start(cfg_args: list[str], cache_dir: str) -> dict:
     """Run the same job's first step in a fresh process on `cache_dir`: what a restarted job waits for."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -360,6 +374,7 @@ def cmd_bench(argv: list[str]) -> int:
         cfg.compile.cache_dir = tmp.name
     try:
         results = run_bench(cfg, steps, warmup)
+        release_device()  # the warm run is another process: it must find the device as empty as this one did
         if cfg.compile.enabled and not no_warm:
             cfg_args = ([path] if path else []) + [f"--{o}" for o in overrides if not o.startswith("compile.cache_dir")]
             warm = warm_start(cfg_args, cfg.compile.cache_dir)

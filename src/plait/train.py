@@ -31,7 +31,7 @@ from plait.checkpoint import (
     scan_checkpoints,
     step_of,
 )
-from plait.compile import CompileMonitor, apply_compile
+from plait.compile import CompileMonitor
 from plait.config import Config, to_dict, to_toml
 from plait.data import TokenDataset, TokenLoader, ensure_prepared, eos_id, load_tokenizer, unigram_entropy
 from plait.errors import ConfigError, PlaitError
@@ -53,7 +53,7 @@ from plait.parallel import (
     parallelize,
     validate_layout,
 )
-from plait.parallel.env import shutdown
+from plait.parallel.env import init_single_process, shutdown
 from plait.parallel.pipeline import Pipeline, build_pipeline, pipeline_forward_backward
 from plait.storage import Location
 
@@ -93,7 +93,7 @@ class Trainable:
     parts: list[nn.Module]
     optimizers: list[torch.optim.Optimizer]
     schedulers: list
-    meshes: Meshes | None = None
+    meshes: Meshes  # one rank's share of the layout; a lone process is a mesh of size 1
     pipeline: Pipeline | None = None
 
     @property
@@ -102,14 +102,13 @@ class Trainable:
 
     @property
     def fsdp(self) -> bool:
-        return self.meshes is not None and self.meshes.dims.fsdp_enabled
+        return self.meshes.dims.fsdp_enabled
 
     def autocast(self):
         return autocast_context(self.cfg, self.device, self.fsdp)
 
     def loss_context(self):
-        tp = self.meshes is not None and self.meshes.dims.tp > 1
-        return loss_parallel() if tp else contextlib.nullcontext()
+        return loss_parallel() if self.meshes.dims.tp > 1 else contextlib.nullcontext()
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for part in self.parts for p in part.parameters()]
@@ -117,10 +116,12 @@ class Trainable:
 
 def build_trainable(cfg: Config, device: torch.device, meshes: Meshes | None = None) -> Trainable:
     """Build the model on meta, parallelise it from outside (or split it into pipeline stages), allocate,
-    initialise like the single-process model, and attach optimizers."""
+    initialise like the single-process model, and attach optimizers. Without `meshes`, this process alone:
+    a mesh of size 1 (a process group of one is set up if there is none), through the same path."""
     if meshes is None:
-        parts, pipeline = [apply_compile(build_model(cfg.model, device, cfg.run.seed), cfg)], None
-    elif meshes.dims.pp > 1:
+        init_single_process(device, cfg.parallel.timeout_s)
+        meshes = Meshes.build(ParallelDims.from_config(cfg.parallel, dist.get_world_size()), device.type)
+    if meshes.dims.pp > 1:
         pipeline = build_pipeline(cfg.model, meshes, cfg, device, cross_entropy)
         parts = pipeline.parts
     else:
@@ -159,7 +160,7 @@ def train_step(
         else:
             loss = _accumulate(t, inputs, targets)
     norm = clip_grad_norm(t.parameters(), t.cfg.train.grad_clip, t.meshes)
-    if t.meshes is not None and t.meshes.dims.dp > 1:
+    if t.meshes.dims.dp > 1:
         # Each data-parallel rank holds the mean over its own sequences: average them. (gloo has no AVG.)
         dist.all_reduce(loss, group=t.meshes.batch.get_group())
         loss = loss / t.meshes.dims.dp
@@ -189,7 +190,7 @@ def _local(x: torch.Tensor) -> torch.Tensor:
     return x.full_tensor() if isinstance(x, DTensor) else x
 
 
-def clip_grad_norm(params: list[nn.Parameter], max_norm: float, meshes: Meshes | None) -> torch.Tensor:
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float, meshes: Meshes) -> torch.Tensor:
     """Global L2 norm of all gradients, clipped to max_norm (0: measure only).
 
     Communication plan: each rank sums the squares of its local gradient shards, grouped by which mesh
@@ -222,7 +223,7 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, meshes: Meshes |
         for axis in axes:
             dist.all_reduce(part, group=mesh.get_group(axis))
         squared = squared + part
-    if meshes is not None and meshes.dims.pp > 1:
+    if meshes.dims.pp > 1:
         dist.all_reduce(squared, group=meshes.pp.get_group())
     norm = squared.sqrt().float()
     if max_norm > 0:
@@ -235,7 +236,7 @@ def evaluate(t: Trainable, dataset: TokenDataset) -> float:
     """Mean loss over the first eval.num_batches global batches of the validation split (the same every
     time), averaged over data-parallel ranks."""
     cfg = t.cfg
-    dp_rank, dp = (t.meshes.dp_rank, t.meshes.dims.dp) if t.meshes else (0, 1)
+    dp_rank, dp = t.meshes.dp_rank, t.meshes.dims.dp
     loader = TokenLoader(
         dataset,
         seq_len=cfg.data.seq_len,
@@ -362,7 +363,7 @@ def _train(cfg: Config, env: DistEnv) -> dict[str, float]:
     for split in (train_data, val_data):  # fail now, not at the first batch, if sequences cannot be cut
         split.num_samples(cfg.data.seq_len)
 
-    meshes = Meshes(dims.build_mesh(device.type), dims) if env.world_size > 1 else None
+    meshes = Meshes.build(dims, device.type)  # one process: a mesh of size 1
     run_health_check(cfg, env, meshes)  # refuses to start on a rank that computes or communicates wrongly
     compiler = CompileMonitor.start(cfg, device, env.is_main)  # compile caches set up before the first compile
     t = build_trainable(cfg, device, meshes)
@@ -370,7 +371,7 @@ def _train(cfg: Config, env: DistEnv) -> dict[str, float]:
         train_data,
         seq_len=cfg.data.seq_len,
         global_batch_size=cfg.train.global_batch_size,
-        dp_rank=meshes.dp_rank if meshes else 0,
+        dp_rank=meshes.dp_rank,
         dp_degree=dims.dp,
         seed=cfg.run.seed,
         shuffle=cfg.data.shuffle,
@@ -468,7 +469,7 @@ def _train(cfg: Config, env: DistEnv) -> dict[str, float]:
     if env.is_main:
         if not final:
             console.print(f"run {run_dir} already finished at step {state.step}; nothing to train")
-        if meshes is None:
+        if env.world_size == 1 and not t.fsdp:
             with torch.compiler.set_stance("force_eager"):  # sampling changes shapes every token
                 _report(cfg, t.model, data_dir, final)
         else:

@@ -229,8 +229,8 @@ class RunLineage:
         fp32 CPU copy refreshed from the sharded weights. Every rank gathers its stage's parameters in the same
         order (DTensor collectives over the stage's own mesh); under a pipeline the first data-parallel /
         tensor-parallel rank of each stage then sends its stage over the pp axis to the main rank."""
-        if self.t.meshes is None:
-            return self.t.model
+        if self.t.pipeline is None and not self.t.fsdp and self.t.meshes.dims.world_size == 1:
+            return self.t.model  # the trained model itself: plain tensors, all of it here
         from plait.lifecycle.lora import _full
         from plait.model.llama import canonical_name
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -260,9 +261,11 @@ class Transformer(nn.Module):
         """Deterministic initialisation: each parameter's values depend only on (seed, its name), so a
         pipeline stage holding a subset of the layers initialises them exactly as the full model would.
 
-        Values are drawn on the CPU in fp32 and copied in, so they are the same on every device.
-        ``assign(param, value)`` writes a full value into a parameter; a parallelised model passes one
-        that keeps only the local shard.
+        Values are drawn on the CPU in fp32 and copied in, so they are the same on every device. They are
+        drawn per block of rows (about INIT_BLOCK_ELEMENTS values each, from a generator of its own), so any
+        range of rows can be produced without drawing the rest: ``assign(param, rows)`` receives
+        ``rows(start, stop)``, the parameter's rows start:stop, and a parallelised model passes one that draws
+        only the rows of its local shard (start-up cost and memory independent of the full model's size).
         Linear and embedding weights ~ N(0, 0.02) truncated at 3 sigma; the projections that write into
         the residual stream (wo, w2) are scaled by 1/sqrt(2 n_layers) (GPT-2); norms start at one.
         """
@@ -270,16 +273,39 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(self.args, device=self.rope_cos.device)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
-        assign = assign or (lambda param, value: param.copy_(value))
+        assign = assign or (lambda param, rows: param.copy_(rows(0, param.shape[0])))
         residual_std = 0.02 / math.sqrt(2 * self.args.n_layers)
         for name, param in self.named_parameters():
             name = canonical_name(name)
             if name.endswith("norm.weight"):
-                value = torch.ones(param.shape)
+                rows = partial(_ones_rows, tuple(param.shape))
             else:
                 std = residual_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
-                value = _trunc_normal(param.shape, std, _name_seed(seed, name))
-            assign(param, value)
+                rows = partial(init_rows, tuple(param.shape), std, _name_seed(seed, name))
+            assign(param, rows)
+
+
+INIT_BLOCK_ELEMENTS = 1 << 20
+"""Rows are drawn in blocks of about this many values: small enough that a rank drawing only its shard
+draws little beyond it, large enough that the per-block generator set-up costs nothing."""
+
+
+def init_rows(shape: tuple[int, ...], std: float, seed: int, start: int, stop: int) -> torch.Tensor:
+    """Rows start:stop of a parameter's initial value. Block b covers rows [b*R, (b+1)*R) with R fixed by the
+    global shape, and is drawn from its own generator, so the result is the same whichever rows are asked."""
+    row = math.prod(shape[1:])
+    per_block = max(1, INIT_BLOCK_ELEMENTS // max(1, row))
+    out = torch.empty((stop - start, *shape[1:]), dtype=torch.float32)
+    for b in range(start // per_block, -(-stop // per_block)):
+        lo, hi = b * per_block, min((b + 1) * per_block, shape[0])
+        block = _trunc_normal((hi - lo, *shape[1:]), std, _name_seed(seed, f"block{b}"))
+        a, z = max(lo, start), min(hi, stop)
+        out[a - start : z - start] = block[a - lo : z - lo]
+    return out
+
+
+def _ones_rows(shape: tuple[int, ...], start: int, stop: int) -> torch.Tensor:
+    return torch.ones((stop - start, *shape[1:]))
 
 
 def canonical_name(name: str) -> str:

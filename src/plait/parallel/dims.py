@@ -25,6 +25,7 @@ class ParallelDims:
     dp_shard: int
     tp: int
     pp: int
+    cpu_offload: bool = False  # FSDP2's offload policy: FSDP2 then applies at any dp, 1 included
 
     @classmethod
     def from_config(cls, cfg: ParallelConfig, world_size: int) -> ParallelDims:
@@ -35,10 +36,11 @@ class ParallelDims:
             if world_size % fixed:
                 raise ConfigError(
                     f"world size {world_size} is not divisible by dp_replicate x tp x pp = {fixed}; "
-                    f"choose degrees whose product divides {world_size}"
+                    f"choose degrees whose product divides {world_size}, or run a multiple of {fixed} processes "
+                    f"(plait train --nproc {fixed})"
                 )
             shard = world_size // fixed
-        dims = cls(cfg.dp_replicate_degree, shard, cfg.tp_degree, cfg.pp_degree)
+        dims = cls(cfg.dp_replicate_degree, shard, cfg.tp_degree, cfg.pp_degree, cfg.cpu_offload)
         if dims.world_size != world_size:
             raise ConfigError(
                 f"parallel degrees dp_replicate={dims.dp_replicate} x dp_shard={dims.dp_shard} x tp={dims.tp} "
@@ -58,7 +60,9 @@ class ParallelDims:
 
     @property
     def fsdp_enabled(self) -> bool:
-        return self.dp > 1
+        """FSDP2 wraps the model where data parallelism shards it, and at dp = 1 where CPU offload is asked
+        (FSDP2's offload policy is how parameters, gradients and optimizer state live on the CPU)."""
+        return self.dp > 1 or self.cpu_offload
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         return init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=AXES)
@@ -70,6 +74,10 @@ class Meshes:
     def __init__(self, mesh: DeviceMesh, dims: ParallelDims):
         self.world = mesh
         self.dims = dims
+
+    @classmethod
+    def build(cls, dims: ParallelDims, device_type: str) -> Meshes:
+        return cls(dims.build_mesh(device_type), dims)
 
     @cached_property
     def batch(self) -> DeviceMesh:

@@ -35,6 +35,7 @@ def init_distributed(device_spec: str, timeout_s: int) -> DistEnv:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = resolve_device(device_spec, local_rank)
     if world == 1:
+        init_single_process(device, timeout_s)
         return DistEnv(0, 1, 0, device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -49,6 +50,22 @@ def init_distributed(device_spec: str, timeout_s: int) -> DistEnv:
             timeout=timedelta(seconds=timeout_s),
         )
     return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+def init_single_process(device: torch.device, timeout_s: int = 300) -> None:
+    """A lone process is a group of one: the same mesh, FSDP2 (CPU offload at dp = 1) and DTensor code run
+    on it as on many ranks. An in-memory store: nothing listens on the network."""
+    if dist.is_initialized():
+        return
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        store=dist.HashStore(),
+        rank=0,
+        world_size=1,
+        timeout=timedelta(seconds=timeout_s),
+    )
 
 
 def shutdown() -> None:

@@ -33,6 +33,7 @@ from plait.compile import apply_compile
 from plait.config import Config
 from plait.model.llama import Transformer
 from plait.parallel.dims import Meshes
+from plait.torch_private import local_box
 
 
 def parallelize(model: Transformer, meshes: Meshes, cfg: Config, device: torch.device) -> Transformer:
@@ -170,8 +171,27 @@ def assign_sharded(param: torch.Tensor, value: torch.Tensor) -> None:
         param.copy_(value)
 
 
+@torch.no_grad()
+def init_local_shard(param: torch.Tensor, rows) -> None:
+    """Initialise this rank's shard of a parameter from `rows(start, stop)` (the full value's rows, see
+    `Transformer.init_weights`): only the rows the shard covers are drawn, then its columns cut out, so
+    neither time nor memory depends on the full parameter's size beyond this rank's rows."""
+    if not isinstance(param, DTensor):
+        param.copy_(rows(0, param.shape[0]))
+        return
+    local = param.to_local()
+    shape, offset = local_box(param)
+    if local.numel() == 0:
+        return
+    if tuple(local.shape) != tuple(shape):
+        raise RuntimeError(f"local shard {tuple(local.shape)} is not the box {tuple(shape)} torch reports")
+    value = rows(offset[0], offset[0] + shape[0])
+    local.copy_(value[(slice(None), *(slice(o, o + n) for o, n in zip(offset[1:], shape[1:], strict=True)))])
+
+
 def materialize(model: nn.Module, cfg: Config, device: torch.device) -> None:
-    """Allocate a parallelised model built on meta, then initialise it like the single-process model.
-    With CPU offload FSDP2 keeps the sharded parameters on the CPU, so they are allocated there."""
+    """Allocate a parallelised model built on meta (each rank its own shards), then initialise it like the
+    single-process model, each rank drawing only its shards' values. With CPU offload FSDP2 keeps the
+    sharded parameters on the CPU, so they are allocated there."""
     model.to_empty(device=torch.device("cpu") if cfg.parallel.cpu_offload else device)
-    model.init_weights(cfg.run.seed, assign=assign_sharded)
+    model.init_weights(cfg.run.seed, assign=init_local_shard)
