@@ -176,7 +176,7 @@ def test_stop_policy_and_giving_up(data_dir, tmp_path, monkeypatch):
     from plait.train import train
 
     with pytest.raises(ConfigError, match="set checkpoint.every_steps"):
-        load_config(None, ["guard.nonfinite_policy=rollback"])
+        load_config(None, ["guard.nonfinite_policy=rollback", "checkpoint.every_steps=0"])  # on by default
     monkeypatch.setenv("PLAIT_FAULT_NAN", "2")
     with pytest.raises(PlaitError, match=r"loss is nan and gradient norm nan at step 2; lower optim.lr"):
         train(load_config(None, [*base(data_dir, 4), f"run.out_dir={tmp_path}", "guard.nonfinite_policy=stop"]))

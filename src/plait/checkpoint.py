@@ -255,6 +255,7 @@ class CheckpointManager:
         self._last_save_time = time.monotonic()
         self._last_size = 0  # bytes of the last complete save: the free space the next one needs
         self.final_lost = ""  # why the run's final checkpoint could not be written, if it could not
+        self.stopped_at = 0  # the step at which a stop request ended the run (0: not stopped)
         self._verified: dict[str, str] = {}  # checkpoint name -> its problems ("" for none), for retention
         if self.is_writer and not storage.is_remote(self.dir):
             storage.makedirs(self.dir)
@@ -263,27 +264,34 @@ class CheckpointManager:
 
     # ---------------------------------------------------------------------------------------- cadence
 
-    def should_save(self, step: int) -> bool:
-        """Every checkpoint.every_steps, every checkpoint.every_minutes (rank 0's clock decides for all
-        ranks), and at the last step if checkpoint.save_final."""
+    def should_save(self, step: int, stop_requested: bool = False) -> tuple[bool, bool]:
+        """(save now, stop now), the same on every rank. A save is due every checkpoint.every_steps, every
+        checkpoint.every_minutes (rank 0's clock decides for all ranks), at the last step if
+        checkpoint.save_final, and when any rank was asked to stop (a signal). One small all-reduce over the
+        control group per step when distributed (none in one process)."""
         every = self.cfg.every_steps
         due = (every > 0 and step % every == 0) or (step == self.total_steps and self.cfg.save_final)
-        if self.cfg.every_minutes > 0:
-            late = time.monotonic() - self._last_save_time >= 60 * self.cfg.every_minutes
-            if self._control is not None:
-                flag = torch.tensor([int(late)])
-                dist.broadcast(flag, src=0, group=self._control)
-                late = bool(flag.item())
-            due = due or late
-        return due
+        late = self.cfg.every_minutes > 0 and time.monotonic() - self._last_save_time >= 60 * self.cfg.every_minutes
+        if self._control is not None:
+            flags = torch.tensor([int(late and self._rank == 0), int(stop_requested)])
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._control)
+            late, stop_requested = bool(flags[0]), bool(flags[1])
+        return due or late or stop_requested, stop_requested
 
-    def maybe_save(self, step: int, t, *, loader, state: TrainState) -> dict[str, float]:
+    def maybe_save(self, step: int, t, *, loader, state: TrainState, stop_requested: bool = False) -> dict[str, float]:
         """Publish a save that has finished; start one if due. Returns metrics of a save that ended in this
         call (else nothing): saved_step or failed_step, blocked_s (how long the save held up the loop),
-        write_s (from staged to published), size_mb, and failed_saves (saves lost so far in this run)."""
+        write_s (from staged to published), size_mb, and failed_saves (saves lost so far in this run).
+
+        When a stop was requested on any rank (`plait.stop`), this step's save is waited for (published
+        before returning) and `stopped` is set: the loop ends here on every rank."""
         report = self._collect(wait=False)
-        if self.should_save(step):
+        due, stop = self.should_save(step, stop_requested)
+        if due:
             report.update(self.save(step, t, loader=loader, state=state))
+        if stop:
+            report.update(self.wait())
+            self.stopped_at = step
         return report
 
     def latest(self) -> Location | None:

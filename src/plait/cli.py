@@ -298,8 +298,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return command(argv[1:])
     except PlaitError as e:
-        print(f"plait {argv[0]}: error: {e}", file=sys.stderr)
-        return 2
+        code = getattr(e, "exit_code", 2)
+        if str(e):  # a rank that is not the main one may end silently: the main rank said it
+            print(f"plait {argv[0]}: {'error: ' if code == 2 else ''}{e}", file=sys.stderr)
+        return code
     except KeyboardInterrupt:
         print(f"plait {argv[0]}: interrupted", file=sys.stderr)
         return 130

@@ -115,13 +115,13 @@ class LogConfig:
 
 @dataclass
 class CheckpointConfig:
-    every_steps: int = 0
-    """Save a checkpoint every N steps (0: only at the end)."""
+    every_steps: int = 100
+    """Save a checkpoint every N steps (0: only at the end, on SIGTERM/SIGINT and by every_minutes)."""
     keep_last: int = 2
     """Number of most recent checkpoints kept."""
     save_final: bool = True
     """Save a checkpoint when training ends."""
-    every_minutes: float = 0.0
+    every_minutes: float = 30.0
     """Also save when this many minutes have passed since the last save (0: off); rank 0's clock decides."""
     keep_every: int = 0
     """Also keep, forever, every checkpoint whose step is a multiple of this (0: off)."""

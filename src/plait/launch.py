@@ -17,6 +17,8 @@ import torch
 
 from plait.errors import ConfigError, PlaitError
 
+STOP_GRACE_S = 110  # seconds a stopping worker has for its last step and checkpoint; Slurm signals at 120
+
 
 def default_nproc() -> int:
     """One process per visible GPU, else one."""
@@ -47,6 +49,11 @@ def elastic_run(entrypoint, argv: list[str], nproc: int, *, max_restarts: int = 
         monitor_interval=0.2,
         start_method="spawn",
     )
+    # On SIGTERM / SIGINT the agent forwards the signal and waits this long for the workers to finish their
+    # step and write a checkpoint before it kills them (torch's default: 30 s).
+    os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(STOP_GRACE_S))
+    if hasattr(config, "shutdown_timeout") and config.shutdown_timeout is None:
+        config.shutdown_timeout = int(os.environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"])
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     elastic_launch(config, entrypoint)(argv)
 
@@ -54,10 +61,17 @@ def elastic_run(entrypoint, argv: list[str], nproc: int, *, max_restarts: int = 
 def launch_local(nproc: int, argv: list[str], max_restarts: int) -> int:
     """Run `plait train argv` in nproc local workers; restart the whole group up to max_restarts times
     when a worker dies (training then resumes from the newest checkpoint)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from plait.stop import Stopped
 
     try:
         elastic_run(_worker, argv, nproc, max_restarts=max_restarts)
+    except SignalException as e:  # the agent forwarded it to the workers and waited for them to save and exit
+        raise Stopped(
+            f"stopped by {e.sigval.name}; the workers' checkpoint and how to resume are said above"
+        ) from None
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         raise PlaitError(
@@ -77,14 +91,22 @@ SBATCH = """#!/bin/bash
 #SBATCH --output=%x-%j.out
 # Written by `plait launch slurm`. One torchrun agent per node; they meet at the first node (c10d
 # rendezvous) and restart the group up to {restarts} times if a worker or node is lost.
+#SBATCH --signal=B:TERM@120
+# 120 s before the time limit Slurm sends SIGTERM to this script, which forwards it to srun, srun to each
+# torchrun agent, each agent to its workers: they finish their step, write a checkpoint and exit 75;
+# submitting the same script again resumes from it.
 set -euo pipefail
 head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export OMP_NUM_THREADS=1
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={grace}
 srun torchrun \\
   --nnodes={nodes} --nproc-per-node={gpus} \\
   --rdzv-backend=c10d --rdzv-endpoint="$head_node:29500" --rdzv-id="$SLURM_JOB_ID" \\
   --max-restarts={restarts} \\
-  -m plait.train {args}
+  -m plait.train {args} &
+trainer=$!
+trap 'kill -TERM "$trainer"; wait "$trainer"' TERM
+wait "$trainer"
 """
 
 
@@ -110,6 +132,7 @@ def cmd_launch(argv: list[str]) -> int:
         cpus=a.cpus_per_task,
         time=a.time,
         restarts=a.max_restarts,
+        grace=STOP_GRACE_S,
         args=" ".join(shlex.quote(x) for x in train_args),
     )
     if a.out:

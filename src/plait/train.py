@@ -55,6 +55,7 @@ from plait.parallel import (
 )
 from plait.parallel.env import init_single_process, shutdown
 from plait.parallel.pipeline import Pipeline, build_pipeline, pipeline_forward_backward
+from plait.stop import Stopped, StopRequest
 from plait.storage import Location
 
 
@@ -411,6 +412,7 @@ def _train(cfg: Config, env: DistEnv) -> dict[str, float]:
     final: dict[str, float] = {}
     last_time, last_step = time.perf_counter(), state.step
     guard = Guard(cfg, env, t, checkpointer=checkpointer, loader=loader, metrics=metrics)
+    stop = StopRequest(announce=env.is_main).install()  # SIGTERM / SIGINT: checkpoint this step, then stop
     try:
         metrics.advance(state.step)
         while state.step < cfg.train.steps:
@@ -445,19 +447,24 @@ def _train(cfg: Config, env: DistEnv) -> dict[str, float]:
                 metrics.log(step, {"loss": final["val_loss"]}, prefix="val")
                 lineage.monitor(step)  # eval.suite's behavioural assertions, if any
                 last_time = time.perf_counter()  # evaluation time is not training throughput
-            saved = checkpointer.maybe_save(step, t, loader=loader, state=state)
+            saved = checkpointer.maybe_save(step, t, loader=loader, state=state, stop_requested=stop.requested)
             lineage.checkpoint(step, saved, final)  # weights hash (and a LoRA run's adapter) of a save begun now
             if saved:
                 metrics.log(step, saved, prefix="checkpoint")
                 last_time = time.perf_counter()  # checkpoint time is not training throughput
             metrics.advance(step)
+            if checkpointer.stopped_at:
+                break
     finally:
+        stop.restore()
         guard.close()
         saved = checkpointer.close()  # waits for the save in flight and publishes it
         if saved:
             metrics.log(state.step, saved, prefix="checkpoint")
         metrics.close()
         loader.close()
+    if checkpointer.stopped_at:
+        _stopped(cfg, stop.signal_name or "a signal on another rank", checkpointer.stopped_at, env.is_main)
     if checkpointer.final_lost:  # trained, but a restart would redo work: not a success
         newest = list_checkpoints(checkpoint_dir(cfg))
         raise PlaitError(
@@ -475,6 +482,24 @@ def _train(cfg: Config, env: DistEnv) -> dict[str, float]:
         else:
             _report(cfg, None, data_dir, final)
     return final
+
+
+def _stopped(cfg: Config, why: str, step: int, is_main: bool) -> None:
+    """The end of a run stopped on request: exit EXIT_STOPPED if this step's checkpoint is there, else an
+    error that says so (resuming would then redo the steps since the newest checkpoint). The main rank
+    says it; the others exit the same way, silently."""
+    if not is_main:
+        raise Stopped("")
+    newest = list_checkpoints(checkpoint_dir(cfg))
+    if newest and step_of(newest[-1]) == step:
+        raise Stopped(
+            f"stopped by {why} at step {step}/{cfg.train.steps}; checkpoint {newest[-1]} written. Run the same "
+            f"command to resume from it"
+        )
+    raise PlaitError(
+        f"stopped by {why} at step {step}, but its checkpoint could not be written (see the warning above); the "
+        f"newest complete checkpoint is {newest[-1] if newest else 'none'}"
+    )
 
 
 def maybe_inject_fault(rank: int, step: int) -> None:
