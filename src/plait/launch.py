@@ -69,9 +69,7 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int) -> int:
     try:
         elastic_run(_worker, argv, nproc, max_restarts=max_restarts)
     except SignalException as e:  # the agent forwarded it to the workers and waited for them to save and exit
-        raise Stopped(
-            f"stopped by {e.sigval.name}; the workers' checkpoint and how to resume are said above"
-        ) from None
+        raise Stopped(f"stopped by {e.sigval.name}; the workers' checkpoint and how to resume are said above") from None
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         raise PlaitError(
