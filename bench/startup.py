@@ -34,8 +34,8 @@ def one_case(preset: str, world: int, method: str) -> dict:
 
     from plait.config import load_config
     from plait.model import Transformer
-    from plait.parallel import Meshes, ParallelDims, parallelize
-    from plait.parallel.parallelize import init_local_shard
+    from plait.parallel import Meshes, ParallelDims
+    from plait.parallel.parallelize import init_local_shard, parallelize
     from plait.torch_private import init_fake_process_group
 
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

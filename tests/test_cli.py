@@ -76,6 +76,16 @@ def test_train_writes_metrics_tensorboard_checkpoint_and_sample(data_dir, tmp_pa
     assert {"train/loss", "train/lr", "train/grad_norm", "train/mfu", "val/loss"} <= set(events.Tags()["scalars"])
     assert [e.step for e in events.Scalars("val/loss")] == [3, 6]
     assert "sample" in capsys.readouterr().err  # the rule above the printed sample
+    assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # plait plot overlays runs; it never replaces a file without --overwrite
+    out = tmp_path / "both.png"
+    assert main(["plot", str(run), str(run), "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    before = out.read_bytes()
+    assert main(["plot", str(run), "--out", str(out)]) == 2 and out.read_bytes() == before
+    assert main(["plot", str(tmp_path / "nothing"), "--out", str(tmp_path / "n.png")]) == 2
+    assert main(["plot", str(run), "--out", str(tmp_path / "x.jpg")]) == 2
 
 
 def test_resume_continues_exactly(data_dir, tmp_path):
@@ -164,3 +174,19 @@ def test_existing_outputs_are_never_overwritten(data_dir, tmp_path):
     result = run_cli("train", *tiny_args(data_dir, tmp_path, "--model.dim=128"))
     assert result.returncode == 2 and "different model" in result.stderr and "model.dim" in result.stderr
     assert sorted(p.name for p in (tmp_path / "t" / "checkpoints").iterdir()) == before
+
+
+def test_the_cli_answers_without_importing_torch():
+    """`--help`, `config show` and the refusal of a bad setting need no torch (2-5 s of imports): they
+    answer in a fraction of a second. A fresh interpreter shows what each path imports."""
+    code = (
+        "import sys, contextlib, io\n"
+        "from plait.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
+        "    codes = [main(['--help']), main(['train', '--help']), main(['config', 'show']),\n"
+        "             main(['train', '--model.n_heads=5']),\n"
+        "             main(['train', '--nproc', '2', '--parallel.tp_degree=4'])]\n"
+        "print(codes, 'torch' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.split("\n")[0] == "[0, 0, 0, 2, 2] False", done.stdout + done.stderr[-2000:]

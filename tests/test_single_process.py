@@ -124,7 +124,8 @@ import torch, torch.distributed as dist
 import plait.model.llama as llama
 from plait.config import load_config
 from plait.model import Transformer
-from plait.parallel import Meshes, ParallelDims, parallelize
+from plait.parallel import Meshes, ParallelDims
+from plait.parallel.parallelize import parallelize
 from plait.parallel.parallelize import init_local_shard
 from plait.torch_private import init_fake_process_group, local_box
 from plait.train import build_model

@@ -113,6 +113,7 @@ def test_signal_mid_run_saves_the_step_and_the_resumed_run_is_bitwise_equal(
     assert f"resumed from {ckpts[-1]} (step {reached})" in " ".join(resumed.stderr.split())
     got, want = final_weights(run_dir), uninterrupted[nproc]
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert (run_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the picture, at any nproc
 
 
 def test_the_default_job_writes_periodic_checkpoints():

@@ -86,6 +86,7 @@ def cmd_train(args: list[str]) -> int:
     nproc, restarts = _pop_int(args, "--nproc"), _pop_int(args, "--max-restarts")
     layout = _pop_str(args, "--layout")
     if "WORLD_SIZE" not in os.environ:  # not yet inside a launched worker
+        _load(args)  # a bad setting is refused now, before torch is even imported
         from plait.launch import _validate_before_launch, default_nproc, launch_local
 
         nproc = default_nproc() if nproc is None else nproc
@@ -243,6 +244,12 @@ def cmd_finetune(argv: list[str]) -> int:
     return run(argv)
 
 
+def cmd_plot(argv: list[str]) -> int:
+    from plait.plot import cmd_plot as run
+
+    return run(argv)
+
+
 def cmd_doctor(argv: list[str]) -> int:
     from plait.health import cmd_doctor as run
 
@@ -263,6 +270,7 @@ COMMANDS = {
     "eval": cmd_eval,
     "compress": cmd_compress,
     "finetune": cmd_finetune,
+    "plot": cmd_plot,
 }
 USAGE = """\
 usage: plait COMMAND [...]
@@ -281,6 +289,7 @@ commands:
   finetune prepare|merge|generate ...        instruction data; fold adapters in; many adapters in one batch
   eval MODEL [--suite S.yaml] [--json OUT]   perplexity and a behavioural test suite (exit 1 on failures)
   compress quantize|prune|distill MODEL      int8/int4 weights, pruning, distillation; size/speed/ppl deltas
+  plot RUN [RUN ...] [--out plot.png]        loss, validation loss, LR and tokens/s of runs in one picture
   lineage show|diff|list REF                 where a model came from: runs, data, parents, code, hashes
 
 `plait COMMAND --help` for details."""

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from plait.errors import ConfigError
-from plait.model.llama import ModelArgs
+from plait.model.args import ModelArgs
 from plait.model.presets import PRESETS
 
 

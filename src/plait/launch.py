@@ -13,8 +13,6 @@ import shlex
 import sys
 import uuid
 
-import torch
-
 from plait.errors import ConfigError, PlaitError
 
 STOP_GRACE_S = 110  # seconds a stopping worker has for its last step and checkpoint; Slurm signals at 120
@@ -22,6 +20,8 @@ STOP_GRACE_S = 110  # seconds a stopping worker has for its last step and checkp
 
 def default_nproc() -> int:
     """One process per visible GPU, else one."""
+    import torch
+
     return torch.cuda.device_count() if torch.cuda.is_available() else 1
 
 
@@ -148,7 +148,7 @@ def _validate_before_launch(train_args: list[str], world_size: int):
     """Load and check the config and the parallel layout for world_size processes (no worker started)."""
     from plait.cli import split_config_args
     from plait.config import load_config
-    from plait.parallel import ParallelDims, validate_layout
+    from plait.parallel.dims import ParallelDims, validate_layout
 
     path, overrides = split_config_args(train_args)
     cfg = load_config(path, overrides)

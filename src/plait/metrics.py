@@ -12,14 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
+from rich.live import Live
+from rich.text import Text
 
 from plait.config import LogConfig
 
@@ -32,8 +26,8 @@ class MetricsLogger:
         self.enabled = enabled
         self._jsonl = None
         self._tb = None
-        self._progress: Progress | None = None
-        self._task = None
+        self._progress: ProgressLine | None = None
+        self._live: Live | None = None
         self.last: dict[str, Any] = {}
         if not enabled:
             return
@@ -44,18 +38,14 @@ class MetricsLogger:
 
             self._tb = SummaryWriter(log_dir=str(run_dir / "tb"))
         if cfg.progress and sys.stderr.isatty():
-            self._progress = Progress(
-                TextColumn("[bold]train"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("{task.fields[status]}"),
-                TimeElapsedColumn(),
-                TextColumn("eta"),
-                TimeRemainingColumn(),
+            self._progress = ProgressLine(total_steps)
+            self._live = Live(
+                get_renderable=lambda: self._progress.render(console.width),
                 console=console,
+                refresh_per_second=4,
+                transient=False,
             )
-            self._task = self._progress.add_task("train", total=total_steps, status="")
-            self._progress.start()
+            self._live.start()
 
     def should_log(self, step: int, total_steps: int) -> bool:
         return step % self.cfg.every_steps == 0 or step == total_steps or step == 1
@@ -72,24 +62,83 @@ class MetricsLogger:
                     self._tb.add_scalar(f"{prefix}/{key}", value, step)
         self.last.update(record)
         if self._progress is not None:
-            self._progress.update(self._task, status=_status_line(self.last))
+            self._progress.status = _status_parts(self.last)
         elif line := _status_line(record):  # records without a headline figure (guard/, checkpoint/) stay quiet
             console.print(f"step {step:>6} {line}", highlight=False)
 
     def advance(self, step: int) -> None:
         if self._progress is not None:
-            self._progress.update(self._task, completed=step)
+            self._progress.advance(step)
 
     def close(self) -> None:
-        if self._progress is not None:
-            self._progress.stop()
+        if self._live is not None:
+            self._live.stop()
         if self._tb is not None:
             self._tb.close()
         if self._jsonl is not None:
             self._jsonl.close()
 
 
+class ProgressLine:
+    """The progress display: one line laid out for the console's width. The step count and the ETA always
+    show; then, in order and as far as they fit, the latest loss, validation loss, LR, throughput and MFU;
+    the bar takes what is left and is dropped below 8 columns. The ETA is the remaining steps at the rate
+    measured since the first step this process ran (a resumed run does not count the steps it skipped)."""
+
+    MIN_BAR = 8
+
+    def __init__(self, total: int):
+        self.total = total
+        self.completed = 0
+        self.status: list[str] = []
+        self._start: tuple[float, int] | None = None
+
+    def advance(self, completed: int) -> None:
+        if self._start is None:
+            self._start = (time.monotonic(), completed)
+        self.completed = completed
+
+    def eta(self) -> str:
+        if self._start is None or self.completed <= self._start[1]:
+            return "-:--:--"
+        t0, c0 = self._start
+        seconds = (self.total - self.completed) * (time.monotonic() - t0) / (self.completed - c0)
+        return f"{int(seconds // 3600)}:{int(seconds % 3600 // 60):02d}:{int(seconds % 60):02d}"
+
+    def render(self, width: int) -> Text:
+        count = f"{self.completed}/{self.total}"
+        eta = f"eta {self.eta()}"
+        label = "train "
+        used = len(count) + 1 + len(eta)
+        if used + len(label) + self.MIN_BAR + 1 <= width:
+            used += len(label)
+        else:
+            label = ""
+        shown = []
+        for part in self.status:
+            if used + 3 + len(part) + self.MIN_BAR + 1 > width:
+                break
+            shown.append(part)
+            used += 3 + len(part)
+        bar = width - used - 2  # two separating spaces around the bar
+        text = Text(label, style="bold")
+        text.append(count)
+        if bar >= self.MIN_BAR:
+            done = round(bar * self.completed / max(1, self.total))
+            text.append(" ")
+            text.append("━" * done, style="magenta")
+            text.append("━" * (bar - done), style="grey37")
+        text.append(" " + eta)
+        for part in shown:
+            text.append(" | " + part)
+        return text
+
+
 def _status_line(m: dict[str, Any]) -> str:
+    return " | ".join(_status_parts(m))
+
+
+def _status_parts(m: dict[str, Any]) -> list[str]:
     parts = []
     if "train/loss" in m:
         parts.append(f"loss {m['train/loss']:.3f}")
@@ -101,4 +150,4 @@ def _status_line(m: dict[str, Any]) -> str:
         parts.append(f"{m['train/tokens_per_s']:,.0f} tok/s")
     if "train/mfu" in m:
         parts.append(f"mfu {100 * m['train/mfu']:.1f}%")
-    return " | ".join(parts)
+    return parts

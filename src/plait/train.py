@@ -44,17 +44,11 @@ from plait.lifecycle.tracking import RunLineage
 from plait.metrics import MetricsLogger, console
 from plait.model import ModelArgs, Transformer
 from plait.optim import build_optimizer, build_scheduler
-from plait.parallel import (
-    DistEnv,
-    Meshes,
-    ParallelDims,
-    init_distributed,
-    materialize,
-    parallelize,
-    validate_layout,
-)
+from plait.parallel import DistEnv, Meshes, ParallelDims, init_distributed, validate_layout
 from plait.parallel.env import init_single_process, shutdown
+from plait.parallel.parallelize import materialize, parallelize
 from plait.parallel.pipeline import Pipeline, build_pipeline, pipeline_forward_backward
+from plait.plot import write_run_plot
 from plait.stop import Stopped, StopRequest
 from plait.storage import Location
 
@@ -445,6 +439,8 @@ def _train(cfg: Config, env: DistEnv) -> dict[str, float]:
                 with compiler.expect("evaluation"):  # no_grad: compiled once more, the first time only
                     final["val_loss"] = evaluate(t, val_data)
                 metrics.log(step, {"loss": final["val_loss"]}, prefix="val")
+                if env.is_main:
+                    write_run_plot(run_dir)  # runs/<name>/loss.png, refreshed at each evaluation
                 lineage.monitor(step)  # eval.suite's behavioural assertions, if any
                 last_time = time.perf_counter()  # evaluation time is not training throughput
             saved = checkpointer.maybe_save(step, t, loader=loader, state=state, stop_requested=stop.requested)
@@ -463,6 +459,9 @@ def _train(cfg: Config, env: DistEnv) -> dict[str, float]:
             metrics.log(state.step, saved, prefix="checkpoint")
         metrics.close()
         loader.close()
+        if env.is_main:
+            with contextlib.suppress(Exception):  # a picture never turns a run into a failure
+                write_run_plot(run_dir)
     if checkpointer.stopped_at:
         _stopped(cfg, stop.signal_name or "a signal on another rank", checkpointer.stopped_at, env.is_main)
     if checkpointer.final_lost:  # trained, but a restart would redo work: not a success

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from plait.model.llama import ModelArgs
+from plait.model.args import ModelArgs
 
 _LLAMA3_ROPE = dict(
     rope_theta=500000.0,

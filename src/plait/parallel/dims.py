@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from typing import TYPE_CHECKING
 
 from plait.config import Config, ParallelConfig
 from plait.errors import ConfigError
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 AXES = ("pp", "dp_replicate", "dp_shard", "tp")
 
@@ -65,6 +67,8 @@ class ParallelDims:
         return self.dp > 1 or self.cpu_offload
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
+        from torch.distributed.device_mesh import init_device_mesh
+
         return init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=AXES)
 
 

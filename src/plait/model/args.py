@@ -1,0 +1,77 @@
+"""The shape of a model: plain Python (no torch), so the config, the CLI and the planner load in milliseconds."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass
+class ModelArgs:
+    """The shape of a Llama-family transformer."""
+
+    dim: int = 256
+    """Hidden size."""
+    n_layers: int = 4
+    """Number of transformer blocks."""
+    n_heads: int = 8
+    """Attention (query) heads."""
+    n_kv_heads: int = 4
+    """Key/value heads (grouped-query attention); must divide n_heads. Equal to n_heads for plain MHA."""
+    vocab_size: int = 4096
+    """Vocabulary size; must match the tokenizer of the data."""
+    ffn_hidden_dim: int = 0
+    """SwiGLU hidden size; 0 derives it Llama-style from dim, ffn_dim_multiplier and multiple_of."""
+    ffn_dim_multiplier: float = 1.0
+    """Scale of the derived SwiGLU hidden size (Llama 3 uses 1.3 for 8B, 1.2 for 405B)."""
+    multiple_of: int = 64
+    """The derived SwiGLU hidden size is rounded up to a multiple of this."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    rope_theta: float = 10000.0
+    """Rotary embedding base."""
+    rope_scaling_factor: float = 0.0
+    """Llama 3 RoPE frequency scaling factor (8.0 for Llama 3.1); 0 disables scaling."""
+    rope_low_freq_factor: float = 1.0
+    """Llama 3 RoPE scaling: low-frequency factor."""
+    rope_high_freq_factor: float = 4.0
+    """Llama 3 RoPE scaling: high-frequency factor."""
+    rope_original_max_seq_len: int = 8192
+    """Llama 3 RoPE scaling: context length of the original (unscaled) model."""
+    max_seq_len: int = 1024
+    """Longest sequence the model supports (size of the rotary table)."""
+    tie_embeddings: bool = False
+    """Share the input embedding matrix with the output projection."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        if self.ffn_hidden_dim:
+            return self.ffn_hidden_dim
+        hidden = int(self.ffn_dim_multiplier * int(2 * 4 * self.dim / 3))
+        return self.multiple_of * math.ceil(hidden / self.multiple_of)
+
+    def num_params(self, *, exclude_embeddings: bool = False) -> int:
+        """Parameter count computed from the shape (no model needed: the planner uses it for 405B)."""
+        kv_dim = self.n_kv_heads * self.head_dim
+        attn = self.dim * self.dim * 2 + self.dim * kv_dim * 2
+        mlp = 3 * self.dim * self.hidden_dim
+        per_layer = attn + mlp + 2 * self.dim
+        embed = self.vocab_size * self.dim
+        output = 0 if self.tie_embeddings else self.vocab_size * self.dim
+        total = self.n_layers * per_layer + self.dim + embed + output
+        return total - (embed if exclude_embeddings else 0)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 N (non-embedding params, plus the output projection) + attention.
+
+        The attention term is 12 * n_layers * dim * seq_len (forward QK^T and AV, times 3 for backward),
+        the standard PaLM / Megatron estimate for a causal model without discounting the mask.
+        """
+        n = self.num_params(exclude_embeddings=True)
+        if self.tie_embeddings:
+            n += self.vocab_size * self.dim  # the tied matrix still does the output matmul
+        return 6 * n + 12 * self.n_layers * self.dim * seq_len

@@ -1,0 +1,103 @@
+"""Pictures of runs: loss (train and validation), learning rate and throughput over steps, from
+``metrics.jsonl``. `write_run_plot` writes ``<run>/loss.png`` (the trainer calls it at each evaluation and at
+the end); `plait plot RUN [RUN ...]` overlays several runs in one picture.
+
+matplotlib's object API with the Agg canvas: no display, no global pyplot state."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from plait.errors import ConfigError, PlaitError
+
+PANELS = (  # (title, metric key, log scale)
+    ("loss", "train/loss", False),
+    ("validation loss", "val/loss", False),
+    ("learning rate", "train/lr", False),
+    ("tokens / s", "train/tokens_per_s", False),
+)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """The rows of a run's metrics.jsonl (a torn last line, from a run that is still writing, is skipped)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise PlaitError(f"{run_dir} has no metrics.jsonl: give a run directory (runs/NAME)")
+    rows = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+    pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), int | float) and "step" in r]
+    return [s for s, _ in pts], [v for _, v in pts]
+
+
+def plot_runs(runs: dict[str, list[dict]], out: Path) -> Path:
+    """One 2 x 2 figure, every run a line in each panel; written atomically (a viewer never sees half)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 7), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(2, 2).flatten()
+    for ax, (title, key, log) in zip(axes, PANELS, strict=True):
+        drawn = False
+        for name, rows in runs.items():
+            x, y = series(rows, key)
+            if x:
+                ax.plot(x, y, label=name, marker="o" if len(x) < 20 else None, markersize=3)
+                drawn = True
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if log:
+            ax.set_yscale("log")
+        if not drawn:
+            ax.text(0.5, 0.5, "not logged yet", ha="center", va="center", transform=ax.transAxes, color="grey")
+        elif len(runs) > 1:
+            ax.legend(fontsize=8)
+    if len(runs) == 1:
+        fig.suptitle(next(iter(runs)))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp.png")
+    fig.savefig(tmp, dpi=100)
+    tmp.replace(out)
+    return out
+
+
+def write_run_plot(run_dir: Path) -> Path | None:
+    """<run>/loss.png from its metrics so far; None (and no file) when nothing was logged yet."""
+    rows = read_metrics(run_dir)
+    if not any("train/loss" in r for r in rows):
+        return None
+    return plot_runs({Path(run_dir).name: rows}, Path(run_dir) / "loss.png")
+
+
+def cmd_plot(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="plait plot",
+        description="Overlay the loss, validation loss, learning rate and throughput of runs in one PNG.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("runs", nargs="+", metavar="RUN", help="run directories (runs/NAME)")
+    p.add_argument("--out", default="plot.png", help="the PNG to write")
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    a = p.parse_args(argv)
+    out = Path(a.out)
+    if out.suffix.lower() != ".png":
+        raise ConfigError(f"--out {a.out}: the picture is a PNG; give a path ending in .png")
+    if out.exists() and not a.overwrite:
+        raise ConfigError(f"--out {a.out} exists; choose another path or pass --overwrite")
+    runs = {}
+    for run in a.runs:
+        name = Path(run).name
+        runs[name if name not in runs else run] = read_metrics(Path(run))
+    print(f"wrote {plot_runs(runs, out)}")
+    return 0

@@ -1,0 +1,36 @@
+"""The progress display fits the terminal: at 60 and 80 columns (rich's console width) the step count and the
+ETA are always whole, fields are added as they fit, and no line is wider than the console."""
+
+from __future__ import annotations
+
+import io
+import re
+import sys
+import time
+
+import pytest
+from rich.console import Console
+
+import plait.metrics as metrics
+from plait.config import LogConfig
+
+
+@pytest.mark.parametrize("width", [60, 80])
+def test_progress_display_fits_and_shows_step_count_and_eta(width, tmp_path, monkeypatch):
+    out = io.StringIO()
+    monkeypatch.setattr(metrics, "console", Console(width=width, force_terminal=True, file=out, color_system=None))
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    logger = metrics.MetricsLogger(tmp_path, LogConfig(tensorboard=False), total_steps=400)
+    logger.advance(0)
+    for step in range(1, 121):
+        time.sleep(0.001)
+        logger.log(step, {"loss": 5.1234, "lr": 2.3e-3, "tokens_per_s": 19022.0, "mfu": 0.401})
+        logger.advance(step)
+    logger.close()
+    frames = [re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", line) for line in re.split(r"[\r\n]", out.getvalue())]
+    last = [f for f in frames if "120/400" in f][-1].rstrip()
+    assert re.search(r"120/400 .*eta \d+:\d\d:\d\d", last), last
+    assert "loss 5.123" in last and len(last) <= width, last
+    if width == 80:
+        assert "━" in last  # room for the bar too
+    assert all(len(f.rstrip()) <= width for f in frames)
