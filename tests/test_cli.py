@@ -190,3 +190,52 @@ def test_the_cli_answers_without_importing_torch():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.stdout.split("\n")[0] == "[0, 0, 0, 2, 2] False", done.stdout + done.stderr[-2000:]
+
+
+def test_resume_reports_changed_settings_and_refuses_unsafe_ones(data_dir, tmp_path, capsys):
+    """A resume says which settings changed (steps, LR: allowed, with a warning); other data or seed would
+    make the resumed run wrong and is refused (exit 2, nothing on disk touched). A fresh start in a
+    directory with metrics but no checkpoint moves them aside instead of appending."""
+    no_sample = "--sample.max_new_tokens=0"
+    assert main(["train", *tiny_args(data_dir, tmp_path, no_sample)]) == 0
+    run = tmp_path / "t"
+    before = {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert main(["train", *tiny_args(data_dir, tmp_path, no_sample, "--data.seq_len=16", "--train.steps=8")]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "with other data or seed would make the run wrong (data.seq_len: checkpoint 32 -> now 16)" in err
+    assert {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()} == before
+
+    assert main(["train", *tiny_args(data_dir, tmp_path, no_sample, "--train.steps=8", "--optim.lr=1e-3")]) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert "with changed settings: train.steps: checkpoint 6 -> now 8 (the LR schedule now spans" in err
+    assert "optim.lr: checkpoint 0.003 -> now 0.001" in err
+    assert sorted(losses(tmp_path)) == [1, 2, 3, 4, 5, 6, 7, 8]
+
+    import shutil
+
+    shutil.rmtree(run / "checkpoints")  # a directory with metrics but no checkpoint: a fresh start
+    assert main(["train", *tiny_args(data_dir, tmp_path, no_sample, "--train.steps=2")]) == 0
+    assert sorted(losses(tmp_path)) == [1, 2]  # not appended to the old ones
+    (aside,) = run.glob("previous-*")
+    assert sorted(json.loads(x)["step"] for x in (aside / "metrics.jsonl").read_text().splitlines())[-1] == 8
+
+
+@pytest.mark.parametrize(
+    "argv,shown",
+    [
+        (["generate", "--help"], ["(default: 200)", "(default: OTHELLO.)", "(default: 0)", "(default: auto)"]),
+        (["data", "prepare", "--help"], ["(default: 4096)", "(default: 0.05)"]),
+        (["ckpt", "export", "--help"], ["(default: fp32)", "(default: hf)"]),
+        (["eval", "--help"], ["(default: "]),
+        (["plan", "--help"], ["usage: plait plan (--model PRESET --global-batch-tokens N | --config CONFIG.toml)"]),
+    ],
+)
+def test_every_subcommand_help_shows_defaults(argv, shown, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for text in shown:
+        assert text in out, (text, out)
+    assert "(default: None)" not in out and "(default: False)" not in out

@@ -403,7 +403,18 @@ def test_ckpt_import_makes_a_checkpoint_plait_loads(trained_run, tmp_path, capsy
     assert list_checkpoints(run / "checkpoints") == [ckpt] and (run / "config.toml").is_file()
     meta = json.loads((ckpt / "plait.json").read_text())
     assert meta["weights_only"] and meta["imported_from"]["model_type"] == "llama"
+    # the export is readable by others (safetensors alone writes 0600), and the import is in the lineage
+    assert {f.name: oct(f.stat().st_mode & 0o777) for f in hf_dir.iterdir()} == {
+        f.name: "0o644" for f in hf_dir.iterdir()
+    }
+    assert json.loads((hf_dir / "generation_config.json").read_text())["do_sample"] is False
+    from plait.lifecycle.lineage import Registry
+    from plait.lifecycle.lora import model_weights_hash
+
+    (imported,) = Registry(tmp_path / "lineage.sqlite", create=False).all("import")
+    assert imported.path == str(ckpt.resolve()) or Path(imported.path).resolve() == ckpt.resolve()
     model, tok, eos = load_for_generation(run, "cpu")
+    assert imported.weights_hash == model_weights_hash(model)
     original = load_checkpoint_model(list_checkpoints(trained_run / "checkpoints")[-1])
     params = dict(model.named_parameters())
     assert all(torch.equal(p, params[k]) for k, p in original.named_parameters())

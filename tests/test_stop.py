@@ -33,7 +33,7 @@ def data_dir(tmp_path_factory) -> Path:
     return ensure_prepared("shakespeare", tmp_path_factory.mktemp("cache"), 4096)
 
 
-def command(data_dir: Path, out: Path, name: str, nproc: int) -> list[str]:
+def command(data_dir: Path, out: Path, name: str, nproc: int, *extra: str) -> list[str]:
     args = [
         "model.preset=debug",
         f"data.source={data_dir}",
@@ -49,6 +49,7 @@ def command(data_dir: Path, out: Path, name: str, nproc: int) -> list[str]:
         "run.device=cpu",
         f"run.out_dir={out}",
         f"run.name={name}",
+        *extra,
     ]
     return [sys.executable, "-m", "plait.cli", "train", "--nproc", str(nproc), *[f"--{a}" for a in args]]
 
@@ -78,8 +79,10 @@ def uninterrupted(data_dir, tmp_path_factory) -> dict[int, dict]:
     out = tmp_path_factory.mktemp("straight")
     refs = {}
     for nproc in (1, 2):
-        done = subprocess.run(command(data_dir, out, f"n{nproc}", nproc), capture_output=True, text=True, timeout=600)
+        cmd = command(data_dir, out, f"n{nproc}", nproc, "sample.max_new_tokens=8")
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
+        assert "OTHELLO." in done.stdout and "sample" in done.stderr, done.stdout  # a sample at any nproc
         refs[nproc] = final_weights(out / f"n{nproc}")
     return refs
 

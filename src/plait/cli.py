@@ -5,10 +5,10 @@ User errors (PlaitError) print one line and exit with status 2; nothing else is 
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
+from plait.argparsing import PlaitParser
 from plait.errors import ConfigError, PlaitError
 
 TRAIN_USAGE = """\
@@ -121,7 +121,7 @@ def cmd_config(args: list[str]) -> int:
 
 
 def cmd_data(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="plait data", description="Prepare data for training.")
+    parser = PlaitParser(prog="plait data", description="Prepare data for training.")
     sub = parser.add_subparsers(dest="action", required=True)
     p = sub.add_parser("prepare", help="Tokenise text / JSONL / Parquet into memory-mapped token shards.")
     p.add_argument("inputs", nargs="+", help="Files or directories (.txt, .jsonl, .jsonl.gz, .parquet).")
@@ -158,16 +158,16 @@ def cmd_data(argv: list[str]) -> int:
 
 
 def cmd_generate(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="plait generate", description="Sample text from a checkpoint.")
+    parser = PlaitParser(prog="plait generate", description="Sample text from a checkpoint.")
     parser.add_argument("checkpoint", help="A checkpoint directory, or a run directory (its newest checkpoint).")
-    parser.add_argument("--prompt", default="ROMEO:", help="Text to continue.")
-    parser.add_argument("--max-new-tokens", type=int, default=200)
+    parser.add_argument("--prompt", default="OTHELLO.", help="Text to continue.")
+    parser.add_argument("--max-new-tokens", type=int, default=200, help="Tokens to generate per sample.")
     parser.add_argument("--temperature", type=float, default=0.8, help="0 for greedy decoding.")
     parser.add_argument("--top-k", type=int, default=50, help="0 disables top-k.")
     parser.add_argument("--top-p", type=float, default=0.95, help="1.0 disables nucleus sampling.")
-    parser.add_argument("--num-samples", type=int, default=1)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="auto")
+    parser.add_argument("--num-samples", type=int, default=1, help="Independent samples of the prompt.")
+    parser.add_argument("--seed", type=int, default=0, help="Sampling seed (the same seed, the same text).")
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (a GPU if there is one).")
     a = parser.parse_args(argv)
     if a.temperature < 0 or a.top_k < 0 or not 0 < a.top_p <= 1 or a.max_new_tokens < 1 or a.num_samples < 1:
         raise ConfigError("need --temperature >= 0, --top-k >= 0, 0 < --top-p <= 1, --max-new-tokens >= 1")

@@ -237,8 +237,9 @@ class CompileConfig:
 
 @dataclass
 class SampleConfig:
-    prompt: str = "ROMEO:"
-    """Prompt of the sample printed after training (empty: no sample)."""
+    prompt: str = "OTHELLO."
+    """Prompt of the sample printed after training (empty: no sample). The bundled corpus writes each speaker
+    as 'NAME.' on a line of its own, so this starts a speech."""
     max_new_tokens: int = 120
     """Tokens to generate for the sample."""
     temperature: float = 0.8

@@ -7,12 +7,12 @@ rendezvous; `plait launch slurm` writes a ready sbatch script for that.
 
 from __future__ import annotations
 
-import argparse
 import os
 import shlex
 import sys
 import uuid
 
+from plait.argparsing import PlaitParser
 from plait.errors import ConfigError, PlaitError
 
 STOP_GRACE_S = 110  # seconds a stopping worker has for its last step and checkpoint; Slurm signals at 120
@@ -109,7 +109,7 @@ wait "$trainer"
 
 
 def cmd_launch(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="plait launch", description="Launch plait on a cluster.")
+    parser = PlaitParser(prog="plait launch", description="Launch plait on a cluster.")
     sub = parser.add_subparsers(dest="target", required=True)
     p = sub.add_parser("slurm", help="Print (or write) an sbatch script running `plait train` on N nodes.")
     p.add_argument("--nodes", type=int, required=True)

@@ -6,10 +6,10 @@ matplotlib's object API with the Agg canvas: no display, no global pyplot state.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
+from plait.argparsing import PlaitParser
 from plait.errors import ConfigError, PlaitError
 
 PANELS = (  # (title, metric key, log scale)
@@ -81,10 +81,9 @@ def write_run_plot(run_dir: Path) -> Path | None:
 
 
 def cmd_plot(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(
+    p = PlaitParser(
         prog="plait plot",
         description="Overlay the loss, validation loss, learning rate and throughput of runs in one PNG.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("runs", nargs="+", metavar="RUN", help="run directories (runs/NAME)")
     p.add_argument("--out", default="plot.png", help="the PNG to write")

@@ -297,16 +297,63 @@ def prepare_run_dir(cfg: Config, is_main: bool = True) -> list[Location]:
                 + (f"resuming from {candidates[0]}" if candidates else "no complete checkpoint to resume from")
             )
     if not candidates:
+        if is_main:
+            _set_aside_old_metrics(run_dir)
         return []
-    saved = read_meta(candidates[0]).get("config", {}).get("model", {})
-    current = to_dict(cfg)["model"]
-    diff = [f"model.{k}: checkpoint {saved.get(k)!r} vs now {v!r}" for k, v in current.items() if saved.get(k) != v]
-    if diff:
+    meta = read_meta(candidates[0])
+    changed = _changed_settings(meta.get("config", {}), to_dict(cfg))
+    if meta.get("weights_only"):  # `plait ckpt import`: weights only, no data consumed, nothing else to keep
+        changed = [c for c in changed if c.startswith("model.")]
+    model = [c for c in changed if c.startswith("model.")]
+    if model:
         raise ConfigError(
-            f"{run_dir} holds a checkpoint of a different model ({'; '.join(diff[:4])}); "
+            f"{run_dir} holds a checkpoint of a different model ({'; '.join(model[:4])}); "
             f"choose another run.name, or pass --run.overwrite=true to move the old run aside"
         )
+    unsafe = [c for c in changed if c.startswith(RESUME_UNSAFE)]
+    if unsafe:
+        raise ConfigError(
+            f"resuming {run_dir} with other data or seed would make the run wrong ({'; '.join(unsafe[:4])}); "
+            f"keep them as the checkpoint has them, choose another run.name, or pass --run.overwrite=true"
+        )
+    safe = [c for c in changed if not c.startswith(RESUME_QUIET)]
+    if safe and is_main:
+        _warn(f"resuming {candidates[0].name} with changed settings: {'; '.join(safe)}")
     return candidates
+
+
+RESUME_UNSAFE = ("data.source", "data.seq_len", "data.shuffle", "run.seed", "finetune.")
+"""Settings a resumed run must keep: with another corpus, sequence length, order or adapter set, the restored
+data position and optimizer state would belong to a different run. (model.* is refused on its own.)"""
+RESUME_QUIET = ("run.overwrite", "data.cache_dir", "data.prefetch", "log.", "parallel.", "compile.cache_dir")
+"""Changes that do not touch the numbers (or, for parallel.*, are what resharding is for): not reported."""
+
+
+def _changed_settings(saved: dict, current: dict) -> list[str]:
+    """'section.key: checkpoint A -> now B' for each setting that differs (keys the checkpoint lacks: skipped)."""
+    out = []
+    for section, values in current.items():
+        before = saved.get(section)
+        if not isinstance(values, dict) or not isinstance(before, dict):
+            continue
+        for key, value in values.items():
+            if key in before and before[key] != value:
+                note = " (the LR schedule now spans the new total)" if f"{section}.{key}" == "train.steps" else ""
+                out.append(f"{section}.{key}: checkpoint {before[key]!r} -> now {value!r}{note}")
+    return out
+
+
+def _set_aside_old_metrics(run_dir: Path) -> None:
+    """A fresh start in a directory that has metrics (a run that saved no checkpoint): they are moved to
+    <run>/previous-<time>/, so the new run's metrics, TensorBoard files and plot start clean."""
+    old = [run_dir / n for n in ("metrics.jsonl", "tb", "loss.png") if (run_dir / n).exists()]
+    if not old:
+        return
+    aside = run_dir / f"previous-{time.strftime('%Y%m%d-%H%M%S')}"
+    aside.mkdir(parents=True, exist_ok=True)
+    for path in old:
+        path.rename(aside / path.name)
+    console.print(f"fresh start: the earlier metrics of {run_dir} (no checkpoint) moved to {aside}", highlight=False)
 
 
 def resume(checkpointer: CheckpointManager, candidates: list[Location], t, loader, state, is_main: bool):
@@ -475,11 +522,8 @@ def _train(cfg: Config, env: DistEnv) -> dict[str, float]:
     if env.is_main:
         if not final:
             console.print(f"run {run_dir} already finished at step {state.step}; nothing to train")
-        if env.world_size == 1 and not t.fsdp:
-            with torch.compiler.set_stance("force_eager"):  # sampling changes shapes every token
-                _report(cfg, t.model, data_dir, final)
-        else:
-            _report(cfg, None, data_dir, final)
+        with torch.compiler.set_stance("force_eager"):  # sampling changes shapes every token
+            _report(cfg, t.model if env.world_size == 1 and not t.fsdp else None, data_dir, final, device)
     return final
 
 
@@ -529,7 +573,14 @@ def _layout(dims: ParallelDims) -> str:
     return f"pp={dims.pp} dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} tp={dims.tp}"
 
 
-def _report(cfg: Config, model: Transformer | None, data_dir: Path, final: dict[str, float]) -> None:
+SAMPLE_FROM_CHECKPOINT_MAX_PARAMS = 2e9
+"""After a run whose model is sharded, the main rank samples from the final checkpoint loaded whole on its
+device, up to this size; larger runs print the `plait generate` command instead."""
+
+
+def _report(
+    cfg: Config, model: Transformer | None, data_dir: Path, final: dict[str, float], device: torch.device
+) -> None:
     if "val_loss" in final:
         baseline = unigram_entropy(data_dir, "val")
         console.print(
@@ -540,7 +591,12 @@ def _report(cfg: Config, model: Transformer | None, data_dir: Path, final: dict[
     ckpts = list_checkpoints(checkpoint_dir(cfg))
     if ckpts:
         console.print(f"checkpoint: {ckpts[-1]}")
-    if model is None and cfg.sample.prompt and cfg.sample.max_new_tokens and ckpts:
+    sampling = cfg.sample.prompt and cfg.sample.max_new_tokens
+    if model is None and sampling and ckpts and cfg.model.num_params() <= SAMPLE_FROM_CHECKPOINT_MAX_PARAMS:
+        from plait.generate import load_for_generation
+
+        model = load_for_generation(ckpts[-1], str(device))[0]  # the sharded model, whole on this rank
+    elif model is None and sampling and ckpts:
         console.print(f"sample with: plait generate {cfg.run_dir}")
     if model is not None and cfg.sample.prompt and cfg.sample.max_new_tokens:
         tok = load_tokenizer(data_dir / "tokenizer.json")

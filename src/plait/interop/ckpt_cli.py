@@ -28,6 +28,7 @@ from rich.table import Table
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+from plait.argparsing import PlaitParser
 from plait.checkpoint import META, list_checkpoints, load_model_weights, local_file, read_meta, resolve_checkpoint
 from plait.config import Config, from_dict, to_dict, to_toml, validate
 from plait.errors import ConfigError, PlaitError
@@ -48,7 +49,7 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def cmd_ckpt(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="plait ckpt", description="Inspect, export and import model checkpoints.")
+    parser = PlaitParser(prog="plait ckpt", description="Inspect, export and import model checkpoints.")
     sub = parser.add_subparsers(dest="action", required=True)
     p = sub.add_parser("inspect", help="Show a checkpoint's step, model, size, data position and config.")
     p.add_argument("path", help="A checkpoint directory, or a run directory (its newest checkpoint).")
@@ -72,6 +73,9 @@ def cmd_ckpt(argv: list[str]) -> int:
         "--out", required=True, help="A run directory (gets checkpoints/step_00000000) or a step_<N> directory."
     )
     p.add_argument("--overwrite", action="store_true", help="Move an existing output aside first.")
+    p.add_argument(
+        "--registry", help="Lineage registry to record the import in; default: lineage.sqlite beside the run."
+    )
     a = parser.parse_args(argv)
     return {"inspect": _inspect, "export": _export, "import": _import}[a.action](a)
 
@@ -161,8 +165,67 @@ def _inspect(a: argparse.Namespace) -> int:
     table.add_column(overflow="fold")
     for key, value in rows:
         table.add_row(key, value)
-    Console(width=120).print(table)
+    console = Console(width=120)
+    console.print(table)
+    console.print(_tensor_table(ckpt))
     return 0
+
+
+def _tensor_table(ckpt) -> Table:
+    """Every tensor of the checkpoint from DCP's metadata (read without unpickling): name, shape, dtype.
+    Names that differ only in the layer index are one row (`layers.*`, with the count); each group (model,
+    optimizer state, RNG) ends with its total count and bytes."""
+    import re
+
+    from plait.storage import DCP_METADATA, parse_metadata, read_bytes
+
+    md = parse_metadata(read_bytes(ckpt / DCP_METADATA))
+    rows: dict[tuple[str, str, tuple, str], list[int]] = {}
+    for key, entry in md.state_dict_metadata.items():
+        size, dtype = getattr(entry, "size", None), getattr(getattr(entry, "properties", None), "dtype", None)
+        if size is None:
+            continue
+        group, _, name = key.partition(".")
+        folded = re.sub(r"(^|\.)layers\.\d+\.", r"\1layers.*.", name)
+        dtype_name = str(dtype).removeprefix("torch.")
+        nbytes = _prod(tuple(size)) * (torch_dtype_bytes(dtype) if dtype is not None else 0)
+        row = rows.setdefault((group, folded, tuple(size), dtype_name), [0, 0])
+        row[0] += 1
+        row[1] += nbytes
+    table = Table(title="tensors", title_justify="left")
+    for col, justify in (
+        ("group", "left"),
+        ("name", "left"),
+        ("count", "right"),
+        ("shape", "left"),
+        ("dtype", "left"),
+        ("bytes", "right"),
+    ):
+        table.add_column(col, justify=justify, overflow="fold")
+    titles = {"model": "model", "optim": "optimizer", "rng": "rng"}
+    for group in sorted({g for g, *_ in rows}, key=lambda g: list(titles).index(g) if g in titles else 9):
+        mine = [(k, v) for k, v in rows.items() if k[0] == group]
+        for (_, name, size, dtype), (count, nbytes) in mine:
+            table.add_row(
+                titles.get(group, group), name, str(count), "x".join(map(str, size)) or "scalar", dtype, _bytes(nbytes)
+            )
+        count = sum(v[0] for _, v in mine)
+        table.add_row(
+            "",
+            f"[bold]{titles.get(group, group)} total",
+            f"[bold]{count}",
+            "",
+            "",
+            f"[bold]{_bytes(sum(v[1] for _, v in mine))}",
+            end_section=True,
+        )
+    return table
+
+
+def torch_dtype_bytes(dtype) -> int:
+    import torch
+
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def _shape_summary(m: ModelArgs) -> str:
@@ -333,7 +396,8 @@ def _import(a: argparse.Namespace) -> int:
             }
         },
     )
-    lines = [f"wrote {ckpt_dir}: {args.num_params() / 1e6:.2f}M parameters from {hf_dir}"]
+    recorded = _record_import(a, ckpt_dir, run_dir, model, to_dict(cfg))
+    lines = [f"wrote {ckpt_dir}: {args.num_params() / 1e6:.2f}M parameters from {hf_dir}{recorded}"]
     if not tokenizer.is_file():
         lines.append(f"note: {hf_dir} has no tokenizer.json; copy one into {ckpt_dir} for `plait generate`")
     if run_dir is not None:
@@ -344,6 +408,30 @@ def _import(a: argparse.Namespace) -> int:
         )
     print("\n".join(lines))
     return 0
+
+
+def _record_import(a: argparse.Namespace, ckpt_dir: Path, run_dir: Path | None, model, config: dict) -> str:
+    """Record the imported weights as an 'import' artifact (with their hash), so a run fine-tuning them finds
+    its parent. Into --registry, else the registry covering the output, else (a run directory) the one a
+    run there would use: <out_dir>/lineage.sqlite."""
+    from plait.lifecycle.lineage import Registry, open_registry, registry_path
+    from plait.lifecycle.lora import model_weights_hash
+
+    registry = open_registry(a.registry, ckpt_dir, create=True)
+    if registry is None and run_dir is not None:
+        registry = Registry(registry_path(run_dir.parent), create=True)
+    if registry is None:
+        return ""
+    meta = read_meta(ckpt_dir)
+    registry.record(
+        "import",
+        name=run_dir.name if run_dir is not None else ckpt_dir.name,
+        path=ckpt_dir,
+        weights_hash=model_weights_hash(model),
+        config=config,
+        extra={"imported_from": meta["imported_from"]},
+    )
+    return f" (recorded in the lineage registry {registry.path})"
 
 
 def _occupied(path: Path) -> bool:

@@ -35,7 +35,6 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
-from plait.config import SampleConfig
 from plait.errors import PlaitError
 from plait.model.llama import ModelArgs, Transformer, rope_tables
 
@@ -277,14 +276,10 @@ def export_hf(
         save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
         config = hf_config(model.args, dtype=dtype, bos_id=bos[1] if bos else None, eos_id=eos[1] if eos else None)
         _write_json(tmp / "config.json", config)
-        sample = SampleConfig()
-        generation = {
+        generation = {  # greedy, as transformers' own default: sampling is the caller's choice
             "bos_token_id": config["bos_token_id"],
             "eos_token_id": config["eos_token_id"],
-            "do_sample": True,
-            "temperature": sample.temperature,
-            "top_k": sample.top_k,
-            "top_p": sample.top_p,
+            "do_sample": False,
         }
         _write_json(tmp / "generation_config.json", generation)
         if tokenizer_path is not None:
@@ -509,6 +504,8 @@ def _staged_dir(out: Path, overwrite: bool) -> Iterator[Path]:
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the published directory is an ordinary one
     try:
         yield tmp
+        for written in tmp.rglob("*"):  # safetensors writes its file 0600: an export is for others to read
+            os.chmod(written, 0o755 if written.is_dir() else 0o644)
         old = None
         if out.is_dir() and not any(out.iterdir()):
             out.rmdir()

@@ -26,6 +26,7 @@ from typing import Any
 
 from rich.console import Console
 
+from plait.argparsing import PlaitParser
 from plait.errors import ConfigError, PlaitError
 
 _console = Console(width=120)
@@ -45,7 +46,7 @@ def _open(explicit: str | None, near, *, create: bool = False):
 
 
 def cmd_lineage(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="plait lineage", description="Where models came from.")
+    parser = PlaitParser(prog="plait lineage", description="Where models came from.")
     sub = parser.add_subparsers(dest="action", required=True)
     p = sub.add_parser("show", help="Draw the derivation tree around an artifact, back to its root.")
     p.add_argument("ref", help="An id (prefix), a path, a run name or a weights hash (prefix).")
@@ -82,7 +83,7 @@ max_length (characters), max_perplexity (of 'text'), equivalent (paraphrases agr
 
 
 def cmd_eval(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
+    parser = PlaitParser(
         prog="plait eval",
         description="Perplexity on held-out data and a behavioural test suite.",
         epilog=EVAL_EPILOG,
@@ -162,7 +163,7 @@ def _data_dir(explicit: str | None, config: dict | None, vocab: int) -> Path | N
 
 
 def cmd_compress(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="plait compress", description="Quantize, prune or distill a model.")
+    parser = PlaitParser(prog="plait compress", description="Quantize, prune or distill a model.")
     sub = parser.add_subparsers(dest="action", required=True)
     q = sub.add_parser("quantize", help="Weight-only int8 (per-channel) or int4 (group-wise) quantization.")
     q.add_argument("model")
@@ -378,7 +379,7 @@ def _jsonable(info: dict) -> dict:
 
 
 def cmd_finetune(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="plait finetune", description="Instruction data, adapters, serving.")
+    parser = PlaitParser(prog="plait finetune", description="Instruction data, adapters, serving.")
     sub = parser.add_subparsers(dest="action", required=True)
     p = sub.add_parser("prepare", help="Tokenise {prompt, response} JSONL with the prompt masked out of the loss.")
     p.add_argument("inputs", nargs="+", help=".jsonl / .jsonl.gz files of records with prompt and response.")

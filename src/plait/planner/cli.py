@@ -8,6 +8,7 @@ import json
 import re
 from pathlib import Path
 
+from plait.argparsing import PlaitParser
 from plait.errors import ConfigError
 
 SUFFIXES = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30}
@@ -28,8 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     from plait.model import PRESETS
     from plait.planner.cluster import PRESETS as CLUSTERS
 
-    p = argparse.ArgumentParser(
+    p = PlaitParser(
         prog="plait plan",
+        usage="plait plan (--model PRESET --global-batch-tokens N | --config CONFIG.toml) [options]",
         description="Choose a parallel layout (dp_replicate x dp_shard x tp x pp, schedule, micro-batch, "
         "activation checkpointing, offload): predicted memory per rank, step time, MFU and tokens/s.",
     )
@@ -52,7 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--intra-latency-us", type=float, help="Collective hop latency inside a node, microseconds.")
     p.add_argument("--inter-latency-us", type=float, help="Collective hop latency between nodes, microseconds.")
     p.add_argument("--host-memory-gib", type=float, help="CPU memory per node, GiB (for offload).")
-    p.add_argument("--global-batch-tokens", help="Tokens per optimizer step, e.g. 4M (= 4 x 2^20).")
+    p.add_argument(
+        "--global-batch-tokens",
+        help="Tokens per optimizer step, e.g. 4M (= 4 x 2^20); required with --model (a --config has its own).",
+    )
     p.add_argument(
         "--seq-len",
         type=int,
