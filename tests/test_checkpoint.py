@@ -209,6 +209,7 @@ def small_disk(tmp_path):
     subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
+@pytest.mark.slow
 def test_disk_full_saves_clean_up_and_a_lost_final_checkpoint_fails_the_run(data_dir, tmp_path, small_disk):
     """Checkpoints on a full disk. With 6 MiB free every save fails with ENOSPC: each partial directory is
     removed, training goes on to the end, and the run exits 2 because its final checkpoint is lost. With the
@@ -417,6 +418,7 @@ def s3_args(s3: SeaweedS3, prefix: str) -> list[str]:
     ]
 
 
+@pytest.mark.slow
 def test_s3_save_and_resume(s3, data_dir, straight, tmp_path):
     ref, ref_ckpt = straight
     got = run(data_dir, tmp_path, "s", *s3_args(s3, "runs/s"), "checkpoint.every_steps=2")
@@ -435,6 +437,7 @@ def test_s3_save_and_resume(s3, data_dir, straight, tmp_path):
     assert resumed["loss"] == {s: ref["loss"][s] for s in (7, 8)}
 
 
+@pytest.mark.slow
 def test_s3_checkpoints_reach_lineage_generate_inspect_and_export(s3, data_dir, tmp_path):
     """S3 checkpoints are first-class: the lineage registry records each (read back from S3 to hash its
     weights), and `plait ckpt inspect | export` and `plait generate` take s3:// paths (endpoint from
@@ -473,6 +476,7 @@ def test_s3_checkpoints_reach_lineage_generate_inspect_and_export(s3, data_dir, 
     assert "step_00000008" in tree and "export" in tree
 
 
+@pytest.mark.slow
 def test_s3_outage_during_training_is_survived(s3, data_dir, tmp_path, capsys):
     """The server dies after the first save is published and comes back once a save has failed: training
     runs to the end, the failed save is reported (warning + metrics), a later save and the final one

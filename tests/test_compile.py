@@ -109,6 +109,7 @@ def runs(tmp_path_factory, data_dir) -> dict:
 # ------------------------------------------------------------------------------------------ single process
 
 
+@pytest.mark.slow
 def test_compile_matches_eager_and_never_recompiles(runs):
     cold = runs["cold"]
     check_parity("compiled", cold, runs["eager"])
@@ -120,6 +121,7 @@ def test_compile_matches_eager_and_never_recompiles(runs):
     assert (runs["out"] / "cold" / "compile_cache" / "mega_cache.bin").is_file()
 
 
+@pytest.mark.slow
 def test_restart_on_the_persistent_cache_compiles_less(runs, data_dir):
     """A second job on the first one's compile cache (a restart) finds every graph in it."""
     cache = runs["out"] / "cold" / "compile_cache"
@@ -160,6 +162,7 @@ def test_vec_isa_verdict_answers_the_probe(tmp_path, monkeypatch):
     assert cpu_vec_isa.VecISA._probe_load(isas[0], "x.so")
 
 
+@pytest.mark.slow
 def test_mega_cache_file_alone_fills_an_empty_cache(runs, tmp_path):
     """A scaled-out job's machine has no cache directory, only the mega-cache file and the signed manifest:
     checked out and loaded (in a fresh process, before any compile), it writes every graph of the first run
@@ -213,6 +216,7 @@ def plant_exploits(cache: Path, marker: Path) -> int:
     return len(files) + 1
 
 
+@pytest.mark.slow
 def test_tampered_shared_cache_runs_no_code(runs, data_dir, tmp_path):
     """A shared compile cache whose every file was replaced by a pickle that runs code (the signed manifest
     left in place): nothing is unpickled, the job compiles from scratch, matches eager, and says why."""
@@ -231,6 +235,7 @@ def test_tampered_shared_cache_runs_no_code(runs, data_dir, tmp_path):
     assert (cache / "inductor" / "fxgraph" / "zz" / "planted" / "entry").exists()  # left there, not deleted
 
 
+@pytest.mark.slow
 def test_copied_run_with_a_foreign_cache_resumes_without_running_it(data_dir, tmp_path):
     """A run directory copied from someone else: its compile cache is signed with their key and every file
     is a crafted pickle. Resuming it with compile on runs none of them."""

@@ -152,6 +152,7 @@ def test_eval_cli_reports_json_exit_status_and_lineage(setup, tmp_path, capsys):
     assert main(["eval", run, "--suite", str(tmp_path / "missing.yaml")]) == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["--parallel.tp_degree=2", "--parallel.pp_degree=2"])
 def test_monitors_run_in_parallel_runs(setup, tmp_path, layout):
     """eval.suite under TP 2 and PP 2 (2 processes each): every rank gathers its stage's weights, pipeline

@@ -220,6 +220,7 @@ def _worker(rank: int, world: int, port: int, jobs: list, out_dir: str) -> None:
         shutdown()
 
 
+@pytest.mark.slow
 def test_two_ranks_refuse_skip_rollback_and_name_the_straggler(data_dir, tmp_path):
     """Four jobs on one two-rank FSDP group: a bad rank refuses to start; skip drops step 3 on both ranks
     while rank 1, 0.5 s slow per step, is named a straggler; rollback (asynchronous saves) equals the clean

@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from plait.data import ensure_prepared
 
 
@@ -15,6 +17,7 @@ def run_cli(*args: str, cwd) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_nproc_trains_a_pipeline_and_resumes(tmp_path):
     data = ensure_prepared("shakespeare", tmp_path / "cache", 4096)
     args = [
@@ -81,6 +84,7 @@ def test_slurm_script(tmp_path):
     assert bad.returncode == 2 and "world size 3 is not divisible" in bad.stderr
 
 
+@pytest.mark.slow
 def test_random_lost_ranks_restart_and_end_bitwise_equal(tmp_path):
     """Kill a random rank at a random step, three times in one run (the i-th kill fires in elastic attempt
     i): the agent restarts the group each time, each attempt resumes from the newest complete checkpoint,
@@ -147,6 +151,7 @@ def test_random_lost_ranks_restart_and_end_bitwise_equal(tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), why
 
 
+@pytest.mark.slow
 def test_fault_kill_spec_is_checked_before_workers_start(tmp_path, monkeypatch):
     monkeypatch.setenv("PLAIT_FAULT_KILL", "1:5,x")
     bad = run_cli("train", "--nproc", "2", "--model.preset=debug", cwd=tmp_path)
@@ -156,6 +161,7 @@ def test_fault_kill_spec_is_checked_before_workers_start(tmp_path, monkeypatch):
     assert bad.returncode == 2 and "names rank 3, but the run has 2 ranks" in bad.stderr
 
 
+@pytest.mark.slow
 def test_layout_auto_uses_the_planner(tmp_path):
     data = ensure_prepared("shakespeare", tmp_path / "cache", 4096)
     result = run_cli(

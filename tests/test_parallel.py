@@ -123,6 +123,7 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", sorted(LAYOUTS))
 def test_layouts_match_single_process(world, data_dir, reference):
     jobs = {name: [*base(data_dir), *extra] for name, extra in LAYOUTS[world].items()}

@@ -65,6 +65,8 @@ LAYOUTS = {
     "one process": [],
 }
 
+pytestmark = pytest.mark.slow  # real multi-process groups: the full suite, not the quick subset
+
 
 def ckpt_dir(root: Path, layout: str) -> Path:
     return root / layout.replace(" ", "").replace(",", "_")

@@ -87,6 +87,7 @@ def uninterrupted(data_dir, tmp_path_factory) -> dict[int, dict]:
     return refs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc,sig", [(1, "SIGTERM"), (1, "SIGINT"), (2, "SIGTERM"), (2, "SIGINT")])
 def test_signal_mid_run_saves_the_step_and_the_resumed_run_is_bitwise_equal(
     data_dir, uninterrupted, tmp_path, nproc, sig
