@@ -359,6 +359,8 @@ def cmd_bench(argv: list[str]) -> int:
     if steps < 1 or warmup < 0:
         raise ConfigError(f"need --steps >= 1 and --warmup >= 0 (got {steps}, {warmup})")
     json_path = _pop_value(args, "--json")
+    if json_path and Path(json_path).is_dir():
+        raise ConfigError(f"--json {json_path} is a directory; give a file path, e.g. {Path(json_path) / 'bench.json'}")
     no_warm, quiet = _pop_flag(args, "--no-warm-run"), _pop_flag(args, "--quiet")
 
     from plait.cli import split_config_args

@@ -142,7 +142,8 @@ def checkpoint_problems(path: Location) -> str:
     short. Reads plait.json and .metadata only, not the tensors (their CRC32s are checked while loading)."""
     try:
         meta = read_meta(path)
-        step = meta.get("train_state", {}).get("step", 0) if isinstance(meta, dict) else None
+        state = meta.get("train_state", {})
+        step = state.get("step", 0) if isinstance(state, dict) else None
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             return f"{META} has no valid step ({step!r})"
         if not meta.get("weights_only") and not isinstance(meta.get("config"), dict):
@@ -153,14 +154,31 @@ def checkpoint_problems(path: Location) -> str:
     return "; ".join(problems)
 
 
+def read_config(path: Location | str):
+    """The resolved Config a checkpoint was written with; PlaitError naming the problem if plait.json has none
+    or one plait cannot read."""
+    from plait.config import from_dict
+
+    meta = read_meta(path)
+    if not isinstance(meta.get("config"), dict):
+        raise PlaitError(f"checkpoint {path} is damaged: its {META} has no config (the model's shape is unknown)")
+    try:
+        return from_dict(meta["config"])
+    except PlaitError as e:
+        raise PlaitError(f"checkpoint {path} is damaged: the config in its {META} is not valid ({e})") from None
+
+
 def read_meta(path: Location | str) -> dict[str, Any]:
     path = path if isinstance(path, Path | RemotePath) else storage.location(path)
     try:
-        return json.loads(storage.read_bytes(path / META))
+        meta = json.loads(storage.read_bytes(path / META))
     except PlaitError:
         raise
     except Exception as e:
         raise PlaitError(f"checkpoint {path} has no readable {META}: {_one_line(e)}") from None
+    if not isinstance(meta, dict):
+        raise PlaitError(f"checkpoint {path} is damaged: its {META} is not a JSON object")
+    return meta
 
 
 def resolve_checkpoint(ref: str | os.PathLike | Location, endpoint: str = "") -> Location:
@@ -181,7 +199,15 @@ def resolve_checkpoint(ref: str | os.PathLike | Location, endpoint: str = "") ->
     ckpts = list_checkpoints(loc / "checkpoints") or list_checkpoints(loc)
     if not ckpts:
         raise PlaitError(f"{loc} holds no complete checkpoint (looked for step_*/{META})")
-    return ckpts[-1]
+    problems = []
+    for ckpt in reversed(ckpts):  # the newest one that is not damaged
+        why = checkpoint_problems(ckpt)
+        if not why:
+            if problems:
+                _warn(f"skipped damaged checkpoints ({'; '.join(problems)}); using {ckpt}")
+            return ckpt
+        problems.append(f"{ckpt.name}: {why}")
+    raise PlaitError(f"{loc} holds only damaged checkpoints: {'; '.join(problems)}")
 
 
 def local_file(loc: Location) -> Path | None:

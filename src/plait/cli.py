@@ -84,6 +84,8 @@ def cmd_train(args: list[str]) -> int:
         return 0
     args = list(args)
     nproc, restarts = _pop_int(args, "--nproc"), _pop_int(args, "--max-restarts")
+    if restarts is not None and restarts < 0:
+        raise ConfigError(f"--max-restarts={restarts} must be 0 or more (how often a failed group is restarted)")
     layout = _pop_str(args, "--layout")
     if "WORLD_SIZE" not in os.environ:  # not yet inside a launched worker
         _load(args)  # a bad setting is refused now, before torch is even imported
@@ -112,8 +114,12 @@ def cmd_train(args: list[str]) -> int:
 
 def cmd_config(args: list[str]) -> int:
     if not args or args[0] != "show" or any(a in ("-h", "--help") for a in args):
-        print("usage: plait config show [CONFIG.toml] [--section.key=value ...]\n\nPrint the resolved config.")
-        return 0 if args and args[0] in ("-h", "--help") or "show" in args else 2
+        asked = args and args[0] in ("-h", "--help") or "show" in args
+        print(
+            "usage: plait config show [CONFIG.toml] [--section.key=value ...]\n\nPrint the resolved config.",
+            file=sys.stdout if asked else sys.stderr,
+        )
+        return 0 if asked else 2
     from plait.config import to_toml
 
     print(to_toml(_load(args[1:])), end="")

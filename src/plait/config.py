@@ -291,10 +291,19 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 def _read_toml(path: Path) -> dict[str, dict[str, Any]]:
+    if path.is_dir():
+        raise ConfigError(f"config file {str(path)!r} is a directory; give a .toml file")
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"config file {str(path)!r} is not UTF-8 text (byte {e.start}: {e.object[e.start : e.start + 1]!r}); "
+            f"TOML files are UTF-8: save it as UTF-8"
+        ) from None
+    except OSError as e:
+        raise ConfigError(f"config file {str(path)!r} cannot be read: {e.strerror or e}") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
     for section, body in data.items():
@@ -457,8 +466,11 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("parallel.dp_shard_degree must be -1 (infer) or at least 1")
     if cfg.run.device != "auto" and not (cfg.run.device == "cpu" or cfg.run.device.startswith("cuda")):
         raise ConfigError(f"run.device={cfg.run.device!r} is not a device; use 'auto', 'cpu' or 'cuda'")
-    if not cfg.run.name or "/" in cfg.run.name:
-        raise ConfigError(f"run.name={cfg.run.name!r} must be a non-empty name without '/'")
+    name = cfg.run.name
+    if not name or name in (".", "..") or any(c in name for c in "/\\\0") or name != name.strip():
+        raise ConfigError(
+            f"run.name={name!r} must be one directory name (not empty, '.' or '..', no '/' or '\\'), e.g. run.name=exp1"
+        )
     _validate_finetune(cfg)
     _validate_compile(cfg)
     return cfg

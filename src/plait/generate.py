@@ -74,13 +74,12 @@ def generate(
 
 def load_for_generation(path: str | Path, device: str = "auto"):
     """(model, tokenizer, eos id) from a checkpoint directory, or from a run directory's newest checkpoint."""
-    from plait.checkpoint import load_model_weights, local_file, read_meta, resolve_checkpoint
-    from plait.config import from_dict
+    from plait.checkpoint import load_model_weights, local_file, read_config, resolve_checkpoint
     from plait.data import eos_id, load_tokenizer
     from plait.hardware import resolve_device
 
     path = resolve_checkpoint(path)
-    cfg = from_dict(read_meta(path)["config"])
+    cfg = read_config(path)
     with torch.device("meta"):
         model = Transformer(cfg.model)
     model.to_empty(device=resolve_device(device))

@@ -153,6 +153,10 @@ def _validate_before_launch(train_args: list[str], world_size: int):
     path, overrides = split_config_args(train_args)
     cfg = load_config(path, overrides)
     validate_layout(cfg, ParallelDims.from_config(cfg.parallel, world_size))
+    if cfg.data.source == "shakespeare":
+        from plait.data.prepare import check_cache_dir
+
+        check_cache_dir(cfg.data.cache_dir)
     if os.environ.get("PLAIT_FAULT_KILL"):
         from plait.train import parse_fault_kills
 

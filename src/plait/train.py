@@ -296,6 +296,11 @@ def prepare_run_dir(cfg: Config, is_main: bool = True) -> list[Location]:
                 f"checkpoint {path} is damaged ({why}); left as it is, "
                 + (f"resuming from {candidates[0]}" if candidates else "no complete checkpoint to resume from")
             )
+    if not candidates and damaged:
+        raise ConfigError(
+            f"{run_dir} holds only damaged checkpoints ({'; '.join(f'{p.name}: {why}' for p, why in damaged[:3])}); "
+            f"they are left as they are: repair or move them, or pass --run.overwrite=true to move the run aside"
+        )
     if not candidates:
         if is_main:
             _set_aside_old_metrics(run_dir)

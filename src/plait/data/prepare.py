@@ -385,6 +385,13 @@ def _is_complete(data_dir: Path) -> bool:
         return False
 
 
+def check_cache_dir(cache_dir: str | Path) -> None:
+    """data.cache_dir must be a directory (or not exist yet): refused by name otherwise."""
+    path = Path(cache_dir).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"data.cache_dir={str(cache_dir)!r} is a file; give a directory (it is created if missing)")
+
+
 def ensure_prepared(source: str, cache_dir: str | Path, vocab_size: int, seq_len_hint: int = 0) -> Path:
     """Prepared data directory for `source`: "shakespeare" (prepared once under `cache_dir`) or a directory.
 
@@ -392,6 +399,7 @@ def ensure_prepared(source: str, cache_dir: str | Path, vocab_size: int, seq_len
     Concurrent callers are safe: each prepares privately and the first to publish wins.
     """
     if source == "shakespeare":
+        check_cache_dir(cache_dir)
         data_dir = Path(cache_dir) / f"shakespeare-v{vocab_size}"
         if not _is_complete(data_dir):
             try:

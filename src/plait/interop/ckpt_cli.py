@@ -29,8 +29,16 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from plait.argparsing import PlaitParser
-from plait.checkpoint import META, list_checkpoints, load_model_weights, local_file, read_meta, resolve_checkpoint
-from plait.config import Config, from_dict, to_dict, to_toml, validate
+from plait.checkpoint import (
+    META,
+    list_checkpoints,
+    load_model_weights,
+    local_file,
+    read_config,
+    read_meta,
+    resolve_checkpoint,
+)
+from plait.config import Config, to_dict, to_toml, validate
 from plait.errors import ConfigError, PlaitError
 from plait.interop.hf import (
     build_from_tensors,
@@ -85,7 +93,7 @@ def cmd_ckpt(argv: list[str]) -> int:
 
 def load_checkpoint_model(ckpt: Location, device: str | torch.device = "cpu") -> Transformer:
     """The model of a checkpoint directory (its weights only), in fp32."""
-    cfg = from_dict(read_meta(ckpt)["config"])
+    cfg = read_config(ckpt)
     model = empty_model(cfg.model, device)
     try:
         load_model_weights(model, ckpt)
@@ -131,7 +139,7 @@ def write_weights_checkpoint(
 def _inspect(a: argparse.Namespace) -> int:
     ckpt = resolve_checkpoint(a.path)
     meta = read_meta(ckpt)
-    cfg = from_dict(meta["config"])
+    cfg = read_config(ckpt)
     m = cfg.model
     shapes = param_shapes(m)
     numel = sum(_prod(s) for s in shapes.values())

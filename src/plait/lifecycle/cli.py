@@ -101,6 +101,10 @@ def cmd_eval(argv: list[str]) -> int:
     parser.add_argument("--device", default="cpu")
     _registry_arg(parser)
     a = parser.parse_args(argv)
+    if a.batches < 1 or a.seq_len < 2:
+        raise ConfigError(f"need --batches >= 1 and --seq-len >= 2 (got {a.batches}, {a.seq_len})")
+    if a.json and Path(a.json).is_dir():
+        raise ConfigError(f"--json {a.json} is a directory; give a file path, e.g. {Path(a.json) / 'eval.json'}")
     from plait.lifecycle.evaluate import Report, load_suite, perplexity, print_report, run_suite, write_json
     from plait.lifecycle.models import describe, load_model
 
@@ -441,6 +445,13 @@ def _ft_merge(a) -> int:
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"--out {out} exists and is not empty; choose another")
     loaded = load_model(a.source, base=a.base)
+    from plait.lifecycle.lora import lora_tensors
+
+    if not lora_tensors(loaded.model):
+        raise ConfigError(
+            f"{loaded.path} has no LoRA adapters to merge (a plain model: use it as it is); give an adapter file "
+            f"or the run of a fine-tune with finetune.lora_rank > 0"
+        )
     reg = _open(a.registry, loaded.path)
     parent = artifact_for(reg, loaded) if reg is not None else None  # before merging: the adapter's own hash
     model = merge_lora(loaded.model)

@@ -93,12 +93,12 @@ def _tok(directory: Path) -> Path | None:
 
 
 def _load_checkpoint(ckpt: Location, device) -> Loaded:
-    from plait.checkpoint import load_model_weights, local_file, read_meta
-    from plait.config import from_dict, to_dict
+    from plait.checkpoint import load_model_weights, local_file, read_config, read_meta
+    from plait.config import to_dict
     from plait.interop.hf import empty_model
 
     meta = read_meta(ckpt)
-    cfg = from_dict(meta["config"])
+    cfg = read_config(ckpt)
     model = empty_model(cfg.model, device)
     if cfg.finetune.lora_rank:  # a LoRA run's checkpoint holds the base and the adapters (not merged)
         f = cfg.finetune

@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
+import os
 import re
 from pathlib import Path
 
 from plait.argparsing import PlaitParser
-from plait.errors import ConfigError
+from plait.errors import ConfigError, PlaitError
 
 SUFFIXES = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30}
 
@@ -42,18 +44,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--cluster",
         default="h100",
         choices=[*CLUSTERS, "local"],
-        help="Cluster preset ('local': measure this machine). (h100)",
+        help="Cluster preset ('local': measure this machine); default h100.",
     )
-    p.add_argument("--nodes", type=int, help="Number of nodes. (1)")
+    p.add_argument("--nodes", type=int, help="Number of nodes; default 1.")
     p.add_argument("--devices-per-node", type=int, help="Accelerators per node (preset's value).")
-    p.add_argument("--memory-gib", type=float, help="Device memory, GiB.")
-    p.add_argument("--peak-tflops", type=float, help="Dense bf16 peak per device, TFLOP/s.")
-    p.add_argument("--efficiency", type=float, help="Achieved fraction of peak on large matmuls.")
-    p.add_argument("--intra-bw", type=float, help="Per-device bandwidth inside a node, GB/s.")
-    p.add_argument("--inter-bw", type=float, help="Per-device bandwidth between nodes, GB/s.")
-    p.add_argument("--intra-latency-us", type=float, help="Collective hop latency inside a node, microseconds.")
-    p.add_argument("--inter-latency-us", type=float, help="Collective hop latency between nodes, microseconds.")
-    p.add_argument("--host-memory-gib", type=float, help="CPU memory per node, GiB (for offload).")
+    p.add_argument("--memory-gib", type=_finite_positive, help="Device memory, GiB.")
+    p.add_argument("--peak-tflops", type=_finite_positive, help="Dense bf16 peak per device, TFLOP/s.")
+    p.add_argument("--efficiency", type=_finite_positive, help="Achieved fraction of peak on large matmuls.")
+    p.add_argument("--intra-bw", type=_finite_positive, help="Per-device bandwidth inside a node, GB/s.")
+    p.add_argument("--inter-bw", type=_finite_positive, help="Per-device bandwidth between nodes, GB/s.")
+    p.add_argument(
+        "--intra-latency-us", type=_finite_positive, help="Collective hop latency inside a node, microseconds."
+    )
+    p.add_argument(
+        "--inter-latency-us", type=_finite_positive, help="Collective hop latency between nodes, microseconds."
+    )
+    p.add_argument("--host-memory-gib", type=_finite_positive, help="CPU memory per node, GiB (for offload).")
     p.add_argument(
         "--global-batch-tokens",
         help="Tokens per optimizer step, e.g. 4M (= 4 x 2^20); required with --model (a --config has its own).",
@@ -63,11 +69,36 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="Tokens per sequence (default: the config's data.seq_len, or 8192 capped at the model's max_seq_len).",
     )
-    p.add_argument("--precision", choices=["bf16", "fp32"], default="bf16", help="Compute precision. (bf16)")
-    p.add_argument("--top", type=int, default=10, help="Rows in the table. (10)")
+    p.add_argument("--precision", choices=["bf16", "fp32"], default="bf16", help="Compute precision.")
+    p.add_argument("--top", type=int, default=10, help="Rows in the table.")
     p.add_argument("--write", metavar="PATH", help="Write the chosen layout as a plait TOML config.")
+    p.add_argument("--overwrite", action="store_true", help="Let --write replace an existing file.")
     p.add_argument("--json", action="store_true", help="Print the plan as JSON instead of a table.")
     return p
+
+
+def _finite_positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number above 0")
+    return value
+
+
+def _check_writable(path: str, overwrite: bool) -> None:
+    """--write: refused before planning if it would replace a file without --overwrite, or cannot be made."""
+    out = Path(path)
+    if out.is_dir():
+        raise ConfigError(f"--write {path} is a directory; give a file path, e.g. {out / 'plan.toml'}")
+    if out.exists() and not overwrite:
+        raise ConfigError(f"--write {path} exists; choose another path or pass --overwrite")
+    parent = out.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise ConfigError(f"--write {path}: cannot create it under {parent} (not a writable directory)")
 
 
 def cmd_plan(argv: list[str]) -> int:
@@ -78,6 +109,8 @@ def cmd_plan(argv: list[str]) -> int:
     from plait.planner.search import plan
 
     a = build_parser().parse_args(argv)
+    if a.write:
+        _check_writable(a.write, a.overwrite)
     base: Config | None = None
     if a.config:
         base = load_config(a.config)
@@ -254,6 +287,9 @@ def write_config(path: str, result, base=None) -> Path:
         f"{best['mem_total_gib']:.1f} GiB per rank predicted on {result.cluster.world_size} devices "
         f"({result.cluster.name}).\n"
     )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(header + to_toml(cfg))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(header + to_toml(cfg))
+    except OSError as e:
+        raise PlaitError(f"--write {path} could not be written: {e.strerror or e}") from None
     return out
