@@ -133,6 +133,11 @@ CASES = [
     ("nproc not a number", lambda c: t("--nproc", "x"), "--nproc"),
     ("negative max restarts", lambda c: t("--max-restarts", "-1"), "--max-restarts"),
     ("bad layout", lambda c: t("--layout", "manual"), "--layout='manual'"),
+    (
+        "watchdog after the collective timeout",
+        lambda c: t("--parallel.timeout_s=300"),
+        "guard.hang_timeout_s=600 must be below parallel.timeout_s=300",
+    ),
     ("data source missing", lambda c: t("--data.source=/nonexistent/data"), "plait data prepare"),
     ("cache dir is a file", lambda c: t(f"--data.cache_dir={c.file('f', 'x')}"), "data.cache_dir"),
     # ---------------------------------------------------------------------------------------------- TOML files

@@ -271,6 +271,7 @@ class CheckpointManager:
         self.config = config or {}
         self.tokenizer_path = tokenizer_path
         self.failed_saves = 0
+        self.skipped_saves = 0
         self._distributed = dist.is_initialized() and dist.get_world_size() > 1
         self._rank = dist.get_rank() if dist.is_initialized() else 0
         self._control = dist.new_group(backend="gloo") if self._distributed else None
@@ -313,7 +314,10 @@ class CheckpointManager:
         before returning) and `stopped` is set: the loop ends here on every rank."""
         report = self._collect(wait=False)
         due, stop = self.should_save(step, stop_requested)
-        if due:
+        must = stop or (step == self.total_steps and self.cfg.save_final)
+        if due and not must and self._in_flight():
+            report.update(self._skip(step))  # storage is slow or down: the loop does not wait for it
+        elif due:
             report.update(self.save(step, t, loader=loader, state=state))
         if stop:
             report.update(self.wait())
@@ -413,6 +417,28 @@ class CheckpointManager:
             self._pending.set_result(self._finish(step, written, meta, target, start, start))
             report.update(self._collect(wait=True))
         return report
+
+    def _in_flight(self) -> bool:
+        """Whether the previous save is still being written, the same answer on every rank (one flag, max
+        over the control group: a save ends on every rank together, but not at the same instant)."""
+        busy = self._pending is not None and not self._pending.done()
+        if self._control is not None:
+            flag = torch.tensor([int(busy)])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._control)
+            busy = bool(flag.item())
+        return busy
+
+    def _skip(self, step: int) -> dict[str, float]:
+        """A periodic save due while the previous one is still being written: skipped, not queued (a backlog
+        of one), so a slow or unreachable store never holds up training; the final save and a stop save
+        wait instead."""
+        self.skipped_saves += 1
+        if self.is_writer:
+            _warn(
+                f"checkpoint of step {step} skipped: the previous save is still being written to {self.dir} "
+                f"(storage slow or unreachable); training continues, the next save tries again"
+            )
+        return {"skipped_step": step, "skipped_saves": self.skipped_saves}
 
     def _short_of_space(self) -> str:
         """Why the next save cannot fit on the checkpoint disk (the main rank measures, all ranks agree),

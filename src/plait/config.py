@@ -162,8 +162,9 @@ class ParallelConfig:
     """Keep sharded parameters, gradients and optimizer state in CPU memory (FSDP2 offload)."""
     activation_checkpoint: Literal["none", "selective", "full"] = "none"
     """Recompute activations in backward: 'full' per block, 'selective' keeps matmul/attention outputs."""
-    timeout_s: int = 300
-    """Collectives that take longer than this raise instead of hanging."""
+    timeout_s: int = 900
+    """Collectives that take longer than this raise instead of hanging. Above guard.hang_timeout_s, so that the
+    hang watchdog reports a stalled rank (and which) before a collective times out on the ranks waiting for it."""
 
 
 @dataclass
@@ -420,6 +421,12 @@ def validate(cfg: Config) -> Config:
     _positive("log", cfg.log, ["every_steps"])
     _positive("guard", cfg.guard, ["max_consecutive_failures", "spike_num_std"])
     _non_negative("guard", cfg.guard, ["hang_timeout_s", "straggler_ratio"])
+    if 0 < cfg.parallel.timeout_s <= cfg.guard.hang_timeout_s:
+        raise ConfigError(
+            f"guard.hang_timeout_s={cfg.guard.hang_timeout_s} must be below parallel.timeout_s="
+            f"{cfg.parallel.timeout_s}: otherwise a collective times out first and the stalled rank is not named; "
+            f"raise parallel.timeout_s (e.g. {2 * cfg.guard.hang_timeout_s}) or lower guard.hang_timeout_s"
+        )
     if cfg.guard.spike_window < 2:
         raise ConfigError(f"guard.spike_window={cfg.guard.spike_window} must be at least 2, e.g. 50")
     if 0 < cfg.guard.straggler_ratio <= 1:

@@ -517,11 +517,14 @@ def _train(cfg: Config, env: DistEnv) -> dict[str, float]:
     if checkpointer.stopped_at:
         _stopped(cfg, stop.signal_name or "a signal on another rank", checkpointer.stopped_at, env.is_main)
     if checkpointer.final_lost:  # trained, but a restart would redo work: not a success
-        newest = list_checkpoints(checkpoint_dir(cfg))
+        try:
+            newest = list_checkpoints(checkpoint_dir(cfg))
+            where = str(newest[-1]) if newest else "none"
+        except PlaitError:
+            where = f"unknown ({checkpoint_dir(cfg)} cannot be listed now)"
         raise PlaitError(
             f"{checkpointer.final_lost}. Training reached step {state.step}; the newest complete checkpoint is "
-            f"{newest[-1] if newest else 'none'}. Free space (or fix the storage) and rerun the same command to "
-            f"resume from it"
+            f"{where}. Free space (or fix the storage) and rerun the same command to resume from it"
         )
     lineage.finish(final)
     if env.is_main:
