@@ -2,8 +2,11 @@
 watchdog. Unit tests need no process group; the policies run in one process and on two gloo ranks (FSDP),
 and the watchdog through the real CLI, whose elastic agent restarts the hung group."""
 
+import contextlib
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import threading
@@ -294,3 +297,63 @@ def test_hang_watchdog_reports_exits_and_the_group_restarts(data_dir, tmp_path):
     metrics = rows(tmp_path / "runs" / "default")
     assert max(r["step"] for r in metrics) == 4
     print(peer or "(rank 0 was stopped first)", report, sep="\n")
+
+
+def _workers(root_pid: int) -> list[int]:
+    """The training workers the elastic agent in root_pid spawned (multiprocessing spawn children), by pid."""
+    out = []
+    for task in Path(f"/proc/{root_pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            with contextlib.suppress(OSError):
+                if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+                    out.append(int(child))
+    return sorted(out)
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_is_named_killed_and_the_group_resumes(data_dir, tmp_path):
+    """SIGSTOP one worker of `plait train --nproc 2` mid-run: it cannot beat, step or answer SIGTERM. The other
+    rank's watchdog names it (its heartbeat stopped) within 2 x guard.hang_timeout_s, kills it (same machine),
+    and the elastic agent restarts the group, which resumes training within 1.5 x hang_timeout_s of the
+    report and finishes."""
+    hang = 10
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    args = [f"--{o}" for o in base(data_dir, 60)]
+    args += ["--checkpoint.every_steps=5", f"--guard.hang_timeout_s={hang}", "--parallel.timeout_s=120"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "plait.cli", "train", "--nproc", "2", "--max-restarts", "1", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+    )
+    lines: list[tuple[float, str]] = []
+    reader = threading.Thread(target=lambda: [lines.append((time.monotonic(), x)) for x in proc.stderr], daemon=True)
+    reader.start()
+    metrics = tmp_path / "runs" / "default" / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.exists() and '"step": 12,' in metrics.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    workers = _workers(proc.pid)
+    assert len(workers) == 2, workers
+    victim = workers[-1]  # which rank it is, the report says (heartbeats carry the pid)
+    os.kill(victim, signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        assert proc.wait(timeout=400) == 0, "".join(x for _, x in lines)[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        with contextlib.suppress(OSError):
+            os.kill(victim, signal.SIGKILL)
+    reader.join(timeout=10)
+    named = re.compile(rf"[Tt]he stalled rank: rank (\d) \([^,]+, pid {victim}\) has sent no heartbeat")
+    report = next(((t, x) for t, x in lines if "hang watchdog: rank" in x and named.search(x)), None)
+    assert report is not None, "".join(x for _, x in lines)[-4000:]
+    rank = named.search(report[1]).group(1)
+    assert report[0] - stopped <= 2 * hang, f"named {report[0] - stopped:.1f} s after the stop"
+    assert any(f"killed stalled rank {rank} (pid {victim})" in x for _, x in lines)
+    resumed = next(t for t, x in lines if "resumed from" in x and t > report[0])
+    assert resumed - report[0] <= 1.5 * hang, f"resumed {resumed - report[0]:.1f} s after the report"
+    print(f"named after {report[0] - stopped:.1f} s, resumed {resumed - report[0]:.1f} s after the report")

@@ -26,10 +26,12 @@ act in an elastic group's first attempt only, as PLAIT_FAULT_KILL does.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import math
 import os
 import pickle
+import signal
 import socket
 import statistics
 import sys
@@ -44,6 +46,7 @@ import torch.distributed as dist
 from plait.checkpoint import TrainState, list_checkpoints, step_of
 from plait.errors import PlaitError
 from plait.health import all_gather_single, injected
+from plait.torch_private import heartbeat_store
 
 # The flight recorder (a ring buffer per process of the collectives it entered, for gloo and NCCL; it is
 # what the hang report reads) is sized when the first collective runs: importing this module, which
@@ -235,11 +238,12 @@ class Watchdog:
     it prints which rank, which step, the phase and the last collective, then every thread's Python stack
     (faulthandler), then exits with HANG_EXIT_CODE."""
 
-    def __init__(self, rank: int, timeout_s: float):
-        self.rank, self.timeout_s, self.step = rank, timeout_s, 0
+    def __init__(self, rank: int, timeout_s: float, world_size: int = 1):
+        self.rank, self.timeout_s, self.step, self.world_size = rank, timeout_s, 0, world_size
         self._last = time.monotonic()
         self._target = threading.get_ident()  # the training thread: the one that builds the guard
         self._stop = threading.Event()
+        self._store = heartbeat_store() if world_size > 1 else None
         self._thread = threading.Thread(target=self._watch, name="plait-watchdog", daemon=True)
         self._thread.start()
 
@@ -251,24 +255,72 @@ class Watchdog:
         self._thread.join()
 
     def _watch(self) -> None:
-        poll = min(1.0, max(0.05, self.timeout_s / 10))
-        while not self._stop.wait(poll):
+        self.poll = min(1.0, max(0.05, self.timeout_s / 10))
+        while not self._stop.wait(self.poll):
+            self._beat_out()
             idle = time.monotonic() - self._last
             if idle >= self.timeout_s:
                 self._fire(idle)
 
+    def _beat_out(self) -> None:
+        """This rank's heartbeat in the job's store: wall time, step, pid, host. Written by this thread, so a
+        rank whose training thread waits still beats, and a stopped or dead process goes silent."""
+        if self._store is None:
+            return
+        with contextlib.suppress(Exception):  # the store itself unreachable: nothing to report through
+            where = describe_stack(sys._current_frames().get(self._target))[1]
+            beat = f"{time.time():.3f} {self.step} {os.getpid()} {socket.gethostname()} {where}"
+            self._store.set(str(self.rank), beat)
+
+    def culprits(self) -> tuple[str, list[tuple[int, int, str]]]:
+        """(a sentence naming the ranks that stalled the group, [(rank, pid, host) of the silent ones]):
+        ranks whose heartbeat stopped (stopped, swapped out, dead); else ranks behind the others' step; else
+        ranks that are not inside a collective while the others wait in one."""
+        if self._store is None:
+            return "", []
+        now, beats = time.time(), {}
+        for r in range(self.world_size):
+            with contextlib.suppress(Exception):
+                t, step, pid, host, where = self._store.multi_get([str(r)])[0].decode().split(" ", 4)
+                beats[r] = (now - float(t), int(step), int(pid), host, where)
+        silent_after = max(5.0, 5 * self.poll)
+        silent = [(r, b) for r, b in sorted(beats.items()) if b[0] > silent_after]
+        missing = [r for r in range(self.world_size) if r not in beats]
+        if silent or missing:
+            parts = [f"rank {r} ({b[3]}, pid {b[2]}) has sent no heartbeat for {b[0]:.1f} s" for r, b in silent]
+            parts += [f"rank {r} never sent one" for r in missing]
+            return (
+                "the stalled rank: " + "; ".join(parts) + " (stopped, swapped out or dead: the others wait for it)",
+                [(r, b[2], b[3]) for r, b in silent],
+            )
+        newest = max(b[1] for b in beats.values()) if beats else 0
+        behind = [f"rank {r} at step {b[1]}" for r, b in sorted(beats.items()) if b[1] < newest]
+        if behind:
+            return f"ranks behind the others (step {newest}): {', '.join(behind)}", []
+        outside = [f"rank {r} at {b[4]}" for r, b in sorted(beats.items()) if "distributed" not in b[4]]
+        if outside and len(outside) < len(beats):  # the others wait inside a collective for these
+            return f"the stalled rank, not in a collective while the others wait in one: {', '.join(outside)}", []
+        return "every rank is alive, at the same step and in the same place (a collective or I/O is stuck)", []
+
     def _fire(self, idle: float) -> None:
         phase, where = describe_stack(sys._current_frames().get(self._target))
         collective = last_collective(self._target) or "none recorded"
+        culprit, silent = self.culprits()
         out = sys.stderr if _has_fileno(sys.stderr) else sys.__stderr__
         print(
             f"plait: hang watchdog: rank {self.rank} ({socket.gethostname()}, pid {os.getpid()}) made no progress "
             f"for {idle:.1f} s (guard.hang_timeout_s={self.timeout_s:g}) in step {self.step}, phase {phase}, "
-            f"at {where}; last collective entered: {collective}. Python stacks follow; exiting with "
-            f"code {HANG_EXIT_CODE} so an elastic agent can restart the group.",
+            f"at {where}; last collective entered: {collective}. "
+            + (f"{culprit[0].upper()}{culprit[1:]}. " if culprit else "")
+            + f"Python stacks follow; exiting with code {HANG_EXIT_CODE} so an elastic agent can restart the group.",
             file=out,
             flush=True,
         )
+        for rank, pid, host in silent:  # it cannot answer the agent's SIGTERM: end it now, on this machine
+            if host == socket.gethostname() and pid != os.getpid():
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+                    print(f"plait: hang watchdog: killed stalled rank {rank} (pid {pid})", file=out, flush=True)
         faulthandler.dump_traceback(file=out, all_threads=True)
         out.flush()
         os._exit(HANG_EXIT_CODE)
@@ -296,7 +348,7 @@ class Guard:
         self.faults = Faults(env.rank)
         self._hooks = self.faults.install(t.parts) if t is not None else []
         self.spikes = SpikeDetector(self.g.spike_window, self.g.spike_num_std)
-        self.watchdog = Watchdog(env.rank, self.g.hang_timeout_s) if self.g.hang_timeout_s > 0 else None
+        self.watchdog = Watchdog(env.rank, self.g.hang_timeout_s, env.world_size) if self.g.hang_timeout_s > 0 else None
         self.num_skipped = self.num_rollbacks = self.num_spikes = 0
         self.step = 0
         self._failures = 0  # failed steps in a row
