@@ -272,6 +272,9 @@ class CheckpointManager:
         self.tokenizer_path = tokenizer_path
         self.failed_saves = 0
         self.skipped_saves = 0
+        self._failed_attempts_at_start = 0  # storage.FAILED_ATTEMPTS when the save in flight began
+        self._started_at = 0.0  # when the save in flight began
+        self._last_write_s = 0.0  # how long the last good save took from staged to published
         self._distributed = dist.is_initialized() and dist.get_world_size() > 1
         self._rank = dist.get_rank() if dist.is_initialized() else 0
         self._control = dist.new_group(backend="gloo") if self._distributed else None
@@ -315,7 +318,7 @@ class CheckpointManager:
         report = self._collect(wait=False)
         due, stop = self.should_save(step, stop_requested)
         must = stop or (step == self.total_steps and self.cfg.save_final)
-        if due and not must and self._in_flight():
+        if due and not must and self._in_flight_and_failing():
             report.update(self._skip(step))  # storage is slow or down: the loop does not wait for it
         elif due:
             report.update(self.save(step, t, loader=loader, state=state))
@@ -375,6 +378,7 @@ class CheckpointManager:
         start = time.perf_counter()
         report = self._collect(wait=True)  # one save in flight at a time: its staging buffers are reused
         self._last_save_time = time.monotonic()
+        self._failed_attempts_at_start, self._started_at = storage.FAILED_ATTEMPTS[0], time.monotonic()
         short = self._short_of_space()
         if short:  # refused before writing a byte: a save that cannot fit would only fill the disk
             self._pending = Future()
@@ -418,10 +422,14 @@ class CheckpointManager:
             report.update(self._collect(wait=True))
         return report
 
-    def _in_flight(self) -> bool:
-        """Whether the previous save is still being written, the same answer on every rank (one flag, max
-        over the control group: a save ends on every rank together, but not at the same instant)."""
+    def _in_flight_and_failing(self) -> bool:
+        """Whether the previous save is still being written while storage fails under it (its writes are
+        being retried, or it has taken more than twice as long as the last good save, and over a second),
+        the same answer on every rank (one flag, max over the control group). A save of usual length is
+        waited for, as always."""
         busy = self._pending is not None and not self._pending.done()
+        overdue = time.monotonic() - self._started_at > max(1.0, 2 * self._last_write_s)
+        busy = busy and (storage.FAILED_ATTEMPTS[0] > self._failed_attempts_at_start or overdue)
         if self._control is not None:
             flag = torch.tensor([int(busy)])
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._control)
@@ -429,14 +437,14 @@ class CheckpointManager:
         return busy
 
     def _skip(self, step: int) -> dict[str, float]:
-        """A periodic save due while the previous one is still being written: skipped, not queued (a backlog
-        of one), so a slow or unreachable store never holds up training; the final save and a stop save
-        wait instead."""
+        """A periodic save due while the previous one is still being retried against failing storage:
+        skipped, not queued (a backlog of one), so an unreachable store never holds up training; the final
+        save and a stop save wait instead."""
         self.skipped_saves += 1
         if self.is_writer:
             _warn(
-                f"checkpoint of step {step} skipped: the previous save is still being written to {self.dir} "
-                f"(storage slow or unreachable); training continues, the next save tries again"
+                f"checkpoint of step {step} skipped: the previous save is still being retried against {self.dir} "
+                f"(storage failing); training continues, the next save tries again"
             )
         return {"skipped_step": step, "skipped_saves": self.skipped_saves}
 
@@ -529,6 +537,7 @@ class CheckpointManager:
         outcome: _Outcome = self._pending.result()
         self._pending = None
         if outcome.ok:
+            self._last_write_s = outcome.write_s
             return {
                 "saved_step": outcome.step,
                 "blocked_s": outcome.blocked_s,

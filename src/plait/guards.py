@@ -278,12 +278,13 @@ class Watchdog:
         ranks that are not inside a collective while the others wait in one."""
         if self._store is None:
             return "", []
-        now, beats = time.time(), {}
-        for r in range(self.world_size):
-            with contextlib.suppress(Exception):
-                t, step, pid, host, where = self._store.multi_get([str(r)])[0].decode().split(" ", 4)
-                beats[r] = (now - float(t), int(step), int(pid), host, where)
         silent_after = max(5.0, 5 * self.poll)
+        beats = self._read_beats()
+        if not any(b[0] > silent_after for b in beats.values()):
+            # A rank stopped just now still has a fresh heartbeat: look once more after the threshold (a live
+            # rank beats every poll meanwhile, a stopped one only ages).
+            time.sleep(silent_after)
+            beats = self._read_beats()
         silent = [(r, b) for r, b in sorted(beats.items()) if b[0] > silent_after]
         missing = [r for r in range(self.world_size) if r not in beats]
         if silent or missing:
@@ -301,6 +302,15 @@ class Watchdog:
         if outside and len(outside) < len(beats):  # the others wait inside a collective for these
             return f"the stalled rank, not in a collective while the others wait in one: {', '.join(outside)}", []
         return "every rank is alive, at the same step and in the same place (a collective or I/O is stuck)", []
+
+    def _read_beats(self) -> dict[int, tuple[float, int, int, str, str]]:
+        """rank -> (age in seconds, step, pid, host, where) of every heartbeat in the store."""
+        now, beats = time.time(), {}
+        for r in range(self.world_size):
+            with contextlib.suppress(Exception):
+                t, step, pid, host, where = self._store.multi_get([str(r)])[0].decode().split(" ", 4)
+                beats[r] = (now - float(t), int(step), int(pid), host, where)
+        return beats
 
     def _fire(self, idle: float) -> None:
         phase, where = describe_stack(sys._current_frames().get(self._target))

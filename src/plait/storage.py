@@ -222,6 +222,11 @@ def file_sizes(loc: Location) -> dict[str, int]:
     return {p.name: p.stat().st_size for p in loc.iterdir() if p.is_file()}
 
 
+FAILED_ATTEMPTS = [0]
+"""Storage operations that failed (and were retried or given up) in this process: the checkpointer reads it
+to tell a save that is slow because storage is failing from one that is merely long."""
+
+
 def retry(fn: Callable[[], T], what: str, attempts: int = WRITE_ATTEMPTS) -> T:
     """Call fn; on an error wait (1 s, 2 s, ...) and try again, at most `attempts` times in all."""
     for attempt in range(attempts):
@@ -230,6 +235,7 @@ def retry(fn: Callable[[], T], what: str, attempts: int = WRITE_ATTEMPTS) -> T:
         except (PlaitError, KeyboardInterrupt):
             raise
         except Exception:
+            FAILED_ATTEMPTS[0] += 1
             if attempt == attempts - 1:
                 raise
             time.sleep(RETRY_BACKOFF_S * 2**attempt)
