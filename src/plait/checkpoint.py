@@ -33,7 +33,6 @@ import re
 import shutil
 import sys
 import tempfile
-import threading
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -199,15 +198,22 @@ def resolve_checkpoint(ref: str | os.PathLike | Location, endpoint: str = "") ->
     ckpts = list_checkpoints(loc / "checkpoints") or list_checkpoints(loc)
     if not ckpts:
         raise PlaitError(f"{loc} holds no complete checkpoint (looked for step_*/{META})")
-    problems = []
-    for ckpt in reversed(ckpts):  # the newest one that is not damaged
-        why = checkpoint_problems(ckpt)
-        if not why:
-            if problems:
-                _warn(f"skipped damaged checkpoints ({'; '.join(problems)}); using {ckpt}")
-            return ckpt
-        problems.append(f"{ckpt.name}: {why}")
-    raise PlaitError(f"{loc} holds only damaged checkpoints: {'; '.join(problems)}")
+    usable, damaged = newest_first(ckpts)
+    problems = "; ".join(f"{p.name}: {why}" for p, why in damaged)
+    if not usable:
+        raise PlaitError(f"{loc} holds only damaged checkpoints: {problems}")
+    if damaged:
+        _warn(f"skipped damaged checkpoints ({problems}); using {usable[0]}")
+    return usable[0]
+
+
+def newest_first(ckpts: list[Location]) -> tuple[list[Location], list[tuple[Location, str]]]:
+    """Complete checkpoints (oldest first, as `list_checkpoints` gives them) newest first from the newest that
+    is not damaged (`checkpoint_problems`), and the newer ones passed over, each with what is wrong with it."""
+    usable, damaged = list(reversed(ckpts)), []
+    while usable and (why := checkpoint_problems(usable[0])):
+        damaged.append((usable.pop(0), why))
+    return usable, damaged
 
 
 def local_file(loc: Location) -> Path | None:
@@ -453,8 +459,8 @@ class CheckpointManager:
         or "". Known only after a first save (its size) and only on a local disk."""
         why = ""
         if self.is_writer and self._last_size and not storage.is_remote(self.dir):
-            free = shutil.disk_usage(self.dir).free
-            if free < self._last_size:
+            free = _free_bytes(Path(self.dir))
+            if free is not None and free < self._last_size:
                 why = (
                     f"not enough free space on the checkpoint disk ({_mb(free)} free, a checkpoint takes "
                     f"{_mb(self._last_size)}); free space or lower checkpoint.keep_last"
@@ -849,14 +855,10 @@ def _short(e: BaseException) -> str:
     return f"{name}: {text.strip()}"
 
 
-_warn_lock = threading.Lock()
-
-
 def _warn(message: str) -> None:
-    from plait.metrics import console
+    from plait.metrics import warn
 
-    with _warn_lock:
-        console.print(f"[yellow]warning:[/] {message}", highlight=False)
+    warn(message)
 
 
 def _jsonable(obj):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,13 @@ from rich.text import Text
 from plait.config import LogConfig
 
 console = Console(stderr=True, soft_wrap=True)  # paths stay on one line: copy-pasteable, greppable
+_warn_lock = threading.Lock()
+
+
+def warn(message: str) -> None:
+    """A warning line for the user (also from background threads, e.g. a checkpoint save)."""
+    with _warn_lock:
+        console.print(f"[yellow]warning:[/] {message}", highlight=False)
 
 
 class MetricsLogger:

@@ -25,8 +25,8 @@ from plait.checkpoint import (
     CheckpointManager,
     TrainState,
     checkpoint_dir,
-    checkpoint_problems,
     list_checkpoints,
+    newest_first,
     read_meta,
     scan_checkpoints,
     step_of,
@@ -41,7 +41,7 @@ from plait.hardware import device_info, memory_stats
 from plait.health import run_health_check
 from plait.lifecycle.finetune import apply_finetune
 from plait.lifecycle.tracking import RunLineage
-from plait.metrics import MetricsLogger, console
+from plait.metrics import MetricsLogger, console, warn
 from plait.model import ModelArgs, Transformer
 from plait.optim import build_optimizer, build_scheduler
 from plait.parallel import DistEnv, Meshes, ParallelDims, init_distributed, validate_layout
@@ -286,13 +286,12 @@ def prepare_run_dir(cfg: Config, is_main: bool = True) -> list[Location]:
             run_dir.rename(backup)
             console.print(f"run.overwrite: previous outputs moved to {backup}")
         return []
-    candidates = list(reversed(complete))
-    while candidates and (why := checkpoint_problems(candidates[0])):
-        damaged.append((candidates.pop(0), why))
+    candidates, passed_over = newest_first(complete)
+    damaged += passed_over
     newest = step_of(candidates[0]) if candidates else -1
     for path, why in sorted(damaged, key=lambda d: step_of(d[0])):
         if is_main and step_of(path) > newest:
-            _warn(
+            warn(
                 f"checkpoint {path} is damaged ({why}); left as it is, "
                 + (f"resuming from {candidates[0]}" if candidates else "no complete checkpoint to resume from")
             )
@@ -323,7 +322,7 @@ def prepare_run_dir(cfg: Config, is_main: bool = True) -> list[Location]:
         )
     safe = [c for c in changed if not c.startswith(RESUME_QUIET)]
     if safe and is_main:
-        _warn(f"resuming {candidates[0].name} with changed settings: {'; '.join(safe)}")
+        warn(f"resuming {candidates[0].name} with changed settings: {'; '.join(safe)}")
     return candidates
 
 
@@ -372,12 +371,8 @@ def resume(checkpointer: CheckpointManager, candidates: list[Location], t, loade
             if i + 1 == len(candidates):
                 raise
             if is_main:
-                _warn(f"{e}; left as it is, trying the previous checkpoint {candidates[i + 1]}")
+                warn(f"{e}; left as it is, trying the previous checkpoint {candidates[i + 1]}")
     return None
-
-
-def _warn(message: str) -> None:
-    console.print(f"[yellow]warning:[/] {message}", highlight=False)
 
 
 def train(cfg: Config) -> dict[str, float]:
