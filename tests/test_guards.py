@@ -115,6 +115,46 @@ def test_describe_stack_names_the_phase():
     assert phase == "forward/backward" and "in wait" in where
 
 
+@pytest.mark.slow
+def test_watchdog_culprits_from_heartbeats():
+    """The watchdog's verdict from the heartbeats in the job's store (a real TCPStore): a rank whose heartbeat
+    stopped is named silent (never this rank itself: its own thread was busy reporting), a rank behind the
+    others' step or outside a collective is named as a live culprit the reporting rank waits for."""
+    import torch.distributed as dist
+
+    from plait.guards import Watchdog
+
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
+    dog = Watchdog(rank=0, timeout_s=3600, world_size=1)
+    try:
+        dog.world_size, dog._store = 2, dist.PrefixStore("hb", store)
+        dc10d = "torch/distributed/distributed_c10d.py:4394 in all_gather"
+        rows, done = [], threading.Event()
+
+        def beat():  # rank 1's heartbeat thread (and rank 0's own for the aged case)
+            while not done.wait(0.1):
+                for r, (age, step, where) in enumerate(rows):
+                    store.set(f"hb/{r}", f"{time.time() - age:.3f} {step} {1000 + r} host{r} {where}")
+
+        beater = threading.Thread(target=beat, daemon=True)
+        beater.start()
+        rows[:] = [(30, 7, dc10d), (30, 7, "plait/train.py:10 in _accumulate")]  # both old: only rank 1 named
+        time.sleep(0.3)
+        text, silent, stalled = dog.culprits()
+        assert silent == [(1, 1001, "host1")] and stalled == [] and "rank 1 (host1, pid 1001)" in text, text
+        rows[:] = [(0, 7, dc10d), (0, 6, dc10d)]
+        time.sleep(0.3)
+        text, silent, stalled = dog.culprits()
+        assert (silent, stalled) == ([], [1]) and "behind the others (step 7): rank 1 at step 6" in text, text
+        rows[:] = [(0, 7, dc10d), (0, 7, "plait/train.py:10 in _accumulate")]
+        time.sleep(0.3)
+        text, silent, stalled = dog.culprits()
+        assert (silent, stalled) == ([], [1]) and "not in a collective" in text and "rank 1 at plait/train" in text
+        done.set()
+    finally:
+        dog.stop()
+
+
 def test_guard_spikes_warn_and_optionally_skip(tmp_path):
     env = DistEnv(0, 1, 0, torch.device("cpu"))
     for skip in (False, True):
@@ -286,12 +326,15 @@ def test_hang_watchdog_reports_exits_and_the_group_restarts(data_dir, tmp_path):
     err = result.stderr
     assert result.returncode == 0, err[-4000:]
     assert "fault injection: rank 1 hangs in forward" in err
-    report = next(line for line in err.splitlines() if "hang watchdog: rank 1" in line)
+    reports = [line for line in err.splitlines() if "hang watchdog: rank" in line]
+    report = next((line for line in reports if "hang watchdog: rank 1" in line), None)
+    assert report is not None, reports  # the waiting rank 0 lets rank 1 report its own stack before exiting
     assert "in step 3, phase forward/backward, at plait/guards.py" in report and "exiting with code 124" in report
     assert "last collective entered: gloo:" in report  # from the flight recorder
     peer = next((line for line in err.splitlines() if "hang watchdog: rank 0" in line), None)
     if peer is not None:  # unless the agent stopped it first: rank 0 waits in a collective for rank 1
         assert "in step 3, phase" in peer and "last collective entered: gloo:" in peer, peer
+        assert "not in a collective while the others wait in one: rank 1 at plait/guards.py" in peer, peer
     assert "Most recent call first" in err or "most recent call first" in err  # faulthandler's stacks
     assert "resumed from" in err and "step_00000002" in err
     metrics = rows(tmp_path / "runs" / "default")
@@ -350,7 +393,8 @@ def test_a_stopped_rank_is_named_killed_and_the_group_resumes(data_dir, tmp_path
     reader.join(timeout=10)
     named = re.compile(rf"[Tt]he stalled rank: rank (\d) \([^,]+, pid {victim}\) has sent no heartbeat")
     report = next(((t, x) for t, x in lines if "hang watchdog: rank" in x and named.search(x)), None)
-    assert report is not None, "".join(x for _, x in lines)[-4000:]
+    reports = "".join(x for _, x in lines if "hang watchdog" in x)
+    assert report is not None, (reports or "no watchdog report") + "\n" + "".join(x for _, x in lines)[-3000:]
     rank = named.search(report[1]).group(1)
     assert report[0] - stopped <= 2 * hang, f"named {report[0] - stopped:.1f} s after the stop"
     assert any(f"killed stalled rank {rank} (pid {victim})" in x for _, x in lines)

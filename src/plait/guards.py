@@ -244,6 +244,7 @@ class Watchdog:
         self._target = threading.get_ident()  # the training thread: the one that builds the guard
         self._stop = threading.Event()
         self._store = heartbeat_store() if world_size > 1 else None
+        self._store_tried = time.monotonic()
         self._thread = threading.Thread(target=self._watch, name="plait-watchdog", daemon=True)
         self._thread.start()
 
@@ -265,6 +266,9 @@ class Watchdog:
     def _beat_out(self) -> None:
         """This rank's heartbeat in the job's store: wall time, step, pid, host. Written by this thread, so a
         rank whose training thread waits still beats, and a stopped or dead process goes silent."""
+        if self._store is None and self.world_size > 1 and time.monotonic() - self._store_tried > 10:
+            self._store_tried = time.monotonic()  # unreachable at start: try again now and then
+            self._store = heartbeat_store()
         if self._store is None:
             return
         with contextlib.suppress(Exception):  # the store itself unreachable: nothing to report through
@@ -272,20 +276,22 @@ class Watchdog:
             beat = f"{time.time():.3f} {self.step} {os.getpid()} {socket.gethostname()} {where}"
             self._store.set(str(self.rank), beat)
 
-    def culprits(self) -> tuple[str, list[tuple[int, int, str]]]:
-        """(a sentence naming the ranks that stalled the group, [(rank, pid, host) of the silent ones]):
-        ranks whose heartbeat stopped (stopped, swapped out, dead); else ranks behind the others' step; else
-        ranks that are not inside a collective while the others wait in one."""
+    def culprits(self) -> tuple[str, list[tuple[int, int, str]], list[int]]:
+        """(a sentence naming the ranks that stalled the group, [(rank, pid, host) of the silent ones], [other
+        ranks that are alive but stalled the group]): ranks whose heartbeat stopped (stopped, swapped out,
+        dead); else ranks behind the others' step; else ranks that are not inside a collective while the
+        others wait in one."""
         if self._store is None:
-            return "", []
+            unreachable = "no heartbeats to compare (the job's store could not be reached)"
+            return (unreachable if self.world_size > 1 else ""), [], []
         silent_after = max(5.0, 5 * self.poll)
         beats = self._read_beats()
         if not any(b[0] > silent_after for b in beats.values()):
             # A rank stopped just now still has a fresh heartbeat: look once more after the threshold (a live
             # rank beats every poll meanwhile, a stopped one only ages).
-            time.sleep(silent_after)
+            self._beating_sleep(silent_after)
             beats = self._read_beats()
-        silent = [(r, b) for r, b in sorted(beats.items()) if b[0] > silent_after]
+        silent = [(r, b) for r, b in sorted(beats.items()) if b[0] > silent_after and r != self.rank]
         missing = [r for r in range(self.world_size) if r not in beats]
         if silent or missing:
             parts = [f"rank {r} ({b[3]}, pid {b[2]}) has sent no heartbeat for {b[0]:.1f} s" for r, b in silent]
@@ -293,15 +299,22 @@ class Watchdog:
             return (
                 "the stalled rank: " + "; ".join(parts) + " (stopped, swapped out or dead: the others wait for it)",
                 [(r, b[2], b[3]) for r, b in silent],
+                [],
             )
         newest = max(b[1] for b in beats.values()) if beats else 0
-        behind = [f"rank {r} at step {b[1]}" for r, b in sorted(beats.items()) if b[1] < newest]
+        behind = [r for r, b in sorted(beats.items()) if b[1] < newest]
         if behind:
-            return f"ranks behind the others (step {newest}): {', '.join(behind)}", []
-        outside = [f"rank {r} at {b[4]}" for r, b in sorted(beats.items()) if "distributed" not in b[4]]
+            names = ", ".join(f"rank {r} at step {beats[r][1]}" for r in behind)
+            return f"ranks behind the others (step {newest}): {names}", [], [r for r in behind if r != self.rank]
+        outside = [r for r, b in sorted(beats.items()) if "distributed" not in b[4]]
         if outside and len(outside) < len(beats):  # the others wait inside a collective for these
-            return f"the stalled rank, not in a collective while the others wait in one: {', '.join(outside)}", []
-        return "every rank is alive, at the same step and in the same place (a collective or I/O is stuck)", []
+            names = ", ".join(f"rank {r} at {beats[r][4]}" for r in outside)
+            return (
+                f"the stalled rank, not in a collective while the others wait in one: {names}",
+                [],
+                [r for r in outside if r != self.rank],
+            )
+        return "every rank is alive, at the same step and in the same place (a collective or I/O is stuck)", [], []
 
     def _read_beats(self) -> dict[int, tuple[float, int, int, str, str]]:
         """rank -> (age in seconds, step, pid, host, where) of every heartbeat in the store."""
@@ -315,7 +328,7 @@ class Watchdog:
     def _fire(self, idle: float) -> None:
         phase, where = describe_stack(sys._current_frames().get(self._target))
         collective = last_collective(self._target) or "none recorded"
-        culprit, silent = self.culprits()
+        culprit, silent, stalled = self.culprits()
         out = sys.stderr if _has_fileno(sys.stderr) else sys.__stderr__
         print(
             f"plait: hang watchdog: rank {self.rank} ({socket.gethostname()}, pid {os.getpid()}) made no progress "
@@ -333,7 +346,26 @@ class Watchdog:
                     print(f"plait: hang watchdog: killed stalled rank {rank} (pid {pid})", file=out, flush=True)
         faulthandler.dump_traceback(file=out, all_threads=True)
         out.flush()
+        if stalled:  # this rank only waits for them: let their own watchdogs report their stacks first
+            self._await_exit(stalled, deadline=time.monotonic() + self.timeout_s + 10)
         os._exit(HANG_EXIT_CODE)
+
+    def _await_exit(self, ranks: list[int], deadline: float) -> None:
+        """Wait until the heartbeats of `ranks` stop (their watchdogs exited, and the elastic agent will stop
+        this process too) or the deadline passes."""
+        silent_after = 3 * self.poll + 1.0
+        while time.monotonic() < deadline:
+            beats = self._read_beats()
+            if all(r not in beats or beats[r][0] > silent_after for r in ranks):
+                return
+            self._beating_sleep(self.poll)
+
+    def _beating_sleep(self, seconds: float) -> None:
+        """Sleep on this (the watchdog's) thread, still beating: a rank busy reporting is not silent."""
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0:
+            self._beat_out()
+            time.sleep(min(self.poll, left))
 
 
 def _has_fileno(stream) -> bool:
