@@ -577,3 +577,46 @@ def test_an_s3_outage_of_30_s_costs_the_loop_under_a_second_per_save(s3, data_di
     saved = [r["saved_step"] for r in ended if "saved_step" in r]
     assert saved[-1] == 120 and any(steps_at[s] > window["up"] for s in saved)  # back to saving after it
     assert max(r.get("blocked_s", 0) for r in ended) < 1.0
+
+
+@pytest.mark.slow
+def test_s3_outage_at_start_and_end_is_reported_once_without_restarts(s3, data_dir, tmp_path):
+    """`plait train --nproc 2 --max-restarts 2` with checkpoints on S3. Store down at the start: one line
+    naming the store, exit 2, no worker started. Store down before the final save: training ends, the lost
+    final checkpoint is said once (not once per rank), exit 2, and the group is not restarted (a restart
+    would only repeat the steps since the last save and fail the same way)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    cmd = [sys.executable, "-m", "plait.cli", "train", "--nproc", "2", "--max-restarts", "2"]
+    args = [f"--{o}" for o in base(data_dir, tmp_path, "e", *s3_args(s3, "runs/e"), "train.steps=30")]
+    args += ["--checkpoint.every_steps=10", "--checkpoint.async_enabled=false", "--lineage.enabled=false"]
+
+    s3.stop()
+    try:
+        start = subprocess.run([*cmd, *args], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+    finally:
+        s3.start()
+    assert start.returncode == 2, start.stderr[-3000:]
+    lines = start.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cannot list checkpoints in s3://" in lines[0] and "s3_endpoint" in lines[0], lines
+    assert not (tmp_path / "e" / "metrics.jsonl").exists()  # no worker ran
+
+    metrics = tmp_path / "e" / "metrics.jsonl"
+    proc = subprocess.Popen(
+        [*cmd, *args], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=tmp_path, env=env
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not (metrics.exists() and '"step": 25,' in metrics.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        s3.stop()
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        s3.start()
+    assert proc.returncode == 2, err[-3000:]
+    assert "restarting the group" not in err and "Traceback" not in err, err[-3000:]
+    final = [line for line in err.splitlines() if "error:" in line]
+    assert len(final) == 1 and "step 30" in final[0], err[-3000:]
+    assert steps(list_checkpoints(location(f"s3://{s3.bucket}/runs/e", s3.endpoint))) == [10, 20]
+    print(err)

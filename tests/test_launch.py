@@ -130,6 +130,9 @@ def test_random_lost_ranks_restart_and_end_bitwise_equal(tmp_path):
     assert faulty.returncode == 0, f"{why}\n{faulty.stderr[-3000:]}"
     for rank, step in kills:
         assert f"killing rank {rank} at step {step}" in faulty.stderr, why
+    for i, (rank, _) in enumerate(kills, 1):  # plait's one line per restart, not the agent's traceback block
+        assert f"worker rank {rank} failed (exit code 137); restarting the group ({i}/{len(kills)})" in faulty.stderr
+    assert "Traceback" not in faulty.stderr and "ProcessExitedException" not in faulty.stderr, faulty.stderr[-3000:]
     found = re.findall(r"resumed from \S+\s+\(step (\d+)\)|restarted from step (0)", faulty.stderr)
     resumed = [int(a or b) for a, b in found]
     assert len(resumed) == len(kills), f"{why}: resumed at steps {resumed}"

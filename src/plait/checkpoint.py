@@ -119,7 +119,12 @@ def _tree(root: Location) -> dict[str, set[str]]:
     except PlaitError:
         raise
     except Exception as e:
-        raise PlaitError(f"cannot list checkpoints in {root}: {_one_line(e)}") from None
+        fix = (
+            "; check that the server is up, checkpoint.s3_endpoint (or AWS_ENDPOINT_URL) and the AWS credentials"
+            if isinstance(root, RemotePath)
+            else ""
+        )
+        raise PlaitError(f"cannot list checkpoints in {root}: {_one_line(e)}{fix}") from None
 
 
 def _classify(root: Location, tree: dict[str, set[str]]) -> tuple[list[Location], list[tuple[Location, str]]]:
@@ -552,9 +557,9 @@ class CheckpointManager:
                 "failed_saves": self.failed_saves,
             }
         self.failed_saves += 1
-        if outcome.step == self.total_steps and self.cfg.save_final:
+        if outcome.step == self.total_steps and self.cfg.save_final:  # the run's error says it, once
             self.final_lost = f"the final checkpoint (step {outcome.step}) could not be written: {outcome.error}"
-        if self.is_writer:
+        elif self.is_writer:
             _warn(
                 f"checkpoint of step {outcome.step} was not saved to {self.dir}: {outcome.error}; "
                 f"training continues and the next save tries again"

@@ -301,6 +301,15 @@ commands:
 `plait COMMAND --help` for details."""
 
 
+def _told_launcher(message: str) -> bool:
+    """In a worker of `plait train --nproc`: the launcher prints the error, once for all ranks."""
+    if "PLAIT_WORKER_ERRORS" not in os.environ:
+        return False
+    from plait.launch import report_to_launcher
+
+    return report_to_launcher(message)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
@@ -314,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
         return command(argv[1:])
     except PlaitError as e:
         code = getattr(e, "exit_code", 2)
-        if str(e):  # a rank that is not the main one may end silently: the main rank said it
+        told = code == 2 and _told_launcher(str(e))
+        if str(e) and not told:  # a rank may end silently: the main one says it
             print(f"plait {argv[0]}: {'error: ' if code == 2 else ''}{e}", file=sys.stderr)
         return code
     except KeyboardInterrupt:

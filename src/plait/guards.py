@@ -46,6 +46,7 @@ import torch.distributed as dist
 from plait.checkpoint import TrainState, list_checkpoints, step_of
 from plait.errors import PlaitError
 from plait.health import all_gather_single, injected
+from plait.parallel.env import restart_count
 from plait.torch_private import heartbeat_store
 
 # The flight recorder (a ring buffer per process of the collectives it entered, for gloo and NCCL; it is
@@ -64,7 +65,7 @@ class Faults:
 
     def __init__(self, rank: int):
         self.rank = rank
-        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        first_attempt = restart_count() == 0
         nan, hang, slow = injected("PLAIT_FAULT_NAN"), injected("PLAIT_FAULT_HANG"), injected("PLAIT_FAULT_SLOW_RANK")
         self.nan_step, self.nan_left = (nan[0], int(nan[1] or 1)) if nan and first_attempt else (0, 0)
         self.hang_step = int(hang[1] or 0) if hang and first_attempt and hang[0] == rank else 0
@@ -243,8 +244,8 @@ class Watchdog:
         self._last = time.monotonic()
         self._target = threading.get_ident()  # the training thread: the one that builds the guard
         self._stop = threading.Event()
-        self._store = heartbeat_store() if world_size > 1 else None
-        self._store_tried = time.monotonic()
+        self._store = None  # connected by the watchdog thread, not the training thread (it may take a while)
+        self._store_tried, self._beat_failed = -math.inf, False
         self._thread = threading.Thread(target=self._watch, name="plait-watchdog", daemon=True)
         self._thread.start()
 
@@ -266,21 +267,33 @@ class Watchdog:
     def _beat_out(self) -> None:
         """This rank's heartbeat in the job's store: wall time, step, pid, host. Written by this thread, so a
         rank whose training thread waits still beats, and a stopped or dead process goes silent."""
-        if self._store is None and self.world_size > 1 and time.monotonic() - self._store_tried > 10:
-            self._store_tried = time.monotonic()  # unreachable at start: try again now and then
-            self._store = heartbeat_store()
-        if self._store is None:
-            return
-        with contextlib.suppress(Exception):  # the store itself unreachable: nothing to report through
+        try:
+            if self._store is None and self.world_size > 1 and time.monotonic() - self._store_tried > 10:
+                self._store_tried = time.monotonic()  # unreachable: try again now and then
+                self._store = heartbeat_store()
+            if self._store is None:
+                return
             where = describe_stack(sys._current_frames().get(self._target))[1]
             beat = f"{time.time():.3f} {self.step} {os.getpid()} {socket.gethostname()} {where}"
             self._store.set(str(self.rank), beat)
+        except Exception as e:  # the store unreachable: said once, the watchdog itself still works
+            if not self._beat_failed:
+                self._beat_failed = True
+                print(
+                    f"plait: hang watchdog: rank {self.rank} cannot write its heartbeat ({type(e).__name__}: {e}); "
+                    f"if it stalls, the others cannot name it",
+                    file=sys.stderr if _has_fileno(sys.stderr) else sys.__stderr__,
+                    flush=True,
+                )
 
     def culprits(self) -> tuple[str, list[tuple[int, int, str]], list[int]]:
         """(a sentence naming the ranks that stalled the group, [(rank, pid, host) of the silent ones], [other
         ranks that are alive but stalled the group]): ranks whose heartbeat stopped (stopped, swapped out,
         dead); else ranks behind the others' step; else ranks that are not inside a collective while the
         others wait in one."""
+        if self._store is None and self.world_size > 1:
+            with contextlib.suppress(Exception):
+                self._store = heartbeat_store()
         if self._store is None:
             unreachable = "no heartbeats to compare (the job's store could not be reached)"
             return (unreachable if self.world_size > 1 else ""), [], []

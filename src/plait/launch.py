@@ -7,10 +7,14 @@ rendezvous; `plait launch slurm` writes a ready sbatch script for that.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
+import signal
 import sys
+import time
 import uuid
+from pathlib import Path
 
 from plait.argparsing import PlaitParser
 from plait.errors import ConfigError, PlaitError
@@ -25,6 +29,14 @@ def default_nproc() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 1
 
 
+# Set by launch_local for its workers: how often it restarted the group, and where a worker that ends on an
+# input or storage error (exit 2) leaves its one line for the launcher to print once, not once per rank.
+RESTART_COUNT_ENV = "PLAIT_RESTART_COUNT"
+ERROR_DIR_ENV = "PLAIT_WORKER_ERRORS"
+INPUT_ERROR_EXIT = 2  # a restart cannot help: the same config, data and storage give the same error
+REPORT_WAIT_S = 60
+
+
 def _worker(argv: list[str]) -> None:
     from plait.cli import main
 
@@ -33,11 +45,30 @@ def _worker(argv: list[str]) -> None:
         sys.exit(code)
 
 
+def report_to_launcher(message: str) -> bool:
+    """Leave a worker's error line for launch_local, which prints it once for all ranks; False when this
+    process was not started by it (then the caller prints the line itself)."""
+    folder = os.environ.get(ERROR_DIR_ENV)
+    if not folder or not os.path.isdir(folder):
+        return False
+    path = os.path.join(folder, f"rank{os.environ.get('RANK', '0')}")
+    with open(path + ".tmp", "w") as f:
+        f.write(message)
+    os.replace(path + ".tmp", path)
+    # A rank that ends silently (the main rank says why) gives the main rank time to say it: the agent
+    # stops the whole group as soon as one worker exits.
+    deadline = time.monotonic() + (0 if message else REPORT_WAIT_S)
+    while not os.path.exists(os.path.join(folder, "rank0")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return True
+
+
 def elastic_run(entrypoint, argv: list[str], nproc: int, *, max_restarts: int = 0, name: str = "plait") -> None:
     """Run entrypoint(argv) in nproc local workers under torch's elastic agent (c10d rendezvous on
     loopback); a failed worker raises ChildFailedError after max_restarts restarts of the group."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    _quiet_elastic_logs()
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -58,25 +89,70 @@ def elastic_run(entrypoint, argv: list[str], nproc: int, *, max_restarts: int = 
     elastic_launch(config, entrypoint)(argv)
 
 
+def _quiet_elastic_logs() -> None:
+    """torch's elastic agent logs a worker's failure as a multi-line traceback of its own polling code (and
+    each SIGTERM it sends) in front of plait's one line; plait says what failed and what happens next
+    itself. LOGLEVEL=INFO (torch's own variable) brings the agent's logs back."""
+    if os.environ.get("LOGLEVEL"):
+        return
+    import logging
+
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
 def launch_local(nproc: int, argv: list[str], max_restarts: int) -> int:
     """Run `plait train argv` in nproc local workers; restart the whole group up to max_restarts times
-    when a worker dies (training then resumes from the newest checkpoint)."""
+    when a worker dies (training then resumes from the newest checkpoint), but not after an input or
+    storage error (exit 2), which a restart would only repeat: that error is printed once."""
+    import tempfile
+
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from plait.stop import Stopped
 
-    try:
-        elastic_run(_worker, argv, nproc, max_restarts=max_restarts)
-    except SignalException as e:  # the agent forwarded it to the workers and waited for them to save and exit
-        raise Stopped(f"stopped by {e.sigval.name}; the workers' checkpoint and how to resume are said above") from None
-    except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
-        raise PlaitError(
-            f"worker rank {rank} failed (exit code {failure.exitcode}) after {max_restarts} restart(s); "
-            f"see its error above"
-        ) from None
-    return 0
+    for attempt in range(max_restarts + 1):
+        os.environ[RESTART_COUNT_ENV] = str(attempt)
+        with tempfile.TemporaryDirectory(prefix="plait-errors-") as folder:
+            os.environ[ERROR_DIR_ENV] = folder
+            try:
+                elastic_run(_worker, argv, nproc)
+                return 0
+            except SignalException as e:  # the agent forwarded it to the workers, which saved and exited
+                raise Stopped(
+                    f"stopped by {e.sigval.name}; the workers' checkpoint and how to resume are said above"
+                ) from None
+            except ChildFailedError as e:
+                rank, failure = e.get_first_failure()
+                told = {int(p.name[4:]): p.read_text() for p in Path(folder).glob("rank*") if p.name[4:].isdigit()}
+            finally:
+                os.environ.pop(ERROR_DIR_ENV, None)
+        why = f"worker rank {rank} {_ended(failure.exitcode)}"
+        if told or failure.exitcode == INPUT_ERROR_EXIT:
+            raise PlaitError(_one_report(told) or f"{why}: an input or storage error, not restarted; see above")
+        if attempt < max_restarts:
+            print(f"plait train: {why}; restarting the group ({attempt + 1}/{max_restarts})", file=sys.stderr)
+    raise PlaitError(f"{why} after {max_restarts} restart(s); see its error above")
+
+
+def _one_report(told: dict[int, str]) -> str:
+    """The workers' error lines, each different one once (with its ranks when they differ)."""
+    by_message: dict[str, list[int]] = {}
+    for rank in sorted(told):
+        if told[rank]:  # "": a rank that ended silently
+            by_message.setdefault(told[rank], []).append(rank)
+    if len(by_message) <= 1:
+        return next(iter(by_message), "")
+    return "; ".join(f"rank {', '.join(map(str, ranks))}: {msg}" for msg, ranks in by_message.items())
+
+
+def _ended(exitcode: int) -> str:
+    if exitcode < 0:
+        with contextlib.suppress(ValueError):
+            return f"was killed by {signal.Signals(-exitcode).name}"
+    return f"failed (exit code {exitcode}{', hang watchdog' if exitcode == 124 else ''})"
 
 
 SBATCH = """#!/bin/bash
@@ -153,6 +229,11 @@ def _validate_before_launch(train_args: list[str], world_size: int):
     path, overrides = split_config_args(train_args)
     cfg = load_config(path, overrides)
     validate_layout(cfg, ParallelDims.from_config(cfg.parallel, world_size))
+    from plait.checkpoint import checkpoint_dir, list_checkpoints
+    from plait.storage import RemotePath
+
+    if isinstance(where := checkpoint_dir(cfg), RemotePath):
+        list_checkpoints(where)  # an unreachable object store is said now, once, before any worker starts
     if cfg.data.source == "shakespeare":
         from plait.data.prepare import check_cache_dir
 

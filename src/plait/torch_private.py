@@ -22,10 +22,10 @@ def init_fake_process_group(world_size: int, rank: int = 0) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
 
 
-def heartbeat_store(timeout_s: float = 5.0):
+def heartbeat_store(timeout_s: float = 30.0):
     """A store client of its own for the hang watchdog's heartbeats (a second client of the job's TCPStore,
     so the watchdog thread never shares a socket with the training thread), or None where the job has no
-    such store (one process, a fake group)."""
+    such store (one process, a fake group). Raises if the store cannot be reached."""
     import os
     from datetime import timedelta
 
@@ -34,9 +34,7 @@ def heartbeat_store(timeout_s: float = 5.0):
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if not (addr and port and dist.is_initialized() and dist.get_world_size() > 1):
         return None
-    try:
-        store = dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
-    except Exception:
-        return None
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"plait_attempt_{attempt}/heartbeat", store)
+    store = dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
+    from plait.parallel.env import restart_count
+
+    return dist.PrefixStore(f"plait_attempt_{restart_count()}/heartbeat", store)

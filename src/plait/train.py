@@ -45,12 +45,12 @@ from plait.metrics import MetricsLogger, console, warn
 from plait.model import ModelArgs, Transformer
 from plait.optim import build_optimizer, build_scheduler
 from plait.parallel import DistEnv, Meshes, ParallelDims, init_distributed, validate_layout
-from plait.parallel.env import init_single_process, shutdown
+from plait.parallel.env import init_single_process, restart_count, shutdown
 from plait.parallel.parallelize import materialize, parallelize
 from plait.parallel.pipeline import Pipeline, build_pipeline, pipeline_forward_backward
 from plait.plot import write_run_plot
 from plait.stop import Stopped, StopRequest
-from plait.storage import Location
+from plait.storage import Location, is_remote
 
 
 def build_model(args: ModelArgs, device: torch.device, seed: int) -> Transformer:
@@ -434,7 +434,7 @@ def _train(cfg: Config, env: DistEnv) -> dict[str, float]:
     if resume_from is not None:
         if env.is_main:
             console.print(f"resumed from {resume_from} (step {state.step})")
-    elif env.is_main and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+    elif env.is_main and restart_count() > 0:
         console.print(f"restarted from step 0: no complete checkpoint in {checkpoint_dir(cfg)} yet")
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -512,6 +512,8 @@ def _train(cfg: Config, env: DistEnv) -> dict[str, float]:
     if checkpointer.stopped_at:
         _stopped(cfg, stop.signal_name or "a signal on another rank", checkpointer.stopped_at, env.is_main)
     if checkpointer.final_lost:  # trained, but a restart would redo work: not a success
+        if not env.is_main:
+            raise PlaitError("")  # the main rank says it
         try:
             newest = list_checkpoints(checkpoint_dir(cfg))
             where = str(newest[-1]) if newest else "none"
@@ -519,7 +521,8 @@ def _train(cfg: Config, env: DistEnv) -> dict[str, float]:
             where = f"unknown ({checkpoint_dir(cfg)} cannot be listed now)"
         raise PlaitError(
             f"{checkpointer.final_lost}. Training reached step {state.step}; the newest complete checkpoint is "
-            f"{where}. Free space (or fix the storage) and rerun the same command to resume from it"
+            f"{where}. {'Fix the storage (is the server up?)' if is_remote(checkpoint_dir(cfg)) else 'Free space'} "
+            f"and rerun the same command to resume from it"
         )
     lineage.finish(final)
     if env.is_main:
@@ -556,7 +559,7 @@ def maybe_inject_fault(rank: int, step: int) -> None:
     if not spec:
         return
     kills = parse_fault_kills(spec)
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    attempt = restart_count()
     if attempt < len(kills) and kills[attempt] == (rank, step):
         print(f"plait: fault injection: killing rank {rank} at step {step}", file=sys.stderr, flush=True)
         os._exit(137)

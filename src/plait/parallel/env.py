@@ -41,7 +41,7 @@ def init_distributed(device_spec: str, timeout_s: int) -> DistEnv:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         store, rank, world = next(dist.rendezvous("env://"))
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        attempt = restart_count()
         dist.init_process_group(
             "nccl" if device.type == "cuda" else "gloo",
             store=dist.PrefixStore(f"plait_attempt_{attempt}", store),
@@ -50,6 +50,12 @@ def init_distributed(device_spec: str, timeout_s: int) -> DistEnv:
             timeout=timedelta(seconds=timeout_s),
         )
     return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+def restart_count() -> int:
+    """How often this worker group was restarted: by `plait train --nproc` (PLAIT_RESTART_COUNT, set by its
+    launcher, which restarts the group itself) or by torchrun's elastic agent (TORCHELASTIC_RESTART_COUNT)."""
+    return int(os.environ.get("PLAIT_RESTART_COUNT") or os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
 
 
 def init_single_process(device: torch.device, timeout_s: int = 300) -> None:
