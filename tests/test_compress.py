@@ -79,6 +79,28 @@ def test_tied_output_is_not_quantized_twice():
     )
 
 
+@torch.no_grad()
+def test_quantization_keeps_the_qkv_biases(tmp_path):
+    """Qwen2-style q/k/v biases stay as they are (fp32) through quantizing, saving and loading."""
+    from plait.lifecycle.compress import load_quantized, save_quantized
+
+    args = ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=16, qkv_bias=True)
+    model = build_model(args, torch.device("cpu"), 0)
+    for name, p in model.named_parameters():
+        if name.endswith(".bias"):
+            p.normal_(0, 0.5)
+    quant = quantize_model(copy.deepcopy(model), 8)
+    assert torch.equal(quant.layers["0"].attention.wk.bias, model.layers["0"].attention.wk.bias)
+    save_quantized(quant, tmp_path, bits=8, group_size=0, meta={}, tokenizer=None)
+    loaded, _ = load_quantized(tmp_path)
+    x = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(loaded(x), quant(x))
+    without = copy.deepcopy(quant)
+    for name in ("wq", "wk", "wv"):
+        getattr(without.layers["0"].attention, name).bias = None
+    assert not torch.allclose(without(x), quant(x))  # the biases do matter to the output
+
+
 @pytest.mark.parametrize("bits,max_size_ratio,max_ppl_change", [(8, 0.5, 0.02), (4, 0.4, 0.25)])
 def test_quantize_reports_size_speed_and_perplexity_deltas(trained, tmp_path, bits, max_size_ratio, max_ppl_change):
     run, data = trained

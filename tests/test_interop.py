@@ -34,6 +34,16 @@ CASES = {
     "mha": {"n_kv_heads": 4},
     "tied": {"tie_embeddings": True},
     "llama3-rope": {"rope_scaling_factor": 8.0, "rope_original_max_seq_len": 16, "rope_theta": 500000.0},
+    # A window of 8 over the test's 64 tokens: most queries see only part of their past.
+    "sliding-window": {"sliding_window": 8},
+    "qkv-bias": {"qkv_bias": True},
+    "qkv-bias-sliding-window": {"qkv_bias": True, "sliding_window": 8, "tie_embeddings": True},
+}
+# The transformers class that computes what plait's model does: the one export_hf writes.
+ARCHITECTURES = {
+    "sliding-window": "MistralForCausalLM",
+    "qkv-bias": "Qwen2ForCausalLM",
+    "qkv-bias-sliding-window": "Qwen2ForCausalLM",
 }
 
 
@@ -48,17 +58,20 @@ def offline():
 
 def tiny_model(seed: int = 0, **overrides) -> torch.nn.Module:
     model = build_model(ModelArgs(**{**TINY, **overrides}), torch.device("cpu"), seed)
-    randomize_norms(model, seed)
+    randomize_norms_and_biases(model, seed)
     return model
 
 
-def randomize_norms(model: torch.nn.Module, seed: int) -> None:
-    """Norm weights start at one; make them distinct so a swapped norm mapping cannot go unnoticed."""
+def randomize_norms_and_biases(model: torch.nn.Module, seed: int) -> None:
+    """Norm weights start at one and biases at zero; make them distinct so a swapped or dropped mapping
+    cannot go unnoticed."""
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1 + 0.2 * torch.randn(p.shape, generator=gen))
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
 
 
 def tokens(seq_len: int = 64, vocab: int = 128) -> torch.Tensor:
@@ -83,10 +96,23 @@ def test_export_gives_transformers_the_same_logits(case, tmp_path):
     model = tiny_model(**CASES[case])
     out = export_hf(model, tmp_path / "hf", tokenizer_path=None)
     hf = hf_from_pretrained(out)
+    assert type(hf).__name__ == ARCHITECTURES.get(case, "LlamaForCausalLM")
     assert hf.config.tie_word_embeddings == model.args.tie_embeddings
     assert max_logits_diff(model, hf, tokens()) < LOGITS_ATOL
     names = set(load_file(out / "model.safetensors"))
     assert ("lm_head.weight" in names) != model.args.tie_embeddings
+
+
+@torch.no_grad()
+def test_sliding_window_changes_the_logits():
+    """Otherwise the sliding-window cases would pass with full causal attention. The first window-many
+    positions see all their past either way; every later one sees less of it."""
+    windowed = tiny_model(**CASES["sliding-window"]).eval()
+    full = tiny_model().eval()
+    full.load_state_dict(windowed.state_dict())
+    x = tokens()
+    diff = (windowed(x) - full(x)).abs().amax(dim=(0, 2))  # (T,)
+    assert diff[:8].max() < LOGITS_ATOL and diff[8:].min() > 1e-3
 
 
 def test_llama3_rope_scaling_matters_within_the_test_length():
@@ -109,8 +135,8 @@ HF_SHAPE = dict(
 )
 
 
-def save_hf_model(kind: str, path: Path, *, zero_biases: bool = True, **overrides) -> Path:
-    """A randomly initialised transformers model of `kind`, saved as safetensors."""
+def save_hf_model(kind: str, path: Path, **overrides) -> Path:
+    """A randomly initialised transformers model of `kind` (random norms and biases too), saved as safetensors."""
     configs = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
@@ -125,11 +151,12 @@ def save_hf_model(kind: str, path: Path, *, zero_biases: bool = True, **override
             if name.endswith("norm.weight"):
                 p.copy_(1 + 0.2 * torch.randn(p.shape, generator=gen))
             elif name.endswith(".bias"):
-                p.copy_(torch.zeros_like(p) if zero_biases else 0.1 * torch.randn(p.shape, generator=gen))
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
     model.save_pretrained(path)
     return path
 
 
+# kind, config overrides, the plait settings they mean, test sequence length
 HF_CASES = {
     "llama-llama3-rope": (
         "llama",
@@ -143,30 +170,87 @@ HF_CASES = {
                 "original_max_position_embeddings": 16,
             },
         ),
+        {},
         64,
     ),
-    # A sliding window of 32: plait caps max_seq_len there, where sliding and causal attention agree.
-    "mistral-sliding-window": ("mistral", dict(sliding_window=32), 32),
-    # Qwen2 always stores q/k/v biases: zero ones are accepted (and dropped).
-    "qwen2-tied-zero-bias": ("qwen2", dict(tie_word_embeddings=True), 64),
+    # A window of 8 over 32 tokens (max_position_embeddings 64 is kept: no cap at the window).
+    "mistral-sliding-window": ("mistral", dict(sliding_window=8), dict(sliding_window=8), 32),
+    # Qwen2 always has q/k/v biases: random non-zero ones here. Its window is off by default.
+    "qwen2-bias": ("qwen2", {}, dict(qkv_bias=True), 32),
+    # use_sliding_window with max_window_layers=0: every layer windowed.
+    "qwen2-tied-sliding-window": (
+        "qwen2",
+        dict(tie_word_embeddings=True, use_sliding_window=True, sliding_window=8, max_window_layers=0),
+        dict(qkv_bias=True, sliding_window=8),
+        32,
+    ),
 }
+HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 
 @pytest.mark.parametrize("case", list(HF_CASES))
 def test_transformers_model_imports_with_the_same_logits(case, tmp_path):
-    kind, overrides, seq_len = HF_CASES[case]
+    """transformers -> plait -> transformers: the same logits at each step, the same family and tensors."""
+    kind, overrides, settings, seq_len = HF_CASES[case]
     path = save_hf_model(kind, tmp_path / kind, **overrides)
     hf = hf_from_pretrained(path)
     model = load_hf_model(path)
-    assert model.args.max_seq_len == seq_len
-    assert max_logits_diff(model, hf, tokens(seq_len)) < LOGITS_ATOL
+    assert model.args.max_seq_len == 64
+    assert (model.args.sliding_window, model.args.qkv_bias) == (
+        settings.get("sliding_window", 0),
+        settings.get("qkv_bias", False),
+    )
+    x = tokens(seq_len)
+    assert max_logits_diff(model, hf, x) < LOGITS_ATOL
+    out = export_hf(model, tmp_path / "export", tokenizer_path=None)
+    exported = hf_from_pretrained(out)
+    assert type(exported).__name__ == HF_CLASSES[kind]
+    assert max_logits_diff(model, exported, x) < LOGITS_ATOL
+    original, written = load_file(path / "model.safetensors"), load_file(out / "model.safetensors")
+    assert original.keys() == written.keys() and all(torch.equal(original[k], written[k]) for k in original)
     if kind == "qwen2":
-        assert "model.layers.0.self_attn.q_proj.bias" in load_file(path / "model.safetensors")
+        assert original["model.layers.0.self_attn.q_proj.bias"].count_nonzero() > 0
 
 
-def test_qwen2_with_nonzero_biases_is_refused(tmp_path):
-    path = save_hf_model("qwen2", tmp_path / "qwen2", zero_biases=False)
-    with pytest.raises(PlaitError, match=r"non-zero bias tensors \(.*q_proj\.bias.*plait's attention"):
+@pytest.mark.parametrize("case", ["mistral-sliding-window", "qwen2-bias", "qwen2-tied-sliding-window"])
+def test_greedy_generation_matches_transformers(case, tmp_path):
+    """plait's KV-cache decoding against transformers' generate, from the original directory and from
+    plait's export: a 12-token prompt (longer than the window of 8) and 24 new tokens."""
+    from plait.generate import generate
+
+    kind, overrides, _, _ = HF_CASES[case]
+    path = save_hf_model(kind, tmp_path / kind, **overrides)
+    model = load_hf_model(path)
+    prompts = tokens(12)
+    ours = generate(model, prompts.tolist(), max_new_tokens=24, temperature=0.0)
+    assert {len(row) for row in ours} == {36}
+    exported = export_hf(model, tmp_path / "export", tokenizer_path=None)
+    for hf in (hf_from_pretrained(path), hf_from_pretrained(exported)):
+        theirs = hf.generate(
+            prompts,
+            attention_mask=torch.ones_like(prompts),
+            do_sample=False,
+            max_new_tokens=24,
+            eos_token_id=None,  # run the full length on both sides
+            pad_token_id=0,
+        )
+        assert theirs.tolist() == ours
+
+
+QWEN2_MIXED = dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)
+
+
+def test_qwen2_with_a_window_on_some_layers_only_is_refused(tmp_path):
+    """Layer 0 full, layer 1 windowed: plait has one attention pattern for all layers, so it refuses (and a
+    config whose windowed layers have no window, which transformers cannot build either)."""
+    path = save_hf_model("qwen2", tmp_path / "qwen2", **QWEN2_MIXED)
+    with pytest.raises(PlaitError, match=r"layer_types puts the sliding window on 1 of 2 layers"):
+        import_hf(path)
+    _edit_config(path, layer_types=None)  # as older configs: transformers derives them from max_window_layers
+    with pytest.raises(PlaitError, match=r"max_window_layers=1 puts the sliding window on 1 of 2 layers"):
+        import_hf(path)
+    _edit_config(path, use_sliding_window=False, layer_types=["sliding_attention"] * 2)
+    with pytest.raises(PlaitError, match=r"names sliding_attention layers but use_sliding_window is false"):
         import_hf(path)
 
 
@@ -185,11 +269,12 @@ def test_sharded_checkpoint_imports(tmp_path):
 # ---------------------------------------------------------------------------------------------- round trips
 
 
-@pytest.mark.parametrize("case", ["gqa", "tied"])
+@pytest.mark.parametrize("case", ["gqa", "tied", "sliding-window", "qkv-bias", "qkv-bias-sliding-window"])
 def test_hf_round_trip_is_bitwise(case, tmp_path):
     model = tiny_model(**CASES[case])
     args, tensors = import_hf(export_hf(model, tmp_path / "hf", tokenizer_path=None))
     assert args.tie_embeddings == model.args.tie_embeddings and args.hidden_dim == model.args.hidden_dim
+    assert (args.sliding_window, args.qkv_bias) == (model.args.sliding_window, model.args.qkv_bias)
     params = dict(model.named_parameters())
     assert tensors.keys() == params.keys()
     assert all(torch.equal(tensors[k], params[k]) for k in params)
@@ -267,6 +352,15 @@ BROKEN = {
     ),
     "head_dim": (lambda p: _edit_config(p, head_dim=32), r"head_dim=32 differs from .*=16"),
     "model type": (lambda p: _edit_config(p, model_type="gpt2"), r"model_type 'gpt2' is not supported"),
+    "llama o_proj bias": (
+        lambda p: _edit_config(p, attention_bias=True),
+        r"attention_bias=true puts biases on q/k/v and o_proj; plait's attention has q/k/v biases only",
+    ),
+    "llama mlp bias": (lambda p: _edit_config(p, mlp_bias=True), r"mlp_bias=true is not supported"),
+    "stray bias": (
+        lambda p: _edit_tensors(p, lambda t: t.update({"model.layers.0.self_attn.q_proj.bias": torch.zeros(64)})),
+        r"unexpected tensors: model\.layers\.0\.self_attn\.q_proj\.bias",
+    ),
     "untied head missing": (
         lambda p: _edit_tensors(p, lambda t: t.pop("lm_head.weight")),
         r"missing tensors: lm_head\.weight",

@@ -7,21 +7,23 @@ import torch
 
 from plait.generate import generate, sample_next
 from plait.model import KVCache, ModelArgs, Transformer, preset_args
-from plait.model.llama import apply_rope, rope_tables
+from plait.model.llama import apply_rope, attention_mask, rope_tables
 from plait.train import build_model
 
 ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, multiple_of=16, max_seq_len=64)
+QWEN2_LIKE = ModelArgs(**{**ARGS.__dict__, "sliding_window": 4, "qkv_bias": True})
 
 
 def make(args=ARGS, seed=0):
     return build_model(args, torch.device("cpu"), seed)
 
 
-def test_output_shape_and_param_count():
-    model = make()
-    x = torch.randint(0, ARGS.vocab_size, (3, 17))
-    assert model(x).shape == (3, 17, ARGS.vocab_size)
-    assert sum(p.numel() for p in model.parameters()) == ARGS.num_params()
+@pytest.mark.parametrize("args", [ARGS, QWEN2_LIKE], ids=["llama", "qwen2-like"])
+def test_output_shape_and_param_count(args):
+    model = make(args)
+    x = torch.randint(0, args.vocab_size, (3, 17))
+    assert model(x).shape == (3, 17, args.vocab_size)
+    assert sum(p.numel() for p in model.parameters()) == args.num_params()
 
 
 def test_causal_masking():
@@ -33,6 +35,26 @@ def test_causal_masking():
     a, b = model(x), model(y)
     torch.testing.assert_close(a[:, :12], b[:, :12], rtol=0, atol=0)
     assert not torch.allclose(a[:, 12:], b[:, 12:])
+
+
+def test_sliding_window_limits_what_each_position_sees():
+    """With a window of 4 a position sees 3 earlier ones per layer, so after 2 layers position p depends on
+    tokens p-6..p only (transformers' Mistral: key j is visible to query i when 0 <= i - j < window)."""
+    assert attention_mask(0, 6, 6, 4, "cpu").tolist()[5] == [False, False, True, True, True, True]
+    model = make(QWEN2_LIKE)
+    x = torch.randint(0, ARGS.vocab_size, (1, 20))
+    y = x.clone()
+    y[0, 3] = (y[0, 3] + 1) % ARGS.vocab_size
+    a, b = model(x), model(y)
+    torch.testing.assert_close(a[:, :3], b[:, :3], rtol=0, atol=0)
+    assert not torch.allclose(a[:, 9], b[:, 9])  # 9 - 3 = 6: the farthest position it still reaches
+    torch.testing.assert_close(a[:, 10:], b[:, 10:], rtol=0, atol=0)
+
+
+def test_biases_start_at_zero():
+    model = make(QWEN2_LIKE)
+    biases = {n: p for n, p in model.named_parameters() if n.endswith(".bias")}
+    assert len(biases) == 3 * QWEN2_LIKE.n_layers and all(not p.any() for p in biases.values())
 
 
 def test_init_is_deterministic_and_per_name():
@@ -91,8 +113,9 @@ def test_gqa_with_groups_equal_heads_is_mha():
     assert out.shape == (2, 9, ARGS.vocab_size)
 
 
-def test_attention_matches_naive_softmax():
-    model = make(ModelArgs(**{**ARGS.__dict__, "n_layers": 1, "n_kv_heads": 4}))
+@pytest.mark.parametrize("window", [0, 3])
+def test_attention_matches_naive_softmax(window):
+    model = make(ModelArgs(**{**ARGS.__dict__, "n_layers": 1, "n_kv_heads": 4, "sliding_window": window}))
     attn = model.layers["0"].attention
     x = torch.randn(2, 7, ARGS.dim)
     cos, sin = model.rope_cos[:7], model.rope_sin[:7]
@@ -100,16 +123,21 @@ def test_attention_matches_naive_softmax():
     k = apply_rope(attn.wk(x).view(2, 7, 4, -1), cos, sin).transpose(1, 2)
     v = attn.wv(x).view(2, 7, 4, -1).transpose(1, 2)
     scores = q @ k.transpose(-1, -2) / math.sqrt(ARGS.head_dim)
-    scores = scores.masked_fill(torch.ones(7, 7, dtype=torch.bool).triu(1), float("-inf"))
+    hidden = torch.ones(7, 7, dtype=torch.bool).triu(1)  # the future
+    if window:
+        hidden |= torch.ones(7, 7, dtype=torch.bool).tril(-window)  # and what is window or more behind
+    scores = scores.masked_fill(hidden, float("-inf"))
     ref = attn.wo((scores.softmax(-1) @ v).transpose(1, 2).reshape(2, 7, -1))
     torch.testing.assert_close(attn(x, cos, sin), ref, rtol=1e-5, atol=1e-6)
 
 
-def test_kv_cache_matches_full_forward():
-    model = make()
+@pytest.mark.parametrize("args", [ARGS, QWEN2_LIKE], ids=["llama", "qwen2-like"])
+def test_kv_cache_matches_full_forward(args):
+    """The prefill (5 positions) is longer than the window of 4, and the decoding steps reach past it."""
+    model = make(args)
     x = torch.randint(0, ARGS.vocab_size, (2, 12))
     full = model(x)
-    cache = KVCache(ARGS, 2, 12, "cpu", torch.float32)
+    cache = KVCache(args, 2, 12, "cpu", torch.float32)
     parts = [model(x[:, :5], cache=cache), model(x[:, 5:6], cache=cache), model(x[:, 6:], cache=cache)]
     torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=1e-5, atol=1e-5)
 

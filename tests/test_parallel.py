@@ -132,6 +132,24 @@ def test_layouts_match_single_process(world, data_dir, reference):
         check(f"{name} (world {world})", got, reference)
 
 
+WINDOW_AND_BIAS = ["model.sliding_window=8", "model.qkv_bias=true"]  # a window of 8 over data.seq_len=32
+
+
+@pytest.mark.slow
+def test_sliding_window_and_qkv_bias_match_single_process(data_dir, tmp_path):
+    """Mistral/Qwen2 attention under TP+SP (the window's mask is the same for every head, so it holds on each
+    rank's share of the heads; attention sees the whole gathered sequence) and FSDP (the biases sharded as
+    1-D parameters, initialised from their rows like any other)."""
+    from plait.train import train
+
+    train(load_config(None, [*base(data_dir), *WINDOW_AND_BIAS, f"run.out_dir={tmp_path}", "run.name=ref"]))
+    reference = read_metrics(tmp_path / "ref")
+    layouts = {"TP+SP": ["parallel.tp_degree=2"], "FSDP": ["parallel.dp_shard_degree=2"]}
+    results = run_layouts(2, [[*base(data_dir), *WINDOW_AND_BIAS, *extra] for extra in layouts.values()])
+    for name, got in zip(layouts, results, strict=True):
+        check(f"{name} with a sliding window and q/k/v biases", got, reference)
+
+
 # ------------------------------------------------------------------- refused before any worker starts
 
 

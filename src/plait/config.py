@@ -413,7 +413,7 @@ def validate(cfg: Config) -> Config:
     _positive("optim", o, ["lr", "eps"])
     _non_negative("train", t, ["micro_batch_size", "grad_clip"])
     _non_negative("optim", o, ["warmup_steps", "weight_decay", "min_lr_ratio"])
-    _non_negative("model", m, ["ffn_hidden_dim", "rope_scaling_factor"])
+    _non_negative("model", m, ["ffn_hidden_dim", "rope_scaling_factor", "sliding_window"])
     _non_negative("eval", cfg.eval, ["every_steps", "num_batches"])
     _non_negative("checkpoint", cfg.checkpoint, ["every_steps", "keep_last", "every_minutes", "keep_every"])
     _non_negative("data", d, ["prefetch"])

@@ -67,7 +67,8 @@ def cmd_ckpt(argv: list[str]) -> int:
         "--format",
         choices=["hf", "safetensors"],
         default="hf",
-        help="'hf': a transformers LlamaForCausalLM directory; 'safetensors': one file with plait's names.",
+        help="'hf': a transformers directory (LlamaForCausalLM; MistralForCausalLM with a sliding window, "
+        "Qwen2ForCausalLM with q/k/v biases); 'safetensors': one file with plait's names.",
     )
     p.add_argument("--out", required=True, help="Output directory (for safetensors also a path ending .safetensors).")
     p.add_argument("--dtype", choices=list(_DTYPES), default="fp32", help="Data type of the written weights.")
@@ -237,11 +238,14 @@ def torch_dtype_bytes(dtype) -> int:
 
 
 def _shape_summary(m: ModelArgs) -> str:
-    return (
+    text = (
         f"dim {m.dim}, {m.n_layers} layers, {m.n_heads} heads ({m.n_kv_heads} kv, head_dim {m.head_dim}), "
         f"ffn {m.hidden_dim}, vocab {m.vocab_size}, max_seq_len {m.max_seq_len}, "
         f"tied embeddings {'yes' if m.tie_embeddings else 'no'}"
     )
+    if m.sliding_window:
+        text += f", sliding window {m.sliding_window}"
+    return text + (", q/k/v biases" if m.qkv_bias else "")
 
 
 def _rope_summary(m: ModelArgs) -> str:

@@ -1,19 +1,28 @@
-"""Hand models over: Hugging Face Llama-format directories and plain safetensors files.
+"""Hand models over: Hugging Face Llama, Mistral and Qwen2 directories, and plain safetensors files.
 
-``export_hf`` writes what ``transformers.AutoModelForCausalLM.from_pretrained`` reads (LlamaForCausalLM);
-``import_hf`` / ``load_hf_model`` read Llama, Mistral and Qwen2 directories back. Only safetensors are
-read, never pickle. Every tensor is checked against the shape the config implies before any is used: a
-load either matches exactly or fails naming the missing, unexpected and mis-shaped tensors.
+``export_hf`` writes what ``transformers.AutoModelForCausalLM.from_pretrained`` reads, as the family that
+computes exactly what the plait model does (``hf_family``): LlamaForCausalLM (full causal attention, no
+biases), MistralForCausalLM (a sliding window, no biases) or Qwen2ForCausalLM (q/k/v biases, with or without
+a window). ``import_hf`` / ``load_hf_model`` read those three back. Only safetensors are read, never pickle.
+Every tensor is checked against the shape the config implies before any is used: a load either matches
+exactly or fails naming the missing, unexpected and mis-shaped tensors.
 
 Names, plait -> Hugging Face (per layer ``i``):
 
     tok_embeddings.weight                 model.embed_tokens.weight
     layers.i.attention.w{q,k,v,o}.weight  model.layers.i.self_attn.{q,k,v,o}_proj.weight
+    layers.i.attention.w{q,k,v}.bias      model.layers.i.self_attn.{q,k,v}_proj.bias (qkv_bias: Qwen2)
     layers.i.feed_forward.w1/w3/w2        model.layers.i.mlp.gate_proj/up_proj/down_proj
     layers.i.attention_norm.weight        model.layers.i.input_layernorm.weight
     layers.i.ffn_norm.weight              model.layers.i.post_attention_layernorm.weight
     norm.weight                           model.norm.weight
     output.weight                         lm_head.weight (absent when the embeddings are tied)
+
+Settings, plait -> config.json:
+
+    sliding_window                        mistral: sliding_window; qwen2: use_sliding_window, sliding_window,
+                                          max_window_layers=0 (every layer windowed); llama: none (0)
+    qkv_bias                              qwen2 (whose q/k/v projections always have biases)
 
 q/k rows are not permuted: plait's rotary embedding already uses the "rotate half" layout of HF's Llama.
 """
@@ -51,12 +60,16 @@ _LAYER_NAMES = {
     "attention.wk.weight": "self_attn.k_proj.weight",
     "attention.wv.weight": "self_attn.v_proj.weight",
     "attention.wo.weight": "self_attn.o_proj.weight",
+    "attention.wq.bias": "self_attn.q_proj.bias",
+    "attention.wk.bias": "self_attn.k_proj.bias",
+    "attention.wv.bias": "self_attn.v_proj.bias",
     "feed_forward.w1.weight": "mlp.gate_proj.weight",
     "feed_forward.w3.weight": "mlp.up_proj.weight",
     "feed_forward.w2.weight": "mlp.down_proj.weight",
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 _BOS_TOKENS = ("<|begin_of_text|>", "<s>", "<bos>")
 _PAD_TOKENS = ("<|pad|>", "<pad>")
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -109,10 +122,19 @@ def _first(items: Sequence[str], n: int = 4) -> str:
 # -------------------------------------------------------------------------------------------------- config
 
 
+def hf_family(args: ModelArgs) -> str:
+    """The transformers model type that computes exactly what a plait model of this shape does: qwen2 with
+    q/k/v biases (windowed or not), else mistral with a sliding window, else llama."""
+    if args.qkv_bias:
+        return "qwen2"
+    return "mistral" if args.sliding_window else "llama"
+
+
 def hf_config(
     args: ModelArgs, *, dtype: torch.dtype = torch.float32, bos_id: int | None = None, eos_id: int | None = None
 ) -> dict:
-    """config.json of a LlamaForCausalLM with this shape.
+    """config.json of the ``hf_family`` model (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM) with
+    this shape.
 
     Rotary settings use the long-standing keys (``rope_theta``, ``rope_scaling``), which every
     transformers version reads (v5 converts them to ``rope_parameters``).
@@ -126,9 +148,10 @@ def hf_config(
             "high_freq_factor": args.rope_high_freq_factor,
             "original_max_position_embeddings": args.rope_original_max_seq_len,
         }
+    family = hf_family(args)
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [_ARCHITECTURES[family]],
+        "model_type": family,
         "hidden_size": args.dim,
         "intermediate_size": args.hidden_dim,
         "num_hidden_layers": args.n_layers,
@@ -142,8 +165,7 @@ def hf_config(
         "rope_scaling": rope_scaling,
         "max_position_embeddings": args.max_seq_len,
         "tie_word_embeddings": args.tie_embeddings,
-        "attention_bias": False,
-        "mlp_bias": False,
+        **_attention_config(args, family),
         "attention_dropout": 0.0,
         "initializer_range": 0.02,
         "use_cache": True,
@@ -153,12 +175,24 @@ def hf_config(
     }
 
 
-def args_from_hf_config(config: Mapping, where: str = "config.json") -> ModelArgs:
-    """ModelArgs of a Llama / Mistral / Qwen2 config.json; refuses what plait's model cannot express.
+def _attention_config(args: ModelArgs, family: str) -> dict:
+    """The family's own keys for the attention window and biases."""
+    if family == "llama":
+        return {"attention_bias": False, "mlp_bias": False}
+    if family == "mistral":
+        return {"sliding_window": args.sliding_window}  # MistralConfig defaults to 4096: always written
+    windowed = args.sliding_window > 0
+    layer_type = "sliding_attention" if windowed else "full_attention"
+    return {
+        "use_sliding_window": windowed,
+        "sliding_window": args.sliding_window if windowed else None,
+        "max_window_layers": 0 if windowed else args.n_layers,  # Qwen2 windows layers from this index on
+        "layer_types": [layer_type] * args.n_layers,
+    }
 
-    Mistral (and Qwen2 with use_sliding_window) attend within a sliding window: max_seq_len is capped at
-    the window, where sliding and full causal attention are the same computation.
-    """
+
+def args_from_hf_config(config: Mapping, where: str = "config.json") -> ModelArgs:
+    """ModelArgs of a Llama / Mistral / Qwen2 config.json; refuses what plait's model cannot express."""
     model_type = config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise PlaitError(
@@ -183,22 +217,82 @@ def args_from_hf_config(config: Mapping, where: str = "config.json") -> ModelArg
     if (dim // heads) % 2:
         raise PlaitError(f"{where}: head size {dim // heads} must be even for rotary embeddings")
     theta, scaling = _rope_settings(config, where)
-    max_seq_len = _int(config, "max_position_embeddings", where)
-    window = config.get("sliding_window")
-    if window and (model_type == "mistral" or config.get("use_sliding_window")):
-        max_seq_len = min(max_seq_len, int(window))
+    n_layers = _int(config, "num_hidden_layers", where)
     return ModelArgs(
         dim=dim,
-        n_layers=_int(config, "num_hidden_layers", where),
+        n_layers=n_layers,
         n_heads=heads,
         n_kv_heads=kv_heads,
         vocab_size=_int(config, "vocab_size", where),
         ffn_hidden_dim=_int(config, "intermediate_size", where),
         norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
-        max_seq_len=max_seq_len,
+        max_seq_len=_int(config, "max_position_embeddings", where),
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         **scaling,
+        **_attention_settings(config, model_type, n_layers, where),
+    )
+
+
+def _attention_settings(config: Mapping, model_type: str, n_layers: int, where: str) -> dict:
+    """ModelArgs ``sliding_window`` and ``qkv_bias`` as transformers reads the config; refuses biases other
+    than Qwen2's q/k/v ones, and a window on some layers only (plait has one attention pattern for all)."""
+    if model_type == "llama":
+        if config.get("attention_bias"):
+            raise PlaitError(
+                f"{where}: attention_bias=true puts biases on q/k/v and o_proj; plait's attention has q/k/v "
+                f"biases only (Qwen2's layout), so this model is not supported"
+            )
+        if config.get("mlp_bias"):
+            raise PlaitError(f"{where}: mlp_bias=true is not supported: plait's MLP has no biases")
+        return {}
+    if model_type == "mistral":  # one window for every layer: MistralAttention reads no layer_types
+        return {"sliding_window": _window(config, where)}
+    return {"qkv_bias": True, "sliding_window": _qwen2_window(config, n_layers, where)}
+
+
+def _window(config: Mapping, where: str) -> int:
+    window = config.get("sliding_window")
+    if window is None:
+        return 0
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        raise PlaitError(f"{where}: sliding_window must be a positive integer or null, got {window!r}")
+    return window
+
+
+def _qwen2_window(config: Mapping, n_layers: int, where: str) -> int:
+    """Qwen2's window: none without use_sliding_window; with it, on the layers ``layer_types`` names
+    'sliding_attention' or, where it is absent, on layers i >= max_window_layers (as Qwen2Config derives it)."""
+    window = _window(config, where) if config.get("use_sliding_window") else 0
+    types = config.get("layer_types")
+    setting = "layer_types"
+    if types is None:
+        if not window:
+            return 0
+        first = config.get("max_window_layers", 28)  # Qwen2Config's default
+        if not isinstance(first, int) or isinstance(first, bool):
+            raise PlaitError(f"{where}: max_window_layers must be an integer, got {first!r}")
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
+        setting = f"max_window_layers={first}"
+    if not isinstance(types, list) or len(types) != n_layers:
+        raise PlaitError(f"{where}: layer_types must list one type per layer ({n_layers}), got {types!r}")
+    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if unknown:
+        raise PlaitError(
+            f"{where}: layer_types {unknown} are not supported; supported: sliding_attention, full_attention"
+        )
+    windowed = types.count("sliding_attention")
+    if windowed and not window:
+        raise PlaitError(
+            f"{where}: layer_types names sliding_attention layers but use_sliding_window is false (or "
+            f"sliding_window null), so they have no window; transformers cannot build this model either"
+        )
+    if windowed in (0, n_layers):
+        return window if windowed else 0
+    raise PlaitError(
+        f"{where}: use_sliding_window with {setting} puts the sliding window on {windowed} of {n_layers} layers "
+        f"(the others attend fully); plait uses one attention pattern in every layer, so it loads a window on "
+        f"every layer (max_window_layers=0) or on none, not a mix"
     )
 
 
@@ -260,8 +354,9 @@ def export_hf(
     dtype: torch.dtype = torch.float32,
     overwrite: bool = False,
 ) -> Path:
-    """Write a Hugging Face Llama directory: config.json, model.safetensors, generation_config.json and,
-    given a tokenizer.json, the tokenizer (tokenizer.json + tokenizer_config.json).
+    """Write a Hugging Face directory (of the ``hf_family`` of the model's shape): config.json,
+    model.safetensors, generation_config.json and, given a tokenizer.json, the tokenizer (tokenizer.json +
+    tokenizer_config.json).
 
     Written to a temporary sibling directory and renamed into place; an existing non-empty ``out_dir`` is
     replaced only with ``overwrite=True``.
@@ -345,8 +440,8 @@ def import_hf(hf_dir: str | Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
     """(ModelArgs, plait-named tensors in their stored dtype) from a Hugging Face directory.
 
     The tensors hold one entry per parameter (``Transformer.named_parameters`` names; with tied
-    embeddings no ``output.weight``). Bias tensors are accepted only when all zero (Qwen2 always stores
-    q/k/v biases); ``rotary_emb.inv_freq`` buffers of old checkpoints are ignored (they are derived).
+    embeddings no ``output.weight``; Qwen2's q/k/v biases included); ``rotary_emb.inv_freq`` buffers of old
+    checkpoints are ignored (they are derived).
     """
     hf_dir = Path(hf_dir)
     config_path = hf_dir / "config.json"
@@ -371,20 +466,9 @@ def import_hf(hf_dir: str | Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
                 if name in handles:
                     raise PlaitError(f"{where}: tensor {name} appears in more than one file")
                 handles[name] = handle
-        shapes = {n: tuple(h.get_slice(n).get_shape()) for n, h in handles.items()}
-        nonzero_bias = []
-        for name in list(shapes):
-            if name.endswith("rotary_emb.inv_freq"):
-                del shapes[name]
-            elif name.endswith(".bias") and name.removesuffix(".bias") + ".weight" in expected:
-                if handles[name].get_tensor(name).count_nonzero():
-                    nonzero_bias.append(name)
-                del shapes[name]
-        if nonzero_bias:
-            raise PlaitError(
-                f"{where} has non-zero bias tensors ({_first(nonzero_bias)}); plait's attention and MLP "
-                f"have no biases, so this model cannot be loaded exactly (Qwen2 models use q/k/v biases)"
-            )
+        shapes = {
+            n: tuple(h.get_slice(n).get_shape()) for n, h in handles.items() if not n.endswith("rotary_emb.inv_freq")
+        }
         if args.tie_embeddings and "lm_head.weight" in shapes:
             embed = "model.embed_tokens.weight"
             head = handles["lm_head.weight"].get_tensor("lm_head.weight")

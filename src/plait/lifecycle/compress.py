@@ -48,9 +48,12 @@ BLOCK_LINEARS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
 
 class QuantLinear(nn.Module):
     """A linear layer whose weight is stored as int8 (per-output-channel scales) or packed int4 (per-group
-    scales) and dequantized when used."""
+    scales) and dequantized when used. A bias (Qwen2's q/k/v) stays in fp32: out_features values, nothing
+    to gain from quantizing them."""
 
-    def __init__(self, in_features: int, out_features: int, bits: int, group_size: int = 0, device=None):
+    def __init__(
+        self, in_features: int, out_features: int, bits: int, group_size: int = 0, device=None, bias: bool = False
+    ):
         super().__init__()
         if bits not in (4, 8):
             raise PlaitError(f"bits={bits}: choose 8 or 4")
@@ -68,12 +71,17 @@ class QuantLinear(nn.Module):
                 "qweight", torch.empty(out_features, in_features // 2, dtype=torch.uint8, device=device)
             )
             self.register_buffer("scales", torch.empty(out_features, groups, device=device))
+        self.register_buffer("bias", torch.empty(out_features, device=device) if bias else None)
 
     @classmethod
     @torch.no_grad()
     def from_linear(cls, linear: nn.Linear, bits: int, group_size: int) -> QuantLinear:
         w = linear.weight.detach().float()
-        q = cls(linear.in_features, linear.out_features, bits, group_size, device=w.device)
+        q = cls(
+            linear.in_features, linear.out_features, bits, group_size, device=w.device, bias=linear.bias is not None
+        )
+        if linear.bias is not None:
+            q.bias.copy_(linear.bias.detach().float())
         if bits == 8:
             scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127  # (out,)
             q.qweight.copy_(torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
@@ -97,7 +105,8 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Dequantize, then one dense matmul. (torch._weight_int8pack_mm was measured on this project's CPUs:
         # 27x slower than the dense fp32 matmul at 512 rows, and slower still than it at 8 rows.)
-        return F.linear(x, self.dequantize().to(x.dtype))
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, self.dequantize().to(x.dtype), bias)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, int{self.bits}, group={self.group_size}"
@@ -168,7 +177,8 @@ def load_quantized(path: str | Path, device: str | torch.device = "cpu") -> tupl
     model.layers = skeleton.layers.to_empty(device=device)
     for name in targets:
         lin = skeleton.get_submodule(name)
-        _set_module(model, name, QuantLinear(lin.in_features, lin.out_features, bits, group, device=device))
+        quant = QuantLinear(lin.in_features, lin.out_features, bits, group, device=device, bias=lin.bias is not None)
+        _set_module(model, name, quant)
     if args.tie_embeddings:
         tensors["output.weight"] = tensors["tok_embeddings.weight"]
     model.load_state_dict(tensors, strict=False)

@@ -42,6 +42,11 @@ class ModelArgs:
     """Longest sequence the model supports (size of the rotary table)."""
     tie_embeddings: bool = False
     """Share the input embedding matrix with the output projection."""
+    sliding_window: int = 0
+    """Sliding-window attention (Mistral, Qwen2): each token attends to itself and the sliding_window - 1
+    tokens before it; 0 = full causal attention."""
+    qkv_bias: bool = False
+    """Biases on the query, key and value projections (Qwen2); the output projection and MLP have none."""
 
     @property
     def head_dim(self) -> int:
@@ -58,6 +63,8 @@ class ModelArgs:
         """Parameter count computed from the shape (no model needed: the planner uses it for 405B)."""
         kv_dim = self.n_kv_heads * self.head_dim
         attn = self.dim * self.dim * 2 + self.dim * kv_dim * 2
+        if self.qkv_bias:
+            attn += self.dim + 2 * kv_dim
         mlp = 3 * self.dim * self.hidden_dim
         per_layer = attn + mlp + 2 * self.dim
         embed = self.vocab_size * self.dim

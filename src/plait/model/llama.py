@@ -4,6 +4,9 @@ Nothing here knows about parallelism. Sub-modules carry stable names (``tok_embe
 ``attention.wq`` ...) so tensor-parallel plans and pipeline splits can be applied from outside, and every
 top-level piece may be ``None`` so a pipeline stage can keep only its own layers.
 
+The Mistral and Qwen2 variants are settings of the same model: a sliding attention window
+(``ModelArgs.sliding_window``) and biases on the q/k/v projections (``ModelArgs.qkv_bias``).
+
 Rotary embeddings use the "rotate half" layout (the one Hugging Face's Llama uses), so weights move to and
 from that format without permuting q/k rows.
 """
@@ -85,16 +88,30 @@ class KVCache:
         return self.k[layer][:, : self.pos + t], self.v[layer][:, : self.pos + t]
 
 
+def attention_mask(start: int, q_len: int, kv_len: int, window: int, device) -> torch.Tensor:
+    """(q_len, kv_len) boolean mask, True where query i (at position start + i) may see key j: causally
+    (j <= start + i) and, with a sliding window, within it (start + i - j < window: itself and the window - 1
+    keys before it, as transformers' Mistral and Qwen2 masks). The same for every head, so it holds unchanged
+    when tensor parallelism leaves each rank a subset of the heads."""
+    pos = start + torch.arange(q_len, device=device)[:, None]  # (q_len, 1)
+    keys = torch.arange(kv_len, device=device)[None, :]  # (1, kv_len)
+    mask = keys <= pos
+    if window > 0:
+        mask &= pos - keys < window
+    return mask
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, layer_id: int):
         super().__init__()
         self.layer_id = layer_id
         self.head_dim = args.head_dim
         self.n_rep = args.n_heads // args.n_kv_heads
+        self.sliding_window = args.sliding_window
         kv_dim = args.n_kv_heads * args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, kv_dim, bias=False)
-        self.wv = nn.Linear(args.dim, kv_dim, bias=False)
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=args.qkv_bias)
+        self.wk = nn.Linear(args.dim, kv_dim, bias=args.qkv_bias)
+        self.wv = nn.Linear(args.dim, kv_dim, bias=args.qkv_bias)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
     def forward(
@@ -114,11 +131,10 @@ class Attention(nn.Module):
             k = k.repeat_interleave(self.n_rep, dim=2)
             v = v.repeat_interleave(self.n_rep, dim=2)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, head_dim)
-        if start == 0:
+        if start == 0 and not 0 < self.sliding_window < seqlen:  # plain causal: SDPA's fastest kernels
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:  # decoding after a prefix: query i may see cached keys up to start + i
-            keys = torch.arange(k.shape[2], device=x.device)
-            mask = keys[None, :] <= (start + torch.arange(seqlen, device=x.device))[:, None]
+        else:
+            mask = attention_mask(start, seqlen, k.shape[2], self.sliding_window, x.device)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         out = out.transpose(1, 2).reshape(bsz, seqlen, -1)  # (B, T, n_heads * head_dim)
         return self.wo(out)
@@ -197,7 +213,7 @@ class Transformer(nn.Module):
         ``rows(start, stop)``, the parameter's rows start:stop, and a parallelised model passes one that draws
         only the rows of its local shard (start-up cost and memory independent of the full model's size).
         Linear and embedding weights ~ N(0, 0.02) truncated at 3 sigma; the projections that write into
-        the residual stream (wo, w2) are scaled by 1/sqrt(2 n_layers) (GPT-2); norms start at one.
+        the residual stream (wo, w2) are scaled by 1/sqrt(2 n_layers) (GPT-2); norms start at one, biases at zero.
         """
         self.tie_weights()
         cos, sin = rope_tables(self.args, device=self.rope_cos.device)
@@ -209,6 +225,8 @@ class Transformer(nn.Module):
             name = canonical_name(name)
             if name.endswith("norm.weight"):
                 rows = partial(_ones_rows, tuple(param.shape))
+            elif name.endswith(".bias"):
+                rows = partial(_zeros_rows, tuple(param.shape))
             else:
                 std = residual_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
                 rows = partial(init_rows, tuple(param.shape), std, _name_seed(seed, name))
@@ -236,6 +254,10 @@ def init_rows(shape: tuple[int, ...], std: float, seed: int, start: int, stop: i
 
 def _ones_rows(shape: tuple[int, ...], start: int, stop: int) -> torch.Tensor:
     return torch.ones((stop - start, *shape[1:]))
+
+
+def _zeros_rows(shape: tuple[int, ...], start: int, stop: int) -> torch.Tensor:
+    return torch.zeros((stop - start, *shape[1:]))
 
 
 def canonical_name(name: str) -> str:
