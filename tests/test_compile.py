@@ -211,7 +211,7 @@ def plant_exploits(cache: Path, marker: Path) -> int:
         else:
             p.write_bytes(payload)
     # and files plait never wrote, where Inductor would look for graphs
-    (cache / "inductor" / "fxgraph" / "zz" / "planted").mkdir(parents=True)
+    (cache / "inductor" / "fxgraph" / "zz" / "planted").mkdir(parents=True, exist_ok=True)
     (cache / "inductor" / "fxgraph" / "zz" / "planted" / "entry").write_bytes(payload)
     return len(files) + 1
 

@@ -154,7 +154,12 @@ def checkpoint_problems(path: Location) -> str:
             return f"{META} has no config"
     except PlaitError as e:
         return str(e)
-    problems, _ = _check(path, meta, {})
+    problems, md = _check(path, meta, {})
+    objects = sorted(
+        k for k, v in (md.state_dict_metadata if md else {}).items() if not isinstance(v, TensorStorageMetadata)
+    )
+    if objects:  # plait writes tensors only: these were put there by something else
+        problems.append(f"not tensors (pickled objects, which plait never loads): {_some(objects)}")
     return "; ".join(problems)
 
 

@@ -106,7 +106,7 @@ def _load_checkpoint(ckpt: Location, device) -> Loaded:
     try:
         load_model_weights(model, ckpt)
     except BaseException as e:  # DCP's CheckpointException is a BaseException
-        if isinstance(e, KeyboardInterrupt | SystemExit):
+        if isinstance(e, KeyboardInterrupt | SystemExit | PlaitError):  # plait's own line says it already
             raise
         raise PlaitError(f"checkpoint {ckpt} does not match its own config: {str(e).strip()[-300:]}") from None
     extra = {k: meta[k] for k in ("imported_from", "weights_only", "train_state") if k in meta}
