@@ -501,7 +501,16 @@ def test_ckpt_import_makes_a_checkpoint_plait_loads(trained_run, tmp_path, capsy
     assert {f.name: oct(f.stat().st_mode & 0o777) for f in hf_dir.iterdir()} == {
         f.name: "0o644" for f in hf_dir.iterdir()
     }
-    assert json.loads((hf_dir / "generation_config.json").read_text())["do_sample"] is False
+    generation = json.loads((hf_dir / "generation_config.json").read_text())
+    assert generation["do_sample"] is False
+    # the bundled tokenizer has no BOS: EOS separates (so precedes) every document, as GPT-2's <|endoftext|>
+    vocab = json.loads((hf_dir / "tokenizer.json").read_text())["model"]["vocab"]
+    assert generation["bos_token_id"] == generation["eos_token_id"] == vocab["<|endoftext|>"]
+    assert (
+        generation["pad_token_id"]
+        == vocab["<|pad|>"]
+        == json.loads((hf_dir / "config.json").read_text())["pad_token_id"]
+    )
     from plait.lifecycle.lineage import Registry
     from plait.lifecycle.lora import model_weights_hash
 

@@ -365,15 +365,18 @@ def export_hf(
         raise PlaitError(f"dtype {dtype} is not supported for export; use torch.float32 or torch.bfloat16")
     out = Path(out_dir)
     special = _special_tokens(Path(tokenizer_path)) if tokenizer_path is not None else {}
-    bos, eos = special.get("bos_token"), special.get("eos_token")
+    bos, eos, pad = special.get("bos_token"), special.get("eos_token"), special.get("pad_token")
     with _staged_dir(out, overwrite) as tmp:
         tensors = {hf_name(k): v.to("cpu", dtype).contiguous() for k, v in model_tensors(model).items()}
         save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
         config = hf_config(model.args, dtype=dtype, bos_id=bos[1] if bos else None, eos_id=eos[1] if eos else None)
+        if pad:
+            config["pad_token_id"] = pad[1]
         _write_json(tmp / "config.json", config)
         generation = {  # greedy, as transformers' own default: sampling is the caller's choice
             "bos_token_id": config["bos_token_id"],
             "eos_token_id": config["eos_token_id"],
+            **({"pad_token_id": pad[1]} if pad else {}),
             "do_sample": False,
         }
         _write_json(tmp / "generation_config.json", generation)
@@ -404,6 +407,10 @@ def _special_tokens(tokenizer_path: Path) -> dict[str, tuple[str, int]]:
             if (idx := tok.token_to_id(text)) is not None:
                 found[key] = (text, idx)
                 break
+    if "bos_token" not in found and "eos_token" in found:
+        # No dedicated BOS (plait's own byte-level BPE, GPT-2's): plait's data puts EOS between documents, so
+        # EOS is what precedes every document; GPT-2's config names <|endoftext|> as both, likewise.
+        found["bos_token"] = found["eos_token"]
     return found
 
 
