@@ -212,3 +212,38 @@ def test_lineage_cli(family, tmp_path, capsys):
     assert main(["lineage", "list", "--kind", "run", "--registry", str(reg.path)]) == 0
     assert main(["lineage", "show", "nope", "--registry", str(reg.path)]) == 2
     assert "nothing named 'nope'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_checkpoint_hash_is_taken_from_shards_and_is_layout_independent(tmp_path):
+    """The weights hash of a save comes from the shards each rank holds (no read-back, nothing gathered) and
+    equals the hash of the same weights loaded whole in one process, under FSDP and under TP."""
+    from parallel_harness import run_layouts
+    from plait.checkpoint import list_checkpoints, read_meta
+    from plait.data import ensure_prepared
+    from plait.lifecycle.lora import model_weights_hash, weights_hash
+    from plait.lifecycle.models import load_model
+
+    data = ensure_prepared("shakespeare", tmp_path / "cache", 4096)
+    base = [
+        "model.preset=debug",
+        f"data.source={data}",
+        "data.seq_len=32",
+        "train.global_batch_size=4",
+        "train.steps=3",
+        "eval.every_steps=0",
+        "sample.max_new_tokens=0",
+        "log.tensorboard=false",
+        "checkpoint.every_steps=2",
+    ]
+    layouts = {"fsdp": ["parallel.dp_shard_degree=2"], "tp": ["parallel.tp_degree=2"]}
+    jobs = [[*base, *extra, f"checkpoint.dir={tmp_path / name}"] for name, extra in layouts.items()]
+    run_layouts(2, jobs)
+    for name in layouts:
+        ckpts = list_checkpoints(tmp_path / name)
+        assert [c.name for c in ckpts] == ["step_00000002", "step_00000003"], name
+        for ckpt in ckpts:
+            recorded = read_meta(ckpt)["weights_hash"]
+            model = load_model(ckpt).model  # whole, in one process
+            whole = {n: p.detach() for n, p in model.named_parameters()}
+            assert recorded == model_weights_hash(model) == weights_hash(whole), (name, ckpt.name)

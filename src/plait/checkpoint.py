@@ -35,6 +35,7 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -301,6 +302,9 @@ class CheckpointManager:
         self._last_save_time = time.monotonic()
         self._last_size = 0  # bytes of the last complete save: the free space the next one needs
         self.final_lost = ""  # why the run's final checkpoint could not be written, if it could not
+        # Called on every rank when a save begins, with (step, trainable): entries for that checkpoint's
+        # plait.json (the lineage's weights hash, from the weights as they are saved; it may use collectives).
+        self.describe: Callable[[int, Any], dict[str, Any]] | None = None
         self.stopped_at = 0  # the step at which a stop request ended the run (0: not stopped)
         self._verified: dict[str, str] = {}  # checkpoint name -> its problems ("" for none), for retention
         if self.is_writer and not storage.is_remote(self.dir):
@@ -393,6 +397,7 @@ class CheckpointManager:
         Returns the report of a save that ended meanwhile: the previous one, or this one if synchronous."""
         start = time.perf_counter()
         report = self._collect(wait=True)  # one save in flight at a time: its staging buffers are reused
+        described = self.describe(step, t) if self.describe else {}  # every rank, before anything can differ
         self._last_save_time = time.monotonic()
         self._failed_attempts_at_start, self._started_at = storage.FAILED_ATTEMPTS[0], time.monotonic()
         short = self._short_of_space()
@@ -411,6 +416,7 @@ class CheckpointManager:
             "param_groups": groups,
             "world_size": dist.get_world_size() if dist.is_initialized() else 1,
             "config": self.config,
+            **described,
         }
         meta = json.loads(json.dumps(meta, default=_jsonable))  # a snapshot: the loop moves on meanwhile
         target = self._staging_path(step)

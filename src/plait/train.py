@@ -450,6 +450,7 @@ def _train(cfg: Config, env: DistEnv) -> dict[str, float]:
         )
     metrics = MetricsLogger(run_dir, cfg.log, cfg.train.steps, enabled=env.is_main)
     lineage = RunLineage.start(cfg, env, t, data_dir, resume_from, metrics)  # the lineage registry's record
+    lineage.attach(checkpointer)
     final: dict[str, float] = {}
     last_time, last_step = time.perf_counter(), state.step
     guard = Guard(cfg, env, t, checkpointer=checkpointer, loader=loader, metrics=metrics)

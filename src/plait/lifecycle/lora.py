@@ -32,6 +32,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from plait.config import LORA_TARGETS, FinetuneConfig
+from plait.digest import sharded_weights_hash
+from plait.digest import weights_hash as _weights_hash
 from plait.errors import PlaitError
 from plait.model.llama import canonical_name
 
@@ -173,31 +175,18 @@ def lora_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return {canonical_name(n): _full(p) for n, p in model.named_parameters() if is_lora_param(n)}
 
 
-def _hash_tensor(h, name: str, t: torch.Tensor) -> None:
-    t = t.detach().to("cpu").contiguous()
-    h.update(f"{name}\0{str(t.dtype).removeprefix('torch.')}\0{tuple(t.shape)}\0".encode())
-    h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-
-
 def weights_hash(tensors: Mapping[str, torch.Tensor]) -> str:
-    """sha256 over (name, dtype, shape, bytes) of each tensor in name order: the identity of a set of weights.
-
-    Checkpoints store fp32 parameters, so the hash of a model in memory equals that of the checkpoint it was
-    loaded from (and of a Hugging Face import, which is cast to fp32 on the way in)."""
-    h = hashlib.sha256()
-    for name in sorted(tensors):
-        _hash_tensor(h, name, tensors[name])
-    return h.hexdigest()
+    """The identity of a set of weights (``plait.digest``: per-tensor digests of name, position and value
+    bits, combined with SHA-256). Checkpoints store fp32 parameters, so the hash of a model in memory equals
+    that of the checkpoint it was loaded from (and of a Hugging Face import, cast to fp32 on the way in)."""
+    return _weights_hash(tensors)
 
 
 def model_weights_hash(model: nn.Module, *, include_lora: bool = False) -> str:
-    """``weights_hash`` of a model's parameters (without adapters unless asked), gathering one sharded
-    parameter at a time: with FSDP / TP every rank must call this (every rank gets the hash)."""
+    """``weights_hash`` of a model's parameters (without adapters unless asked), from the shards each rank
+    holds: nothing is gathered, one small all-reduce. With FSDP / TP every rank must call this."""
     params = {canonical_name(n): p for n, p in model.named_parameters() if include_lora or not is_lora_param(n)}
-    h = hashlib.sha256()
-    for name in sorted(params):
-        _hash_tensor(h, name, _full(params[name]))
-    return h.hexdigest()
+    return sharded_weights_hash(sorted(params.items()))
 
 
 def base_weights_hash(model: nn.Module) -> str:

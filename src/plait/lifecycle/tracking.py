@@ -4,9 +4,10 @@
   registered on the way if the registry does not know them yet), its config, data fingerprint and code version.
   Under LoRA it also hashes the frozen base (every rank takes part: sharded weights are gathered one parameter
   at a time), the identity every adapter of the run refers to.
-- ``checkpoint`` records each checkpoint once it is published (saves may be asynchronous): the main rank reads
-  it back to hash its weights, and a LoRA run writes the adapter delta ``<run>/adapters/step_<N>.safetensors``
-  (the LoRA tensors only, naming the base's hash) and records it. No collectives.
+- ``checkpoint`` records each checkpoint once it is published (saves may be asynchronous) with the weights hash
+  taken when its save began (``attach``: each rank digests its own shards, one small all-reduce; nothing is
+  read back or gathered). A LoRA run also writes the adapter delta ``<run>/adapters/step_<N>.safetensors``
+  (the LoRA tensors only, naming the base's hash) and records it.
 - ``monitor`` runs ``eval.suite`` at each evaluation: results go to the metrics and the registry.
 - ``finish`` records the last published checkpoints and marks the run finished. A run that dies stays
   'running' in the registry; ``plait lineage`` shows it as 'died' once its process is gone.
@@ -41,6 +42,7 @@ class RunLineage:
         self.tokenizer = None
         self._suite_copy = None  # multi-process runs: the main rank's plain copy for the suite
         self._recorded: set[int] = set()  # steps whose checkpoints are in the registry
+        self._hashes: dict[int, str] = {}  # step -> weights hash of a save begun, until it is recorded
         self.first_step = 1
 
     # ------------------------------------------------------------------------------------------------ start
@@ -131,6 +133,18 @@ class RunLineage:
 
     # ------------------------------------------------------------------------------------------- checkpoint
 
+    def attach(self, checkpointer) -> None:
+        """Hash the weights of each save as it begins (every rank its own shards, one small all-reduce: no
+        read-back, nothing gathered); the hash also goes into the checkpoint's plait.json."""
+        if self.hashable and self.cfg.lineage.enabled and (self.lora or self.cfg.lineage.hash_checkpoints):
+            checkpointer.describe = self._describe
+
+    def _describe(self, step: int, t) -> dict[str, Any]:
+        digest = model_weights_hash(t.model, include_lora=True)
+        if self.is_main:
+            self._hashes[step] = digest
+        return {"weights_hash": digest}
+
     def checkpoint(self, step: int, report: dict[str, Any], metrics: dict[str, Any] | None = None) -> None:
         """Called after every ``CheckpointManager.maybe_save`` with its report. A save that was published
         ('saved_step': now, or earlier when saves are asynchronous) is recorded; ``finish`` catches the last.
@@ -148,19 +162,18 @@ class RunLineage:
         self._recorded.add(step)
         name = f"step_{step:08d}"
         path = checkpoint_dir(self.cfg) / name
-        digest, model = None, None
-        if self.lora or (self.registry is not None and self.cfg.lineage.hash_checkpoints):
+        digest, model = self._hashes.pop(step, None), None
+        if self.lora:  # the adapter file needs the LoRA tensors of that step: read back (they are small)
             from plait.lifecycle.models import load_model
 
-            try:  # fp32 on the CPU: the same hash whatever the training layout
+            try:
                 model = load_model(path).model
-                digest = model_weights_hash(model, include_lora=True)
             except Exception as e:  # bookkeeping never stops training (e.g. S3 unreachable right now)
                 from plait.metrics import console
 
                 console.print(
-                    f"lineage: could not read back {path} to hash its weights ({str(e)[:200]}); "
-                    "recorded without a weights hash",
+                    f"lineage: could not read back {path} for its adapter ({str(e)[:200]}); "
+                    "recorded without the adapter file",
                     style="yellow",
                 )
         adapter_path = None
