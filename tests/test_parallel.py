@@ -198,3 +198,69 @@ def test_stage_split_balances_cost():
     big = preset_args("llama3-8b")  # 32 layers; the 128k-vocabulary output costs ~2.4 layers
     stages = split_layers(big, 4, "cost")
     assert [len(s) for s in stages] == [9, 9, 9, 5] and sum(stages, []) == list(range(32))
+
+
+# ----------------------------------------------------------------------------- loss over scored tokens
+
+
+@pytest.fixture(scope="module")
+def masked_data(data_dir, tmp_path_factory) -> Path:
+    """Instruction data whose prompts (masked out of the loss) vary from a few tokens to most of a sequence,
+    so micro-batches and data-parallel shards hold very different numbers of scored targets."""
+    import json
+    import random
+
+    from plait.lifecycle.finetune import prepare_instructions
+
+    root = tmp_path_factory.mktemp("masked")
+    rng = random.Random(7)
+    words = ["the", "king", "shall", "speak", "to", "all", "his", "lords", "hear", "war", "and", "peace"]
+    records = [
+        {
+            "prompt": " ".join(rng.choice(words) for _ in range(rng.choice([1, 2, 12, 30]))),
+            "response": " " + " ".join(rng.choice(words) for _ in range(rng.randint(1, 6))) + ".",
+        }
+        for _ in range(300)
+    ]
+    (root / "inst.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    prepare_instructions([root / "inst.jsonl"], root / "data", tokenizer=data_dir / "tokenizer.json")
+    return root / "data"
+
+
+def test_an_all_masked_micro_batch_gives_no_nan():
+    """A micro-batch without a scored target contributes 0 to the loss and its gradient (the mean
+    cross-entropy of no tokens would be NaN), and the step's loss is the mean over the scored ones."""
+    import torch
+
+    from plait.train import IGNORE_INDEX, TokenLoss, cross_entropy
+
+    logits = torch.randn(2, 4, 10, requires_grad=True)
+    targets = torch.randint(0, 10, (2, 4))
+    targets[0] = IGNORE_INDEX  # the first micro-batch (row) has nothing to score
+    assert torch.isnan(cross_entropy(logits[:1], targets[:1]))  # what a per-micro-batch mean would give
+    meshes = type("M", (), {"dims": ParallelDims(1, 1, 1, 1)})()
+    loss_fn = TokenLoss()
+    loss_fn.for_step(targets, meshes, num_micro=1)
+    total = loss_fn(logits[:1], targets[:1]) + loss_fn(logits[1:], targets[1:])
+    total.backward()
+    assert torch.isfinite(logits.grad).all() and logits.grad[0].abs().sum() == 0
+    assert total.item() == pytest.approx(cross_entropy(logits[1:], targets[1:]).item(), rel=1e-6)
+
+
+@pytest.mark.slow
+def test_masked_loss_is_the_same_for_every_layout_and_micro_batch(masked_data, tmp_path):
+    """Fine-tuning with masked targets: the loss is the mean over every scored token of the global batch, so
+    one process (whole batch, or micro-batches of 1), FSDP 2 with micro-batches of 2 and TP 2 x PP 2 give the
+    same losses and gradient norms (the fp32 tolerance of the other layouts)."""
+    from plait.train import train
+
+    job = [*base(masked_data), "eval.every_steps=0"]
+    ref, per_row = tmp_path / "ref", "micro1"
+    train(load_config(None, [*job, f"run.out_dir={tmp_path}", "run.name=ref"]))
+    train(load_config(None, [*job, "train.micro_batch_size=1", f"run.out_dir={tmp_path}", f"run.name={per_row}"]))
+    reference = read_metrics(ref)
+    check("one process, micro-batches of 1", read_metrics(tmp_path / per_row), reference)
+    (fsdp,) = run_layouts(2, [[*job, "parallel.dp_shard_degree=2", "train.micro_batch_size=2"]])
+    check("FSDP 2, micro-batches of 2", fsdp, reference)
+    (tp_pp,) = run_layouts(4, [[*job, "parallel.tp_degree=2", "parallel.pp_degree=2", "train.micro_batch_size=2"]])
+    check("TP 2 x PP 2, micro-batches of 2", tp_pp, reference)

@@ -11,7 +11,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -63,10 +63,38 @@ def build_model(args: ModelArgs, device: torch.device, seed: int) -> Transformer
     return model
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token loss over all positions; logits (B, T, V) are upcast to fp32 first. Under tensor
-    parallelism the logits are vocabulary shards and this runs inside `loss_parallel`."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+IGNORE_INDEX = -100  # a target that is not scored (a fine-tuning prompt's tokens): the loader writes it
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Next-token loss over the scored positions (targets other than IGNORE_INDEX); logits (B, T, V) are
+    upcast to fp32 first. Under tensor parallelism the logits are vocabulary shards and this runs inside
+    `loss_parallel`."""
+    return F.cross_entropy(
+        logits.flatten(0, 1).float(), targets.flatten(0, 1), ignore_index=IGNORE_INDEX, reduction=reduction
+    )
+
+
+class TokenLoss:
+    """The training loss of one micro-batch: its summed cross-entropy times `scale`, which each step sets
+    (`for_step`) so that the step's gradient is that of the mean over every scored target token of the
+    global batch: whatever the micro-batch size, the data-parallel degree or the pipeline, and however the
+    masked (unscored) tokens fall. A micro-batch with no scored token contributes 0, not NaN."""
+
+    def __init__(self):
+        self.scale = 1.0
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return cross_entropy(logits, targets, reduction="sum") * self.scale
+
+    def for_step(self, targets: torch.Tensor, meshes: Meshes, num_micro: int) -> None:
+        """scale = dp x m / N: N scored tokens in the global batch (one all-reduce of a count over the
+        data-parallel ranks); the gradient reduction averages over the dp ranks and the pipeline schedule
+        over its m micro-batches (m = 1 for gradient accumulation, which sums), so both are undone here."""
+        count = (targets != IGNORE_INDEX).sum().to(torch.float64)
+        if meshes.dims.dp > 1:
+            dist.all_reduce(count, group=meshes.batch.get_group())
+        self.scale = meshes.dims.dp * num_micro / max(count.item(), 1.0)
 
 
 def autocast_context(cfg: Config, device: torch.device, fsdp: bool = False):
@@ -90,6 +118,7 @@ class Trainable:
     schedulers: list
     meshes: Meshes  # one rank's share of the layout; a lone process is a mesh of size 1
     pipeline: Pipeline | None = None
+    loss_fn: TokenLoss = field(default_factory=TokenLoss)  # also the pipeline schedule's
 
     @property
     def model(self) -> nn.Module:
@@ -116,8 +145,9 @@ def build_trainable(cfg: Config, device: torch.device, meshes: Meshes | None = N
     if meshes is None:
         init_single_process(device, cfg.parallel.timeout_s)
         meshes = Meshes.build(ParallelDims.from_config(cfg.parallel, dist.get_world_size()), device.type)
+    loss_fn = TokenLoss()
     if meshes.dims.pp > 1:
-        pipeline = build_pipeline(cfg.model, meshes, cfg, device, cross_entropy)
+        pipeline = build_pipeline(cfg.model, meshes, cfg, device, loss_fn)
         parts = pipeline.parts
     else:
         with torch.device("meta"):
@@ -128,7 +158,7 @@ def build_trainable(cfg: Config, device: torch.device, meshes: Meshes | None = N
     apply_finetune(cfg, parts, meshes)  # finetune.init_from weights; LoRA adapters on a frozen base
     optimizers = [build_optimizer(part, cfg.optim, device) for part in parts]
     schedulers = [build_scheduler(opt, cfg.optim, cfg.train.steps) for opt in optimizers]
-    return Trainable(cfg, device, parts, optimizers, schedulers, meshes, pipeline)
+    return Trainable(cfg, device, parts, optimizers, schedulers, meshes, pipeline, loss_fn)
 
 
 @dataclass
@@ -149,6 +179,7 @@ def train_step(
 
     should_step(loss, grad_norm), given the global values, may withhold the update (plait.guards): the
     gradients are then dropped and neither the optimizer nor the LR schedule moves."""
+    t.loss_fn.for_step(targets, t.meshes, t.pipeline.num_microbatches if t.pipeline is not None else 1)
     with t.loss_context(), t.autocast():
         if t.pipeline is not None:
             loss = pipeline_forward_backward(t.pipeline, inputs, targets, t.meshes.pp.get_group())
@@ -156,7 +187,7 @@ def train_step(
             loss = _accumulate(t, inputs, targets)
     norm = clip_grad_norm(t.parameters(), t.cfg.train.grad_clip, t.meshes)
     if t.meshes.dims.dp > 1:
-        # Each data-parallel rank holds the mean over its own sequences: average them. (gloo has no AVG.)
+        # Each data-parallel rank holds dp x its share of the global token mean: sum, divide. (gloo has no AVG.)
         dist.all_reduce(loss, group=t.meshes.batch.get_group())
         loss = loss / t.meshes.dims.dp
     stepped = should_step is None or should_step(loss, norm)
@@ -175,7 +206,7 @@ def _accumulate(t: Trainable, inputs: torch.Tensor, targets: torch.Tensor) -> to
     for i, (x, y) in enumerate(zip(inputs.chunk(num_micro), targets.chunk(num_micro), strict=True)):
         if t.fsdp:  # reduce-scatter once, after the last micro-batch (or after each: sharded accumulation)
             t.model.set_requires_gradient_sync(i == num_micro - 1 or t.cfg.parallel.fsdp_reduce_every_micro_batch)
-        loss = cross_entropy(t.model(x), y) / num_micro
+        loss = t.loss_fn(t.model(x), y)
         loss.backward()
         total += _local(loss.detach())
     return total

@@ -96,8 +96,9 @@ class Pipeline:
 def build_pipeline(args: ModelArgs, meshes: Meshes, cfg: Config, device: torch.device, loss_fn) -> Pipeline:
     """This rank's stages, parallelised and initialised, wrapped in the configured schedule.
 
-    loss_fn(logits, targets) must return the mean loss of one micro-batch: the schedule divides the summed
-    gradients by the number of micro-batches (scale_grads), so the step's gradient is the batch mean.
+    loss_fn(logits, targets) gives one micro-batch's loss; the schedule divides the summed gradients by the
+    number of micro-batches (scale_grads), which plait's TokenLoss undoes in its scale (so the step's gradient
+    is that of the mean over the batch's scored tokens).
     """
     pp, v = meshes.dims.pp, cfg.parallel.pp_virtual_stages
     num_stages = pp * v
