@@ -381,3 +381,23 @@ def test_cli_errors_name_the_setting():
         cmd_plan(["--global-batch-tokens", "1M"])
     with pytest.raises(ConfigError, match="--cluster"):
         get_cluster("tpu")
+
+
+def test_config_parallel_section_pins_the_plan_or_is_refused(tmp_path, capsys):
+    """`plait plan --config` keeps the degrees its [parallel] section sets (the search covers the rest) and
+    refuses a set no layout can have with one line: the product against the devices, or the runtime's own
+    reason for a degree the model cannot take."""
+    head = '[model]\npreset = "llama3-8b"\n[data]\nseq_len = 8192\n[train]\nglobal_batch_size = 512\n'
+    pinned = tmp_path / "pinned.toml"
+    pinned.write_text(head + "[parallel]\ntp_degree = 8\npp_degree = 2\nactivation_checkpoint = 'full'\n")
+    assert cmd_plan(["--config", str(pinned), "--nodes", "4", "--json"]) == 0
+    best = json.loads(capsys.readouterr().out)["best"]
+    assert (best["tp"], best["pp"], best["ac"]) == (8, 2, "full"), best
+    contradictory = tmp_path / "bad.toml"
+    contradictory.write_text(head + "[parallel]\ntp_degree = 3\npp_degree = 64\ndp_replicate_degree = 5\n")
+    with pytest.raises(ConfigError, match=r"dp_replicate=5 x tp=3 x pp=64 = 960 does not divide the 32 devices"):
+        cmd_plan(["--config", str(contradictory), "--nodes", "4"])
+    odd = tmp_path / "odd.toml"
+    odd.write_text(head + "[parallel]\ntp_degree = 3\n")
+    with pytest.raises(ConfigError, match=r"tp_degree=3 must divide model.n_heads=32"):
+        cmd_plan(["--config", str(odd), "--nodes", "3"])

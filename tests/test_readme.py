@@ -37,6 +37,8 @@ RUN = {
     "plait train configs/seed_3d.toml --nproc 8": (CAP, ["pp=2 dp_replicate=1 dp_shard=2 tp=2"]),
     "torchrun --nproc-per-node 8 -m plait.train configs/seed_3d.toml": (CAP, ["pp=2 dp_replicate=1 dp_shard=2 tp=2"]),
     SLURM: ([], ["wrote job.sbatch"]),
+    "plait launch slurm --nodes 3 --gpus-per-node 8 configs/seed_3d.toml --parallel.pp_degree=6 "
+    "--parallel.tp_degree=4": ([], ["--nnodes=3 --nproc-per-node=8", "--parallel.pp_degree=6 --parallel.tp_degree=4"]),
 }
 SMOLLM2_TRAIN = (
     "plait train runs/smollm2/config.toml --finetune.init_from=runs/smollm2 --finetune.lora_rank=8 "

@@ -154,7 +154,8 @@ def cmd_plan(argv: list[str]) -> int:
     if cluster.efficiency > 1:
         raise ConfigError(f"--efficiency={cluster.efficiency} is a fraction of peak: at most 1, e.g. 0.55")
     work = Workload(model, seq, tokens // seq, a.precision)
-    result = plan(work, cluster)
+    pins = config_pins(a.config, base, cluster.world_size) if base is not None else {}
+    result = plan(work, cluster, pins=pins)
     if a.json:
         print(json.dumps(to_json(result, a.top), indent=2))
     else:
@@ -164,6 +165,48 @@ def cmd_plan(argv: list[str]) -> int:
         if not a.json:
             print(f"wrote {path}: train with `plait train {path}`")
     return 0
+
+
+def config_pins(path: str, base, world_size: int) -> dict[str, int]:
+    """The layout columns a config's [parallel] section sets explicitly: the plan keeps them. A set that no
+    layout can have (the product of the degrees against the world, a degree the model refuses) is refused
+    with the runtime's own reason (`validate_layout`)."""
+    import tomllib
+
+    from plait.parallel.dims import ParallelDims, validate_layout
+    from plait.planner.cost import AC_MODES, SCHEDULES
+
+    with open(path, "rb") as f:
+        written = tomllib.load(f).get("parallel") or {}
+    p = base.parallel
+    pins: dict[str, int] = {}
+    for key, column in (("dp_replicate_degree", "dp_replicate"), ("tp_degree", "tp"), ("pp_degree", "pp")):
+        if key in written:
+            pins[column] = getattr(p, key)
+    if "dp_shard_degree" in written and p.dp_shard_degree != -1:
+        pins["dp_shard"] = p.dp_shard_degree
+    if "activation_checkpoint" in written:
+        pins["ac"] = AC_MODES.index(p.activation_checkpoint)
+    if "cpu_offload" in written:
+        pins["offload"] = int(p.cpu_offload)
+    if "pp_schedule" in written and p.pp_degree > 1:
+        pins["schedule"] = SCHEDULES.index(p.pp_schedule)
+    fixed = pins.get("dp_replicate", 1) * pins.get("tp", 1) * pins.get("pp", 1) * pins.get("dp_shard", 1)
+    if world_size % fixed:
+        degrees = " x ".join(f"{k}={v}" for k, v in pins.items() if k in ("dp_replicate", "dp_shard", "tp", "pp"))
+        raise ConfigError(
+            f"{path} [parallel]: {degrees} = {fixed} does not divide the {world_size} devices planned for; "
+            f"change those degrees or --nodes / --devices-per-node"
+        )
+    if {"tp", "pp"} & pins.keys():
+        import dataclasses
+
+        tp, pp, rep = pins.get("tp", 1), pins.get("pp", 1), pins.get("dp_replicate", 1)
+        shard = world_size // (tp * pp * rep)
+        pinned = dataclasses.replace(p, tp_degree=tp, pp_degree=pp, dp_replicate_degree=rep, dp_shard_degree=shard)
+        # the runtime's own reason, e.g. "parallel.tp_degree=3 must divide model.n_heads=32 ..."
+        validate_layout(dataclasses.replace(base, parallel=pinned), ParallelDims(rep, shard, tp, pp))
+    return pins
 
 
 def to_json(result, top: int) -> dict:

@@ -142,14 +142,26 @@ def _schedules(pp: int, n_layers: int) -> list[tuple[int, int]]:
     return out
 
 
-def plan(work: Workload, cluster: Cluster, *, hints: bool = True) -> Plan:
+def plan(work: Workload, cluster: Cluster, *, hints: bool = True, pins: dict[str, int] | None = None) -> Plan:
     """Search, rank and explain. Raises ConfigError, with the smallest change that would help, when no
-    layout is possible or none fits in memory."""
+    layout is possible or none fits in memory. `pins` fixes layout columns (e.g. {"tp": 8, "pp": 4}: what a
+    config's [parallel] section sets); the search covers the rest."""
     _check_request(work, cluster)
     start = time.perf_counter()
     lay = enumerate_layouts(work, cluster)
     if len(lay) == 0:
         raise ConfigError(_no_layout_message(work, cluster))
+    if pins:
+        keep = np.ones(len(lay), dtype=bool)
+        for key, value in pins.items():
+            keep &= getattr(lay, key) == value
+        if not keep.any():
+            pinned = ", ".join(f"{k}={v}" for k, v in pins.items())
+            raise ConfigError(
+                f"no layout plait can run has {pinned} (the config's [parallel] section) for this model, batch "
+                f"and {cluster.world_size} devices; change or remove those settings to let the planner choose"
+            )
+        lay = lay.take(np.nonzero(keep)[0])
     metrics = evaluate(work, cluster, lay)
     fits = np.nonzero(metrics["fits"])[0]
     seconds = time.perf_counter() - start
