@@ -109,6 +109,16 @@ class LogConfig:
     """Write metrics every N steps."""
     tensorboard: bool = True
     """Write TensorBoard event files to <run>/tb."""
+    wandb: bool = False
+    """Also log to Weights & Biases (pip install wandb); files under <run>/wandb."""
+    wandb_mode: str = "offline"
+    """W&B mode: offline (sync later with `wandb sync <run>/wandb/offline-run-*`) or online."""
+    wandb_project: str = "plait"
+    """W&B project name."""
+    mlflow: bool = False
+    """Also log to MLflow (pip install mlflow-skinny): params, metrics, one run per plait run."""
+    mlflow_uri: str = ""
+    """MLflow tracking URI ('' = a local SQLite store, sqlite:///<run>/mlflow.db; or http://host:5000)."""
     progress: bool = True
     """Show a progress bar (off automatically when output is not a terminal)."""
 
@@ -404,6 +414,17 @@ def _type_name(t: type) -> str:
 # ------------------------------------------------------------------------------------------- validation
 
 
+def _check_trackers(log: LogConfig) -> None:
+    """Refuse a tracker whose library is missing now, before any worker starts."""
+    import importlib.util
+
+    if log.wandb_mode not in ("offline", "online"):
+        raise ConfigError(f"log.wandb_mode={log.wandb_mode!r}: choose offline or online")
+    for flag, module, package in (("wandb", "wandb", "wandb"), ("mlflow", "mlflow", "mlflow-skinny")):
+        if getattr(log, flag) and importlib.util.find_spec(module) is None:
+            raise ConfigError(f"log.{flag}=true needs the {module} package: pip install {package}; or log.{flag}=false")
+
+
 def validate(cfg: Config) -> Config:
     """Check every setting that can be checked without data or devices; raise ConfigError on the first."""
     m, t, o, d = cfg.model, cfg.train, cfg.optim, cfg.data
@@ -417,6 +438,7 @@ def validate(cfg: Config) -> Config:
     _non_negative("eval", cfg.eval, ["every_steps", "num_batches"])
     _non_negative("checkpoint", cfg.checkpoint, ["every_steps", "keep_last", "every_minutes", "keep_every"])
     _non_negative("data", d, ["prefetch"])
+    _check_trackers(cfg.log)
     _non_negative("sample", cfg.sample, ["max_new_tokens", "temperature", "top_k"])
     _positive("log", cfg.log, ["every_steps"])
     _positive("guard", cfg.guard, ["max_consecutive_failures", "spike_num_std"])

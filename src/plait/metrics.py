@@ -29,11 +29,20 @@ def warn(message: str) -> None:
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path, cfg: LogConfig, total_steps: int, *, enabled: bool = True):
+    def __init__(
+        self,
+        run_dir: Path,
+        cfg: LogConfig,
+        total_steps: int,
+        *,
+        enabled: bool = True,
+        name: str = "",
+        config: dict[str, Any] | None = None,
+    ):
         self.cfg = cfg
         self.enabled = enabled
         self._jsonl = None
-        self._tb = None
+        self._trackers: list = []
         self._progress: ProgressLine | None = None
         self._live: Live | None = None
         self.last: dict[str, Any] = {}
@@ -41,10 +50,9 @@ class MetricsLogger:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
         self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115 - closed in close()
-        if cfg.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+        from plait.trackers import open_trackers
 
-            self._tb = SummaryWriter(log_dir=str(run_dir / "tb"))
+        self._trackers = open_trackers(run_dir, cfg, name or run_dir.name, config)  # TensorBoard, W&B, MLflow
         if cfg.progress and sys.stderr.isatty():
             self._progress = ProgressLine(total_steps)
             self._live = Live(
@@ -64,10 +72,9 @@ class MetricsLogger:
             return
         record = {"step": step, "time": time.time(), **{f"{prefix}/{k}": v for k, v in metrics.items()}}
         self._jsonl.write(json.dumps(record) + "\n")
-        if self._tb is not None:
-            for key, value in metrics.items():
-                if isinstance(value, int | float):
-                    self._tb.add_scalar(f"{prefix}/{key}", value, step)
+        scalars = {f"{prefix}/{k}": v for k, v in metrics.items() if isinstance(v, int | float)}
+        for tracker in self._trackers:
+            tracker.log(step, scalars)
         self.last.update(record)
         if self._progress is not None:
             self._progress.status = _status_parts(self.last)
@@ -81,8 +88,9 @@ class MetricsLogger:
     def close(self) -> None:
         if self._live is not None:
             self._live.stop()
-        if self._tb is not None:
-            self._tb.close()
+        for tracker in self._trackers:
+            tracker.close()
+        self._trackers = []
         if self._jsonl is not None:
             self._jsonl.close()
 

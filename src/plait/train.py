@@ -479,7 +479,9 @@ def _train(cfg: Config, env: DistEnv) -> dict[str, float]:
             f"plait: {cfg.model.num_params() / 1e6:.2f}M parameters, {env.world_size} x {info.name} ({device}) "
             f"as {_layout(dims)}, {cfg.train.steps} steps x {tokens_per_step:,} tokens, data {data_dir}"
         )
-    metrics = MetricsLogger(run_dir, cfg.log, cfg.train.steps, enabled=env.is_main)
+    metrics = MetricsLogger(
+        run_dir, cfg.log, cfg.train.steps, enabled=env.is_main, name=cfg.run.name, config=to_dict(cfg)
+    )
     lineage = RunLineage.start(cfg, env, t, data_dir, resume_from, metrics)  # the lineage registry's record
     lineage.attach(checkpointer)
     final: dict[str, float] = {}
