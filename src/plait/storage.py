@@ -409,8 +409,13 @@ class _LocalWriter(_RetryingWrites, FileSystemWriter):
     pass
 
 
-def dcp_writer(loc: Location):
-    """A DCP StorageWriter for one checkpoint directory: one file per rank, record checksums, retries."""
+def dcp_writer(loc: Location, *, single_file_per_rank: bool = True):
+    """A DCP StorageWriter for one checkpoint directory: one file per rank, record checksums, retries.
+
+    ``single_file_per_rank=False`` writes one file per tensor instead: DCP's writer keeps every tensor of a
+    file referenced until that file is done, so a save whose tensors are made one at a time (see
+    ``plait.interop.streaming``) holds two at most (the one written, the one before), not all, only this
+    way. Readers take either layout."""
     if isinstance(loc, RemotePath):
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
@@ -418,10 +423,22 @@ def dcp_writer(loc: Location):
             pass
 
         # No fsync on S3 (an upload is durable once it completes; DCP would os.sync() the local machine).
-        writer = _S3Writer(loc.url, sync_files=False, overwrite=True, _extensions=[RecordChecksum()])
+        writer = _S3Writer(
+            loc.url,
+            sync_files=False,
+            overwrite=True,
+            single_file_per_rank=single_file_per_rank,
+            _extensions=[RecordChecksum()],
+        )
         writer.fs.fs = loc.fs
     else:
-        writer = _LocalWriter(loc, sync_files=True, overwrite=True, _extensions=[RecordChecksum()])
+        writer = _LocalWriter(
+            loc,
+            sync_files=True,
+            overwrite=True,
+            single_file_per_rank=single_file_per_rank,
+            _extensions=[RecordChecksum()],
+        )
     writer.plait_target = loc
     return writer
 

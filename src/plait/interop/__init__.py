@@ -6,6 +6,7 @@ from plait.interop.hf import (
     import_hf,
     load_hf_model,
     load_safetensors,
+    open_hf,
 )
 
-__all__ = ["export_hf", "export_safetensors", "import_hf", "load_hf_model", "load_safetensors"]
+__all__ = ["export_hf", "export_safetensors", "import_hf", "load_hf_model", "load_safetensors", "open_hf"]

@@ -1,12 +1,15 @@
 """`plait ckpt`: inspect a checkpoint, export it (Hugging Face / safetensors), import a Hugging Face model.
 
     plait ckpt inspect PATH
-    plait ckpt export PATH --format hf|safetensors --out DIR [--dtype fp32|bf16] [--overwrite]
+    plait ckpt export PATH --format hf|safetensors --out DIR [--dtype fp32|bf16] [--max-shard-size 5GB] [--overwrite]
     plait ckpt import HF_DIR --out RUN_DIR_OR_CKPT_DIR [--overwrite]
 
 PATH is a checkpoint directory (``.../checkpoints/step_<N>``) or a run directory (its newest checkpoint).
 An import writes a weights-only checkpoint ``step_00000000`` (model tensors + plait.json, no optimizer
 state) and, for a run directory, the run's ``config.toml`` to fine-tune from.
+
+Import and Hugging Face export stream (``plait.interop.streaming``): one tensor at a time is read, converted
+and written, so their memory is bounded by the largest tensor, not the model.
 """
 
 from __future__ import annotations
@@ -41,15 +44,17 @@ from plait.checkpoint import (
 from plait.config import Config, to_dict, to_toml, validate
 from plait.errors import ConfigError, PlaitError
 from plait.interop.hf import (
-    build_from_tensors,
+    HFWeights,
     empty_model,
-    export_hf,
     export_safetensors,
-    import_hf,
+    hf_export,
+    open_hf,
     param_shapes,
 )
+from plait.interop.shards import DEFAULT_MAX_SHARD_SIZE, parse_shard_size
+from plait.interop.streaming import CheckpointTensors, StreamedHash, checkpoint_sources, save_streamed
 from plait.model import ModelArgs, Transformer
-from plait.storage import Location, file_sizes
+from plait.storage import Location, dcp_writer, file_sizes
 
 CHECKPOINT_FORMAT = "plait-checkpoint-v1"
 _STEP_DIR = re.compile(r"^step_\d+$")
@@ -72,6 +77,13 @@ def cmd_ckpt(argv: list[str]) -> int:
     )
     p.add_argument("--out", required=True, help="Output directory (for safetensors also a path ending .safetensors).")
     p.add_argument("--dtype", choices=list(_DTYPES), default="fp32", help="Data type of the written weights.")
+    p.add_argument(
+        "--max-shard-size",
+        help="hf: the largest weight file, as transformers' save_pretrained(max_shard_size=...): bytes or a "
+        "number with KB/MB/GB/TB (powers of 10). Past it the weights are split into "
+        "model-0000i-of-0000N.safetensors with model.safetensors.index.json; a tensor larger than it gets a "
+        f"file of its own. Default: {DEFAULT_MAX_SHARD_SIZE}.",
+    )
     p.add_argument("--overwrite", action="store_true", help="Replace an existing output.")
     p.add_argument(
         "--registry", help="Lineage registry to record the export in; default: lineage.sqlite in or above PATH."
@@ -110,19 +122,56 @@ def write_weights_checkpoint(
 
     plait.json carries ``"weights_only": true`` and step 0; written to ``<dir>.tmp`` then renamed.
     """
+    state = {"model": get_model_state_dict(model)}
+
+    def save(tmp: Path) -> dict:
+        with warnings.catch_warnings():  # DCP 'assumes' a single process without a group: intended here
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save(state, storage_writer=dcp_writer(tmp), no_dist=True)
+        return {}
+
+    return _publish_weights(ckpt_dir, save, config=config, tokenizer_path=tokenizer_path, extra=extra)
+
+
+def write_imported_checkpoint(
+    hf: HFWeights, ckpt_dir: Path, *, config: dict, tokenizer_path: Path | None, extra: dict
+) -> str:
+    """``write_weights_checkpoint`` of a Hugging Face directory's weights, streamed: each tensor is read
+    (mapped), cast to fp32, hashed and written when DCP's writer reaches it, so the process never holds the
+    model. Returns the weights hash (``plait.digest``), which plait.json carries as a trained checkpoint's
+    does."""
+    shapes, sources = param_shapes(hf.args), checkpoint_sources(hf.args)
+    hashed = StreamedHash()
+
+    def produce(key: str) -> torch.Tensor:
+        tensor = hf.read(sources[key]).float()
+        if sources[key] == key:  # not the tied output.weight, which repeats the embeddings
+            hashed.add(key, tensor)
+        return tensor
+
+    def save(tmp: Path) -> dict:
+        save_streamed(tmp, {key: shapes[src] for key, src in sources.items()}, produce)
+        return {"weights_hash": hashed.hexdigest()}
+
+    _publish_weights(ckpt_dir, save, config=config, tokenizer_path=tokenizer_path, extra=extra)
+    return read_meta(ckpt_dir)["weights_hash"]
+
+
+def _publish_weights(ckpt_dir: Path, save, *, config: dict, tokenizer_path: Path | None, extra: dict) -> Path:
+    """Run ``save(tmp)`` (which writes the tensors and returns more plait.json entries), write plait.json and
+    the tokenizer, and rename ``<dir>.tmp`` to ``ckpt_dir``."""
     tmp = ckpt_dir.with_name(ckpt_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        with warnings.catch_warnings():  # DCP 'assumes' a single process without a group: intended here
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(tmp))
+        described = save(tmp)
         meta = {
             "format": CHECKPOINT_FORMAT,
             "weights_only": True,
             "train_state": {"step": 0, "tokens": 0},
             "config": config,
             **extra,
+            **described,
         }
         (tmp / META).write_text(json.dumps(meta, indent=1))
         if tokenizer_path is not None:
@@ -314,52 +363,121 @@ def _bytes(n: int) -> str:
 
 
 def _export(a: argparse.Namespace) -> int:
+    if a.max_shard_size is not None and a.format != "hf":
+        raise ConfigError("--max-shard-size applies to --format hf; --format safetensors writes one file")
+    max_shard_size = parse_shard_size(DEFAULT_MAX_SHARD_SIZE if a.max_shard_size is None else a.max_shard_size)
     ckpt = resolve_checkpoint(a.path)
     out = Path(a.out)
     target = out if a.format == "hf" or out.suffix == ".safetensors" else out / "model.safetensors"
     if _occupied(target) and not a.overwrite:  # before loading the model, which may take long
         raise ConfigError(f"{target} exists; pass --overwrite or choose another --out")
-    model = load_checkpoint_model(ckpt)
+    registry = _export_registry(a, ckpt)
     dtype = _DTYPES[a.dtype]
     if a.format == "hf":
-        export_hf(
-            model,
+        hashes = export_checkpoint_hf(
+            ckpt,
             out,
             tokenizer_path=local_file(ckpt / "tokenizer.json"),
             dtype=dtype,
             overwrite=a.overwrite,
+            max_shard_size=max_shard_size,
+            hashed=registry is not None,
         )
         hint = f"load it with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})"
     else:
+        model = load_checkpoint_model(ckpt)
         export_safetensors(model, target, dtype=dtype, overwrite=a.overwrite)
         hint = f"load it with plait.interop.load_safetensors({str(target)!r})"
-    recorded = _record_export(a, ckpt, model, target, dtype)
+        hashes = None
+        if registry is not None:
+            from plait.lifecycle.lora import model_weights_hash
+
+            source = model_weights_hash(model)
+            hashes = source, model_weights_hash(model.to(dtype).float()) if dtype != torch.float32 else source
+    recorded = _record_export(a, registry, ckpt, target, *hashes) if registry is not None else ""
     print(f"wrote {target} ({a.format}, {a.dtype}) from {ckpt}; {hint}{recorded}")
     return 0
 
 
-def _record_export(a: argparse.Namespace, ckpt: Location, model: Transformer, target: Path, dtype) -> str:
-    """Record the export in the lineage registry covering the checkpoint (if there is one), as a child of the
-    checkpoint, with the hash of the weights as written (a bf16 export has other weights than its source)."""
+def export_checkpoint_hf(
+    ckpt: Location,
+    out: Path,
+    *,
+    tokenizer_path: Path | None,
+    dtype: torch.dtype,
+    overwrite: bool,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    hashed: bool = False,
+) -> tuple[str, str] | None:
+    """Stream a checkpoint's model into a Hugging Face directory, one tensor at a time (read in fp32, cast,
+    written into its shard). With ``hashed``: (weights hash of the checkpoint, weights hash of the weights as
+    written, which differs for bf16), for the lineage registry, taken in the same pass.
+
+    The checkpoint's hash is the one its plait.json carries where it has one (taken from the weights as they
+    were saved; not for a LoRA run, whose hash covers its adapters, which an export leaves out)."""
+    args = read_config(ckpt).model
+    meta = read_meta(ckpt)
+    recorded = meta.get("weights_hash") if not meta.get("config", {}).get("finetune", {}).get("lora_rank") else None
+    source = CheckpointTensors(ckpt, args)
+    read_hash, written_hash = StreamedHash(), StreamedHash()
+    with hf_export(
+        out,
+        args,
+        order=list(param_shapes(args)),
+        tokenizer_path=tokenizer_path,
+        dtype=dtype,
+        overwrite=overwrite,
+        max_shard_size=max_shard_size,
+    ) as write:
+        for name in param_shapes(args):
+            tensor = source.read(name)
+            if hashed and not recorded:
+                read_hash.add(name, tensor)
+            tensor = tensor.to(dtype)
+            if hashed and dtype != torch.float32:
+                written_hash.add(name, tensor, as_dtype=torch.float32)  # the weights as a reader gets them
+            write(name, tensor)  # meanwhile the digests run
+            read_hash.wait()  # before the next read: one tensor at a time
+            written_hash.wait()
+            del tensor
+    if not hashed:
+        return None
+    source_hash = recorded or read_hash.hexdigest()
+    return source_hash, written_hash.hexdigest() if dtype != torch.float32 else source_hash
+
+
+def _export_registry(a: argparse.Namespace, ckpt: Location):
+    """The lineage registry covering the checkpoint (--registry, else one in or above it), or None."""
     from plait.lifecycle.lineage import open_registry
-    from plait.lifecycle.lora import model_weights_hash
+
+    return open_registry(a.registry, ckpt)
+
+
+def _record_export(
+    a: argparse.Namespace, registry, ckpt: Location, target: Path, source_hash: str, written_hash: str
+) -> str:
+    """Record the export in the lineage registry as a child of the checkpoint, with the hash of the weights
+    as written (a bf16 export has other weights than its source)."""
     from plait.lifecycle.models import Loaded, artifact_for
 
-    registry = open_registry(a.registry, ckpt)
-    if registry is None:
-        return ""
     meta = read_meta(ckpt)
+    # The weights are known by their hash alone here: artifact_for reads no weights once the hash is set.
     source = Loaded(
-        model, "checkpoint", ckpt, None, meta.get("config"), {k: meta[k] for k in meta if k == "imported_from"}
+        None,  # type: ignore[arg-type]
+        "checkpoint",
+        ckpt,
+        None,
+        meta.get("config"),
+        {k: meta[k] for k in meta if k == "imported_from"},
+        _hash=source_hash,
     )
     parent = artifact_for(registry, source)
-    written = model_weights_hash(model.to(dtype).float()) if dtype != torch.float32 else source.weights_hash()
     registry.record(
         "export",
         name=target.name if a.format == "safetensors" else Path(a.out).name,
         path=target if a.format == "safetensors" else Path(a.out),
         parent=parent.id,
-        weights_hash=written,
+        weights_hash=written_hash,
         extra={"format": a.format, "dtype": a.dtype, "source": str(ckpt)},
     )
     return f" (recorded in the lineage registry {registry.path})"
@@ -376,9 +494,8 @@ def _import(a: argparse.Namespace) -> int:
     ckpt_dir = out if run_dir is None else out / "checkpoints" / "step_00000000"
     if _occupied(out) and not a.overwrite:
         raise ConfigError(f"{out} exists; pass --overwrite (it is moved aside) or choose another --out")
-    args, tensors = import_hf(hf_dir)
-    model = build_from_tensors(args, tensors)
-    del tensors
+    hf = open_hf(hf_dir)  # checks names and shapes; reads no tensor
+    args = hf.args
     cfg = Config()
     cfg.model = args
     cfg.data.seq_len = min(cfg.data.seq_len, args.max_seq_len)
@@ -389,26 +506,25 @@ def _import(a: argparse.Namespace) -> int:
         backup = out.with_name(f"{out.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
         out.rename(backup)
         print(f"--overwrite: previous {out} moved to {backup}")
-    hf_config = json.loads((hf_dir / "config.json").read_text())
     tokenizer = hf_dir / "tokenizer.json"
     ckpt_dir.parent.mkdir(parents=True, exist_ok=True)
     with contextlib.suppress(OSError):
         ckpt_dir.rmdir()  # an empty directory given as --out
-    write_weights_checkpoint(
-        model,
+    digest = write_imported_checkpoint(
+        hf,
         ckpt_dir,
         config=to_dict(cfg),
         tokenizer_path=tokenizer if tokenizer.is_file() else None,
         extra={
             "imported_from": {
                 "path": str(hf_dir.resolve()),
-                "model_type": hf_config.get("model_type"),
-                "architectures": hf_config.get("architectures"),
-                "dtype": hf_config.get("dtype", hf_config.get("torch_dtype")),
+                "model_type": hf.config.get("model_type"),
+                "architectures": hf.config.get("architectures"),
+                "dtype": hf.config.get("dtype", hf.config.get("torch_dtype")),
             }
         },
     )
-    recorded = _record_import(a, ckpt_dir, run_dir, model, to_dict(cfg))
+    recorded = _record_import(a, ckpt_dir, run_dir, digest, to_dict(cfg))
     lines = [f"wrote {ckpt_dir}: {args.num_params() / 1e6:.2f}M parameters from {hf_dir}{recorded}"]
     if not tokenizer.is_file():
         lines.append(f"note: {hf_dir} has no tokenizer.json; copy one into {ckpt_dir} for `plait generate`")
@@ -422,12 +538,11 @@ def _import(a: argparse.Namespace) -> int:
     return 0
 
 
-def _record_import(a: argparse.Namespace, ckpt_dir: Path, run_dir: Path | None, model, config: dict) -> str:
+def _record_import(a: argparse.Namespace, ckpt_dir: Path, run_dir: Path | None, digest: str, config: dict) -> str:
     """Record the imported weights as an 'import' artifact (with their hash), so a run fine-tuning them finds
     its parent. Into --registry, else the registry covering the output, else (a run directory) the one a
     run there would use: <out_dir>/lineage.sqlite."""
     from plait.lifecycle.lineage import Registry, open_registry, registry_path
-    from plait.lifecycle.lora import model_weights_hash
 
     registry = open_registry(a.registry, ckpt_dir, create=True)
     if registry is None and run_dir is not None:
@@ -439,7 +554,7 @@ def _record_import(a: argparse.Namespace, ckpt_dir: Path, run_dir: Path | None, 
         "import",
         name=run_dir.name if run_dir is not None else ckpt_dir.name,
         path=ckpt_dir,
-        weights_hash=model_weights_hash(model),
+        weights_hash=digest,
         config=config,
         extra={"imported_from": meta["imported_from"]},
     )

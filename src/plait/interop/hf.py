@@ -7,6 +7,12 @@ a window). ``import_hf`` / ``load_hf_model`` read those three back. Only safeten
 Every tensor is checked against the shape the config implies before any is used: a load either matches
 exactly or fails naming the missing, unexpected and mis-shaped tensors.
 
+Both directions stream: ``open_hf`` reads one tensor (or one rank's box of one) at a time, and the weights are
+written tensor by tensor into ``model.safetensors`` or, past ``max_shard_size``, into shards
+``model-0000i-of-0000N.safetensors`` with ``model.safetensors.index.json``, split and named as transformers'
+``save_pretrained`` does (``plait.interop.shards``). Neither holds more than one tensor of the model at a time
+(``import_hf`` does hand back all of them at once: for small models and tests).
+
 Names, plait -> Hugging Face (per layer ``i``):
 
     tok_embeddings.weight                 model.embed_tokens.weight
@@ -36,7 +42,7 @@ import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -45,6 +51,7 @@ from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
 from plait.errors import PlaitError
+from plait.interop.shards import DEFAULT_MAX_SHARD_SIZE, SafetensorsShards, parse_shard_size
 from plait.model.llama import ModelArgs, Transformer, rope_tables
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -353,43 +360,88 @@ def export_hf(
     tokenizer_path: Path | None,
     dtype: torch.dtype = torch.float32,
     overwrite: bool = False,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
 ) -> Path:
-    """Write a Hugging Face directory (of the ``hf_family`` of the model's shape): config.json,
-    model.safetensors, generation_config.json and, given a tokenizer.json, the tokenizer (tokenizer.json +
-    tokenizer_config.json).
+    """Write a Hugging Face directory (of the ``hf_family`` of the model's shape): config.json, the weights
+    (``model.safetensors``, or shards of at most ``max_shard_size`` with their index), generation_config.json
+    and, given a tokenizer.json, the tokenizer (tokenizer.json + tokenizer_config.json).
 
+    One parameter at a time is gathered (DTensors: every rank must call this), converted and written.
     Written to a temporary sibling directory and renamed into place; an existing non-empty ``out_dir`` is
     replaced only with ``overwrite=True``.
     """
+    found = {name: tuple(p.shape) for name, p in model.named_parameters()}  # a DTensor's shape is the full one
+    check_tensors(found, param_shapes(model.args), "the model")
+    with hf_export(
+        out_dir,
+        model.args,
+        order=list(found),
+        tokenizer_path=tokenizer_path,
+        dtype=dtype,
+        overwrite=overwrite,
+        max_shard_size=max_shard_size,
+    ) as write:
+        for name, param in model.named_parameters():
+            t = param.detach()
+            write(name, t.full_tensor() if isinstance(t, DTensor) else t)
+    return Path(out_dir)
+
+
+@contextlib.contextmanager
+def hf_export(
+    out_dir: str | Path,
+    args: ModelArgs,
+    *,
+    order: Sequence[str],
+    tokenizer_path: Path | None,
+    dtype: torch.dtype = torch.float32,
+    overwrite: bool = False,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+) -> Iterator[Callable[[str, torch.Tensor], None]]:
+    """Stage a Hugging Face directory for a model of shape ``args`` and yield ``write(name, tensor)``, which
+    takes every parameter (plait names), one at a time in any order, and writes it at once. ``order`` is the
+    order the shards are cut in (transformers cuts its state dict's order). On a clean exit the config,
+    generation config and tokenizer files are added and the directory is renamed into place."""
     if dtype not in _DTYPE_NAMES:
         raise PlaitError(f"dtype {dtype} is not supported for export; use torch.float32 or torch.bfloat16")
+    max_bytes = parse_shard_size(max_shard_size)
+    shapes = param_shapes(args)
+    if sorted(order) != sorted(shapes):
+        raise PlaitError(f"the export order names {sorted(set(order) ^ set(shapes))[:4]}, not the model's tensors")
     out = Path(out_dir)
     special = _special_tokens(Path(tokenizer_path)) if tokenizer_path is not None else {}
-    bos, eos, pad = special.get("bos_token"), special.get("eos_token"), special.get("pad_token")
     with _staged_dir(out, overwrite) as tmp:
-        tensors = {hf_name(k): v.to("cpu", dtype).contiguous() for k, v in model_tensors(model).items()}
-        save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
-        config = hf_config(model.args, dtype=dtype, bos_id=bos[1] if bos else None, eos_id=eos[1] if eos else None)
-        if pad:
-            config["pad_token_id"] = pad[1]
-        _write_json(tmp / "config.json", config)
-        generation = {  # greedy, as transformers' own default: sampling is the caller's choice
-            "bos_token_id": config["bos_token_id"],
-            "eos_token_id": config["eos_token_id"],
-            **({"pad_token_id": pad[1]} if pad else {}),
-            "do_sample": False,
+        writer = SafetensorsShards(tmp, {hf_name(n): shapes[n] for n in order}, dtype, max_bytes)
+        yield lambda name, tensor: writer.add(hf_name(name), tensor)
+        writer.finish()
+        _write_hf_files(tmp, args, special, tokenizer_path, dtype)
+
+
+def _write_hf_files(
+    tmp: Path, args: ModelArgs, special: dict[str, tuple[str, int]], tokenizer_path: Path | None, dtype: torch.dtype
+) -> None:
+    """config.json, generation_config.json and the tokenizer files of an export."""
+    bos, eos, pad = special.get("bos_token"), special.get("eos_token"), special.get("pad_token")
+    config = hf_config(args, dtype=dtype, bos_id=bos[1] if bos else None, eos_id=eos[1] if eos else None)
+    if pad:
+        config["pad_token_id"] = pad[1]
+    _write_json(tmp / "config.json", config)
+    generation = {  # greedy, as transformers' own default: sampling is the caller's choice
+        "bos_token_id": config["bos_token_id"],
+        "eos_token_id": config["eos_token_id"],
+        **({"pad_token_id": pad[1]} if pad else {}),
+        "do_sample": False,
+    }
+    _write_json(tmp / "generation_config.json", generation)
+    if tokenizer_path is not None:
+        shutil.copyfile(tokenizer_path, tmp / "tokenizer.json")
+        tok_config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "model_max_length": args.max_seq_len,
+            "clean_up_tokenization_spaces": False,
+            **{key: token for key, (token, _) in special.items()},
         }
-        _write_json(tmp / "generation_config.json", generation)
-        if tokenizer_path is not None:
-            shutil.copyfile(tokenizer_path, tmp / "tokenizer.json")
-            tok_config = {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "model_max_length": model.args.max_seq_len,
-                "clean_up_tokenization_spaces": False,
-                **{key: token for key, (token, _) in special.items()},
-            }
-            _write_json(tmp / "tokenizer_config.json", tok_config)
-    return out
+        _write_json(tmp / "tokenizer_config.json", tok_config)
 
 
 def _special_tokens(tokenizer_path: Path) -> dict[str, tuple[str, int]]:
@@ -443,12 +495,43 @@ def export_safetensors(
 # -------------------------------------------------------------------------------------------------- import
 
 
-def import_hf(hf_dir: str | Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
-    """(ModelArgs, plait-named tensors in their stored dtype) from a Hugging Face directory.
+@dataclasses.dataclass(frozen=True)
+class HFWeights:
+    """A Hugging Face directory whose config and tensor names and shapes are checked, read one tensor (or one
+    box of one) at a time. A read opens its file with safetensors, which maps it: the tensor returned is a
+    view of the mapping, so the process holds only the pages that are touched, and only while the tensor (or
+    a copy made from it, e.g. ``.float()``) is alive."""
 
-    The tensors hold one entry per parameter (``Transformer.named_parameters`` names; with tied
-    embeddings no ``output.weight``; Qwen2's q/k/v biases included); ``rotary_emb.inv_freq`` buffers of old
-    checkpoints are ignored (they are derived).
+    path: Path
+    args: ModelArgs
+    config: dict
+    locations: dict[str, tuple[Path, str]]  # plait name -> (file, Hugging Face name)
+
+    def read(self, name: str, offset: Sequence[int] | None = None, shape: Sequence[int] | None = None) -> torch.Tensor:
+        """Parameter ``name`` (plait's name) in its stored dtype; with ``offset`` and ``shape`` only that box
+        of it (one rank's shard), read without the rest."""
+        file, key = self.locations[name]
+        box = None if shape is None else tuple(zip(offset or [0] * len(shape), shape, strict=True))
+        return _read_tensor(file, key, box)
+
+
+def _read_tensor(file: Path, key: str, box: Sequence[tuple[int, int]] | None = None) -> torch.Tensor:
+    """One tensor of a safetensors file, or the box (offset, size) per dimension of it."""
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            if box is None:
+                return f.get_tensor(key)
+            return f.get_slice(key)[tuple(slice(o, o + n) for o, n in box)]
+    except (SafetensorError, OSError) as e:
+        raise PlaitError(f"cannot read {key} from {file}: {e}") from None
+
+
+def open_hf(hf_dir: str | Path) -> HFWeights:
+    """Check a Hugging Face directory (config.json, the safetensors files, every tensor's name and shape)
+    without reading any tensor, except to compare lm_head with the embeddings of a tied config.
+
+    The tensors are ``Transformer.named_parameters``: with tied embeddings no ``output.weight``; Qwen2's q/k/v
+    biases included; ``rotary_emb.inv_freq`` buffers of old checkpoints are ignored (they are derived).
     """
     hf_dir = Path(hf_dir)
     config_path = hf_dir / "config.json"
@@ -460,34 +543,38 @@ def import_hf(hf_dir: str | Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
         raise PlaitError(f"{config_path} is not valid JSON: {e}") from None
     args = args_from_hf_config(config, str(config_path))
     expected = {hf_name(k): shape for k, shape in param_shapes(args).items()}
-    plait_names = {hf_name(k): k for k in param_shapes(args)}
     where = str(hf_dir)
-    with contextlib.ExitStack() as stack:
-        handles = {}
-        for file in _weight_files(hf_dir):
-            try:
-                handle = stack.enter_context(safe_open(str(file), framework="pt"))
-            except (SafetensorError, OSError) as e:
-                raise PlaitError(f"cannot read {file}: {e}") from None
-            for name in handle.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
-                if name in handles:
-                    raise PlaitError(f"{where}: tensor {name} appears in more than one file")
-                handles[name] = handle
-        shapes = {
-            n: tuple(h.get_slice(n).get_shape()) for n, h in handles.items() if not n.endswith("rotary_emb.inv_freq")
-        }
-        if args.tie_embeddings and "lm_head.weight" in shapes:
-            embed = "model.embed_tokens.weight"
-            head = handles["lm_head.weight"].get_tensor("lm_head.weight")
-            if embed in handles and not torch.equal(head, handles[embed].get_tensor(embed)):
-                raise PlaitError(
-                    f"{where}: tie_word_embeddings is true but lm_head.weight differs from {embed}; "
-                    f"set tie_word_embeddings to false in config.json if the output projection is separate"
-                )
-            del shapes["lm_head.weight"]
-        check_tensors(shapes, expected, where)
-        tensors = {plait_names[n]: handles[n].get_tensor(n) for n in expected}
-    return args, tensors
+    found: dict[str, tuple[Path, tuple[int, ...]]] = {}  # HF name -> (file, shape)
+    for file in _weight_files(hf_dir):
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                entries = [(n, tuple(handle.get_slice(n).get_shape())) for n in handle.keys()]  # noqa: SIM118
+        except (SafetensorError, OSError) as e:
+            raise PlaitError(f"cannot read {file}: {e}") from None
+        for name, shape in entries:
+            if name in found:
+                raise PlaitError(f"{where}: tensor {name} appears in more than one file")
+            if not name.endswith("rotary_emb.inv_freq"):
+                found[name] = (file, shape)
+    if args.tie_embeddings and "lm_head.weight" in found:
+        embed, head = "model.embed_tokens.weight", "lm_head.weight"
+        if embed in found and not torch.equal(_read_tensor(found[head][0], head), _read_tensor(found[embed][0], embed)):
+            raise PlaitError(
+                f"{where}: tie_word_embeddings is true but lm_head.weight differs from {embed}; "
+                f"set tie_word_embeddings to false in config.json if the output projection is separate"
+            )
+        del found["lm_head.weight"]
+    check_tensors({n: shape for n, (_, shape) in found.items()}, expected, where)
+    return HFWeights(
+        hf_dir, args, config, {name: (found[hf_name(name)][0], hf_name(name)) for name in param_shapes(args)}
+    )
+
+
+def import_hf(hf_dir: str | Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
+    """(ModelArgs, plait-named tensors in their stored dtype) from a Hugging Face directory: every tensor
+    at once, as views of the mapped files (``open_hf`` reads them one at a time)."""
+    hf = open_hf(hf_dir)
+    return hf.args, {name: hf.read(name) for name in param_shapes(hf.args)}
 
 
 def _weight_files(hf_dir: Path) -> list[Path]:
@@ -515,9 +602,14 @@ def _weight_files(hf_dir: Path) -> list[Path]:
 
 
 def load_hf_model(hf_dir: str | Path, device: str | torch.device = "cpu") -> Transformer:
-    """A plait Transformer (fp32) holding the weights of a Hugging Face directory."""
-    args, tensors = import_hf(hf_dir)
-    return build_from_tensors(args, tensors, device)
+    """A plait Transformer (fp32) holding the weights of a Hugging Face directory, read one tensor at a time
+    into it."""
+    hf = open_hf(hf_dir)
+    model = empty_model(hf.args, device)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(hf.read(name))
+    return model
 
 
 def load_safetensors(path: str | Path, device: str | torch.device = "cpu") -> Transformer:

@@ -19,6 +19,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -87,15 +88,15 @@ def load_init_weights(parts: list[nn.Module], ref: str, args: ModelArgs) -> dict
     (possibly sharded or pipeline stages); refuses a model of another shape. Returns what was loaded."""
     kind, path = resolve_weights(ref)
     if kind == "hf":
-        from plait.interop.hf import import_hf
-        from plait.parallel.parallelize import assign_sharded
+        from plait.interop.hf import open_hf
+        from plait.parallel.parallelize import load_local_shard
 
-        src_args, tensors = import_hf(path)
-        check_same_model(src_args, args, ref)
-        with torch.no_grad():
-            for part in parts:
-                for name, param in part.named_parameters():
-                    assign_sharded(param, tensors[canonical_name(name)].float())
+        hf = open_hf(path)
+        check_same_model(hf.args, args, ref)
+        for part in parts:
+            for name, param in part.named_parameters():
+                # each rank reads only the box of each tensor its shard covers (a slice of the mapped file)
+                load_local_shard(param, partial(hf.read, canonical_name(name)))
     else:
         config = read_meta(path).get("config", {})
         if config.get("finetune", {}).get("lora_rank"):

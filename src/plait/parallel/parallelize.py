@@ -13,13 +13,14 @@ the single-process model would have (same seed, same names), so parallel runs ar
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -161,14 +162,20 @@ def apply_fsdp(model: Transformer, meshes: Meshes, cfg: Config, device: torch.de
 
 
 @torch.no_grad()
-def assign_sharded(param: torch.Tensor, value: torch.Tensor) -> None:
-    """Copy a full (unsharded) value into a possibly sharded parameter: each rank keeps its own shard,
-    cut locally (src_data_rank=None: no communication)."""
-    if isinstance(param, DTensor):
-        local = distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
-        param.to_local().copy_(local.to_local())
-    else:
-        param.copy_(value)
+def load_local_shard(param: torch.Tensor, read_box: Callable[[tuple[int, ...], tuple[int, ...]], torch.Tensor]) -> None:
+    """Fill this rank's shard of a parameter from ``read_box(offset, shape)``: the box of the full value that
+    the shard covers (``local_box``), which the caller reads alone (a slice of a file), so no rank ever
+    reads or holds another rank's part. A plain (unsharded) parameter reads the whole box."""
+    if not isinstance(param, DTensor):
+        param.copy_(read_box((0,) * param.dim(), tuple(param.shape)))
+        return
+    local = param.to_local()
+    shape, offset = local_box(param)
+    if local.numel() == 0:
+        return
+    if tuple(local.shape) != tuple(shape):
+        raise RuntimeError(f"local shard {tuple(local.shape)} is not the box {tuple(shape)} torch reports")
+    local.copy_(read_box(tuple(offset), tuple(shape)))
 
 
 @torch.no_grad()
