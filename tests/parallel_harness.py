@@ -47,9 +47,9 @@ def _worker(rank: int, world: int, port: int, jobs: list[list[str]], out_dir: st
     import torch
 
     torch.set_num_threads(1)
+    from plait.api import train
     from plait.config import load_config
     from plait.parallel.env import init_distributed, shutdown
-    from plait.train import _train
 
     results = []
     try:
@@ -57,7 +57,7 @@ def _worker(rank: int, world: int, port: int, jobs: list[list[str]], out_dir: st
         for i, overrides in enumerate(jobs):
             cfg = load_config(None, [*overrides, f"run.out_dir={out_dir}", f"run.name=job{i}"])
             try:
-                _train(cfg, env)
+                train(cfg, env=env)
                 results.append(read_metrics(Path(out_dir) / f"job{i}") if rank == 0 else None)
             except Exception:
                 results.append({"error": traceback.format_exc()})

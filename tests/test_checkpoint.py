@@ -55,7 +55,7 @@ def base(data_dir: Path, out: Path, name: str, *extra: str) -> list[str]:
 
 
 def run(data_dir: Path, out: Path, name: str, *extra: str) -> dict:
-    from plait.train import train
+    from plait.api import train
 
     train(load_config(None, base(data_dir, out, name, *extra)))
     return records(out / name)

@@ -97,7 +97,7 @@ def data_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, data_dir) -> dict:
     """An eager run (in this process) and a cold compiled run (a fresh process) of the same job."""
-    from plait.train import train
+    from plait.api import train
 
     out = tmp_path_factory.mktemp("compile")
     train(load_config(None, [*single(data_dir), f"run.out_dir={out}", "run.name=eager"]))
@@ -316,7 +316,7 @@ def test_trusted_dir_checks_every_file_before_copying_it(tmp_path, monkeypatch):
 def test_compiled_parallel_layouts_match_eager(data_dir, tmp_path):
     """FSDP (plain, full AC, selective AC, CPU offload) and a 1F1B pipeline, compiled (strict: any
     recompilation fails the job), against the eager single-process run of the same batches."""
-    from plait.train import train
+    from plait.api import train
 
     train(load_config(None, [*base(data_dir), "eval.every_steps=0", f"run.out_dir={tmp_path}", "run.name=ref"]))
     ref = read_run(tmp_path / "ref")

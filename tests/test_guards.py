@@ -22,7 +22,8 @@ from parallel_harness import free_port
 from plait.checkpoint import TrainState
 from plait.config import load_config
 from plait.errors import ConfigError, PlaitError
-from plait.guards import Faults, Guard, SpikeDetector, describe_stack, find_straggler
+from plait.faults import Faults
+from plait.guards import Guard, SpikeDetector, describe_stack, find_straggler
 from plait.metrics import MetricsLogger
 from plait.parallel.env import DistEnv
 
@@ -182,7 +183,7 @@ def test_guard_spikes_warn_and_optionally_skip(tmp_path):
 
 
 def test_skip_policy_drops_the_bad_step_and_finishes(data_dir, tmp_path, monkeypatch):
-    from plait.train import train
+    from plait.api import train
 
     clean = train(load_config(None, [*base(data_dir, 5), f"run.out_dir={tmp_path}", "run.name=clean"]))
     monkeypatch.setenv("PLAIT_FAULT_NAN", "3")
@@ -201,7 +202,7 @@ def test_skip_policy_drops_the_bad_step_and_finishes(data_dir, tmp_path, monkeyp
 def test_rollback_policy_replays_to_the_clean_trajectory(data_dir, tmp_path, monkeypatch):
     """NaN at step 7 with checkpoints every 4 steps: reload step 4, replay 5-8; the replayed losses equal the
     uninterrupted run's exactly (the checkpoint restores model, optimizer, schedule and data position)."""
-    from plait.train import train
+    from plait.api import train
 
     args = [*base(data_dir, 8), f"run.out_dir={tmp_path}", "checkpoint.every_steps=4", "checkpoint.keep_last=5"]
     args.append("checkpoint.async_enabled=false")  # the step-4 save is surely published by step 7
@@ -216,7 +217,7 @@ def test_rollback_policy_replays_to_the_clean_trajectory(data_dir, tmp_path, mon
 
 
 def test_stop_policy_and_giving_up(data_dir, tmp_path, monkeypatch):
-    from plait.train import train
+    from plait.api import train
 
     with pytest.raises(ConfigError, match="set checkpoint.every_steps"):
         load_config(None, ["guard.nonfinite_policy=rollback", "checkpoint.every_steps=0"])  # on by default
@@ -236,8 +237,8 @@ def _worker(rank: int, world: int, port: int, jobs: list, out_dir: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
     os.environ.update(MASTER_PORT=str(port), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
+    from plait.api import train
     from plait.parallel.env import init_distributed, shutdown
-    from plait.train import _train
 
     results = []
     try:
@@ -246,7 +247,7 @@ def _worker(rank: int, world: int, port: int, jobs: list, out_dir: str) -> None:
             os.environ.update(fault_env)
             try:
                 cfg = load_config(None, [*overrides, f"run.out_dir={out_dir}", f"run.name=job{i}"])
-                _train(cfg, env)
+                train(cfg, env=env)
                 run_dir = Path(out_dir) / f"job{i}"
                 results.append({"error": None, "rows": rows(run_dir) if rank == 0 else None})
             except PlaitError as e:  # raised alike on every rank: the group stays usable

@@ -12,8 +12,9 @@ import torch
 
 from plait.cli import main as cli_main
 from plait.config import load_config
+from plait.doctor import parse_sizes
 from plait.errors import PlaitError
-from plait.health import CollectiveRow, ComputeResult, HealthReport, bus_factor, check_compute, parse_sizes
+from plait.health import CollectiveRow, ComputeResult, HealthReport, bus_factor, check_compute
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +64,7 @@ def test_report_names_wrong_slow_and_disagreeing_ranks():
 
 
 def test_training_refuses_to_start_on_a_bad_device(data_dir, tmp_path, monkeypatch):
-    from plait.train import train
+    from plait.api import train
 
     overrides = [
         "model.preset=debug",

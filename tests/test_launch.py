@@ -70,7 +70,7 @@ def test_slurm_script(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert "#SBATCH --nodes=4" in result.stdout and "--nproc-per-node=8" in result.stdout
-    assert "-m plait.train configs/seed_3d.toml --parallel.pp_degree=2" in result.stdout
+    assert "-m plait train configs/seed_3d.toml --parallel.pp_degree=2" in result.stdout
     bad = run_cli(
         "launch",
         "slurm",

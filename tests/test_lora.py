@@ -370,8 +370,8 @@ def test_lora_under_fsdp_reproduces_the_single_process_run(runs, corpus, tmp_pat
     """dp_shard=2: the frozen base sharded by FSDP2, the adapters replicated with averaged gradients. Same
     tolerance and reason as tests/test_parallel.py: a reordering of fp32 sums only."""
     from parallel_harness import read_metrics, run_layouts
+    from plait.api import train
     from plait.config import load_config
-    from plait.train import train
 
     job = [
         o.removeprefix("--")

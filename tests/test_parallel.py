@@ -52,7 +52,7 @@ def data_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(data_dir, tmp_path_factory):
-    from plait.train import train
+    from plait.api import train
 
     out = tmp_path_factory.mktemp("ref")
     train(load_config(None, [*base(data_dir), f"run.out_dir={out}", "run.name=ref"]))
@@ -140,7 +140,7 @@ def test_sliding_window_and_qkv_bias_match_single_process(data_dir, tmp_path):
     """Mistral/Qwen2 attention under TP+SP (the window's mask is the same for every head, so it holds on each
     rank's share of the heads; attention sees the whole gathered sequence) and FSDP (the biases sharded as
     1-D parameters, initialised from their rows like any other)."""
-    from plait.train import train
+    from plait.api import train
 
     train(load_config(None, [*base(data_dir), *WINDOW_AND_BIAS, f"run.out_dir={tmp_path}", "run.name=ref"]))
     reference = read_metrics(tmp_path / "ref")
@@ -252,7 +252,7 @@ def test_masked_loss_is_the_same_for_every_layout_and_micro_batch(masked_data, t
     """Fine-tuning with masked targets: the loss is the mean over every scored token of the global batch, so
     one process (whole batch, or micro-batches of 1), FSDP 2 with micro-batches of 2 and TP 2 x PP 2 give the
     same losses and gradient norms (the fp32 tolerance of the other layouts)."""
-    from plait.train import train
+    from plait.api import train
 
     job = [*base(masked_data), "eval.every_steps=0"]
     ref, per_row = tmp_path / "ref", "micro1"

@@ -14,7 +14,8 @@ import torch
 from plait.errors import ConfigError
 from plait.model import ModelArgs, preset_args
 from plait.planner import Layouts, Workload, cost, evaluate, get_cluster, plan
-from plait.planner.cli import cmd_plan, layout_config, parse_tokens
+from plait.planner.cli import cmd_plan, parse_tokens
+from plait.planner.search import layout_config
 from plait.train import build_model, cross_entropy
 
 GQA = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=16, max_seq_len=128)

@@ -35,7 +35,7 @@ RUN = {
     "plait ckpt import hf/ --out runs/ft": ([], ["wrote runs/ft/checkpoints/step_00000000"]),
     "plait train configs/seed_3d.toml --parallel.pp_degree=1 --parallel.tp_degree=1": (CAP, ["pp=1"]),
     "plait train configs/seed_3d.toml --nproc 8": (CAP, ["pp=2 dp_replicate=1 dp_shard=2 tp=2"]),
-    "torchrun --nproc-per-node 8 -m plait.train configs/seed_3d.toml": (CAP, ["pp=2 dp_replicate=1 dp_shard=2 tp=2"]),
+    "torchrun --nproc-per-node 8 -m plait train configs/seed_3d.toml": (CAP, ["pp=2 dp_replicate=1 dp_shard=2 tp=2"]),
     SLURM: ([], ["wrote job.sbatch"]),
     "plait launch slurm --nodes 3 --gpus-per-node 8 configs/seed_3d.toml --parallel.pp_degree=6 "
     "--parallel.tp_degree=4": ([], ["--nnodes=3 --nproc-per-node=8", "--parallel.pp_degree=6 --parallel.tp_degree=4"]),
@@ -49,6 +49,7 @@ SKIPPED = {  # README line -> why it is not run here
     SMOLLM2_TRAIN: "the SmolLM2 example's own steps (examples/smollm2_lora.py downloads the model)",
     "plait eval runs/smollm2-lora --suite suite.yaml --json eval.json": "the SmolLM2 example's own steps",
     "plait lineage show runs/smollm2-lora": "the SmolLM2 example's own steps",
+    "torchrun --nproc-per-node 2 examples/custom_model.py": "run by tests/test_api.py (FSDP 2 against one process)",
 }
 
 

@@ -95,7 +95,7 @@ def data_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(data_dir, tmp_path_factory):
-    from plait.train import train
+    from plait.api import train
 
     out = tmp_path_factory.mktemp("ref")
     train(load_config(None, [*base(data_dir), f"run.out_dir={out}", "run.name=ref"]))
@@ -125,7 +125,7 @@ def s3(tmp_path_factory):
 @pytest.fixture(scope="module")
 def matrix(data_dir, tmp_path_factory, s3) -> dict[str, dict]:
     """Every save and resume, run once: {case name: metrics}."""
-    from plait.train import train
+    from plait.api import train
 
     root = tmp_path_factory.mktemp("ckpts")
     results: dict[str, dict] = {}

@@ -226,10 +226,10 @@ def _init_from_worker(rank: int, world: int, port: int, overrides: list[str], ou
         MASTER_PORT=str(port),
     )
     torch.set_num_threads(1)
+    from plait.api import train
     from plait.config import load_config
     from plait.interop.hf import HFWeights
     from plait.parallel.env import init_distributed, shutdown
-    from plait.train import _train
 
     reads = []
     read = HFWeights.read
@@ -241,7 +241,7 @@ def _init_from_worker(rank: int, world: int, port: int, overrides: list[str], ou
 
     HFWeights.read = counted
     try:
-        _train(load_config(None, overrides), init_distributed("cpu", 120))
+        train(load_config(None, overrides), env=init_distributed("cpu", 120))
     finally:
         Path(out_dir, f"reads{rank}.json").write_text(json.dumps(reads))
         shutdown()

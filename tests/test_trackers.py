@@ -56,8 +56,8 @@ def test_wandb_and_mlflow_record_what_tensorboard_and_jsonl_do(tmp_path, monkeyp
     from mlflow.tracking import MlflowClient
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    from plait.api import train
     from plait.data import ensure_prepared
-    from plait.train import train
 
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))  # nothing in the home directory
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))

@@ -83,6 +83,7 @@ def run_bench(cfg: Config, steps: int, warmup: int) -> dict:
     """Build and time the job in this process; returns the results (see the module docstring)."""
     from plait.data import TokenDataset, TokenLoader, ensure_prepared
     from plait.hardware import device_info, memory_stats, resolve_device
+    from plait.lifecycle.finetune import apply_finetune
     from plait.train import build_trainable, train_step
 
     device = resolve_device(cfg.run.device)
@@ -95,7 +96,7 @@ def run_bench(cfg: Config, steps: int, warmup: int) -> dict:
 
     t_build = time.perf_counter()
     compiler = CompileMonitor.start(cfg, device, is_main=True)
-    t = build_trainable(cfg, device)
+    t = build_trainable(cfg, device, on_model=lambda parts: apply_finetune(cfg, parts))  # one process
     loader = TokenLoader(
         dataset,
         seq_len=cfg.data.seq_len,
@@ -363,7 +364,7 @@ def cmd_bench(argv: list[str]) -> int:
         raise ConfigError(f"--json {json_path} is a directory; give a file path, e.g. {Path(json_path) / 'bench.json'}")
     no_warm, quiet = _pop_flag(args, "--no-warm-run"), _pop_flag(args, "--quiet")
 
-    from plait.cli import split_config_args
+    from plait.argparsing import split_config_args
     from plait.config import load_config
 
     path, overrides = split_config_args(args)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import sys
 
-from plait.argparsing import PlaitParser
+from plait.argparsing import PlaitParser, pop_int, pop_option, split_config_args
 from plait.errors import ConfigError, PlaitError
 
 TRAIN_USAGE = """\
@@ -19,32 +19,11 @@ else the CPU. A run directory that already holds checkpoints is resumed from the
 --nproc N starts N local workers (default: one per visible GPU, else 1); the parallel layout is set by the
 [parallel] options, or chosen by the planner with --layout auto. --max-restarts R restarts the group
 after a lost worker. Under torchrun, use
-`torchrun --nproc-per-node N -m plait.train [CONFIG] [overrides]`.
+`torchrun --nproc-per-node N -m plait train [CONFIG] [overrides]`.
 
 Settings resolve in this order (later wins): defaults, model preset, CONFIG.toml, --section.key=value.
 Options (type, help, default):
 """
-
-
-def split_config_args(args: list[str]) -> tuple[str | None, list[str]]:
-    """[CONFIG] --a.b=1 --c.d 2 -> (CONFIG, ['a.b=1', 'c.d=2'])."""
-    path, overrides, i = None, [], 0
-    while i < len(args):
-        arg = args[i]
-        if arg.startswith("--"):
-            if "=" in arg:
-                overrides.append(arg[2:])
-            elif i + 1 < len(args) and not args[i + 1].startswith("--"):
-                overrides.append(f"{arg[2:]}={args[i + 1]}")
-                i += 1
-            else:
-                raise ConfigError(f"option {arg} needs a value: {arg}=VALUE")
-        elif path is None:
-            path = arg
-        else:
-            raise ConfigError(f"unexpected argument {arg!r}: give at most one config file, then --section.key=value")
-        i += 1
-    return path, overrides
 
 
 def _load(args: list[str]):
@@ -54,28 +33,6 @@ def _load(args: list[str]):
     return load_config(path, overrides)
 
 
-def _pop_int(args: list[str], flag: str) -> int | None:
-    """Remove `--flag N` / `--flag=N` from args and return N."""
-    for i, arg in enumerate(args):
-        if arg == flag or arg.startswith(flag + "="):
-            value = arg.split("=", 1)[1] if "=" in arg else (args[i + 1] if i + 1 < len(args) else "")
-            del args[i : i + (1 if "=" in arg else 2)]
-            try:
-                return int(value)
-            except ValueError:
-                raise ConfigError(f"{flag} expects an integer, got {value!r}") from None
-    return None
-
-
-def _pop_str(args: list[str], flag: str) -> str | None:
-    for i, arg in enumerate(args):
-        if arg == flag or arg.startswith(flag + "="):
-            value = arg.split("=", 1)[1] if "=" in arg else (args[i + 1] if i + 1 < len(args) else "")
-            del args[i : i + (1 if "=" in arg else 2)]
-            return value
-    return None
-
-
 def cmd_train(args: list[str]) -> int:
     if any(a in ("-h", "--help") for a in args):
         from plait.config import options_help
@@ -83,10 +40,10 @@ def cmd_train(args: list[str]) -> int:
         print(TRAIN_USAGE + options_help())
         return 0
     args = list(args)
-    nproc, restarts = _pop_int(args, "--nproc"), _pop_int(args, "--max-restarts")
+    nproc, restarts = pop_int(args, "--nproc"), pop_int(args, "--max-restarts")
     if restarts is not None and restarts < 0:
         raise ConfigError(f"--max-restarts={restarts} must be 0 or more (how often a failed group is restarted)")
-    layout = _pop_str(args, "--layout")
+    layout = pop_option(args, "--layout")
     if "WORLD_SIZE" not in os.environ:  # not yet inside a launched worker
         _load(args)  # a bad setting is refused now, before torch is even imported
         from plait.launch import _validate_before_launch, default_nproc, launch_local
@@ -104,9 +61,9 @@ def cmd_train(args: list[str]) -> int:
             raise ConfigError(f"--layout={layout!r}: only 'auto' is accepted (or set the [parallel] options)")
         _validate_before_launch(args, nproc)
         if nproc > 1 or restarts:
-            return launch_local(nproc, args, restarts or 0)
+            return launch_local(nproc, args, restarts or 0, train_worker)
     cfg = _load(args)
-    from plait.train import train
+    from plait.api import train
 
     train(cfg)
     return 0
@@ -257,9 +214,9 @@ def cmd_plot(argv: list[str]) -> int:
 
 
 def cmd_doctor(argv: list[str]) -> int:
-    from plait.health import cmd_doctor as run
+    from plait.doctor import cmd_doctor
 
-    return run(argv)
+    return cmd_doctor(argv, worker=worker)
 
 
 COMMANDS = {
@@ -330,6 +287,17 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"plait {argv[0]}: interrupted", file=sys.stderr)
         return 130
+
+
+def worker(argv: list[str]) -> None:
+    """A process started by `plait train|doctor --nproc`: the command line, exiting with its code."""
+    code = main(argv)
+    if code:
+        sys.exit(code)
+
+
+def train_worker(argv: list[str]) -> None:
+    worker(["train", *argv])
 
 
 if __name__ == "__main__":

@@ -54,8 +54,12 @@ def apply_compile(model: nn.Module, cfg: Config) -> nn.Module:
         return model
     if c.float8:
         apply_float8(model)
-    for name, block in list(model.layers.items()):
-        model.layers[name] = torch.compile(block, mode=c.mode, dynamic=False, fullgraph=True)
+    layers = getattr(model, "layers", None)
+    if isinstance(layers, (nn.ModuleDict, nn.ModuleList)) and len(layers):
+        for name, block in list(layers.items() if isinstance(layers, nn.ModuleDict) else enumerate(layers)):
+            layers[name] = torch.compile(block, mode=c.mode, dynamic=False, fullgraph=True)
+    else:  # a model without blocks (your own): compiled whole, in place
+        model.compile(mode=c.mode, dynamic=False)
     return model
 
 

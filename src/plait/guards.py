@@ -17,11 +17,7 @@ Every decision is made from values that are identical on all ranks (the loss and
 global, all-reduced in train_step), so all ranks skip, roll back or stop together.
 Cost: one host sync per step (the loss and norm read in should_step); on CPU it is free, on a GPU it
 keeps the host from queueing the next step's kernels before this step's backward has finished.
-
-Fault injection, for tests (all read once per run): PLAIT_FAULT_NAN=STEP[:COUNT] makes the loss NaN (on all
-ranks) in COUNT step executions from STEP on, default 1; PLAIT_FAULT_HANG=RANK:STEP hangs that rank in
-forward at STEP; PLAIT_FAULT_SLOW_RANK=RANK:SECONDS delays that rank by SECONDS every step. NAN and HANG
-act in an elastic group's first attempt only, as PLAIT_FAULT_KILL does.
+Fault injection for tests lives in plait.faults.
 """
 
 from __future__ import annotations
@@ -43,11 +39,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from plait.callbacks import Callback
 from plait.checkpoint import TrainState, list_checkpoints, step_of
 from plait.errors import PlaitError
-from plait.health import all_gather_single, injected
-from plait.parallel.env import restart_count
-from plait.torch_private import heartbeat_store
+from plait.health import all_gather_single
+from plait.parallel.env import heartbeat_store
 
 # The flight recorder (a ring buffer per process of the collectives it entered, for gloo and NCCL; it is
 # what the hang report reads) is sized when the first collective runs: importing this module, which
@@ -55,53 +51,6 @@ from plait.torch_private import heartbeat_store
 os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
 
 HANG_EXIT_CODE = 124  # as `timeout` uses: any non-zero status makes the elastic agent restart the group
-
-
-# ------------------------------------------------------------------------------------------ faults
-
-
-class Faults:
-    """The injected faults of this rank (see the module docstring); inert when no variable is set."""
-
-    def __init__(self, rank: int):
-        self.rank = rank
-        first_attempt = restart_count() == 0
-        nan, hang, slow = injected("PLAIT_FAULT_NAN"), injected("PLAIT_FAULT_HANG"), injected("PLAIT_FAULT_SLOW_RANK")
-        self.nan_step, self.nan_left = (nan[0], int(nan[1] or 1)) if nan and first_attempt else (0, 0)
-        self.hang_step = int(hang[1] or 0) if hang and first_attempt and hang[0] == rank else 0
-        self.slow_s = (slow[1] or 1.0) if slow and slow[0] == rank else 0.0
-        self.nan_armed = self.hang_armed = False
-
-    def install(self, parts: list[torch.nn.Module]) -> list:
-        """Forward hooks on the model parts, only when a NaN or hang is to be injected."""
-        if not (self.nan_left or self.hang_step):
-            return []
-        return [part.register_forward_hook(self._hook) for part in parts]
-
-    def before_step(self, step: int) -> None:
-        if self.slow_s:
-            time.sleep(self.slow_s)
-        self.nan_armed = self.nan_left > 0 and step >= self.nan_step
-        self.hang_armed = step == self.hang_step
-
-    def disarm(self) -> None:
-        """After forward/backward: evaluation forwards are not touched."""
-        if self.nan_armed:
-            self.nan_left -= 1
-        self.nan_armed = self.hang_armed = False
-
-    def _hook(self, module, args, output):
-        if self.hang_armed:
-            print(f"plait: fault injection: rank {self.rank} hangs in forward", file=sys.stderr, flush=True)
-            _injected_hang()
-        if self.nan_armed and isinstance(output, torch.Tensor):
-            return output * float("nan")
-        return output
-
-
-def _injected_hang() -> None:
-    while True:
-        time.sleep(0.5)
 
 
 # ------------------------------------------------------------------------------------------ loss spikes
@@ -167,7 +116,7 @@ def find_straggler(local_s: list[float], sync_s: list[float]) -> Straggler:
 # (path fragment, function names or None for any, phase): the innermost frame that matches names the phase.
 _PHASES = [
     ("torch/optim/", None, "optimizer"),
-    ("plait/train.py", {"clip_grad_norm"}, "gradient norm"),
+    ("plait/parallel/norm.py", {"clip_grad_norm"}, "gradient norm"),
     ("plait/train.py", {"_accumulate"}, "forward/backward"),
     ("plait/parallel/pipeline.py", {"pipeline_forward_backward"}, "forward/backward"),
     ("plait/train.py", {"evaluate"}, "eval"),
@@ -400,8 +349,6 @@ class Guard:
         self.cfg, self.g = cfg, cfg.guard
         self.rank, self.world_size, self.device, self.is_main = env.rank, env.world_size, env.device, env.is_main
         self.t, self.checkpointer, self.loader, self.metrics = t, checkpointer, loader, metrics
-        self.faults = Faults(env.rank)
-        self._hooks = self.faults.install(t.parts) if t is not None else []
         self.spikes = SpikeDetector(self.g.spike_window, self.g.spike_num_std)
         self.watchdog = Watchdog(env.rank, self.g.hang_timeout_s, env.world_size) if self.g.hang_timeout_s > 0 else None
         self.num_skipped = self.num_rollbacks = self.num_spikes = 0
@@ -421,7 +368,6 @@ class Guard:
         self.step, self._verdict, self._spike = step, None, None
         if self.watchdog:
             self.watchdog.beat(step)
-        self.faults.before_step(step)
         now = time.perf_counter()
         self._local_s += now - self._mark
         self._mark = now
@@ -430,7 +376,6 @@ class Guard:
         """Called by train_step between the global gradient norm and the optimizer: apply the update?"""
         values = torch.stack([loss.detach().float().reshape(()), grad_norm.detach().float().reshape(())])
         self._values = loss_v, norm_v = tuple(values.tolist())  # the one host sync of a step
-        self.faults.disarm()
         if not (math.isfinite(loss_v) and math.isfinite(norm_v)):
             if self.g.nonfinite_policy == "stop":
                 raise PlaitError(
@@ -570,21 +515,43 @@ class Guard:
             self._print(step, message)
 
     def _print(self, step: int, message: str) -> None:
-        from plait.metrics import console
+        from plait.metrics import warn
 
-        console.print(f"[yellow]guard:[/] step {step}: {message}", highlight=False)
+        warn(f"guard: step {step}: {message}")
 
     def close(self) -> None:
-        """Stop the watchdog, remove fault hooks and summarise what the guard did."""
+        """Stop the watchdog and summarise what the guard did."""
         if self.watchdog:
             self.watchdog.stop()
-        for h in self._hooks:
-            h.remove()
         if self.is_main and (self.num_skipped or self.num_rollbacks or self.num_spikes):
-            from plait.metrics import console
+            from plait.metrics import info
 
-            console.print(
+            info(
                 f"guard: {self.num_skipped} step(s) skipped, {self.num_rollbacks} rollback(s), "
-                f"{self.num_spikes} loss spike(s)",
-                highlight=False,
+                f"{self.num_spikes} loss spike(s)"
             )
+
+
+class Guards(Callback):
+    """The run's Guard (bad steps, spikes, hang watchdog, stragglers) attached to the trainer."""
+
+    def __init__(self):
+        self.guard: Guard | None = None
+
+    def on_start(self, run) -> None:
+        self.guard = Guard(
+            run.cfg, run.env, run.t, checkpointer=run.checkpointer, loader=run.loader, metrics=run.metrics
+        )
+
+    def before_step(self, run, step: int) -> None:
+        self.guard.before_step(step)
+
+    def should_step(self, run, loss, grad_norm) -> bool:
+        return self.guard.should_step(loss, grad_norm)
+
+    def after_step(self, run, step: int, result) -> bool:
+        return self.guard.after_step(step, run.state)
+
+    def close(self, run) -> None:
+        if self.guard is not None:
+            self.guard.close()

@@ -17,16 +17,17 @@ import math
 import os
 import socket
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from plait.errors import ConfigError, PlaitError
+from plait.callbacks import Callback
+from plait.errors import PlaitError
+from plait.faults import injected
 from plait.hardware import device_info
-from plait.parallel.dims import AXES, Meshes, ParallelDims
+from plait.parallel.dims import AXES, Meshes
 
 MiB = 1 << 20
 DEFAULT_SIZES = (1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB)
@@ -51,18 +52,6 @@ def bus_factor(op: str, n: int) -> float:
     if op in ("all_gather", "reduce_scatter"):
         return (n - 1) / n
     return 1.0  # send/recv: every byte crosses one link once
-
-
-def injected(name: str) -> tuple[int, float | None] | None:
-    """A fault-injection variable, 'A' or 'A:B', as (int(A), float(B) or None); None when unset."""
-    spec = os.environ.get(name, "").strip()
-    if not spec:
-        return None
-    head, _, tail = spec.partition(":")
-    try:
-        return int(head), (float(tail) if tail else None)
-    except ValueError:
-        raise ConfigError(f"{name}={spec!r} must look like RANK or RANK:VALUE (e.g. 1:0.5)") from None
 
 
 # ------------------------------------------------------------------------------------------ arithmetic
@@ -301,7 +290,7 @@ class HealthReport:
                 out.setdefault(c.rank, []).append(c.wrong)
         for row in self.collectives:
             for r in row.wrong_ranks:
-                why = f"{row.op} on axis {row.axis} delivered wrong values ({_size(row.nbytes)})"
+                why = f"{row.op} on axis {row.axis} delivered wrong values ({format_size(row.nbytes)})"
                 out.setdefault(r, []).append(why)
         return out
 
@@ -355,7 +344,7 @@ def _where(c: ComputeResult | None) -> str:
     return f"{c.host}, {c.device}" if c else "?"
 
 
-def _size(nbytes: int) -> str:
+def format_size(nbytes: int) -> str:
     for unit, scale in (("GiB", 1 << 30), ("MiB", MiB), ("KiB", 1024)):
         if nbytes >= scale:
             return f"{nbytes / scale:g} {unit}"
@@ -391,7 +380,7 @@ def run_health_check(cfg, env, meshes: Meshes | None) -> HealthReport | None:
     communicates wrongly; warn about a slow rank. Every rank decides alike (the report is gathered)."""
     if not cfg.run.health_check_enabled:
         return None
-    from plait.metrics import console
+    from plait.metrics import info, warn
 
     report = run_checks(env.device, env.rank, meshes, slow_ratio=cfg.guard.straggler_ratio or 2.0)
     wrong = report.wrong()
@@ -404,195 +393,19 @@ def run_health_check(cfg, env, meshes: Meshes | None) -> HealthReport | None:
         )
     if env.is_main:
         for line in report.problems():
-            console.print(f"[yellow]health check warning:[/] {line}", highlight=False)
+            warn(f"health check: {line}")
         axes = ", ".join(dict.fromkeys(f"{r.axis}({r.degree})" for r in report.collectives))
         err = max(x.matmul_err for x in report.compute)
-        console.print(
+        info(
             f"health check ok: {len(report.compute)} rank(s), matmul vs fp64 {err:.0e}"
             + (f", collectives on {axes}" if axes else "")
-            + f" [{report.seconds:.2f} s]",
-            highlight=False,
+            + f" [{report.seconds:.2f} s]"
         )
     return report
 
 
-# ------------------------------------------------------------------------------------------ plait doctor
+class HealthCheck(Callback):
+    """run_health_check before the model is built (run.health_check_enabled)."""
 
-DOCTOR_USAGE = """\
-usage: plait doctor [CONFIG.toml] [--nproc N] [--parallel.KEY=VALUE ...] [--sizes 1M,4M,16M,64M] [--iters N]
-
-Check the machine before a run: each rank's device computes a seeded fp32 matmul, compared with an fp64
-reference and a checksum (and timed: a rank over guard.straggler_ratio x its peers' median is slow); then
-all-reduce, all-gather, reduce-scatter and send/recv run on every mesh axis of the [parallel] layout,
-checked against known values and timed over a size sweep, reported like nccl-tests (algbw = size / time;
-busbw = algbw x 2(n-1)/n for all-reduce, (n-1)/n for all-gather and reduce-scatter, 1 for send/recv).
-Exits 1 naming the rank when a rank is wrong or slow. --nproc N starts N local workers; under torchrun use
-`torchrun --nproc-per-node N -m plait.cli doctor [...]`.
-"""
-
-
-def parse_sizes(text: str) -> tuple[int, ...]:
-    """'64K,1M,4M' -> bytes."""
-    units = {"": 1, "B": 1, "K": 1024, "KB": 1024, "KIB": 1024, "M": MiB, "MB": MiB, "MIB": MiB, "G": 1 << 30}
-    out = []
-    for item in text.split(","):
-        item = item.strip().upper()
-        number = item.rstrip("KMGIB")
-        try:
-            value = int(float(number) * units[item[len(number) :]])
-        except (ValueError, KeyError):
-            raise ConfigError(f"--sizes entry {item!r} is not a size; use e.g. 64K,1M,16M") from None
-        if value < 4:
-            raise ConfigError(f"--sizes entry {item!r} is below one fp32 element")
-        out.append(value)
-    return tuple(out)
-
-
-def _pop_flag(args: list[str], flag: str) -> str | None:
-    for i, arg in enumerate(args):
-        if arg == flag or arg.startswith(flag + "="):
-            value = arg.split("=", 1)[1] if "=" in arg else (args[i + 1] if i + 1 < len(args) else "")
-            del args[i : i + (1 if "=" in arg else 2)]
-            return value
-    return None
-
-
-def cmd_doctor(argv: list[str]) -> int:
-    if any(a in ("-h", "--help") for a in argv):
-        print(DOCTOR_USAGE)
-        return 0
-    from plait.cli import _pop_int, split_config_args
-    from plait.config import load_config
-
-    args = list(argv)
-    nproc = _pop_int(args, "--nproc")
-    sizes_text, iters_text = _pop_flag(args, "--sizes"), _pop_flag(args, "--iters")
-    sizes = parse_sizes(sizes_text) if sizes_text else DEFAULT_SIZES
-    try:
-        iters = int(iters_text) if iters_text is not None else None
-    except ValueError:
-        raise ConfigError(f"--iters expects an integer, got {iters_text!r}") from None
-    if iters is not None and iters < 1:
-        raise ConfigError(f"--iters={iters} must be at least 1")
-    cfg = load_config(*split_config_args(args))
-    if "WORLD_SIZE" not in os.environ:  # not yet inside a launched worker
-        from plait.launch import default_nproc
-
-        nproc = default_nproc() if nproc is None else nproc
-        if nproc < 1:
-            raise ConfigError(f"--nproc={nproc} must be at least 1")
-        ParallelDims.from_config(cfg.parallel, nproc)  # refuse an impossible layout before starting workers
-        if nproc > 1:
-            forwarded = [a for a in argv if not (a == "--nproc" or a.startswith("--nproc="))]
-            if "--nproc" in argv:
-                del forwarded[argv.index("--nproc")]  # its value followed it
-            return _launch(nproc, forwarded)
-    return _doctor(cfg, sizes, iters)
-
-
-def _doctor(cfg, sizes: tuple[int, ...], iters: int | None) -> int:
-    from plait.parallel.env import init_distributed, shutdown
-
-    env = init_distributed(cfg.run.device, cfg.parallel.timeout_s)
-    try:
-        dims = ParallelDims.from_config(cfg.parallel, env.world_size)
-        meshes = Meshes(dims.build_mesh(env.device.type), dims) if env.world_size > 1 else None
-        iters = iters or (20 if env.device.type == "cuda" else 5)
-        report = run_checks(
-            env.device, env.rank, meshes, sizes=sizes, iters=iters, slow_ratio=cfg.guard.straggler_ratio or 2.0
-        )
-        if env.is_main:
-            print_report(report, dims, iters)
-        return 1 if report.problems() else 0
-    finally:
-        shutdown()
-
-
-def print_report(report: HealthReport, dims: ParallelDims, iters: int) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console(width=None if sys.stdout.isatty() else 120, highlight=False)
-    wrong, slow, differ, contended = report.wrong(), report.slow(), set(report.disagree()), report.contended()
-    c0 = report.compute[0]
-    title = f"devices: {c0.size}x{c0.size} fp32 matmul (median over {TIMING_WINDOW_S:g} s) vs an fp64 reference"
-    table = Table(title=title, title_justify="left")
-    for name in (
-        "rank",
-        "host",
-        "device",
-        "time (ms)",
-        "best",
-        "TFLOP/s",
-        "max rel err",
-        "checksum err",
-        "bits",
-        "status",
-    ):
-        table.add_column(name, justify="left" if name in ("host", "device", "status", "bits") else "right")
-    for c in report.compute:
-        status = "WRONG" if c.rank in wrong else f"SLOW {slow[c.rank]:.1f}x" if c.rank in slow else "ok"
-        if c.rank in contended:
-            status = ("" if status == "ok" else status + ", ") + f"SHARED {contended[c.rank]:.1f}x"
-        bits = c.fingerprint + (" (differs)" if c.rank in differ else "")
-        table.add_row(
-            str(c.rank), c.host, c.device, f"{1e3 * c.seconds:.2f}", f"{1e3 * c.best_seconds:.2f}", f"{c.tflops:.3f}",
-            f"{c.matmul_err:.1e}", f"{c.checksum_err:.1e}", bits, status,
-        )  # fmt: skip
-    console.print(table)
-    layout = f"pp={dims.pp} dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} tp={dims.tp}"
-    if not report.collectives:
-        console.print(f"collectives: none to check ({layout}: no mesh axis has more than one rank)")
-    else:
-        console.print(f"collectives of layout {layout}; busbw = algbw x 2(n-1)/n (all-reduce), (n-1)/n (gathers)")
-    for axis in dict.fromkeys(r.axis for r in report.collectives):
-        rows = [r for r in report.collectives if r.axis == axis]
-        n = rows[0].degree
-        groups = dims.world_size // n
-        title = f"axis {axis}: {groups} group(s) of {n} ranks at once, fp32, {iters} iterations, slowest rank's time"
-        table = Table(title=title, title_justify="left")
-        for name in ("op", "size", "count", "time (us)", "algbw (GB/s)", "busbw (GB/s)", "check"):
-            table.add_column(name, justify="left" if name in ("op", "check") else "right")
-        for r in rows:
-            check = "ok" if not r.wrong_ranks else "WRONG on rank " + ",".join(map(str, r.wrong_ranks))
-            table.add_row(
-                r.op, _size(r.nbytes), f"{r.nbytes // 4:,}", f"{1e6 * r.seconds:,.1f}",
-                f"{r.algbw:.3f}", f"{r.busbw:.3f}", check,
-            )  # fmt: skip
-        peak = {op: max(r.busbw for r in rows if r.op == op) for op in OPS}
-        table.caption = "peak busbw (GB/s): " + ", ".join(f"{op} {bw:.2f}" for op, bw in peak.items())
-        table.caption_justify = "left"
-        console.print(table)
-    problems = report.problems()
-    if problems:
-        console.print("[bold red]doctor: FAILED[/]")
-        for line in problems:
-            console.print(f"  {line}")
-    else:
-        console.print(f"doctor: all {len(report.compute)} rank(s) healthy [{report.seconds:.1f} s]")
-    if differ:
-        console.print(f"note: rank(s) {sorted(differ)} produced matmul bits unlike their same-model peers")
-
-
-def _doctor_worker(argv: list[str]) -> None:
-    from plait.cli import main
-
-    code = main(["doctor", *argv])
-    if code:
-        sys.exit(code)
-
-
-def _launch(nproc: int, argv: list[str]) -> int:
-    """`plait doctor argv` in nproc local workers (torch's elastic agent, as `plait train --nproc`)."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-    from plait.launch import elastic_run
-
-    try:
-        elastic_run(_doctor_worker, argv, nproc, name="plait-doctor")
-    except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
-        if failure.exitcode == 1:  # a check failed: rank 0 has printed which
-            return 1
-        raise PlaitError(f"doctor worker rank {rank} failed (exit code {failure.exitcode}); see above") from None
-    return 0
+    def on_setup(self, run) -> None:
+        run_health_check(run.cfg, run.env, run.meshes)

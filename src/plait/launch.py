@@ -1,7 +1,7 @@
 """Starting workers: N local processes through torch's elastic agent, or a Slurm batch script.
 
 `plait train --nproc N` validates the whole config and layout first, then runs the same entry point as
-`torchrun --nproc-per-node N -m plait.train` in each worker. Multi-node runs use torchrun's c10d
+`torchrun --nproc-per-node N -m plait train` in each worker. Multi-node runs use torchrun's c10d
 rendezvous; `plait launch slurm` writes a ready sbatch script for that.
 """
 
@@ -35,14 +35,6 @@ RESTART_COUNT_ENV = "PLAIT_RESTART_COUNT"
 ERROR_DIR_ENV = "PLAIT_WORKER_ERRORS"
 INPUT_ERROR_EXIT = 2  # a restart cannot help: the same config, data and storage give the same error
 REPORT_WAIT_S = 60
-
-
-def _worker(argv: list[str]) -> None:
-    from plait.cli import main
-
-    code = main(["train", *argv])
-    if code:
-        sys.exit(code)
 
 
 def report_to_launcher(message: str) -> bool:
@@ -102,8 +94,9 @@ def _quiet_elastic_logs() -> None:
             logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
-def launch_local(nproc: int, argv: list[str], max_restarts: int) -> int:
-    """Run `plait train argv` in nproc local workers; restart the whole group up to max_restarts times
+def launch_local(nproc: int, argv: list[str], max_restarts: int, worker) -> int:
+    """Run worker(argv) (`plait train` in the worker: given by the command line, which sits above this
+    module) in nproc local workers; restart the whole group up to max_restarts times
     when a worker dies (training then resumes from the newest checkpoint), but not after an input or
     storage error (exit 2), which a restart would only repeat: that error is printed once."""
     import tempfile
@@ -118,7 +111,7 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int) -> int:
         with tempfile.TemporaryDirectory(prefix="plait-errors-") as folder:
             os.environ[ERROR_DIR_ENV] = folder
             try:
-                elastic_run(_worker, argv, nproc)
+                elastic_run(worker, argv, nproc)
                 return 0
             except SignalException as e:  # the agent forwarded it to the workers, which saved and exited
                 raise Stopped(
@@ -177,7 +170,7 @@ srun torchrun \\
   --nnodes={nodes} --nproc-per-node={gpus} \\
   --rdzv-backend=c10d --rdzv-endpoint="$head_node:29500" --rdzv-id="$SLURM_JOB_ID" \\
   --max-restarts={restarts} \\
-  -m plait.train {args} &
+  -m plait train {args} &
 trainer=$!
 trap 'kill -TERM "$trainer"; wait "$trainer"' TERM
 wait "$trainer"
@@ -222,7 +215,7 @@ def cmd_launch(argv: list[str]) -> int:
 
 def _validate_before_launch(train_args: list[str], world_size: int):
     """Load and check the config and the parallel layout for world_size processes (no worker started)."""
-    from plait.cli import split_config_args
+    from plait.argparsing import split_config_args
     from plait.config import load_config
     from plait.parallel.dims import ParallelDims, validate_layout
 
@@ -239,7 +232,7 @@ def _validate_before_launch(train_args: list[str], world_size: int):
 
         check_cache_dir(cfg.data.cache_dir)
     if os.environ.get("PLAIT_FAULT_KILL"):
-        from plait.train import parse_fault_kills
+        from plait.faults import parse_fault_kills
 
         for rank, _ in parse_fault_kills(os.environ["PLAIT_FAULT_KILL"]):
             if rank >= world_size:

@@ -6,6 +6,7 @@ Only the rank that logs (rank 0) creates files; other ranks get a logger that do
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import threading
 import time
@@ -19,13 +20,40 @@ from rich.text import Text
 from plait.config import LogConfig
 
 console = Console(stderr=True, soft_wrap=True)  # paths stay on one line: copy-pasteable, greppable
-_warn_lock = threading.Lock()
+log = logging.getLogger("plait")
+"""plait's messages (what a run does, warnings). By default they go to plait's console on stderr; give the
+logger handlers of your own (`logging.getLogger("plait").handlers[:] = [...]`) or a level to take them over."""
+
+
+class ConsoleHandler(logging.Handler):
+    """A record as one console line, as written (no markup read from it); warnings and errors prefixed in colour."""
+
+    _lock = threading.Lock()  # whole lines, also from background threads (a checkpoint save)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = Text(record.getMessage())
+            if record.levelno >= logging.WARNING:
+                text = Text.assemble((f"{record.levelname.lower()}: ", "yellow"), text)
+            with self._lock:
+                console.print(text, highlight=False)
+        except Exception:
+            self.handleError(record)
+
+
+if not log.handlers:
+    log.addHandler(ConsoleHandler())
+    log.setLevel(logging.INFO)
+    log.propagate = False  # the console handler prints it; a root handler would print it twice
+
+
+def info(message: str) -> None:
+    log.info(message)
 
 
 def warn(message: str) -> None:
     """A warning line for the user (also from background threads, e.g. a checkpoint save)."""
-    with _warn_lock:
-        console.print(f"[yellow]warning:[/] {message}", highlight=False)
+    log.warning(message)
 
 
 class MetricsLogger:

@@ -20,21 +20,3 @@ def init_fake_process_group(world_size: int, rank: int = 0) -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-
-
-def heartbeat_store(timeout_s: float = 30.0):
-    """A store client of its own for the hang watchdog's heartbeats (a second client of the job's TCPStore,
-    so the watchdog thread never shares a socket with the training thread), or None where the job has no
-    such store (one process, a fake group). Raises if the store cannot be reached."""
-    import os
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if not (addr and port and dist.is_initialized() and dist.get_world_size() > 1):
-        return None
-    store = dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
-    from plait.parallel.env import restart_count
-
-    return dist.PrefixStore(f"plait_attempt_{restart_count()}/heartbeat", store)

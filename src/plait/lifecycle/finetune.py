@@ -1,7 +1,7 @@
 """Fine-tuning: start from any plait checkpoint or Hugging Face directory, full or with LoRA adapters, on plain
 or instruction data.
 
-- ``apply_finetune`` is the trainer's one call (in ``build_trainable``, before the optimizers exist): it loads
+- ``apply_finetune`` (the ``Finetune`` callback's ``on_model``, before the optimizers exist): it loads
   ``finetune.init_from`` into the freshly built model parts (any layout), then, with ``finetune.lora_rank``,
   adds adapters and freezes the base, so the optimizer only ever sees the adapters.
 - ``prepare_instructions`` turns JSONL records ``{"prompt": ..., "response": ...}`` into token shards plus a
@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from plait.callbacks import Callback
 from plait.checkpoint import list_checkpoints, load_model_weights, read_meta, resolve_checkpoint
 from plait.config import Config
 from plait.errors import ConfigError, PlaitError
@@ -64,6 +65,13 @@ def apply_finetune(cfg: Config, parts: list[nn.Module], meshes=None) -> None:
             apply_lora_config(part, f, cfg.run.seed)
         if meshes is not None and meshes.dims.dp > 1:
             _sync_adapter_grads(parts, meshes.batch.get_group(), meshes.dims.dp)
+
+
+class Finetune(Callback):
+    """apply_finetune on the built model, before its optimizers exist (finetune.init_from, LoRA)."""
+
+    def on_model(self, run, parts: list[nn.Module]) -> None:
+        apply_finetune(run.cfg, parts, run.meshes)
 
 
 def _sync_adapter_grads(parts: list[nn.Module], group, dp: int) -> None:

@@ -1,4 +1,4 @@
-"""The trainer's lifecycle hooks: one call each at start, checkpoint, evaluation and end.
+"""The run's lineage, attached to the trainer as the ``Lineage`` callback: start, checkpoint, evaluation, end.
 
 - ``RunLineage.start`` records the run (its parent: the checkpoint it resumes or the weights it starts from,
   registered on the way if the registry does not know them yet), its config, data fingerprint and code version.
@@ -22,11 +22,34 @@ from typing import Any
 
 import torch
 
+from plait.callbacks import Callback
 from plait.config import Config, to_dict
-from plait.errors import PlaitError
+from plait.errors import ConfigError, PlaitError
 from plait.lifecycle.lineage import Registry, code_version, data_fingerprint, process_info, registry_path
 from plait.lifecycle.lora import lora_tensors, model_weights_hash, save_adapter, weights_hash
 from plait.storage import Location, exists, location
+
+_USER_DATA = {"source": "a dataset given to plait.Trainer(data=...)", "dir": None, "fingerprint": None}
+
+
+class Lineage(Callback):
+    """RunLineage attached to the trainer: start, each checkpoint, each evaluation (eval.suite), the end."""
+
+    def __init__(self):
+        self.lineage: RunLineage | None = None
+
+    def on_start(self, run) -> None:
+        self.lineage = RunLineage.start(run.cfg, run.env, run.t, run.data_dir, run.resumed_from, run.metrics)
+        self.lineage.attach(run.checkpointer)
+
+    def after_eval(self, run, step: int, val_loss: float) -> None:
+        self.lineage.monitor(step)  # eval.suite's behavioural assertions, if any
+
+    def after_checkpoint(self, run, step: int, saved: dict[str, Any]) -> None:
+        self.lineage.checkpoint(step, saved, run.final)  # weights hash (and a LoRA run's adapter) of a save begun now
+
+    def on_end(self, run, final: dict[str, Any]) -> None:
+        self.lineage.finish(final)
 
 
 class RunLineage:
@@ -72,6 +95,10 @@ class RunLineage:
             from plait.data import load_tokenizer
             from plait.lifecycle.evaluate import load_suite
 
+            if data_dir is None:
+                raise ConfigError(
+                    f"eval.suite={cfg.eval.suite} needs plait's tokenizer; with your own data set eval.suite=''"
+                )
             self.suite = load_suite(cfg.eval.suite)
             self.tokenizer = load_tokenizer(data_dir / "tokenizer.json")
         if not (self.is_main and cfg.lineage.enabled):
@@ -91,7 +118,7 @@ class RunLineage:
             status="running",
             base_hash=self.base_hash if self.lora else None,
             config=to_dict(cfg),
-            data=data_fingerprint(data_dir, cfg.data.source),
+            data=data_fingerprint(data_dir, cfg.data.source) if data_dir is not None else _USER_DATA,
             code=code_version(),
             extra=extra,
         )
@@ -169,12 +196,11 @@ class RunLineage:
             try:
                 model = load_model(path).model
             except Exception as e:  # bookkeeping never stops training (e.g. S3 unreachable right now)
-                from plait.metrics import console
+                from plait.metrics import warn
 
-                console.print(
+                warn(
                     f"lineage: could not read back {path} for its adapter ({str(e)[:200]}); "
-                    "recorded without the adapter file",
-                    style="yellow",
+                    "recorded without the adapter file"
                 )
         adapter_path = None
         if self.lora and model is not None:
@@ -223,14 +249,13 @@ class RunLineage:
         if model is None:  # not the main rank
             return
         from plait.lifecycle.evaluate import run_suite
-        from plait.metrics import console
+        from plait.metrics import info
 
         report = run_suite(model, self.tokenizer, self.suite)
         failed = sorted({r.test for r in report.results if not r.passed})
-        console.print(
+        info(
             f"monitor {self.suite.name} at step {step}: {report.passed} passed, {report.failed} failed"
-            + (f" ({', '.join(failed)})" if failed else ""),
-            highlight=False,
+            + (f" ({', '.join(failed)})" if failed else "")
         )
         if self.metrics is not None:
             self.metrics.log(step, {"passed": report.passed, "failed": report.failed}, prefix="monitor")

@@ -77,3 +77,14 @@ def init_single_process(device: torch.device, timeout_s: int = 300) -> None:
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def heartbeat_store(timeout_s: float = 30.0):
+    """A store client of its own for the hang watchdog's heartbeats (a second client of the job's TCPStore,
+    so the watchdog thread never shares a socket with the training thread), or None where the job has no
+    such store (one process, a fake group). Raises if the store cannot be reached."""
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not (addr and port and dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    store = dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
+    return dist.PrefixStore(f"plait_attempt_{restart_count()}/heartbeat", store)

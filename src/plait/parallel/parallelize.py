@@ -13,6 +13,7 @@ the single-process model would have (same seed, same names), so parallel runs ar
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from functools import partial
 
@@ -32,12 +33,13 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from plait.compile import apply_compile
 from plait.config import Config
+from plait.errors import ConfigError
 from plait.model.llama import Transformer
 from plait.parallel.dims import Meshes
 from plait.torch_private import local_box
 
 
-def parallelize(model: Transformer, meshes: Meshes, cfg: Config, device: torch.device) -> Transformer:
+def parallelize(model: nn.Module, meshes: Meshes, cfg: Config, device: torch.device) -> nn.Module:
     """Apply TP/SP -> activation checkpointing -> compile -> FSDP2 to a model (or a pipeline stage of one)
     on meta."""
     dims = meshes.dims
@@ -121,8 +123,19 @@ def _selective_policy(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def apply_ac(model: Transformer, mode: str) -> None:
-    for name, block in list(model.layers.items()):
+def blocks(model: nn.Module) -> list[tuple[str | int, nn.Module]]:
+    """The repeated blocks of a model, `model.layers` as an nn.ModuleDict or nn.ModuleList (plait's Transformer
+    and most models); the unit of activation checkpointing, compilation and FSDP sharding. Empty if none."""
+    layers = getattr(model, "layers", None)
+    if isinstance(layers, nn.ModuleDict):
+        return list(layers.items())
+    if isinstance(layers, nn.ModuleList):
+        return list(enumerate(layers))
+    return []
+
+
+def apply_ac(model: nn.Module, mode: str) -> None:
+    for name, block in blocks(model):
         if mode == "full":
             wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
         else:
@@ -141,7 +154,7 @@ def fsdp_mp_policy(cfg: Config, device: torch.device) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
 
 
-def apply_fsdp(model: Transformer, meshes: Meshes, cfg: Config, device: torch.device) -> None:
+def apply_fsdp(model: nn.Module, meshes: Meshes, cfg: Config, device: torch.device) -> None:
     """Shard each block, then the root (embedding, final norm, output). Gradient reduce-scatter over the
     shard group; under HSDP a further all-reduce across replicas (the MiCS two-hop sync)."""
     offload: OffloadPolicy = OffloadPolicy()
@@ -151,10 +164,10 @@ def apply_fsdp(model: Transformer, meshes: Meshes, cfg: Config, device: torch.de
     # Under a pipeline every micro-batch would gather the blocks again after resharding; the schedule
     # already defers the gradient reduce-scatter to the step's end, so keep parameters gathered instead.
     reshard = cfg.parallel.fsdp_reshard_after_forward and meshes.dims.pp == 1
-    blocks = list(model.layers.values())
-    for i, block in enumerate(blocks):
+    units = [block for _, block in blocks(model)]
+    for i, block in enumerate(units):
         # The last block's parameters are needed again at once by backward: keep them gathered.
-        fully_shard(block, reshard_after_forward=reshard and i < len(blocks) - 1, **kwargs)
+        fully_shard(block, reshard_after_forward=reshard and i < len(units) - 1, **kwargs)
     # The root (embedding, final norm, output) is needed first in backward (the output) and last (the
     # embedding): keep it gathered through the step. (An explicit True re-gathers it in every backward,
     # measured as 25% of FSDP's traffic by bench/comm.py.)
@@ -194,6 +207,70 @@ def init_local_shard(param: torch.Tensor, rows) -> None:
         raise RuntimeError(f"local shard {tuple(local.shape)} is not the box {tuple(shape)} torch reports")
     value = rows(offset[0], offset[0] + shape[0])
     local.copy_(value[(slice(None), *(slice(o, o + n) for o, n in zip(offset[1:], shape[1:], strict=True)))])
+
+
+def parallelize_own(model: nn.Module, meshes: Meshes, cfg: Config, device: torch.device) -> nn.Module:
+    """plait's plan for a model it did not write (on meta): activation checkpointing, compilation and FSDP2
+    per block of `model.layers` (see `blocks`), then the root. Tensor parallelism needs the model's own plan
+    (Trainer(parallelize=...)); a setting that needs blocks on a model without them is refused."""
+    dims = meshes.dims
+    if dims.tp > 1:
+        raise ConfigError(
+            f"parallel.tp_degree={dims.tp}: plait's tensor-parallel plan is for its own Transformer; give your "
+            "model's plan as Trainer(parallelize=fn) (fn(model, meshes, cfg, device) on the meta model), or set "
+            "parallel.tp_degree=1"
+        )
+    if not blocks(model) and cfg.parallel.activation_checkpoint != "none":
+        raise ConfigError(
+            f"parallel.activation_checkpoint={cfg.parallel.activation_checkpoint}: your model has no blocks to "
+            "checkpoint (plait looks for model.layers, an nn.ModuleList or nn.ModuleDict); set it to none"
+        )
+    return parallelize(model, meshes, cfg, device)
+
+
+def materialize_module(model: nn.Module, cfg: Config, device: torch.device) -> None:
+    """Allocate a model built on meta (each rank its shards) and initialise it: its own init_weights() if it
+    has one (which must set every parameter and buffer), else every module's reset_parameters(), run on a
+    full-size copy of that module's own tensors alone, seeded by run.seed and the module's name, each rank
+    keeping its shard: the same values for every layout, and never more than one module in full."""
+    model.to_empty(device=torch.device("cpu") if cfg.parallel.cpu_offload else device)
+    if callable(getattr(model, "init_weights", None)):
+        with torch.no_grad():
+            model.init_weights()
+        return
+    buffers = [name for name, _ in model.named_buffers()]
+    if buffers:
+        raise ConfigError(
+            f"your model has buffers ({', '.join(buffers[:3])}) that a model built on the meta device loses; give "
+            "it an init_weights() method that sets them (and its parameters)"
+        )
+    for name, module in model.named_modules():
+        if callable(getattr(module, "reset_parameters", None)):
+            _reset_in_full(module, _seed(cfg.run.seed, name))
+
+
+def _seed(seed: int, name: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little") >> 1
+
+
+@torch.no_grad()
+def _reset_in_full(module: nn.Module, seed: int) -> None:
+    owners = [(m, key, p) for m in module.modules() for key, p in m._parameters.items() if p is not None]
+    full = {id(p): torch.empty(p.shape, dtype=p.dtype) for _, _, p in owners}  # global shapes, on the CPU
+    try:
+        for m, key, p in owners:
+            m._parameters[key] = nn.Parameter(full[id(p)], requires_grad=False)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            module.reset_parameters()
+    finally:
+        for m, key, p in owners:
+            m._parameters[key] = p
+    for _, _, p in owners:
+        value = full[id(p)]
+        load_local_shard(
+            p, lambda offset, shape, v=value: v[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
+        )
 
 
 def materialize(model: nn.Module, cfg: Config, device: torch.device) -> None:

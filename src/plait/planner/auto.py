@@ -26,9 +26,8 @@ def auto_layout_overrides(cfg: Config, world_size: int) -> tuple[list[str], list
     """The planner's best layout for this config on world_size local devices, as `section.key=value`
     overrides (so every worker gets the same choice), and the planner's explanation lines."""
     from plait.hardware import device_info, resolve_device
-    from plait.planner.cli import layout_config
     from plait.planner.cost import Workload
-    from plait.planner.search import explain, plan
+    from plait.planner.search import explain, layout_config, plan
 
     bf16 = device_info(resolve_device(cfg.run.device)).bf16_native
     work = Workload(cfg.model, cfg.data.seq_len, cfg.train.global_batch_size, "bf16" if bf16 else "fp32")

@@ -286,41 +286,9 @@ def print_plan(result, top: int) -> None:
     console.print(f"Best layout in full: {layout_name(result.record(result.best))}", highlight=False)
 
 
-def layout_config(result, base=None):
-    """The chosen layout as a validated plait Config (the base config's other settings kept)."""
-    from plait.config import Config, ParallelConfig, validate
-
-    cfg = dataclasses.replace(base) if base is not None else Config()
-    best = result.record(result.best)
-    cfg.model = result.work.model
-    cfg.data = dataclasses.replace(cfg.data, seq_len=result.work.seq_len)
-    cfg.train = dataclasses.replace(
-        cfg.train,
-        global_batch_size=result.work.global_batch,
-        micro_batch_size=best["micro_batch"],
-        mixed_precision=result.work.compute_dtype,
-    )
-    values = dict(
-        dp_replicate_degree=best["dp_replicate"],
-        dp_shard_degree=best["dp_shard"],
-        tp_degree=best["tp"],
-        pp_degree=best["pp"],
-        pp_schedule=best["schedule"] if best["pp"] > 1 else None,
-        pp_virtual_stages=best["virtual"],
-        activation_checkpoint=best["ac"],
-        cpu_offload=best["offload"],
-        fsdp_reshard_after_forward=best["reshard"],
-        fsdp_reduce_every_micro_batch=best["sync_each"],
-    )
-    known = {f.name for f in dataclasses.fields(ParallelConfig)}
-    cfg.parallel = dataclasses.replace(
-        cfg.parallel, **{k: v for k, v in values.items() if k in known and v is not None}
-    )
-    return validate(cfg)
-
-
 def write_config(path: str, result, base=None) -> Path:
     from plait.config import to_toml
+    from plait.planner.search import layout_config
 
     out = Path(path)
     cfg = layout_config(result, base)

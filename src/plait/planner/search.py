@@ -8,6 +8,7 @@ reshard-after-forward. Layout columns are built with numpy, so ~10^6 candidates 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -357,3 +358,36 @@ def _no_fit_message(work, cluster, lay, metrics, hints: bool) -> str:
         changes.append(f"a shorter sequence (activations grow with --seq-len={work.seq_len})")
     lines.append("Smallest changes that would make it fit: " + "; or ".join(changes) + ".")
     return " ".join(lines)
+
+
+def layout_config(result, base=None):
+    """The chosen layout as a validated plait Config (the base config's other settings kept)."""
+    from plait.config import Config, ParallelConfig, validate
+
+    cfg = dataclasses.replace(base) if base is not None else Config()
+    best = result.record(result.best)
+    cfg.model = result.work.model
+    cfg.data = dataclasses.replace(cfg.data, seq_len=result.work.seq_len)
+    cfg.train = dataclasses.replace(
+        cfg.train,
+        global_batch_size=result.work.global_batch,
+        micro_batch_size=best["micro_batch"],
+        mixed_precision=result.work.compute_dtype,
+    )
+    values = dict(
+        dp_replicate_degree=best["dp_replicate"],
+        dp_shard_degree=best["dp_shard"],
+        tp_degree=best["tp"],
+        pp_degree=best["pp"],
+        pp_schedule=best["schedule"] if best["pp"] > 1 else None,
+        pp_virtual_stages=best["virtual"],
+        activation_checkpoint=best["ac"],
+        cpu_offload=best["offload"],
+        fsdp_reshard_after_forward=best["reshard"],
+        fsdp_reduce_every_micro_batch=best["sync_each"],
+    )
+    known = {f.name for f in dataclasses.fields(ParallelConfig)}
+    cfg.parallel = dataclasses.replace(
+        cfg.parallel, **{k: v for k, v in values.items() if k in known and v is not None}
+    )
+    return validate(cfg)

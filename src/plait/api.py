@@ -1,0 +1,60 @@
+"""plait from Python: `plait.Trainer` is the training loop (plait.train.Trainer) with plait's standard
+features attached as callbacks, the same that `plait train` runs:
+
+    import plait
+    cfg = plait.load_config("configs/x.toml", ["train.steps=100"])      # or plait.Config(), then edit it
+    plait.Trainer(cfg, callbacks=[MyCallback()]).fit()                 # plait's model on cfg.data.source
+    plait.Trainer(cfg, model=MyModel, data=my_samples, loss=my_loss).fit()   # your model, data and loss
+
+Run it under `torchrun --nproc-per-node N` (or as one process) for the layout of cfg.parallel; see
+examples/custom_model.py for a model of your own under FSDP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+from plait import faults
+from plait.callbacks import Callback
+from plait.config import Config, load_config, validate
+from plait.guards import Guards
+from plait.health import HealthCheck
+from plait.lifecycle.finetune import Finetune
+from plait.lifecycle.tracking import Lineage
+from plait.report import EndReport
+from plait.train import Trainer as TrainingLoop
+
+__all__ = ["Callback", "Config", "Trainer", "default_callbacks", "load_config", "train"]
+
+
+def default_callbacks(cfg: Config) -> list[Callback]:
+    """plait's standard features of a run, in their order: fault injection (only when a PLAIT_FAULT_*
+    variable is set), the health check, fine-tuning (finetune.*), the lineage record, the guards and hang
+    watchdog (guard.*), and the end-of-run report. Each does nothing its settings do not ask for."""
+    del cfg  # each reads its own section when the run starts
+    return [
+        *([faults.Faults()] if faults.requested() else []),
+        HealthCheck(),
+        Finetune(),
+        Lineage(),
+        Guards(),
+        EndReport(),
+    ]
+
+
+class Trainer(TrainingLoop):
+    """plait.train.Trainer with default_callbacks(cfg) before yours (standard=False: yours only).
+    cfg: a Config, a TOML path, or None for the defaults."""
+
+    def __init__(
+        self, cfg: Config | str | Path | None = None, *, callbacks: Iterable[Callback] = (), standard: bool = True, **kw
+    ):
+        cfg = load_config(cfg) if cfg is None or isinstance(cfg, (str, Path)) else validate(cfg)
+        super().__init__(cfg, callbacks=[*(default_callbacks(cfg) if standard else []), *callbacks], **kw)
+
+
+def train(cfg: Config, *, callbacks: Iterable[Callback] = (), env=None) -> dict[str, float]:
+    """`plait train` in this process: train as configured (with plait's standard features); returns the final
+    metrics. env: a process group already set up (left up), else one from the torchrun environment."""
+    return Trainer(cfg, callbacks=callbacks, env=env).fit()

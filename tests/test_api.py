@@ -1,0 +1,221 @@
+"""plait's Python API: `plait.Trainer` with your own model, data, loss and callbacks (examples/custom_model.py
+runs under FSDP 2 and in one process with the same losses), the callback protocol, and clear refusals."""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import plait
+from plait.callbacks import Callbacks
+from plait.data.samples import SampleLoader
+from plait.errors import ConfigError
+from plait.parallel import ParallelDims
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "custom_model.py"
+
+# FSDP 2 vs one process, fp32: the same arithmetic except the order of the gradient reduce-scatter's sums and
+# of the loss's mean over ranks (a few ulp per step, grown over the steps by the optimizer).
+FSDP_LOSS_RTOL = 1e-5
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT")}
+    return {**env, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
+
+def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    result = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=_env(), timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return result
+
+
+@pytest.mark.slow
+def test_custom_model_example_under_fsdp2_equals_one_process_and_resumes(tmp_path):
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    fsdp = _run([*torchrun, str(EXAMPLE), "--out", "fsdp", "--steps", "12"], tmp_path)
+    assert "dp_shard=2" in fsdp.stderr and "your data" in fsdp.stderr  # plait's console writes to stderr
+    single = _run([sys.executable, str(EXAMPLE), "--out", "single", "--steps", "12"], tmp_path)
+    a = json.loads((tmp_path / "fsdp/custom-model/losses.json").read_text())
+    b = json.loads((tmp_path / "single/custom-model/losses.json").read_text())
+    assert len(a) == len(b) == 12
+    assert a["12"] < a["1"] - 1.0  # it learns
+    for step in a:
+        assert a[step] == pytest.approx(b[step], rel=FSDP_LOSS_RTOL), step
+    assert "final loss" in single.stdout
+
+    resumed = _run([*torchrun, str(EXAMPLE), "--out", "fsdp", "--steps", "24"], tmp_path)
+    assert "resumed from" in resumed.stderr and "step_00000012" in resumed.stderr
+    steps = json.loads((tmp_path / "fsdp/custom-model/losses.json").read_text())
+    assert sorted(map(int, steps)) == list(range(13, 25))  # the callback saw only the new steps
+    assert (tmp_path / "fsdp/custom-model/checkpoints/step_00000024").is_dir()
+
+
+class TinyLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+        self.head = nn.Linear(16, 32)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = x + torch.tanh(layer(x))
+        return self.head(x)
+
+
+class Recorder(plait.Callback):
+    def __init__(self, withhold_step=0):
+        self.calls, self.withhold_step = [], withhold_step
+
+    def on_setup(self, run):
+        self.calls.append("setup")
+
+    def on_model(self, run, parts):
+        self.calls.append(f"model:{type(parts[0]).__name__}")
+
+    def on_start(self, run):
+        self.calls.append("start")
+
+    def before_step(self, run, step):
+        self.calls.append(f"before:{step}")
+
+    def should_step(self, run, loss, grad_norm):
+        return run.state.step + 1 != self.withhold_step
+
+    def after_step(self, run, step, result):
+        self.calls.append(f"after:{step}:{int(result.stepped)}")
+        return False
+
+    def after_eval(self, run, step, val_loss):
+        self.calls.append(f"eval:{step}")
+
+    def after_checkpoint(self, run, step, saved):
+        if saved:
+            self.calls.append(f"ckpt:{step}")
+
+    def close(self, run):
+        self.calls.append("close")
+
+    def on_end(self, run, final):
+        self.calls.append("end")
+
+
+def _cfg(tmp_path, **extra):
+    cfg = plait.Config()
+    cfg.run.out_dir, cfg.run.name, cfg.run.health_check_enabled = str(tmp_path), "api", False
+    cfg.data.seq_len, cfg.train.steps, cfg.train.global_batch_size = 8, 4, 4
+    cfg.eval.every_steps, cfg.checkpoint.every_steps, cfg.log.tensorboard = 2, 2, False
+    for key, value in extra.items():
+        section, name = key.split("__")
+        setattr(getattr(cfg, section), name, value)
+    return cfg
+
+
+def _samples(n=64):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 32, (9,), generator=g).tolist() for _ in range(n)]
+
+
+def test_trainer_runs_your_model_data_loss_and_callbacks_in_order(tmp_path):
+    recorder = Recorder(withhold_step=3)
+    seen = []
+
+    def loss(logits, targets):
+        seen.append(tuple(logits.shape))
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    final = plait.Trainer(
+        _cfg(tmp_path, checkpoint__async_enabled=False),  # async saves report when published, at a later step
+        model=TinyLM,
+        data=_samples(),
+        val_data=_samples(8),
+        loss=loss,
+        callbacks=[recorder],
+    ).fit()
+    assert recorder.calls == [
+        "setup", "model:TinyLM", "start",
+        "before:1", "after:1:1", "before:2", "after:2:1", "eval:2",
+        "ckpt:2", "before:3", "after:3:0", "before:4", "after:4:1", "eval:4", "ckpt:4",
+        "close", "end",
+    ]  # fmt: skip
+    assert seen[0] == (4, 8, 32) and "val_loss" in final
+    assert (tmp_path / "api" / "checkpoints" / "step_00000004").is_dir()
+
+
+def test_messages_go_through_the_plait_logger(tmp_path):
+    """A Python user takes plait's messages over with the stdlib logging module."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("plait")
+    saved = logger.handlers[:]
+    logger.handlers[:] = [handler]
+    try:
+        cfg = _cfg(tmp_path)
+        cfg.train.steps = 2
+        plait.Trainer(cfg, model=TinyLM, data=_samples()).fit()
+        cfg.train.steps = 3
+        plait.Trainer(cfg, model=TinyLM, data=_samples()).fit()
+    finally:
+        logger.handlers[:] = saved
+    text = [r.getMessage() for r in records]
+    assert any("parameters, 1 x" in t and "your data" in t for t in text), text
+    assert any(t.startswith("resumed from") and "step_00000002" in t for t in text), text
+
+
+def test_refusals_name_the_setting(tmp_path):
+    class Buffered(TinyLM):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("mask", torch.ones(4))
+
+    with pytest.raises(ConfigError, match="buffers \\(mask\\).*init_weights"):
+        plait.Trainer(_cfg(tmp_path), model=Buffered, data=_samples()).fit()
+    with pytest.raises(ConfigError, match="parallelize= is the plan for your own model"):
+        plait.Trainer(_cfg(tmp_path), parallelize=lambda *a: None)
+    with pytest.raises(TypeError, match="not a plait.Callback"):
+        Callbacks([object()])
+
+    from plait.parallel.parallelize import parallelize_own
+
+    meshes = type("M", (), {"dims": ParallelDims(1, 1, 2, 1)})()
+    with pytest.raises(ConfigError, match="parallel.tp_degree=2: .*Trainer\\(parallelize=fn\\)"):
+        parallelize_own(TinyLM(), meshes, _cfg(tmp_path), torch.device("cpu"))
+    no_blocks = nn.Sequential(nn.Embedding(32, 8), nn.Linear(8, 32))
+    one = type("M", (), {"dims": ParallelDims(1, 1, 1, 1)})()
+    with pytest.raises(ConfigError, match="activation_checkpoint=full: your model has no blocks"):
+        parallelize_own(no_blocks, one, _cfg(tmp_path, parallel__activation_checkpoint="full"), torch.device("cpu"))
+
+
+def test_sample_loader_reads_dicts_labels_and_resumes_an_iterable():
+    rows = [{"input_ids": list(range(i, i + 6)), "labels": [-100, -100, *range(i + 2, i + 6)]} for i in range(8)]
+    loader = SampleLoader(rows, seq_len=4, global_batch_size=2)
+    x, y = next(loader)
+    assert x.tolist() == [[0, 1, 2, 3], [1, 2, 3, 4]]
+    assert y.tolist() == [[-100, 2, 3, 4], [-100, 3, 4, 5]]
+    state = loader.state_dict()
+
+    stream = SampleLoader(iter(rows), seq_len=4, global_batch_size=2, dp_rank=1, dp_degree=2)
+    stream.samples = rows  # an iterable that can be iterated again (as a generator function's result cannot)
+    stream.indexed = False
+    stream.load_state_dict(state)
+    x2, _ = next(stream)
+    assert x2.tolist() == [[3, 4, 5, 6]]  # rank 1's row of the second global batch
+    with pytest.raises(ConfigError, match="sample 0 has 3 tokens; data.seq_len=4 needs at least 5"):
+        next(SampleLoader([[1, 2, 3]], seq_len=4, global_batch_size=1))
+
+
+def test_import_plait_is_light_and_hands_out_the_api():
+    code = "import sys, plait; assert 'torch' not in sys.modules; print(plait.Trainer.__module__, plait.Config)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["plait.api", "<class", "'plait.config.Config'>"]
