@@ -27,6 +27,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "plait.trusted_dir",
             "plait.stop",
             "plait.plot",
+            "plait.publish",
         ),
     ),
     (

@@ -71,10 +71,9 @@ def _git_commit() -> str:
 
 
 def _precision(cfg: Config, device: torch.device) -> str:
-    from plait.hardware import device_info
+    from plait.hardware import uses_bf16
 
-    mode = cfg.train.mixed_precision
-    bf16 = mode == "bf16" or (mode == "auto" and device_info(device).bf16_native)
+    bf16 = uses_bf16(cfg.train.mixed_precision, device)
     text = "bf16 autocast, fp32 master weights" if bf16 else "fp32"
     return text + (" + float8 matmuls in blocks (torchao)" if cfg.compile.float8 else "")
 

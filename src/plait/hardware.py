@@ -64,6 +64,12 @@ def device_info(device: torch.device) -> DeviceInfo:
     return DeviceInfo(device, _cpu_name(), _cpu_peak_fp32(), "estimated fp32 FMA peak of the CPU cores", False)
 
 
+def uses_bf16(mixed_precision: str, device: torch.device) -> bool:
+    """train.mixed_precision resolved on a device: 'bf16' always, 'auto' where the device has native bf16,
+    'fp32' never. The one place runtime, benchmark and planner decide the compute precision."""
+    return mixed_precision == "bf16" or (mixed_precision == "auto" and device_info(device).bf16_native)
+
+
 def _cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:

@@ -14,7 +14,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from plait.config import Config
 from plait.errors import ConfigError
-from plait.hardware import device_info
+from plait.hardware import uses_bf16
 from plait.loss import MeanLoss, TokenLoss
 from plait.model import ModelArgs, Transformer
 from plait.optim import build_optimizer, build_scheduler
@@ -37,8 +37,7 @@ def build_model(args: ModelArgs, device: torch.device, seed: int) -> Transformer
 def autocast_context(cfg: Config, device: torch.device, fsdp: bool = False):
     """bf16 autocast where requested (or 'auto' on a device with native bf16), else nothing. Under FSDP
     its mixed-precision policy casts the parameters instead."""
-    mode = cfg.train.mixed_precision
-    if not fsdp and (mode == "bf16" or (mode == "auto" and device_info(device).bf16_native)):
+    if not fsdp and uses_bf16(cfg.train.mixed_precision, device):
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 

@@ -12,10 +12,7 @@ import contextlib
 import gzip
 import hashlib
 import json
-import os
 import shutil
-import tempfile
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -30,6 +27,7 @@ from tokenizers import Tokenizer
 from plait.data.loader import FORMAT, MANIFEST, read_manifest, shard_paths
 from plait.data.tokenizer import eos_id, load_tokenizer, train_bpe
 from plait.errors import ConfigError
+from plait.publish import is_nonempty, staged_dir
 
 SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", ".parquet")
 TOKENIZER_FILE = "tokenizer.json"
@@ -94,7 +92,10 @@ def _read_txt(path: Path, field: str, advance: Advance) -> Iterator[str]:
     yield text
 
 
-def _read_jsonl(path: Path, field: str, advance: Advance) -> Iterator[str]:
+def jsonl_records(path: Path, advance: Advance | None = None) -> Iterator[tuple[str, dict]]:
+    """('file:line', record) for each non-blank line of a .jsonl or .jsonl.gz file; a line that is not a JSON
+    object, or a corrupt or truncated gzip, is a ConfigError naming where. advance(bytes read) for progress.
+    The one JSONL reader (pre-training text and instruction data)."""
     with open(path, "rb") as raw:
         # Binary reads keep raw.tell() usable for progress (compressed bytes for .gz).
         lines = gzip.GzipFile(fileobj=raw) if path.name.lower().endswith(".gz") else raw
@@ -106,14 +107,21 @@ def _read_jsonl(path: Path, field: str, advance: Advance) -> Iterator[str]:
                 try:
                     record = json.loads(line)
                 except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                    raise ConfigError(f"{where} is not valid JSON ({e})") from e
-                if not isinstance(record, dict) or field not in record:
-                    keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-                    raise ConfigError(f"{where} has no field {field!r} (found {keys}): set text_field")
-                advance(raw.tell())
-                yield _check_text(record[field], where, field)
+                    raise ConfigError(f"{where} is not valid JSON ({e})") from None
+                if not isinstance(record, dict):
+                    raise ConfigError(f"{where} is a JSON {type(record).__name__}, not an object")
+                if advance is not None:
+                    advance(raw.tell())
+                yield where, record
         except (OSError, EOFError) as e:  # corrupt or truncated gzip
             raise ConfigError(f"{path} cannot be read ({e})") from e
+
+
+def _read_jsonl(path: Path, field: str, advance: Advance) -> Iterator[str]:
+    for where, record in jsonl_records(path, advance):
+        if field not in record:
+            raise ConfigError(f"{where} has no field {field!r} (found {sorted(record)}): set text_field")
+        yield _check_text(record[field], where, field)
 
 
 def _read_parquet(path: Path, field: str, advance: Advance) -> Iterator[str]:
@@ -277,22 +285,6 @@ def _progress(total_bytes: int) -> Iterator[Callable[[str], Advance]]:
         yield start
 
 
-def _publish(tmp: Path, out: Path, overwrite: bool) -> None:
-    """Rename the finished `tmp` to `out`; with overwrite, the old `out` is moved aside first."""
-    old = None
-    if overwrite and out.exists():
-        old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-        os.rename(out, old)
-    try:
-        os.rename(tmp, out)  # atomic; replaces `out` only if it is an empty directory
-    except OSError as e:
-        if old is not None:
-            os.rename(old, out)
-        raise ConfigError(f"{out} exists; pass --overwrite or choose another --out") from e
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 def prepare(
     inputs: Sequence[str | Path],
     out_dir: str | Path,
@@ -310,7 +302,7 @@ def prepare(
     256 MiB of text for very large corpora); otherwise the given tokenizer.json is copied and used.
     """
     out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+    if is_nonempty(out) and not overwrite:  # refused before any work
         raise ConfigError(f"{out} exists; pass --overwrite or choose another --out")
     if not 0 <= val_fraction < 1:
         raise ConfigError(f"val_fraction={val_fraction} must be in [0, 1)")
@@ -319,15 +311,9 @@ def prepare(
     files = expand_inputs(inputs)
     given_tok = load_tokenizer(tokenizer) if tokenizer is not None else None
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the published directory is an ordinary one
-    try:
+    exists = ConfigError(f"{out} exists; pass --overwrite or choose another --out")
+    with staged_dir(out, overwrite=overwrite, exists_error=exists) as tmp:
         manifest = _prepare_into(tmp, files, given_tok, tokenizer, vocab_size, val_fraction, text_field, shard_tokens)
-        _publish(tmp, out, overwrite)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return manifest
 
 

@@ -40,7 +40,6 @@ import dataclasses
 import json
 import os
 import shutil
-import tempfile
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -53,6 +52,7 @@ from torch.distributed.tensor import DTensor
 from plait.errors import PlaitError
 from plait.interop.shards import DEFAULT_MAX_SHARD_SIZE, SafetensorsShards, parse_shard_size
 from plait.model.llama import ModelArgs, Transformer, rope_tables
+from plait.publish import staged_dir
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 SAFETENSORS_FORMAT = "plait-safetensors-v1"
@@ -677,35 +677,9 @@ def build_from_tensors(
 # --------------------------------------------------------------------------------------------------- files
 
 
-@contextlib.contextmanager
-def _staged_dir(out: Path, overwrite: bool) -> Iterator[Path]:
-    """Yield an empty temporary sibling of ``out``; on success it becomes ``out`` by rename."""
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
-        raise PlaitError(f"{out} exists and is not empty; pass overwrite=True (--overwrite) to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the published directory is an ordinary one
-    try:
-        yield tmp
-        for written in tmp.rglob("*"):  # safetensors writes its file 0600: an export is for others to read
-            os.chmod(written, 0o755 if written.is_dir() else 0o644)
-        old = None
-        if out.is_dir() and not any(out.iterdir()):
-            out.rmdir()
-        elif out.exists():
-            old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-            os.rename(out, old)
-        try:
-            os.rename(tmp, out)
-        except OSError:
-            if old is not None:
-                os.rename(old, out)
-            raise
-        if old is not None:
-            shutil.rmtree(old) if old.is_dir() else old.unlink()
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+def _staged_dir(out: Path, overwrite: bool):
+    exists = PlaitError(f"{out} exists and is not empty; pass overwrite=True (--overwrite) to replace it")
+    return staged_dir(out, overwrite=overwrite, exists_error=exists)
 
 
 def _write_json(path: Path, data: dict) -> None:

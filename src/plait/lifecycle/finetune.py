@@ -12,12 +12,9 @@ or instruction data.
 from __future__ import annotations
 
 import dataclasses
-import gzip
 import hashlib
 import json
-import os
 import shutil
-import tempfile
 from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
@@ -31,9 +28,11 @@ from torch import nn
 from plait.callbacks import Callback
 from plait.checkpoint import list_checkpoints, load_model_weights, read_meta, resolve_checkpoint
 from plait.config import Config
+from plait.data.prepare import jsonl_records
 from plait.errors import ConfigError, PlaitError
 from plait.lifecycle.lora import apply_lora_config, is_lora_param
 from plait.model.llama import ModelArgs, canonical_name
+from plait.publish import staged_dir
 from plait.storage import Location
 
 DEFAULT_TEMPLATE = "### Instruction:\n{prompt}\n\n### Response:\n"
@@ -149,21 +148,10 @@ def check_same_model(found: ModelArgs, expected: ModelArgs, where: str) -> None:
 
 
 def _records(path: Path, prompt_field: str, response_field: str):
-    opener = gzip.open if path.name.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{where} is not valid JSON ({e})") from None
-            if not isinstance(record, dict) or not all(
-                isinstance(record.get(k), str) for k in (prompt_field, response_field)
-            ):
-                raise ConfigError(f"{where} needs string fields {prompt_field!r} and {response_field!r}")
-            yield record[prompt_field], record[response_field]
+    for where, record in jsonl_records(path):
+        if not all(isinstance(record.get(k), str) for k in (prompt_field, response_field)):
+            raise ConfigError(f"{where} needs string fields {prompt_field!r} and {response_field!r}")
+        yield record[prompt_field], record[response_field]
 
 
 def _is_val(index: int, prompt: str, response: str, val_fraction: float) -> bool:
@@ -225,10 +213,8 @@ def prepare_instructions(
             index += 1
     if val_fraction > 0 and not docs["val"] and len(docs["train"]) >= 2:
         docs["val"].append(docs["train"].pop())
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    os.chmod(tmp, 0o755)
-    try:
+    exists = ConfigError(f"{out} exists; pass --overwrite or choose another --out")
+    with staged_dir(out, overwrite=overwrite, exists_error=exists) as tmp:
         splits = {}
         for split, items in docs.items():
             tokens = np.concatenate([i for i, _ in items]) if items else np.zeros(0, dtype=dtype)
@@ -259,10 +245,4 @@ def prepare_instructions(
             "loss_mask": {"template": template, "train_on_prompt": train_on_prompt},
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return manifest

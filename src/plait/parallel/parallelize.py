@@ -147,10 +147,9 @@ def apply_ac(model: nn.Module, mode: str) -> None:
 def fsdp_mp_policy(cfg: Config, device: torch.device) -> MixedPrecisionPolicy:
     """bf16 parameters for compute where asked (or 'auto' on a device with native bf16), fp32 gradient
     reduction always: the reduce-scatter sums in full precision."""
-    from plait.hardware import device_info
+    from plait.hardware import uses_bf16
 
-    mode = cfg.train.mixed_precision
-    bf16 = mode == "bf16" or (mode == "auto" and device_info(device).bf16_native)
+    bf16 = uses_bf16(cfg.train.mixed_precision, device)
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
 
 

@@ -25,11 +25,11 @@ def cluster_for(world_size: int):
 def auto_layout_overrides(cfg: Config, world_size: int) -> tuple[list[str], list[str]]:
     """The planner's best layout for this config on world_size local devices, as `section.key=value`
     overrides (so every worker gets the same choice), and the planner's explanation lines."""
-    from plait.hardware import device_info, resolve_device
+    from plait.hardware import resolve_device, uses_bf16
     from plait.planner.cost import Workload
     from plait.planner.search import explain, layout_config, plan
 
-    bf16 = device_info(resolve_device(cfg.run.device)).bf16_native
+    bf16 = uses_bf16(cfg.train.mixed_precision, resolve_device(cfg.run.device))
     work = Workload(cfg.model, cfg.data.seq_len, cfg.train.global_batch_size, "bf16" if bf16 else "fp32")
     result = plan(work, cluster_for(world_size))
     chosen = layout_config(result, cfg)
