@@ -330,12 +330,12 @@ def test_hang_watchdog_reports_exits_and_the_group_restarts(data_dir, tmp_path):
     reports = [line for line in err.splitlines() if "hang watchdog: rank" in line]
     report = next((line for line in reports if "hang watchdog: rank 1" in line), None)
     assert report is not None, reports  # the waiting rank 0 lets rank 1 report its own stack before exiting
-    assert "in step 3, phase forward/backward, at plait/guards.py" in report and "exiting with code 124" in report
+    assert "in step 3, phase forward/backward, at plait/faults.py" in report and "exiting with code 124" in report
     assert "last collective entered: gloo:" in report  # from the flight recorder
     peer = next((line for line in err.splitlines() if "hang watchdog: rank 0" in line), None)
     if peer is not None:  # unless the agent stopped it first: rank 0 waits in a collective for rank 1
         assert "in step 3, phase" in peer and "last collective entered: gloo:" in peer, peer
-        assert "not in a collective while the others wait in one: rank 1 at plait/guards.py" in peer, peer
+        assert "not in a collective while the others wait in one: rank 1 at plait/faults.py" in peer, peer
     assert "Most recent call first" in err or "most recent call first" in err  # faulthandler's stacks
     assert "resumed from" in err and "step_00000002" in err
     metrics = rows(tmp_path / "runs" / "default")

@@ -72,13 +72,22 @@ class ModelArgs:
         total = self.n_layers * per_layer + self.dim + embed + output
         return total - (embed if exclude_embeddings else 0)
 
-    def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 6 N (non-embedding params, plus the output projection) + attention.
+    def matmul_params(self) -> int:
+        """Weights of one block that take part in matmuls (everything but its norm vectors and biases)."""
+        q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        return self.dim * (2 * q + 2 * kv) + 3 * self.dim * self.hidden_dim
 
-        The attention term is 12 * n_layers * dim * seq_len (forward QK^T and AV, times 3 for backward),
-        the standard PaLM / Megatron estimate for a causal model without discounting the mask.
-        """
-        n = self.num_params(exclude_embeddings=True)
-        if self.tie_embeddings:
-            n += self.vocab_size * self.dim  # the tied matrix still does the output matmul
-        return 6 * n + 12 * self.n_layers * self.dim * seq_len
+    def layer_flops_per_token(self, seq_len: int) -> float:
+        """Forward FLOPs of one block per token: 2 per matmul weight, plus attention 4 d s (QK^T and AV over
+        the full s x s square: the convention of MFU reports; causal kernels skip half at lower efficiency)."""
+        return 2 * self.matmul_params() + 4 * self.dim * seq_len
+
+    def head_flops_per_token(self) -> float:
+        """Forward FLOPs of the output projection per token (the embedding lookup is free)."""
+        return 2 * self.dim * self.vocab_size
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward = 3 x forward): 6 N over the matmul weights (the output
+        projection included, tied or not) plus attention 12 L d s, the PaLM / Megatron estimate for a causal
+        model without discounting the mask. The one FLOPs rule: MFU in training, bench and the planner."""
+        return 3 * (self.n_layers * self.layer_flops_per_token(seq_len) + self.head_flops_per_token())

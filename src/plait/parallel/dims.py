@@ -18,6 +18,8 @@ from plait.errors import ConfigError
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
+    from plait.model.args import ModelArgs
+
 AXES = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
@@ -112,20 +114,43 @@ class Meshes:
         return self.batch.get_local_rank()
 
 
+def tp_problem(m: ModelArgs, seq_len: int, tp: int) -> str | None:
+    """Why tensor parallelism of degree tp cannot split this model and sequence (None: it can). The rule the
+    runtime (validate_layout) and the planner's search share."""
+    if m.n_heads % tp or m.n_kv_heads % tp:
+        ok = [d for d in range(1, m.n_kv_heads + 1) if m.n_kv_heads % d == 0 and m.n_heads % d == 0]
+        return (
+            f"parallel.tp_degree={tp} must divide model.n_heads={m.n_heads} and "
+            f"model.n_kv_heads={m.n_kv_heads}; choose tp_degree in {ok}"
+        )
+    if m.hidden_dim % tp or m.vocab_size % tp:
+        return f"parallel.tp_degree={tp} must divide the MLP width ({m.hidden_dim}) and model.vocab_size={m.vocab_size}"
+    if seq_len % tp:
+        return (
+            f"data.seq_len={seq_len} must be divisible by parallel.tp_degree={tp} "
+            "(sequence parallel splits the sequence)"
+        )
+    return None
+
+
+def pp_problem(m: ModelArgs, pp: int) -> str | None:
+    """Why pipeline parallelism of degree pp cannot split this model (None: it can); shared like tp_problem."""
+    if pp > 1 and m.tie_embeddings:
+        return (
+            "model.tie_embeddings=true cannot be pipelined: the embedding and the output projection live on "
+            "different stages; untie them or set parallel.pp_degree=1"
+        )
+    if m.n_layers < pp:
+        return f"model.n_layers={m.n_layers} is fewer than parallel.pp_degree={pp}; lower parallel.pp_degree"
+    return None
+
+
 def validate_layout(cfg: Config, dims: ParallelDims) -> None:
     """Refuse layouts that cannot work, before any worker starts; each message names the setting to change."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    if m.n_heads % dims.tp or m.n_kv_heads % dims.tp:
-        ok = [d for d in range(1, m.n_kv_heads + 1) if m.n_kv_heads % d == 0 and m.n_heads % d == 0]
-        raise ConfigError(
-            f"parallel.tp_degree={dims.tp} must divide model.n_heads={m.n_heads} and "
-            f"model.n_kv_heads={m.n_kv_heads}; choose tp_degree in {ok}"
-        )
-    if m.hidden_dim % dims.tp or m.vocab_size % dims.tp:
-        raise ConfigError(
-            f"parallel.tp_degree={dims.tp} must divide the MLP width ({m.hidden_dim}) and "
-            f"model.vocab_size={m.vocab_size}"
-        )
+    problem = tp_problem(m, cfg.data.seq_len, dims.tp)
+    if problem:
+        raise ConfigError(problem)
     if t.global_batch_size % dims.dp:
         raise ConfigError(
             f"train.global_batch_size={t.global_batch_size} is not divisible by the data-parallel degree "
@@ -136,11 +161,6 @@ def validate_layout(cfg: Config, dims: ParallelDims) -> None:
         raise ConfigError(
             f"the per-rank batch {local} (train.global_batch_size / {dims.dp} data-parallel ranks) is not a "
             f"multiple of train.micro_batch_size={t.micro_batch_size}"
-        )
-    if dims.tp > 1 and cfg.data.seq_len % dims.tp:
-        raise ConfigError(
-            f"data.seq_len={cfg.data.seq_len} must be divisible by parallel.tp_degree={dims.tp} "
-            f"(sequence parallel splits the sequence)"
         )
     virtual = p.pp_virtual_stages
     if virtual < 1:
@@ -172,11 +192,9 @@ def validate_layout(cfg: Config, dims: ParallelDims) -> None:
             raise ConfigError(
                 f"interleaved_1f1b needs the micro-batch count ({micro}) to be a multiple of pp_degree={dims.pp}"
             )
-        if m.tie_embeddings:
-            raise ConfigError(
-                "model.tie_embeddings=true cannot be pipelined: the embedding and the output projection live on "
-                "different stages; untie them or set parallel.pp_degree=1"
-            )
+        problem = pp_problem(m, dims.pp)
+        if problem:
+            raise ConfigError(problem)
         if p.fsdp_reduce_every_micro_batch:
             raise ConfigError(
                 "parallel.fsdp_reduce_every_micro_batch=true does not apply under pipeline parallelism (the "

@@ -147,26 +147,23 @@ def local_numel(params, tp):
 
 
 def matmul_params(a: ModelArgs) -> int:
-    """Weights of one block that take part in matmuls (everything but the two norm vectors)."""
-    return sum(d0 * d1 for d0, d1, split in layer_params(a) if split != -1)
+    return a.matmul_params()
 
 
 # ---------------------------------------------------------------------------------------------- FLOPs
 
 
 def layer_flops_per_token(a: ModelArgs, seq_len: int) -> float:
-    """Forward FLOPs of one block per token: 2 per weight, plus attention 4 h s (QK^T and AV, the full
-    s x s square: the convention of MFU reports; causal kernels skip half at lower efficiency)."""
-    return 2 * matmul_params(a) + 4 * a.dim * seq_len
+    return a.layer_flops_per_token(seq_len)
 
 
 def head_flops_per_token(a: ModelArgs) -> float:
-    return 2 * a.dim * a.vocab_size
+    return a.head_flops_per_token()
 
 
 def train_flops_per_token(a: ModelArgs, seq_len: int) -> float:
-    """Forward + backward (3x forward) FLOPs per token of the whole model: the MFU numerator."""
-    return 3 * (a.n_layers * layer_flops_per_token(a, seq_len) + head_flops_per_token(a))
+    """The MFU numerator: ModelArgs.flops_per_token, the runtime's rule."""
+    return a.flops_per_token(seq_len)
 
 
 # ---------------------------------------------------------------------------------------------- activations

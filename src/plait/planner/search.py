@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from plait.errors import ConfigError
+from plait.parallel.dims import pp_problem, tp_problem
 from plait.planner.cluster import Cluster, GiB
 from plait.planner.cost import AC_MODES, Layouts, Workload, evaluate
 
@@ -79,19 +80,11 @@ class Plan:
 def enumerate_layouts(work: Workload, cluster: Cluster) -> Layouts:
     """Every layout plait can run for this model, batch and cluster (empty if none)."""
     a, world, batch = work.model, cluster.world_size, work.global_batch
-    tps = [
-        t
-        for t in divisors(world)
-        if a.n_heads % t == 0
-        and a.n_kv_heads % t == 0
-        and a.hidden_dim % t == 0
-        and a.vocab_size % t == 0
-        and work.seq_len % t == 0
-    ]
+    tps = [t for t in divisors(world) if tp_problem(a, work.seq_len, t) is None]
     base, sched = [], []
     for tp in tps:
         for pp in divisors(world // tp):
-            if pp > a.n_layers or (pp > 1 and a.tie_embeddings):
+            if pp_problem(a, pp):
                 continue
             dp = world // (tp * pp)
             if batch % dp:
@@ -300,10 +293,10 @@ def _no_layout_message(work: Workload, cluster: Cluster) -> str:
     a, world = work.model, cluster.world_size
     dps = set()
     for tp in divisors(world):
-        if a.n_heads % tp or a.n_kv_heads % tp or a.hidden_dim % tp or a.vocab_size % tp or work.seq_len % tp:
+        if tp_problem(a, work.seq_len, tp):
             continue
         for pp in divisors(world // tp):
-            if pp <= a.n_layers and (pp == 1 or not a.tie_embeddings):
+            if not pp_problem(a, pp):
                 dps.add(world // (tp * pp))
     if not dps:
         return f"no tensor-parallel degree divides both the model's heads and the sequence length {work.seq_len}"
