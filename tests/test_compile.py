@@ -58,7 +58,7 @@ def train_in_subprocess(out: Path, name: str, overrides: list[str]) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
     args = [f"--{o}" for o in [*overrides, f"run.out_dir={out}", f"run.name={name}"]]
     proc = subprocess.run(
-        [sys.executable, "-m", "plait.train", *args], capture_output=True, text=True, env=env, timeout=600
+        [sys.executable, "-m", "plait", "train", *args], capture_output=True, text=True, env=env, timeout=600
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return read_run(out / name) | {"stderr": proc.stderr}

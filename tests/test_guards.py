@@ -321,7 +321,10 @@ def test_hang_watchdog_reports_exits_and_the_group_restarts(data_dir, tmp_path):
         capture_output=True,
         text=True,
         cwd=tmp_path,
-        env={**env, "PYTHONPATH": str(Path(__file__).parent)},
+        env={
+            **env,
+            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *filter(None, [env.get("PYTHONPATH")])]),
+        },
         timeout=600,
     )
     err = result.stderr
