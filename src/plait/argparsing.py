@@ -1,6 +1,8 @@
 """One argument-parser class for every `plait` command: each option's help ends with its default (when it has
 one worth saying), and the subcommands of a command get the same class (argparse gives sub-parsers their
-parent's class)."""
+parent's class). Commands that take a config (train, bench, doctor, config show) parse their own options with
+it too; every `--section.key[=value]` (an option whose name has a dot) is a config setting (`config_parser`,
+`parse_config_args`). Descriptions and epilogs are printed as written."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import argparse
 from plait.errors import ConfigError
 
 
-class _DefaultsFormatter(argparse.HelpFormatter):
+class _DefaultsFormatter(argparse.RawDescriptionHelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         quiet = any(action.default is v for v in (None, False, argparse.SUPPRESS)) or not action.option_strings
@@ -49,22 +51,43 @@ def split_config_args(args: list[str]) -> tuple[str | None, list[str]]:
     return path, overrides
 
 
-def pop_option(args: list[str], flag: str) -> str | None:
-    """Remove `--flag VALUE` / `--flag=VALUE` from args and return VALUE (None when absent)."""
-    for i, arg in enumerate(args):
-        if arg == flag or arg.startswith(flag + "="):
-            value = arg.split("=", 1)[1] if "=" in arg else (args[i + 1] if i + 1 < len(args) else "")
-            del args[i : i + (1 if "=" in arg else 2)]
-            return value
-    return None
+def config_parser(prog: str, description: str) -> PlaitParser:
+    """A parser for a command that takes [CONFIG.toml] and --section.key=value settings besides its own
+    options (add them); its help ends with every config setting, its type and default."""
+    from plait.config import options_help
+
+    epilog = (
+        "Settings resolve in this order (later wins): defaults, model preset, CONFIG.toml, --section.key=value.\n"
+        "Config settings (type, help, default):\n" + options_help()
+    )
+    usage = "%(prog)s [CONFIG.toml] [--section.key=value ...] [options]"
+    parser = PlaitParser(prog=prog, description=description, epilog=epilog, usage=usage)
+    parser.add_argument("config", nargs="?", metavar="CONFIG.toml", help="a TOML config file")
+    return parser
 
 
-def pop_int(args: list[str], flag: str) -> int | None:
-    """Remove `--flag N` / `--flag=N` from args and return N."""
-    value = pop_option(args, flag)
-    if value is None:
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise ConfigError(f"{flag} expects an integer, got {value!r}") from None
+def parse_config_args(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """(the command's own options, the config settings as 'section.key=value'): every --a.b=v / --a.b v is a
+    setting, the rest goes to the parser (a usage error exits 2, as argparse does)."""
+    own: list[str] = []
+    settings: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        name = arg[2:].split("=", 1)[0] if arg.startswith("--") else ""
+        if "." not in name:
+            own.append(arg)
+        elif "=" in arg:
+            settings.append(arg[2:])
+        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            settings.append(f"{name}={argv[i + 1]}")
+            i += 1
+        else:
+            raise ConfigError(f"option {arg} needs a value: {arg}=VALUE")
+        i += 1
+    return parser.parse_args(own), settings
+
+
+def config_argv(config: str | None, settings: list[str]) -> list[str]:
+    """The command line that gives the same config again (for launched workers and warm-start runs)."""
+    return ([config] if config else []) + [f"--{s}" for s in settings]

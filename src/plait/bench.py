@@ -41,15 +41,11 @@ from plait.compile import CompileMonitor  # noqa: E402
 from plait.config import Config  # noqa: E402
 from plait.errors import ConfigError  # noqa: E402
 
-USAGE = """\
-usage: plait bench [CONFIG.toml] [--section.key=value ...] [--steps N] [--warmup W] [--json PATH] [--no-warm-run]
-
-Measure a configuration in one process: the first step (with compilation when compile.enabled), then W
-warm-up steps (default 3) and N timed steps (default 20), reported as tokens/s, MFU against the device's
-dense peak, a step-time breakdown (data wait / forward+backward / exposed communication / optimizer), peak
-memory, and, with compile.enabled, the first step cold vs warm (a second process on the compile cache).
---json PATH also writes the results as JSON. Options are those of `plait train --help`.
-"""
+DESCRIPTION = """\
+Measure a configuration in one process: the first step (with compilation when compile.enabled), then
+warm-up steps and timed steps, reported as tokens/s, MFU against the device's dense peak, a step-time
+breakdown (data wait / forward+backward / exposed communication / optimizer), peak memory, and, with
+compile.enabled, the first step cold vs warm (a second process on the compile cache)."""
 
 
 def _sync(device: torch.device) -> None:
@@ -317,56 +313,28 @@ def print_report(r: dict) -> None:
     console.print(table)
 
 
-def _pop_flag(args: list[str], flag: str) -> bool:
-    if flag in args:
-        args.remove(flag)
-        return True
-    return False
-
-
-def _pop_value(args: list[str], flag: str) -> str | None:
-    for i, arg in enumerate(args):
-        if arg == flag or arg.startswith(flag + "="):
-            if "=" in arg:
-                del args[i]
-                return arg.split("=", 1)[1]
-            if i + 1 >= len(args):
-                raise ConfigError(f"{flag} needs a value")
-            value = args[i + 1]
-            del args[i : i + 2]
-            return value
-    return None
-
-
 def cmd_bench(argv: list[str]) -> int:
-    """`plait bench`: parse the bench flags, then the config like `plait train`."""
-    if any(a in ("-h", "--help") for a in argv):
-        from plait.config import options_help
+    """`plait bench`: its own flags, then the config like `plait train`."""
+    from plait.argparsing import config_argv, config_parser, parse_config_args
 
-        print(USAGE + "\nOptions (type, help, default):\n" + options_help())
-        return 0
-    args = list(argv)
+    parser = config_parser("plait bench", DESCRIPTION)
+    parser.add_argument("--steps", type=int, default=20, metavar="N", help="timed steps")
+    parser.add_argument("--warmup", type=int, default=3, metavar="W", help="untimed steps after the first")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    parser.add_argument("--no-warm-run", action="store_true", help="skip the warm-start process (compile cache)")
+    parser.add_argument("--quiet", action="store_true", help="print nothing (with --json)")
+    a, settings = parse_config_args(parser, argv)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ConfigError("plait bench runs one process; start it without torchrun")
-    values = {}
-    for flag, default in (("--steps", 20), ("--warmup", 3)):
-        raw = _pop_value(args, flag)
-        try:
-            values[flag] = default if raw is None else int(raw)
-        except ValueError:
-            raise ConfigError(f"{flag} expects an integer, got {raw!r}") from None
-    steps, warmup = values["--steps"], values["--warmup"]
+    steps, warmup, json_path, no_warm, quiet = a.steps, a.warmup, a.json, a.no_warm_run, a.quiet
     if steps < 1 or warmup < 0:
         raise ConfigError(f"need --steps >= 1 and --warmup >= 0 (got {steps}, {warmup})")
-    json_path = _pop_value(args, "--json")
     if json_path and Path(json_path).is_dir():
         raise ConfigError(f"--json {json_path} is a directory; give a file path, e.g. {Path(json_path) / 'bench.json'}")
-    no_warm, quiet = _pop_flag(args, "--no-warm-run"), _pop_flag(args, "--quiet")
 
-    from plait.argparsing import split_config_args
     from plait.config import load_config
 
-    path, overrides = split_config_args(args)
+    path, overrides = a.config, settings
     cfg = load_config(path, overrides)
     if cfg.parallel.pp_degree * cfg.parallel.tp_degree * cfg.parallel.dp_replicate_degree > 1:
         raise ConfigError("plait bench runs one process: leave the [parallel] degrees at 1")
@@ -378,7 +346,7 @@ def cmd_bench(argv: list[str]) -> int:
         results = run_bench(cfg, steps, warmup)
         release_device()  # the warm run is another process: it must find the device as empty as this one did
         if cfg.compile.enabled and not no_warm:
-            cfg_args = ([path] if path else []) + [f"--{o}" for o in overrides if not o.startswith("compile.cache_dir")]
+            cfg_args = config_argv(path, [o for o in overrides if not o.startswith("compile.cache_dir")])
             warm = warm_start(cfg_args, cfg.compile.cache_dir)
             results["warm_start"] = warm
             results["warm_over_cold"] = warm["from_process_start_s"] / results["first_step"]["from_process_start_s"]

@@ -8,22 +8,14 @@ from __future__ import annotations
 import os
 import sys
 
-from plait.argparsing import PlaitParser, pop_int, pop_option, split_config_args
+from plait.argparsing import PlaitParser, config_argv, config_parser, parse_config_args, split_config_args
 from plait.errors import ConfigError, PlaitError
 
-TRAIN_USAGE = """\
-usage: plait train [CONFIG.toml] [--section.key=value ...] [--nproc N] [--max-restarts R] [--layout auto]
-
+TRAIN_DESCRIPTION = """\
 Train a model. With no arguments: the 'tiny' model on the bundled Shakespeare corpus, on CUDA if present,
 else the CPU. A run directory that already holds checkpoints is resumed from the newest one.
---nproc N starts N local workers (default: one per visible GPU, else 1); the parallel layout is set by the
-[parallel] options, or chosen by the planner with --layout auto. --max-restarts R restarts the group
-after a lost worker. Under torchrun, use
-`torchrun --nproc-per-node N -m plait train [CONFIG] [overrides]`.
-
-Settings resolve in this order (later wins): defaults, model preset, CONFIG.toml, --section.key=value.
-Options (type, help, default):
-"""
+The parallel layout is set by the [parallel] settings, or chosen by the planner with --layout auto. Under
+torchrun: `torchrun --nproc-per-node N -m plait train [CONFIG] [settings]`."""
 
 
 def _load(args: list[str]):
@@ -33,35 +25,37 @@ def _load(args: list[str]):
     return load_config(path, overrides)
 
 
-def cmd_train(args: list[str]) -> int:
-    if any(a in ("-h", "--help") for a in args):
-        from plait.config import options_help
-
-        print(TRAIN_USAGE + options_help())
-        return 0
-    args = list(args)
-    nproc, restarts = pop_int(args, "--nproc"), pop_int(args, "--max-restarts")
-    if restarts is not None and restarts < 0:
-        raise ConfigError(f"--max-restarts={restarts} must be 0 or more (how often a failed group is restarted)")
-    layout = pop_option(args, "--layout")
+def cmd_train(argv: list[str]) -> int:
+    parser = config_parser("plait train", TRAIN_DESCRIPTION)
+    parser.add_argument("--nproc", type=int, metavar="N", help="local workers (default: one per visible GPU, else 1)")
+    parser.add_argument(
+        "--max-restarts", type=int, default=0, metavar="R", help="restarts of the group after a lost worker"
+    )
+    parser.add_argument(
+        "--layout", metavar="auto", help="'auto': the planner chooses the [parallel] degrees for the processes"
+    )
+    a, settings = parse_config_args(parser, argv)
+    args = config_argv(a.config, settings)
+    if a.max_restarts < 0:
+        raise ConfigError(f"--max-restarts={a.max_restarts} must be 0 or more (how often a failed group is restarted)")
     if "WORLD_SIZE" not in os.environ:  # not yet inside a launched worker
         _load(args)  # a bad setting is refused now, before torch is even imported
         from plait.launch import _validate_before_launch, default_nproc, launch_local
 
-        nproc = default_nproc() if nproc is None else nproc
+        nproc = default_nproc() if a.nproc is None else a.nproc
         if nproc < 1:
             raise ConfigError(f"--nproc={nproc} must be at least 1")
-        if layout == "auto":
+        if a.layout == "auto":
             from plait.planner.auto import auto_layout_overrides
 
             overrides, why = auto_layout_overrides(_load(args), nproc)
             print("\n".join(["plait train --layout auto:", *why, "using: " + " ".join(overrides)]), file=sys.stderr)
             args += [f"--{o}" for o in overrides]
-        elif layout is not None:
-            raise ConfigError(f"--layout={layout!r}: only 'auto' is accepted (or set the [parallel] options)")
+        elif a.layout is not None:
+            raise ConfigError(f"--layout={a.layout!r}: only 'auto' is accepted (or set the [parallel] options)")
         _validate_before_launch(args, nproc)
-        if nproc > 1 or restarts:
-            return launch_local(nproc, args, restarts or 0, train_worker)
+        if nproc > 1 or a.max_restarts:
+            return launch_local(nproc, args, a.max_restarts, train_worker)
     cfg = _load(args)
     from plait.api import train
 
@@ -69,17 +63,16 @@ def cmd_train(args: list[str]) -> int:
     return 0
 
 
-def cmd_config(args: list[str]) -> int:
-    if not args or args[0] != "show" or any(a in ("-h", "--help") for a in args):
-        asked = args and args[0] in ("-h", "--help") or "show" in args
-        print(
-            "usage: plait config show [CONFIG.toml] [--section.key=value ...]\n\nPrint the resolved config.",
-            file=sys.stdout if asked else sys.stderr,
-        )
-        return 0 if asked else 2
+def cmd_config(argv: list[str]) -> int:
+    if not argv or argv[0] != "show":
+        parser = PlaitParser(prog="plait config", description="Print the resolved config as TOML.")
+        parser.add_argument("action", choices=["show"], help="show [CONFIG.toml] [--section.key=value ...]")
+        parser.parse_args(argv[:1])  # help, or the usage error (exit 2)
+    parser = config_parser("plait config show", "Print the resolved config as TOML: every section, every key.")
+    a, settings = parse_config_args(parser, argv[1:])
     from plait.config import to_toml
 
-    print(to_toml(_load(args[1:])), end="")
+    print(to_toml(_load(config_argv(a.config, settings))), end="")
     return 0
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import sys
 
-from plait.argparsing import pop_int, pop_option, split_config_args
+from plait.argparsing import config_argv, config_parser, parse_config_args
 from plait.errors import ConfigError, PlaitError
 from plait.health import (
     DEFAULT_SIZES,
@@ -19,17 +19,14 @@ from plait.health import (
 )
 from plait.parallel.dims import Meshes, ParallelDims
 
-DOCTOR_USAGE = """\
-usage: plait doctor [CONFIG.toml] [--nproc N] [--parallel.KEY=VALUE ...] [--sizes 1M,4M,16M,64M] [--iters N]
-
+DOCTOR_DESCRIPTION = """\
 Check the machine before a run: each rank's device computes a seeded fp32 matmul, compared with an fp64
 reference and a checksum (and timed: a rank over guard.straggler_ratio x its peers' median is slow); then
 all-reduce, all-gather, reduce-scatter and send/recv run on every mesh axis of the [parallel] layout,
 checked against known values and timed over a size sweep, reported like nccl-tests (algbw = size / time;
 busbw = algbw x 2(n-1)/n for all-reduce, (n-1)/n for all-gather and reduce-scatter, 1 for send/recv).
-Exits 1 naming the rank when a rank is wrong or slow. --nproc N starts N local workers; under torchrun use
-`torchrun --nproc-per-node N -m plait.cli doctor [...]`.
-"""
+Exits 1 naming the rank when a rank is wrong or slow. Under torchrun:
+`torchrun --nproc-per-node N -m plait doctor [...]`."""
 
 
 def parse_sizes(text: str) -> tuple[int, ...]:
@@ -51,35 +48,32 @@ def parse_sizes(text: str) -> tuple[int, ...]:
 
 def cmd_doctor(argv: list[str], worker) -> int:
     """worker: the command line's entry for a launched process (plait.cli.worker), given by it."""
-    if any(a in ("-h", "--help") for a in argv):
-        print(DOCTOR_USAGE)
-        return 0
+    parser = config_parser("plait doctor", DOCTOR_DESCRIPTION)
+    parser.add_argument("--nproc", type=int, metavar="N", help="local workers (default: one per visible GPU, else 1)")
+    parser.add_argument(
+        "--sizes", metavar="LIST", help="message sizes of the collectives, e.g. 64K,1M (default: 1M,4M,16M,64M)"
+    )
+    parser.add_argument(
+        "--iters", type=int, metavar="N", help="timed iterations per size (default: 20 on a GPU, else 5)"
+    )
+    a, settings = parse_config_args(parser, argv)
+    sizes = parse_sizes(a.sizes) if a.sizes else DEFAULT_SIZES
+    if a.iters is not None and a.iters < 1:
+        raise ConfigError(f"--iters={a.iters} must be at least 1")
     from plait.config import load_config
 
-    args = list(argv)
-    nproc = pop_int(args, "--nproc")
-    sizes_text, iters_text = pop_option(args, "--sizes"), pop_option(args, "--iters")
-    sizes = parse_sizes(sizes_text) if sizes_text else DEFAULT_SIZES
-    try:
-        iters = int(iters_text) if iters_text is not None else None
-    except ValueError:
-        raise ConfigError(f"--iters expects an integer, got {iters_text!r}") from None
-    if iters is not None and iters < 1:
-        raise ConfigError(f"--iters={iters} must be at least 1")
-    cfg = load_config(*split_config_args(args))
+    cfg = load_config(a.config, settings)
     if "WORLD_SIZE" not in os.environ:  # not yet inside a launched worker
         from plait.launch import default_nproc
 
-        nproc = default_nproc() if nproc is None else nproc
+        nproc = default_nproc() if a.nproc is None else a.nproc
         if nproc < 1:
             raise ConfigError(f"--nproc={nproc} must be at least 1")
         ParallelDims.from_config(cfg.parallel, nproc)  # refuse an impossible layout before starting workers
         if nproc > 1:
-            forwarded = [a for a in argv if not (a == "--nproc" or a.startswith("--nproc="))]
-            if "--nproc" in argv:
-                del forwarded[argv.index("--nproc")]  # its value followed it
-            return _launch(nproc, forwarded, worker)
-    return _doctor(cfg, sizes, iters)
+            own = [f"--{k}={v}" for k, v in (("sizes", a.sizes), ("iters", a.iters)) if v is not None]
+            return _launch(nproc, [*config_argv(a.config, settings), *own], worker)
+    return _doctor(cfg, sizes, a.iters)
 
 
 def _doctor(cfg, sizes: tuple[int, ...], iters: int | None) -> int:
