@@ -28,6 +28,7 @@ from plait.hardware import device_info, memory_stats
 from plait.loss import IGNORE_INDEX, MeanLoss, TokenLoss, cross_entropy
 from plait.metrics import MetricsLogger, info
 from plait.parallel import DistEnv, Meshes, ParallelDims, init_distributed, validate_layout
+from plait.parallel.dims import num_micro_batches
 from plait.parallel.env import restart_count, shutdown
 from plait.parallel.norm import clip_grad_norm, local
 from plait.parallel.pipeline import pipeline_forward_backward
@@ -82,7 +83,7 @@ def train_step(
 
 
 def _num_micro(t: Trainable, inputs: torch.Tensor) -> int:
-    return inputs.shape[0] // (t.cfg.train.micro_batch_size or inputs.shape[0])
+    return num_micro_batches(t.cfg.train.micro_batch_size, inputs.shape[0])
 
 
 def _accumulate(t: Trainable, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

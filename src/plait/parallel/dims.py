@@ -114,6 +114,13 @@ class Meshes:
         return self.batch.get_local_rank()
 
 
+def num_micro_batches(micro_batch_size: int, local_batch: int, stages: int = 1) -> int:
+    """Micro-batches per step on one data-parallel rank: local_batch / train.micro_batch_size, or, with
+    train.micro_batch_size unset (0), one per pipeline stage (stages: pp x virtual; 1 without a pipeline: the
+    whole batch at once). The rule the layout check, the pipeline, the trainer and the planner share."""
+    return local_batch // micro_batch_size if micro_batch_size else stages
+
+
 def tp_problem(m: ModelArgs, seq_len: int, tp: int) -> str | None:
     """Why tensor parallelism of degree tp cannot split this model and sequence (None: it can). The rule the
     runtime (validate_layout) and the planner's search share."""
@@ -177,7 +184,7 @@ def validate_layout(cfg: Config, dims: ParallelDims) -> None:
                 f"model.n_layers={m.n_layers} is fewer than the pipeline stages pp_degree x pp_virtual_stages "
                 f"= {stages}; lower parallel.pp_degree or parallel.pp_virtual_stages"
             )
-        micro = local // t.micro_batch_size if t.micro_batch_size else stages
+        micro = num_micro_batches(t.micro_batch_size, local, stages)
         if local % micro:
             raise ConfigError(
                 f"the per-rank batch {local} cannot be split into {micro} pipeline micro-batches; set "

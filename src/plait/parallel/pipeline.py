@@ -27,7 +27,7 @@ from torch.distributed.pipelining.schedules import (
 
 from plait.config import Config
 from plait.model.llama import ModelArgs, Transformer
-from plait.parallel.dims import Meshes
+from plait.parallel.dims import Meshes, num_micro_batches
 from plait.parallel.parallelize import materialize, parallelize
 
 SCHEDULES = {
@@ -112,7 +112,7 @@ def build_pipeline(args: ModelArgs, meshes: Meshes, cfg: Config, device: torch.d
         parts.append(part)
         stages.append(PipelineStage(part, stage_id, num_stages, device, group=meshes.pp.get_group()))
     local_batch = cfg.train.global_batch_size // meshes.dims.dp
-    micro = local_batch // cfg.train.micro_batch_size if cfg.train.micro_batch_size else num_stages
+    micro = num_micro_batches(cfg.train.micro_batch_size, local_batch, num_stages)
     cls = SCHEDULES[cfg.parallel.pp_schedule]
     if cfg.parallel.pp_schedule in ("gpipe", "1f1b"):
         schedule = cls(stages[0], n_microbatches=micro, loss_fn=loss_fn)
