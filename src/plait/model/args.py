@@ -91,3 +91,34 @@ class ModelArgs:
         projection included, tied or not) plus attention 12 L d s, the PaLM / Megatron estimate for a causal
         model without discounting the mask. The one FLOPs rule: MFU in training, bench and the planner."""
         return 3 * (self.n_layers * self.layer_flops_per_token(seq_len) + self.head_flops_per_token())
+
+
+def split_layers(args: ModelArgs, num_stages: int, how: str = "cost", seq_len: int = 0) -> list[list[int]]:
+    """Consecutive layer ids per pipeline stage. 'layers': counts as equal as possible. 'cost': balance the
+    training FLOPs (ModelArgs.layer_flops_per_token at seq_len, default max_seq_len), the output projection
+    counted on the last stage; the embedding lookup is nearly free. The one stage-split rule: the pipeline
+    builds these stages and the planner sizes each rank's memory and time from them."""
+    n = args.n_layers
+    if not 1 <= num_stages <= n:
+        raise ValueError(f"cannot split {n} layers into {num_stages} pipeline stages")
+    if how == "layers":
+        bounds = [round(i * n / num_stages) for i in range(num_stages + 1)]
+        return [list(range(bounds[i], bounds[i + 1])) for i in range(num_stages)]
+    extra_last = args.head_flops_per_token() / args.layer_flops_per_token(seq_len or args.max_seq_len)
+    # Per-stage layer counts (each >= 1) minimising the largest stage cost; the last stage pays extra.
+    best: tuple[float, list[int]] | None = None
+    for last in range(1, n - num_stages + 2):
+        others, rest = num_stages - 1, n - last
+        if others == 0:
+            counts = [n]
+        else:
+            if rest < others:
+                continue
+            base, extra = divmod(rest, others)
+            counts = [base + (1 if i < extra else 0) for i in range(others)] + [last]
+        worst = max(max(counts[:-1], default=0), counts[-1] + extra_last)
+        if best is None or worst < best[0] - 1e-9:
+            best = (worst, counts)
+    assert best is not None
+    starts = [sum(best[1][:i]) for i in range(num_stages)]
+    return [list(range(s, s + c)) for s, c in zip(starts, best[1], strict=True)]

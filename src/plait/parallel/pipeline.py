@@ -26,6 +26,7 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from plait.config import Config
+from plait.model.args import split_layers
 from plait.model.llama import ModelArgs, Transformer
 from plait.parallel.dims import Meshes, num_micro_batches
 from plait.parallel.parallelize import materialize, parallelize
@@ -36,36 +37,6 @@ SCHEDULES = {
     "interleaved_1f1b": ScheduleInterleaved1F1B,
     "zero_bubble": ScheduleInterleavedZeroBubble,
 }
-
-
-def split_layers(args: ModelArgs, num_stages: int, how: str) -> list[list[int]]:
-    """Consecutive layer ids per stage. 'layers': counts as equal as possible. 'cost': balance estimated
-    FLOPs, counting the output projection (vocab x dim, and the loss) on the last stage; the embedding
-    lookup is nearly free and is not counted."""
-    n = args.n_layers
-    if how == "layers":
-        bounds = [round(i * n / num_stages) for i in range(num_stages + 1)]
-        return [list(range(bounds[i], bounds[i + 1])) for i in range(num_stages)]
-    layer_cost = args.dim * (2 * args.dim + 2 * args.n_kv_heads * args.head_dim) + 3 * args.dim * args.hidden_dim
-    extra_last = args.vocab_size * args.dim / layer_cost  # the output projection in units of one layer
-    # Choose per-stage layer counts (each >= 1) minimising the largest stage cost; last stage pays extra.
-    best = None
-    for last in range(1, n - num_stages + 2):
-        rest = n - last
-        others = num_stages - 1
-        if others == 0:
-            counts = [n]
-        else:
-            if rest < others:
-                continue
-            base, extra = divmod(rest, others)
-            counts = [base + (1 if i < extra else 0) for i in range(others)] + [last]
-        worst = max(max(counts[:-1], default=0), counts[-1] + extra_last)
-        if best is None or worst < best[0] - 1e-9:
-            best = (worst, counts)
-    counts = best[1]
-    starts = [sum(counts[:i]) for i in range(num_stages)]
-    return [list(range(s, s + c)) for s, c in zip(starts, counts, strict=True)]
 
 
 def stage_module(args: ModelArgs, layer_ids: list[int], first: bool, last: bool) -> Transformer:
@@ -103,7 +74,7 @@ def build_pipeline(args: ModelArgs, meshes: Meshes, cfg: Config, device: torch.d
     pp, v = meshes.dims.pp, cfg.parallel.pp_virtual_stages
     num_stages = pp * v
     pp_rank = meshes.pp.get_local_rank()
-    layout = split_layers(args, num_stages, cfg.parallel.pp_split)
+    layout = split_layers(args, num_stages, cfg.parallel.pp_split, cfg.data.seq_len)
     stages, parts = [], []
     for stage_id in range(pp_rank, num_stages, pp):
         part = stage_module(args, layout[stage_id], stage_id == 0, stage_id == num_stages - 1)

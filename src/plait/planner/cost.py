@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from plait.model.args import split_layers
 from plait.model.llama import ModelArgs
 from plait.planner.cluster import Cluster, GiB
 
@@ -211,26 +212,18 @@ EMBED_ACTIVATION_BYTES = 8
 
 
 def split_stages(a: ModelArgs, seq_len: int, pp, virtual):
-    """Layers on the first and on the last pipeline rank, balancing FLOPs: the last rank also runs the
-    output projection (worth x = head/layer FLOPs layers), so it gets about (L + x) / p - x layers and the
-    others share the rest. Returns (n_first, n_last); with pp = 1 both are L (one rank holds everything)."""
-    L = a.n_layers
-    x = head_flops_per_token(a) / layer_flops_per_token(a, seq_len)
-    pp = np.asarray(pp, dtype=np.int64)
-    virtual = np.asarray(virtual, dtype=np.int64)
-    others = np.maximum(pp - 1, 1)
-    ideal = (L + x) / pp - x
-    best_last, best_load = None, None
-    for k in (np.floor(ideal), np.ceil(ideal)):
-        k = np.clip(k, virtual, np.maximum(L - (pp - 1) * virtual, virtual)).astype(np.int64)
-        load = np.maximum(-(-(L - k) // others), k + x)
-        if best_last is None:
-            best_last, best_load = k, load
-        else:
-            better = load < best_load
-            best_last, best_load = np.where(better, k, best_last), np.minimum(load, best_load)
-    n_last = np.where(pp == 1, L, best_last)
-    n_first = np.where(pp == 1, L, -(-(L - n_last) // others))
+    """Layers on the first and on the last pipeline rank, as the runtime splits them (model.args.split_layers,
+    'cost': FLOPs balanced, the output projection on the last stage); a rank holds stages r, r + p, ... of the
+    p x v. Returns (n_first, n_last) arrays; with pp = 1 both are L (one rank holds everything)."""
+    pp, virtual = np.broadcast_arrays(np.asarray(pp, dtype=np.int64), np.asarray(virtual, dtype=np.int64))
+    n_first, n_last = np.full(pp.shape, a.n_layers, np.int64), np.full(pp.shape, a.n_layers, np.int64)
+    for p, v in set(zip(pp.ravel().tolist(), virtual.ravel().tolist(), strict=True)):
+        if p == 1:
+            continue
+        stages = split_layers(a, p * v, "cost", seq_len)
+        at = (pp == p) & (virtual == v)
+        n_first[at] = sum(len(stages[s]) for s in range(0, p * v, p))
+        n_last[at] = sum(len(stages[s]) for s in range(p - 1, p * v, p))
     return n_first, n_last
 
 
