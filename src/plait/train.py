@@ -355,3 +355,7 @@ class Trainer:
 
 def _layout(dims: ParallelDims) -> str:
     return f"pp={dims.pp} dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} tp={dims.tp}"
+
+
+if __name__ == "__main__":  # the command line lives above this module: say where, never do nothing
+    raise SystemExit("plait: this module is the training loop; run `plait train ...` or `python -m plait train ...`")
