@@ -57,7 +57,7 @@ def test_bench_reports_throughput_mfu_breakdown_and_memory(data_dir, tmp_path, c
     "args,message",
     [
         (["--parallel.tp_degree=2"], "plait bench runs one process"),
-        (["--steps", "many"], "--steps expects an integer, got 'many'"),
+        (["--steps", "many"], "argument --steps: invalid int value: 'many'"),
         (["--steps=0"], "need --steps >= 1"),
     ],
 )

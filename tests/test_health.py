@@ -86,8 +86,12 @@ def test_training_refuses_to_start_on_a_bad_device(data_dir, tmp_path, monkeypat
 
 
 def test_doctor_one_process(capsys):
-    assert cli_main(["doctor", "--run.device=cpu"]) == 0
-    out = capsys.readouterr().out
+    for _ in range(3):  # a moment of load from another process (a test's workers exiting) is "shares its device"
+        code = cli_main(["doctor", "--run.device=cpu"])
+        out = capsys.readouterr().out
+        if code == 0 or "shares its device" not in out:
+            break
+    assert code == 0, out
     assert "512x512 fp32 matmul" in out and "no mesh axis has more than one rank" in out
     assert "doctor: all 1 rank(s) healthy" in out
 

@@ -280,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"plait {argv[0]}: interrupted", file=sys.stderr)
         return 130
+    except SystemExit as e:  # argparse's --help (0) and usage errors (2): a code for Python callers too
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
 
 
 def worker(argv: list[str]) -> None:
