@@ -207,6 +207,7 @@ class Watchdog:
 
     def _watch(self) -> None:
         self.poll = min(1.0, max(0.05, self.timeout_s / 10))
+        self._beat_out()  # at once: a rank that stalls in its first poll interval is still named (with its pid)
         while not self._stop.wait(self.poll):
             self._beat_out()
             idle = time.monotonic() - self._last
