@@ -30,25 +30,33 @@ class PlaitParser(argparse.ArgumentParser):
         return super().add_argument(*args, **kwargs)
 
 
-def split_config_args(args: list[str]) -> tuple[str | None, list[str]]:
-    """[CONFIG] --a.b=1 --c.d 2 -> (CONFIG, ['a.b=1', 'c.d=2'])."""
-    path, overrides, i = None, [], 0
-    while i < len(args):
-        arg = args[i]
-        if arg.startswith("--"):
-            if "=" in arg:
-                overrides.append(arg[2:])
-            elif i + 1 < len(args) and not args[i + 1].startswith("--"):
-                overrides.append(f"{arg[2:]}={args[i + 1]}")
-                i += 1
-            else:
-                raise ConfigError(f"option {arg} needs a value: {arg}=VALUE")
-        elif path is None:
-            path = arg
+def _take_settings(argv: list[str], is_setting) -> tuple[list[str], list[str]]:
+    """(the settings as 'name=value', the other arguments): --name=value or --name value where is_setting(name)."""
+    settings: list[str] = []
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        name = arg[2:].split("=", 1)[0] if arg.startswith("--") else ""
+        if not name or not is_setting(name):
+            rest.append(arg)
+        elif "=" in arg:
+            settings.append(arg[2:])
+        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            settings.append(f"{name}={argv[i + 1]}")
+            i += 1
         else:
-            raise ConfigError(f"unexpected argument {arg!r}: give at most one config file, then --section.key=value")
+            raise ConfigError(f"option {arg} needs a value: {arg}=VALUE")
         i += 1
-    return path, overrides
+    return settings, rest
+
+
+def split_config_args(args: list[str]) -> tuple[str | None, list[str]]:
+    """[CONFIG] --a.b=1 --c.d 2 -> (CONFIG, ['a.b=1', 'c.d=2']): a command line that is a config and nothing else."""
+    settings, rest = _take_settings(args, lambda name: True)
+    if len(rest) > 1:
+        raise ConfigError(f"unexpected argument {rest[1]!r}: give at most one config file, then --section.key=value")
+    return (rest[0] if rest else None), settings
 
 
 def config_parser(prog: str, description: str) -> PlaitParser:
@@ -69,22 +77,7 @@ def config_parser(prog: str, description: str) -> PlaitParser:
 def parse_config_args(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """(the command's own options, the config settings as 'section.key=value'): every --a.b=v / --a.b v is a
     setting, the rest goes to the parser (a usage error exits 2, as argparse does)."""
-    own: list[str] = []
-    settings: list[str] = []
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        name = arg[2:].split("=", 1)[0] if arg.startswith("--") else ""
-        if "." not in name:
-            own.append(arg)
-        elif "=" in arg:
-            settings.append(arg[2:])
-        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-            settings.append(f"{name}={argv[i + 1]}")
-            i += 1
-        else:
-            raise ConfigError(f"option {arg} needs a value: {arg}=VALUE")
-        i += 1
+    settings, own = _take_settings(argv, lambda name: "." in name)
     return parser.parse_args(own), settings
 
 
