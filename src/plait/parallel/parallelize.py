@@ -190,22 +190,16 @@ def load_local_shard(param: torch.Tensor, read_box: Callable[[tuple[int, ...], t
     local.copy_(read_box(tuple(offset), tuple(shape)))
 
 
-@torch.no_grad()
 def init_local_shard(param: torch.Tensor, rows) -> None:
     """Initialise this rank's shard of a parameter from `rows(start, stop)` (the full value's rows, see
     `Transformer.init_weights`): only the rows the shard covers are drawn, then its columns cut out, so
     neither time nor memory depends on the full parameter's size beyond this rank's rows."""
-    if not isinstance(param, DTensor):
-        param.copy_(rows(0, param.shape[0]))
-        return
-    local = param.to_local()
-    shape, offset = local_box(param)
-    if local.numel() == 0:
-        return
-    if tuple(local.shape) != tuple(shape):
-        raise RuntimeError(f"local shard {tuple(local.shape)} is not the box {tuple(shape)} torch reports")
-    value = rows(offset[0], offset[0] + shape[0])
-    local.copy_(value[(slice(None), *(slice(o, o + n) for o, n in zip(offset[1:], shape[1:], strict=True)))])
+
+    def read_box(offset: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+        value = rows(offset[0], offset[0] + shape[0])
+        return value[(slice(None), *(slice(o, o + n) for o, n in zip(offset[1:], shape[1:], strict=True)))]
+
+    load_local_shard(param, read_box)
 
 
 def parallelize_own(model: nn.Module, meshes: Meshes, cfg: Config, device: torch.device) -> nn.Module:
