@@ -35,7 +35,9 @@ def read_metrics(run_dir: Path) -> dict[str, dict[int, float]]:
     return out
 
 
-def _worker(rank: int, world: int, port: int, jobs: list[list[str]], out_dir: str) -> None:
+def join_as_rank(rank: int, world: int, port: int) -> None:
+    """In a spawned worker: the environment torchrun would give rank `rank` of `world` on this machine, and one
+    intra-op thread (the ranks share the cores)."""
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -47,6 +49,10 @@ def _worker(rank: int, world: int, port: int, jobs: list[list[str]], out_dir: st
     import torch
 
     torch.set_num_threads(1)
+
+
+def _worker(rank: int, world: int, port: int, jobs: list[list[str]], out_dir: str) -> None:
+    join_as_rank(rank, world, port)
     from plait.api import train
     from plait.config import load_config
     from plait.parallel.env import init_distributed, shutdown

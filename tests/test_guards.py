@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from parallel_harness import free_port
+from parallel_harness import free_port, join_as_rank
 from plait.checkpoint import TrainState
 from plait.config import load_config
 from plait.errors import ConfigError, PlaitError
@@ -234,9 +234,7 @@ def test_stop_policy_and_giving_up(data_dir, tmp_path, monkeypatch):
 
 
 def _worker(rank: int, world: int, port: int, jobs: list, out_dir: str) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
-    os.environ.update(MASTER_PORT=str(port), LOCAL_WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
+    join_as_rank(rank, world, port)
     from plait.api import train
     from plait.parallel.env import init_distributed, shutdown
 

@@ -217,15 +217,9 @@ def test_init_from_hf_in_one_process_loads_every_tensor(tmp_path):
 def _init_from_worker(rank: int, world: int, port: int, overrides: list[str], out_dir: str) -> None:
     """One rank of a 2-process FSDP run starting from a Hugging Face directory (finetune.init_from) through
     plait's own trainer; every read of the directory is logged (name, offset, shape read)."""
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    torch.set_num_threads(1)
+    from parallel_harness import join_as_rank
+
+    join_as_rank(rank, world, port)
     from plait.api import train
     from plait.config import load_config
     from plait.interop.hf import HFWeights

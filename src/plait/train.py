@@ -296,8 +296,9 @@ class Trainer:
                 last_time, last_step = time.perf_counter(), step
             if self._eval_due(step):
                 with compiler.expect("evaluation"):  # no_grad: compiled once more, the first time only
-                    batches = min(cfg.eval.num_batches, max(1, self._val_loader().steps_per_epoch))
-                    self.final["val_loss"] = evaluate(t, self._val_loader(), batches)
+                    val = self._val_loader()
+                    batches = min(cfg.eval.num_batches, max(1, val.steps_per_epoch))
+                    self.final["val_loss"] = evaluate(t, val, batches)
                 metrics.log(step, {"loss": self.final["val_loss"]}, prefix="val")
                 if env.is_main:
                     write_run_plot(cfg.run_dir)  # runs/<name>/loss.png, refreshed at each evaluation
