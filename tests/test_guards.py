@@ -3,6 +3,7 @@ watchdog. Unit tests need no process group; the policies run in one process and 
 and the watchdog through the real CLI, whose elastic agent restarts the hung group."""
 
 import contextlib
+import importlib.util
 import json
 import os
 import re
@@ -98,22 +99,33 @@ def test_fault_variables(monkeypatch):
         Faults(0)
 
 
-def test_describe_stack_names_the_phase():
+@pytest.mark.parametrize(
+    "path, function, phase",
+    [
+        ("plait/train.py", "_accumulate", "forward/backward"),
+        ("plait/validation.py", "evaluate", "eval"),
+        ("plait/checkpoint.py", "save", "checkpoint"),
+        ("plait/train.py", "_loop", "between steps"),
+    ],
+)
+def test_describe_stack_names_the_phase(path, function, phase):
     """The watchdog reads the phase from the training thread's stack: here a thread blocked in a function
-    that looks, to it, like plait.train._accumulate."""
-    code = "def _accumulate(event):\n    event.wait()\n"
+    that looks, to it, like the plait function where that phase runs (each entry of _PHASES names a real one)."""
+    source = importlib.util.find_spec(path.removesuffix(".py").replace("/", ".")).origin
+    assert re.search(rf"\bdef {function}\(", open(source).read()), f"{path} has no {function}: update _PHASES"
+    code = f"def {function}(event):\n    event.wait()\n"
     namespace: dict = {}
-    exec(compile(code, "/site/plait/train.py", "exec"), namespace)
+    exec(compile(code, f"/site/{path}", "exec"), namespace)
     event = threading.Event()
-    thread = threading.Thread(target=namespace["_accumulate"], args=(event,))
+    thread = threading.Thread(target=namespace[function], args=(event,))
     thread.start()
     try:
         time.sleep(0.05)
-        phase, where = describe_stack(sys._current_frames()[thread.ident])
+        found, where = describe_stack(sys._current_frames()[thread.ident])
     finally:
         event.set()
         thread.join()
-    assert phase == "forward/backward" and "in wait" in where
+    assert found == phase and "in wait" in where
 
 
 @pytest.mark.slow

@@ -43,6 +43,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "plait.callbacks",
             "plait.loss",
             "plait.rundir",
+            "plait.step_metrics",
+            "plait.validation",
         ),
     ),
     ("trainer", ("plait.train", "plait.trainable")),

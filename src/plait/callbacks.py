@@ -2,8 +2,11 @@
 monitors, fine-tuning, health checks, fault injection, your own code) are callbacks.
 
 Every hook is optional and receives the running `plait.train.Trainer` (its `cfg`, `env`, `meshes`, `t` (model
-parts, optimizers, schedules), `loader`, `state`, `checkpointer`, `metrics`, `final`). Hooks run in the order
-the callbacks were given, `close` in reverse order (like context managers), each even if another fails.
+parts, optimizers, schedules), `loader`, `state`, `checkpointer`, `metrics`, `compiler`, `callbacks`, `final`).
+Hooks run in the order the callbacks were given, `close` in reverse order (like context managers), each even if
+another fails. The trainer's own features are callbacks too, around yours: plait.compile.CompileWatch first;
+then yours; then plait.step_metrics.StepMetrics (logging), plait.validation.Validation and
+plait.checkpoint.Checkpointing, whose after_step hooks log, evaluate and save a step that counts.
 
     on_setup        the process group and meshes exist; the model does not yet (health checks)
     on_model        the model parts are built and initialised; optimizers not yet (load weights, add adapters:
@@ -11,7 +14,8 @@ the callbacks were given, `close` in reverse order (like context managers), each
     on_start        resumed (or not), before the first step
     before_step     a step is about to run (its batch is drawn)
     should_step     the step's global loss and gradient norm are known: False withholds the update
-    after_step      the update is applied; True means the callback rolled the run back (the step is not counted)
+    after_step      the step is applied and counted (run.state.step == step); True means the callback rolled
+                    the run back (run.state is a checkpoint's): the callbacks after it do not see this step
     after_eval      a validation loss was measured
     after_checkpoint  after each step's save decision: saved is the report of a save completed at this step
                     (an asynchronous one reports when it is published), empty when none
@@ -87,7 +91,8 @@ class Callbacks(Callback):
         return all(verdicts)
 
     def after_step(self, run, step: int, result) -> bool:
-        return any([c.after_step(run, step, result) for c in self.items])
+        # any() stops at the first True: a rolled-back step does not count, and the callbacks after it never see it
+        return any(c.after_step(run, step, result) for c in self.items)
 
     def after_eval(self, run, step: int, val_loss: float) -> None:
         for c in self.items:

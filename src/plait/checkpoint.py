@@ -57,6 +57,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from plait import storage
+from plait.callbacks import Callback
 from plait.config import CheckpointConfig, Config
 from plait.errors import ConfigError, PlaitError
 from plait.storage import DCP_METADATA, Location, RemotePath
@@ -883,3 +884,14 @@ def _jsonable(obj):
     if isinstance(obj, tuple):
         return list(obj)
     raise TypeError(f"cannot store {type(obj).__name__} in checkpoint metadata")
+
+
+class Checkpointing(Callback):
+    """run.checkpointer attached to the trainer: after each counted step, a save when one is due (or when a
+    stop was requested: then the loop ends at this step), and every callback's after_checkpoint."""
+
+    def after_step(self, run, step: int, result) -> bool:
+        stop = run.stop.requested
+        saved = run.checkpointer.maybe_save(step, run.t, loader=run.loader, state=run.state, stop_requested=stop)
+        run.callbacks.after_checkpoint(run, step, saved)
+        return False

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from plait.callbacks import Callback
 from plait.config import Config
 from plait.errors import ConfigError, PlaitError
 from plait.trusted_dir import TrustedDir, private_dir
@@ -342,15 +343,11 @@ class CompileMonitor:
         if new:
             self._recompiled(new, f"step {step}")
 
-    @contextlib.contextmanager
-    def expect(self, phase: str):
-        """Compilations inside are expected the first time `phase` runs (evaluation: no_grad and eval mode
-        change the graph), recompilations on any later run."""
+    def phase_done(self, phase: str) -> None:
+        """After a phase outside the training step (evaluation: no_grad and eval mode change the graph): the
+        compilations since the last check are expected the first time `phase` runs, recompilations later."""
         if not self.enabled:
-            yield
             return
-        self._recompiled(self._new(), "between steps")  # nothing may have slipped in unseen
-        yield
         new = self._new()
         if phase in self._expected:
             self._recompiled(new, phase)
@@ -397,3 +394,18 @@ class CompileMonitor:
             "compile_loaded_artifacts": self.loaded_artifacts,
             **{f"compile_{k}": v for k, v in self.cache_hits().items()},
         }
+
+
+class CompileWatch(Callback):
+    """The compile monitor attached to the trainer (run.compiler): caches set up before the model is built,
+    each step checked for recompilation, the first evaluation's compilations expected."""
+
+    def on_setup(self, run) -> None:
+        run.compiler = CompileMonitor.start(run.cfg, run.env.device, run.env.is_main)
+
+    def after_step(self, run, step: int, result) -> bool:
+        run.compiler.check(step)  # static shapes: any compilation after the first step is a recompilation
+        return False
+
+    def after_eval(self, run, step: int, val_loss: float) -> None:
+        run.compiler.phase_done("evaluation")

@@ -119,7 +119,7 @@ _PHASES = [
     ("plait/parallel/norm.py", {"clip_grad_norm"}, "gradient norm"),
     ("plait/train.py", {"_accumulate"}, "forward/backward"),
     ("plait/parallel/pipeline.py", {"pipeline_forward_backward"}, "forward/backward"),
-    ("plait/train.py", {"evaluate"}, "eval"),
+    ("plait/validation.py", {"evaluate"}, "eval"),
     ("plait/checkpoint.py", {"save", "load"}, "checkpoint"),
     ("plait/data/loader.py", {"__next__"}, "data"),
     ("plait/health.py", None, "health check"),
@@ -128,7 +128,7 @@ _PHASES = [
     ("plait/guards.py", {"_report_stragglers"}, "straggler all-gather"),
     ("plait/guards.py", {"after_step"}, "guard"),
     ("plait/train.py", {"train_step"}, "train step"),
-    ("plait/train.py", {"_train"}, "between steps"),
+    ("plait/train.py", {"_loop"}, "between steps"),
 ]
 
 

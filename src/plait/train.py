@@ -8,7 +8,6 @@ and `plait train` is a command line over that.
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,14 +17,13 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.callbacks import Callback, Callbacks
-from plait.checkpoint import CheckpointManager, TrainState, checkpoint_dir
-from plait.compile import CompileMonitor
+from plait.checkpoint import Checkpointing, CheckpointManager, TrainState, checkpoint_dir
+from plait.compile import CompileMonitor, CompileWatch
 from plait.config import Config, to_dict, to_toml
 from plait.data import TokenDataset, TokenLoader, ensure_prepared
 from plait.data.samples import SampleLoader
 from plait.errors import ConfigError, PlaitError
-from plait.hardware import device_info, memory_stats
-from plait.loss import IGNORE_INDEX, MeanLoss, TokenLoss, cross_entropy
+from plait.loss import IGNORE_INDEX, TokenLoss, cross_entropy
 from plait.metrics import MetricsLogger, info
 from plait.parallel import DistEnv, Meshes, ParallelDims, init_distributed, validate_layout
 from plait.parallel.dims import num_micro_batches
@@ -34,8 +32,10 @@ from plait.parallel.norm import clip_grad_norm, local
 from plait.parallel.pipeline import pipeline_forward_backward
 from plait.plot import write_run_plot
 from plait.rundir import final_checkpoint_lost, prepare_run_dir, raise_stopped, resume
+from plait.step_metrics import StepMetrics
 from plait.stop import StopRequest
 from plait.trainable import Trainable, autocast_context, build_model, build_trainable
+from plait.validation import Validation
 
 __all__ = [  # the loop, and the pieces of a step that benchmarks and tests import from here
     "IGNORE_INDEX", "Trainable", "TokenLoss", "Trainer", "autocast_context", "build_model", "build_trainable",
@@ -98,46 +98,18 @@ def _accumulate(t: Trainable, inputs: torch.Tensor, targets: torch.Tensor) -> to
     return total
 
 
-@torch.no_grad()
-def evaluate(t: Trainable, loader, batches: int) -> float:
-    """Mean loss over the first `batches` global batches of a validation loader (the same every time),
-    averaged over data-parallel ranks."""
-    for part in t.parts:
-        part.eval()
-    losses = []
-    with t.loss_context(), t.autocast():
-        for _, (x, y) in zip(range(batches), loader, strict=False):
-            if t.pipeline is not None:
-                out: list[torch.Tensor] | None = [] if t.pipeline.has_last else None
-                kwargs = {"target": y, "losses": out} if t.pipeline.has_last else {}
-                t.pipeline.schedule.eval(*([x] if t.pipeline.has_first else []), **kwargs)
-                loss = torch.stack([local(v).float() for v in out]).mean() if out else torch.zeros((), device=x.device)
-                dist.all_reduce(loss, group=t.meshes.pp.get_group())
-            elif isinstance(t.loss_fn, MeanLoss):
-                loss = local(t.loss_fn.loss_fn(t.model(x), y)).float()
-            else:
-                loss = local(cross_entropy(t.model(x), y))
-            losses.append(loss)
-    for part in t.parts:
-        part.train()
-    mean = torch.stack(losses).mean()
-    if t.meshes.dims.dp > 1:
-        dist.all_reduce(mean, group=t.meshes.batch.get_group())
-        mean = mean / t.meshes.dims.dp
-    return mean.item()
-
-
 class Trainer:
     """One training run on this process's share of the mesh (a lone process is a mesh of size 1).
 
     cfg: the settings (plait.Config); model / parallelize / loss: your own model, parallelisation plan and
     loss (see build_trainable; default: plait's Llama for cfg.model); data / val_data: your own samples
     (plait.data.samples: any sequence or iterable of token sequences or {"input_ids"} dicts; default:
-    cfg.data.source); callbacks: plait.Callback instances, called in order; env: a process group already
-    set up (it is then left up), else one from the torchrun environment (or of one process).
-    `fit()` trains to cfg.train.steps (resuming the run directory's newest checkpoint) and returns the last
-    logged metrics. Everything a callback may read is an attribute: cfg, env, meshes, t, loader, state,
-    checkpointer, metrics, data_dir, resumed_from, final."""
+    cfg.data.source); callbacks: plait.Callback instances, called in order between the trainer's own
+    (core_callbacks: the compile monitor before yours; logging, validation and checkpointing after them);
+    env: a process group already set up (it is then left up), else one from the torchrun environment (or of
+    one process). `fit()` trains to cfg.train.steps (resuming the run directory's newest checkpoint) and
+    returns the last logged metrics. Everything a callback may read is an attribute: cfg, env, meshes, t,
+    loader, state, checkpointer, metrics, compiler, stop, callbacks, data_dir, resumed_from, final."""
 
     def __init__(
         self,
@@ -156,12 +128,22 @@ class Trainer:
         if val_data is not None and data is None:
             raise ConfigError("val_data= goes with your own data=; plait's data has its own validation split")
         self.cfg, self.model_fn, self.parallelize_fn, self.loss = cfg, model, parallelize, loss
-        self.data, self.val_data, self.callbacks, self.env = data, val_data, Callbacks(callbacks), env
+        first, last = self.core_callbacks()
+        self.data, self.val_data, self.env = data, val_data, env
+        self.callbacks = Callbacks([*first, *callbacks, *last])
         self.meshes: Meshes | None = None
         self.t: Trainable | None = None
         self.loader = self.checkpointer = self.metrics = self.data_dir = self.resumed_from = None
+        self.compiler: CompileMonitor | None = None
+        self.stop: StopRequest | None = None
         self.state = TrainState()
         self.final: dict[str, float] = {}
+
+    @staticmethod
+    def core_callbacks() -> tuple[list[Callback], list[Callback]]:
+        """The trainer's own features as (before yours, after yours): the compile monitor sees every step;
+        logging, validation and checkpointing, in that order, only the steps that count."""
+        return [CompileWatch()], [StepMetrics(), Validation(), Checkpointing()]
 
     def fit(self) -> dict[str, float]:
         own = self.env is None
@@ -213,9 +195,8 @@ class Trainer:
         candidates = prepare_run_dir(cfg, env.is_main)
         self._prepare_data()
         self.meshes = Meshes.build(dims, env.device.type)  # one process: a mesh of size 1
-        cb.on_setup(self)  # health checks refuse to start on a rank that computes or communicates wrongly
-        compiler = CompileMonitor.start(cfg, env.device, env.is_main)  # caches set up before the first compile
-        t = self.t = build_trainable(
+        cb.on_setup(self)  # compile caches set up; health checks refuse a rank that computes or communicates wrongly
+        self.t = build_trainable(
             cfg, env.device, self.meshes, model=self.model_fn, parallelize_fn=self.parallelize_fn,
             loss=self.loss, on_model=lambda parts: cb.on_model(self, parts),
         )  # fmt: skip
@@ -228,12 +209,12 @@ class Trainer:
         self.metrics = MetricsLogger(
             cfg.run_dir, cfg.log, cfg.train.steps, enabled=env.is_main, name=cfg.run.name, config=to_dict(cfg)
         )
-        stop = StopRequest(announce=env.is_main)
+        stop = self.stop = StopRequest(announce=env.is_main)
         try:
             cb.on_start(self)
             stop.install()  # SIGTERM / SIGINT: checkpoint this step, then stop
             try:
-                self._loop(t, compiler, stop)
+                self._loop()
             finally:
                 stop.restore()
         finally:
@@ -256,79 +237,22 @@ class Trainer:
             cfg.run_dir.mkdir(parents=True, exist_ok=True)
             (cfg.run_dir / "config.toml").write_text(to_toml(cfg))
 
-    def _loop(self, t: Trainable, compiler: CompileMonitor, stop: StopRequest) -> None:
-        cfg, env, cb, state, metrics = self.cfg, self.env, self.callbacks, self.state, self.metrics
-        dev = device_info(env.device)
+    def _loop(self) -> None:
+        """Steps until cfg.train.steps; logging, evaluation and checkpoints are the after_step hooks of the
+        trainer's own callbacks (a rolled-back step reaches none of them)."""
+        cfg, cb, state = self.cfg, self.callbacks, self.state
         tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
-        flops_per_token, params = self._flops_per_token(t)
-        if env.is_main:
-            source = f"data {self.data_dir}" if self.data_dir else "your data"
-            info(
-                f"plait: {params / 1e6:.2f}M parameters, {env.world_size} x {dev.name} ({env.device}) as "
-                f"{_layout(self.meshes.dims)}, {cfg.train.steps} steps x {tokens_per_step:,} tokens, {source}"
-            )
-        peak_flops = dev.peak_flops * env.world_size
-        last_time, last_step = time.perf_counter(), state.step
-        metrics.advance(state.step)
-        while state.step < cfg.train.steps:
+        while state.step < cfg.train.steps and not self.checkpointer.stopped_at:
             step = state.step + 1
             inputs, targets = next(self.loader)
             cb.before_step(self, step)
-            result = train_step(t, inputs, targets, should_step=lambda loss, norm: cb.should_step(self, loss, norm))
-            compiler.check(step)  # static shapes: any compilation after the first step is a recompilation
-            if cb.after_step(self, step, result):  # rolled back: model, data and state.step are a checkpoint's
-                last_time, last_step = time.perf_counter(), state.step
-                continue
+            result = train_step(self.t, inputs, targets, lambda loss, norm: cb.should_step(self, loss, norm))
             state.step, state.tokens = step, state.tokens + tokens_per_step
-            if metrics.should_log(step, cfg.train.steps):
-                elapsed = time.perf_counter() - last_time
-                self.final = {
-                    "loss": result.loss.item(),  # read already by the guard's should_step: no further device sync
-                    "grad_norm": result.grad_norm.item(),
-                    "lr": t.schedulers[0].get_last_lr()[0],
-                    "tokens_per_s": (step - last_step) * tokens_per_step / elapsed,
-                    "mfu": flops_per_token * (step - last_step) * tokens_per_step / elapsed / peak_flops,
-                    "tokens": state.tokens,
-                    **memory_stats(env.device),
-                    **compiler.metrics(),
-                }  # fmt: skip
-                metrics.log(step, self.final)
-                last_time, last_step = time.perf_counter(), step
-            if self._eval_due(step):
-                with compiler.expect("evaluation"):  # no_grad: compiled once more, the first time only
-                    val = self._val_loader()
-                    batches = min(cfg.eval.num_batches, max(1, val.steps_per_epoch))
-                    self.final["val_loss"] = evaluate(t, val, batches)
-                metrics.log(step, {"loss": self.final["val_loss"]}, prefix="val")
-                if env.is_main:
-                    write_run_plot(cfg.run_dir)  # runs/<name>/loss.png, refreshed at each evaluation
-                cb.after_eval(self, step, self.final["val_loss"])
-                last_time = time.perf_counter()  # evaluation time is not training throughput
-            saved = self.checkpointer.maybe_save(
-                step, t, loader=self.loader, state=state, stop_requested=stop.requested
-            )
-            cb.after_checkpoint(self, step, saved)
-            if saved:
-                metrics.log(step, saved, prefix="checkpoint")
-                last_time = time.perf_counter()  # checkpoint time is not training throughput
-            metrics.advance(step)
-            if self.checkpointer.stopped_at:
-                break
+            cb.after_step(self, step, result)  # True: rolled back, state is a checkpoint's
 
-    def _eval_due(self, step: int) -> bool:
-        every = self.cfg.eval.every_steps
-        has_val = self.val_split is not None
-        return bool(every) and has_val and (step % every == 0 or step == self.cfg.train.steps)
-
-    def _val_loader(self):
+    def val_loader(self):
+        """A fresh loader over the validation split (the same batches each time)."""
         return self._loader(self.val_split, validation=True)
-
-    def _flops_per_token(self, t: Trainable) -> tuple[float, int]:
-        """(training FLOPs per token, parameters): plait's model counts attention too; another model 6 N."""
-        if self.model_fn is None:
-            return self.cfg.model.flops_per_token(self.cfg.data.seq_len), self.cfg.model.num_params()
-        params = sum(p.numel() for p in t.parameters())  # DTensor numel is the global size
-        return 6.0 * params, params
 
     def _close(self) -> None:
         saved = self.checkpointer.close()  # waits for the save in flight and publishes it
@@ -352,10 +276,6 @@ class Trainer:
         if env.is_main and not self.final:
             info(f"run {cfg.run_dir} already finished at step {self.state.step}; nothing to train")
         self.callbacks.on_end(self, self.final)
-
-
-def _layout(dims: ParallelDims) -> str:
-    return f"pp={dims.pp} dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} tp={dims.tp}"
 
 
 if __name__ == "__main__":  # the command line lives above this module: say where, never do nothing
