@@ -8,6 +8,7 @@ Each job is a list of `section.key=value` overrides; every rank trains it with p
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import socket
 import tempfile
@@ -15,6 +16,24 @@ import traceback
 from pathlib import Path
 
 import torch.multiprocessing as mp
+
+# Ranks are forked from a server process that has imported plait and torch once (3 s of CPU per process
+# otherwise, and tests start ~100 ranks). Each rank gets the test's environment and working directory as they
+# are when it starts (a forked server would otherwise hand out its own, from when it started).
+multiprocessing.set_forkserver_preload(["plait.api", "parallel_harness"])
+
+
+def _as_started(rank: int, environ: dict, cwd: str, fn, *args) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
+    fn(rank, *args)
+
+
+def start_ranks(fn, args: tuple, world: int):
+    """fn(rank, *args) in `world` processes (torch.multiprocessing's context: join() raises a rank's error)."""
+    args = (dict(os.environ), os.getcwd(), fn, *args)
+    return mp.start_processes(_as_started, args=args, nprocs=world, join=False, start_method="forkserver")
 
 
 def free_port() -> int:
@@ -77,9 +96,7 @@ def _worker(rank: int, world: int, port: int, jobs: list[list[str]], out_dir: st
 def run_layouts(world: int, jobs: list[list[str]], timeout: float = 900) -> list[dict]:
     """Train each job on `world` gloo processes; returns rank 0's metrics per job."""
     out_dir = tempfile.mkdtemp(prefix=f"plait-w{world}-")
-    ctx = mp.start_processes(
-        _worker, args=(world, free_port(), jobs, out_dir), nprocs=world, join=False, start_method="spawn"
-    )
+    ctx = start_ranks(_worker, (world, free_port(), jobs, out_dir), world)
     try:
         while not ctx.join(timeout=timeout):
             pass

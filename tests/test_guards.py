@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from parallel_harness import free_port, join_as_rank
+from parallel_harness import free_port, join_as_rank, start_ranks
 from plait.checkpoint import TrainState
 from plait.config import load_config
 from plait.errors import ConfigError, PlaitError
@@ -112,7 +112,7 @@ def test_describe_stack_names_the_phase(path, function, phase):
     """The watchdog reads the phase from the training thread's stack: here a thread blocked in a function
     that looks, to it, like the plait function where that phase runs (each entry of _PHASES names a real one)."""
     source = importlib.util.find_spec(path.removesuffix(".py").replace("/", ".")).origin
-    assert re.search(rf"\bdef {function}\(", open(source).read()), f"{path} has no {function}: update _PHASES"
+    assert re.search(rf"\bdef {function}\(", Path(source).read_text()), f"{path} has no {function}: update _PHASES"
     code = f"def {function}(event):\n    event.wait()\n"
     namespace: dict = {}
     exec(compile(code, f"/site/{path}", "exec"), namespace)
@@ -286,9 +286,7 @@ def test_two_ranks_refuse_skip_rollback_and_name_the_straggler(data_dir, tmp_pat
         ([*fsdp, "guard.nonfinite_policy=rollback"], {"PLAIT_FAULT_NAN": "5"}),
         (fsdp, {}),
     ]
-    ctx = mp.start_processes(
-        _worker, args=(2, free_port(), jobs, str(tmp_path)), nprocs=2, join=False, start_method="spawn"
-    )
+    ctx = start_ranks(_worker, (2, free_port(), jobs, str(tmp_path)), 2)
     try:
         while not ctx.join(timeout=600):
             pass

@@ -247,9 +247,8 @@ def test_init_from_hf_at_world_size_2_reads_each_rank_its_slices_and_exports(tmp
     the rows its shards hold, every element is read once across the ranks. Trained one step at lr 1e-30
     (weights unchanged), the run's checkpoint (written by the 2 ranks) exports to a directory transformers loads to
     the original weights, bit for bit, and the original logits."""
-    import torch.multiprocessing as mp
 
-    from parallel_harness import free_port
+    from parallel_harness import free_port, start_ranks
     from plait.data import ensure_prepared
     from test_interop import HF_SHAPE, hf_from_pretrained, save_hf_model, tokens
 
@@ -277,9 +276,7 @@ def test_init_from_hf_at_world_size_2_reads_each_rank_its_slices_and_exports(tmp
         f"run.out_dir={tmp_path}",
         "run.name=ws2",
     ]
-    ctx = mp.start_processes(
-        _init_from_worker, args=(2, free_port(), overrides, str(tmp_path)), nprocs=2, join=False, start_method="spawn"
-    )
+    ctx = start_ranks(_init_from_worker, (2, free_port(), overrides, str(tmp_path)), 2)
     while not ctx.join(timeout=600):
         pass
     shapes = param_shapes(args)
