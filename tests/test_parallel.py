@@ -26,6 +26,7 @@ STEPS = 10
 def base(data_dir: Path) -> list[str]:
     return [
         "model.preset=debug",
+        "model.ffn_hidden_dim=96",  # selective recompute as two units per block at tp 2, as one region at tp 1
         f"data.source={data_dir}",
         "data.seq_len=32",
         "train.global_batch_size=8",

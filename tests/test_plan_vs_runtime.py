@@ -28,6 +28,9 @@ from plait.planner.cost import Layouts, Workload, evaluate
 MEMORY_RTOL = 0.05  # the bar; published planners are off by 12-16%
 
 ARGS = dict(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32, max_seq_len=64)
+# Without a pipeline, a narrower MLP (96, not 192): selective recompute then runs as two units per block from
+# tp = 2 (model.args.recompute_units_pay) and as one region at tp = 1, and both are measured.
+FLAT_ARGS = dict(ARGS, ffn_hidden_dim=96)
 SEQ, BATCH = 32, 8
 
 # (name, overrides, planner layout)
@@ -141,7 +144,7 @@ def measure(world: int, jobs: list[list[str]], tmp_path) -> list[dict]:
     script = tmp_path / "measure.py"
     script.write_text(SCRIPT)
     proc = subprocess.run(
-        [sys.executable, str(script), str(world), json.dumps(jobs), json.dumps(ARGS), str(SEQ), str(BATCH)],
+        [sys.executable, str(script), str(world), json.dumps(jobs), json.dumps(FLAT_ARGS), str(SEQ), str(BATCH)],
         capture_output=True,
         text=True,
         timeout=300,
@@ -152,7 +155,7 @@ def measure(world: int, jobs: list[list[str]], tmp_path) -> list[dict]:
 
 def predict(layout: dict) -> dict:
     lay = Layouts.single(micro_batch=BATCH // (layout.get("dp_replicate", 1) * layout.get("dp_shard", 1)), **layout)
-    work = Workload(ModelArgs(**ARGS), SEQ, BATCH, compute_dtype="fp32")
+    work = Workload(ModelArgs(**FLAT_ARGS), SEQ, BATCH, compute_dtype="fp32")
     out = evaluate(work, get_cluster("h100", devices_per_node=8), lay)
     return dict(states=float(out["mem_states"][0]), activations=float(out["mem_activations"][0]))
 

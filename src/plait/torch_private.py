@@ -20,3 +20,13 @@ def init_fake_process_group(world_size: int, rank: int = 0) -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+
+def sac_cached_tensors(caching_mode) -> list:
+    """The tensors selective activation checkpointing keeps for backward in one region: the outputs its
+    policy saved, held in the cache of the first dispatch mode create_selective_checkpoint_contexts returns."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    entries = [list(by_index.values()) for by_index in caching_mode.storage.values()]
+    return [leaf.val for leaf in tree_leaves(entries) if isinstance(getattr(leaf, "val", None), torch.Tensor)]

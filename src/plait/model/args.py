@@ -93,6 +93,15 @@ class ModelArgs:
         return 3 * (self.n_layers * self.layer_flops_per_token(seq_len) + self.head_flops_per_token())
 
 
+def recompute_units_pay(dim, hidden_dim, tp):
+    """Whether selective recompute keeps less as two units per block (each half up to its output projection:
+    the projections keep their inputs, (dim + hidden_dim) / tp per token) than as one (the projections'
+    outputs kept instead: 2 dim, full-size partial sums under tensor parallelism). With Llama's hidden_dim
+    = 8/3 dim: from tp = 2 on. The one rule for the runtime (parallelize.apply_ac) and the planner; works on
+    numpy arrays of tp."""
+    return 2 * dim * tp > dim + hidden_dim
+
+
 def split_layers(args: ModelArgs, num_stages: int, how: str = "cost", seq_len: int = 0) -> list[list[int]]:
     """Consecutive layer ids per pipeline stage. 'layers': counts as equal as possible. 'cost': balance the
     training FLOPs (ModelArgs.layer_flops_per_token at seq_len, default max_seq_len), the output projection

@@ -117,6 +117,10 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None
     ) -> torch.Tensor:
+        return self.wo(self.mix(x, cos, sin, cache))
+
+    def mix(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """Attention up to its output projection: (B, T, dim) -> (B, T, n_heads * head_dim)."""
         bsz, seqlen, _ = x.shape
         # Head counts come from the (possibly tensor-parallel, hence local) projection sizes: -1 below.
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)  # (B, T, n_heads, head_dim)
@@ -136,8 +140,7 @@ class Attention(nn.Module):
         else:
             mask = attention_mask(start, seqlen, k.shape[2], self.sliding_window, x.device)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        out = out.transpose(1, 2).reshape(bsz, seqlen, -1)  # (B, T, n_heads * head_dim)
-        return self.wo(out)
+        return out.transpose(1, 2).reshape(bsz, seqlen, -1)  # (B, T, n_heads * head_dim)
 
 
 class FeedForward(nn.Module):
@@ -150,7 +153,11 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(self.gate(x))
+
+    def gate(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP up to its down projection: silu(w1 x) * w3 x."""
+        return F.silu(self.w1(x)) * self.w3(x)
 
 
 class TransformerBlock(nn.Module):
@@ -162,8 +169,17 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(args.dim, args.hidden_dim)
 
     def forward(self, x, cos, sin, cache: KVCache | None = None):
-        h = x + self.attention(self.attention_norm(x), cos, sin, cache=cache)
-        return h + self.feed_forward(self.ffn_norm(h))
+        h = x + self.attention.wo(self.attend(x, cos, sin, cache))
+        return h + self.feed_forward.w2(self.gated(h))
+
+    # The block's two halves up to their output projections. Selective activation checkpointing recomputes
+    # each of them as a unit (plait.parallel.parallelize.apply_ac): what a unit keeps for backward is its
+    # input and its matmul and attention outputs, never the projection's partial sums.
+    def attend(self, x, cos, sin, cache: KVCache | None = None):
+        return self.attention.mix(self.attention_norm(x), cos, sin, cache)
+
+    def gated(self, h):
+        return self.feed_forward.gate(self.ffn_norm(h))
 
 
 class Transformer(nn.Module):

@@ -29,12 +29,14 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from plait.compile import apply_compile
 from plait.config import Config
 from plait.errors import ConfigError
+from plait.model.args import recompute_units_pay
 from plait.model.llama import Transformer
+from plait.parallel.activations import track_sac_cache
 from plait.parallel.dims import Meshes
 from plait.torch_private import local_box
 
@@ -46,7 +48,7 @@ def parallelize(model: nn.Module, meshes: Meshes, cfg: Config, device: torch.dev
     if dims.tp > 1:
         apply_tp(model, meshes.tp)
     if cfg.parallel.activation_checkpoint != "none":
-        apply_ac(model, cfg.parallel.activation_checkpoint)
+        apply_ac(model, cfg.parallel.activation_checkpoint, dims.tp)
     apply_compile(model, cfg)
     if dims.fsdp_enabled:
         apply_fsdp(model, meshes, cfg, device)
@@ -54,25 +56,32 @@ def parallelize(model: nn.Module, meshes: Meshes, cfg: Config, device: torch.dev
 
 
 def tp_plan_block() -> dict[str, object]:
-    """Per block: norms run sequence-parallel (activations sharded on the sequence dim); attention and MLP
-    gather the sequence (all-gather) on entry, run column- then row-parallel, and reduce-scatter back to
-    sequence shards on exit. Two all-gathers and two reduce-scatters of (B, T, dim) per block and pass."""
+    """Per block: norms run sequence-parallel (activations sharded on the sequence dim) and their output is
+    gathered (all-gather: see gather_norm_outputs) for the column-parallel projections; the row-parallel ones
+    reduce-scatter back to sequence shards. Two all-gathers and two reduce-scatters of (B, T, dim) per block
+    and pass. The gather sits on the norm, not on the attention / MLP module, so that selective recompute
+    (apply_ac) can redo it in backward from the sequence shard instead of keeping the gathered tensor."""
     return {
         "attention_norm": SequenceParallel(),
-        "attention": PrepareModuleInput(  # (x, cos, sin): the rotary tables stay plain tensors
-            input_layouts=(Shard(1), None, None),
-            desired_input_layouts=(Replicate(), None, None),
-        ),
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
         "ffn_norm": SequenceParallel(),
-        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
         "feed_forward.w1": ColwiseParallel(),
         "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
         "feed_forward.w3": ColwiseParallel(),
     }
+
+
+def _gather_sequence(module, args, output):
+    return output.redistribute(placements=[Replicate()])  # Shard(1) -> Replicate: the all-gather
+
+
+def gather_norm_outputs(block: nn.Module) -> None:
+    """The sequence-parallel norms' outputs all-gathered for the column-parallel matmuls after them."""
+    for norm in (block.attention_norm, block.ffn_norm):
+        norm.register_forward_hook(_gather_sequence)
 
 
 def apply_tp(model: Transformer, tp_mesh) -> None:
@@ -101,6 +110,7 @@ def apply_tp(model: Transformer, tp_mesh) -> None:
         parallelize_module(model, tp_mesh, top)
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, tp_plan_block())
+        gather_norm_outputs(block)
 
 
 def _sequence_shard_input(module, args, *, mesh):
@@ -134,14 +144,44 @@ def blocks(model: nn.Module) -> list[tuple[str | int, nn.Module]]:
     return []
 
 
-def apply_ac(model: nn.Module, mode: str) -> None:
+def apply_ac(model: nn.Module, mode: str, tp: int = 1) -> None:
+    """full: each block recomputed whole in backward (it keeps only its input). selective: the matmul and
+    attention outputs kept (_selective_policy), the element-wise work between them (norms, rotary tables,
+    SiLU, the all-gathers of sequence parallelism) recomputed. On a block with recompute units (plait's:
+    `attend` and `gated`, each half of the block up to its output projection) each unit is one selective
+    region, so what it keeps is its input (a sequence shard under SP) and its matmul outputs, as Megatron's
+    selective recompute with sequence parallelism does; the output projections keep their input as usual.
+    That pays under tensor parallelism (model.args.recompute_units_pay: from tp = 2 for Llama's shapes); else,
+    and on a block without units (your own model), the block is one selective region, which keeps the output
+    projections' outputs instead (full-size partial sums under TP)."""
     for name, block in blocks(model):
         if mode == "full":
-            wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
+            model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
+        elif _units_pay(block, tp):
+            for unit in RECOMPUTE_UNITS:
+                setattr(block, unit, partial(_recomputed, getattr(block, unit)))  # shadows the method
         else:
-            context = partial(create_selective_checkpoint_contexts, _selective_policy)
-            wrapped = checkpoint_wrapper(block, preserve_rng_state=False, context_fn=context)
-        model.layers[name] = wrapped
+            model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False, context_fn=_selective_contexts)
+
+
+RECOMPUTE_UNITS = ("attend", "gated")
+
+
+def _units_pay(block: nn.Module, tp: int) -> bool:
+    if not all(callable(getattr(block, unit, None)) for unit in RECOMPUTE_UNITS):
+        return False
+    dim, hidden = block.feed_forward.w1.weight.shape[1], block.feed_forward.w1.weight.shape[0]  # global shapes
+    return recompute_units_pay(dim, hidden, tp)
+
+
+def _recomputed(fn, *args):
+    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False, context_fn=_selective_contexts)
+
+
+def _selective_contexts():
+    caching, cached = create_selective_checkpoint_contexts(_selective_policy)
+    track_sac_cache(caching)  # counted when activation memory is being measured (plait.parallel.activations)
+    return caching, cached
 
 
 def fsdp_mp_policy(cfg: Config, device: torch.device) -> MixedPrecisionPolicy:

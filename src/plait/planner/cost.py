@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from plait.model.args import split_layers
+from plait.model.args import recompute_units_pay, split_layers
 from plait.model.llama import ModelArgs
 from plait.planner.cluster import Cluster, GiB
 
@@ -184,16 +184,19 @@ def layer_activation_bytes(a: ModelArgs, e: int, tp, ac) -> np.ndarray:
         4 H; SwiGLU keeps w1 x, silu(w1 x), w3 x and their product: 4 F e. Under sequence parallel every
         term is split over tp except the two matmul inputs, which are all-gathered (2 h e).
     full: the block input only, sequence-sharded: h e / tp.
-    selective (plait's policy: keep matmul and attention outputs): the input, q/k/v, attention output and
-        logsumexp, w1 and w3 outputs, each split over tp, and the row-parallel outputs of wo and w2, which
-        are full-size partial sums before their reduce-scatter (2 h e).
+    selective (plait's policy: keep matmul and attention outputs), as one region per block: the input,
+        q/k/v, attention output and logsumexp, w1 and w3 outputs, each split over tp, and the row-parallel
+        outputs of wo and w2, which are full-size partial sums before their reduce-scatter (2 h e); as two
+        units per block (model.args.recompute_units_pay: under TP) the same but for those two partial sums,
+        for which each unit's input (the residual stream, h e) and w2's input (F e) are kept, split over tp.
     """
     h, f, heads = a.dim, a.hidden_dim, a.n_heads
     kv = a.n_kv_heads * a.head_dim
     nb = _norm_bytes(e)
     none = (2 * nb * h + 4 * e * h + 4 * heads + 4 * e * f + 8) / tp + 2 * e * h
     full = e * h / tp
-    selective = (e * h + e * (h + 2 * kv) + e * h + 4 * heads + 2 * e * f) / tp + 2 * e * h
+    kept = e * h + e * (h + 2 * kv) + e * h + 4 * heads + 2 * e * f  # input, q/k/v, attention, w1 and w3 outputs
+    selective = np.where(recompute_units_pay(h, f, tp), (kept + e * h + e * f) / tp, kept / tp + 2 * e * h)
     ac = np.asarray(ac)
     return np.where(ac == 0, none, np.where(ac == 1, selective, full))
 

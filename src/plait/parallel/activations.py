@@ -1,0 +1,98 @@
+"""Measuring activation memory: the bytes autograd keeps for backward, read from the tensors it saves
+(saved-tensor hooks, each storage counted once, parameters and buffers left out) plus what selective
+activation checkpointing keeps in torch's own cache, which those hooks do not see.
+
+    with SavedBytes(model) as saved:       # counts only inside model.layers' blocks when per_block=True
+        loss = loss_fn(model(x), y)
+    saved.total, saved.per_block
+
+The planner's memory model is checked against this (tests/test_plan_vs_runtime.py), and bench/memory.py
+prints it per token and layer next to Megatron's formula."""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+
+import torch
+from torch import nn
+
+from plait.torch_private import sac_cached_tensors
+
+_active: list[SavedBytes] = []  # the measurements running now (selective AC reports its caches to them)
+
+
+def track_sac_cache(caching_mode) -> None:
+    """Called by activation checkpointing for each selective region it opens: its cache is counted."""
+    for saved in _active:
+        saved._caches.append((caching_mode, saved._in_block))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    t = getattr(t, "_local_tensor", t)  # a DTensor's shard
+    return getattr(t, "elem", t)  # an AsyncCollectiveTensor wraps the collective's output
+
+
+class SavedBytes:
+    """Bytes saved for backward during the block: `total` over the whole pass, `per_block` inside the
+    blocks of model.layers (their sum), `blocks` the number of block calls."""
+
+    def __init__(self, model: nn.Module | None = None):
+        self.model = model
+        self.total = self.per_block = self.blocks = 0
+        self._seen: set = set()
+        self._caches: list = []
+        self._in_block = False
+        self._stack = ExitStack()
+        if model is not None:  # parameters and buffers are states, not activations
+            for t in [*model.parameters(), *model.buffers()]:
+                self._seen.add(self._key(_local(t))[0])
+
+    @staticmethod
+    def _key(t: torch.Tensor):
+        try:
+            storage = t.untyped_storage()
+            return (storage.data_ptr(), storage.nbytes()), storage.nbytes()
+        except (RuntimeError, NotImplementedError):
+            return ("id", id(t)), t.numel() * t.element_size()
+
+    def _count(self, tensor: torch.Tensor, in_block: bool) -> None:
+        base = tensor._base if tensor._base is not None else tensor  # e.g. weight.t() inside F.linear
+        if isinstance(base, nn.Parameter):
+            return
+        key, size = self._key(_local(tensor))
+        if key in self._seen:
+            return
+        self._seen.add(key)
+        self.total += size
+        if in_block:
+            self.per_block += size
+
+    def _pack(self, tensor):
+        self._count(tensor, self._in_block)
+        return tensor
+
+    def _enter_block(self, *_):
+        self._in_block = True
+        self.blocks += 1
+
+    def _leave_block(self, *_):
+        self._in_block = False
+
+    def __enter__(self) -> SavedBytes:
+        self._stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t))
+        layers = getattr(self.model, "layers", None) or []
+        for block in layers.values() if isinstance(layers, nn.ModuleDict) else layers:
+            pre = block.register_forward_pre_hook(self._enter_block)
+            post = block.register_forward_hook(self._leave_block)
+            self._stack.callback(pre.remove)
+            self._stack.callback(post.remove)
+        _active.append(self)
+        self._stack.callback(_active.remove, self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for mode, in_block in self._caches:
+            for tensor in sac_cached_tensors(mode):
+                self._count(tensor, in_block)
+        self._caches = []
+        self._stack.close()
