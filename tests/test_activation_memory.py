@@ -1,8 +1,8 @@
 """Megatron-lean activations: bench/memory.py measures what plait's block keeps for backward (saved-tensor
 hooks and selective recompute's cache, on a fake process group of the TP degree) next to Korthikanti et al.'s
-formula; here at a small shape with a 64-wide head and an MLP 2.625x as wide (Llama: 8/3x). With sequence parallelism and selective recompute plait
-keeps at most 1.15x Megatron's term (adjusted for SwiGLU: see the bench's docstring), and the recompute units
-keep less than one region per block from tp = 2 on."""
+formula; here at a small shape with a 64-wide head and an MLP 2.625x as wide (Llama's: 8/3x). With sequence
+parallelism and selective recompute plait keeps at most 1.15x Megatron's term (adjusted for SwiGLU: see the
+bench's docstring), and the recompute units keep less than one region per block from tp = 2 on."""
 
 import json
 import subprocess

@@ -62,9 +62,8 @@ LAYOUTS = [
         dict(dp_shard=4, tp=2, ac="selective"),
     ),
 ]
-# Selective AC keeps the outputs its policy saves in torch's own cache (the storage of the dispatch modes
-# create_selective_checkpoint_contexts returns), which saved-tensor hooks do not see: the script wraps that
-# function to keep a reference to each cache and adds the tensors in them after the forward pass.
+# Activations are measured by plait.parallel.activations.SavedBytes: saved-tensor hooks plus what selective AC
+# keeps in torch's own cache, which those hooks do not see.
 # Pipeline layouts need real point-to-point traffic: test_planner_pipeline_memory_matches_plait_runtime below.
 
 SCRIPT = r"""
@@ -73,19 +72,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
-from torch.utils._pytree import tree_leaves
-import importlib
-parallelize = importlib.import_module("plait.parallel.parallelize")  # the module (the package exports a function)
 from plait.config import load_config
 from plait.parallel import Meshes, ParallelDims
 from plait.train import build_trainable, cross_entropy
-
-caches = []  # selective AC: the storage of each block's caching dispatch mode
-def keep_cache(*args, _create=parallelize.create_selective_checkpoint_contexts, **kwargs):
-    caching, cached = _create(*args, **kwargs)
-    caches.append(caching.storage)
-    return caching, cached
-parallelize.create_selective_checkpoint_contexts = keep_cache
+from plait.parallel.activations import SavedBytes
 
 world, jobs, args = int(sys.argv[1]), json.loads(sys.argv[2]), json.loads(sys.argv[3])
 seq, batch = int(sys.argv[4]), int(sys.argv[5])
@@ -101,41 +91,16 @@ for overrides in jobs:
     t = build_trainable(cfg, torch.device("cpu"), Meshes(dims.build_mesh("cpu"), dims))
     local_batch = batch // dims.dp
     x = torch.randint(0, args["vocab_size"], (local_batch, seq))
-    seen, saved = set(), [0]
-    # Parameters (FSDP's gathered copies included) and buffers (rotary tables) are not activations: the
-    # planner counts them as states and buffers.
-    for buf in t.model.buffers():
-        seen.add((buf.untyped_storage().data_ptr(), buf.untyped_storage().nbytes()))
-    def pack(tensor):
-        base = tensor._base if tensor._base is not None else tensor  # e.g. weight.t() inside F.linear
-        if isinstance(base, torch.nn.Parameter):
-            return tensor
-        inner = local(tensor)
-        inner = getattr(inner, "elem", inner)  # an AsyncCollectiveTensor wraps the collective's output
-        try:
-            key, size = (inner.untyped_storage().data_ptr(), inner.untyped_storage().nbytes()), None
-            size = inner.untyped_storage().nbytes()
-        except RuntimeError:
-            key, size = ("id", id(inner)), inner.numel() * inner.element_size()
-        if key not in seen:
-            seen.add(key)
-            saved[0] += size
-        return tensor
-    caches.clear()
     with t.loss_context():
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with SavedBytes(t.model) as saved:  # parameters (FSDP's gathered ones too) and buffers are not counted
             loss = cross_entropy(t.model(x), x)
-        for storage in caches:  # what selective AC saved (each entry: an op's outputs, or "recompute")
-            for leaf in tree_leaves([list(by_index.values()) for by_index in storage.values()]):
-                if hasattr(leaf, "val") and isinstance(leaf.val, torch.Tensor):
-                    pack(leaf.val)
         loss.backward()
     for opt in t.optimizers:
         opt.step()
     params = sum(nbytes(p) for p in t.parameters())
     grads = sum(nbytes(p.grad) for p in t.parameters())
     moments = sum(nbytes(v) for opt in t.optimizers for s in opt.state.values() for k, v in s.items() if k != "step")
-    out.append(dict(states=params + grads + moments, activations=saved[0]))
+    out.append(dict(states=params + grads + moments, activations=saved.total))
 print(json.dumps(out))
 """
 
