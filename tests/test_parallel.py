@@ -108,6 +108,11 @@ LAYOUTS = {
         "FSDP+TP": ["parallel.dp_shard_degree=2", "parallel.tp_degree=2"],
         "FSDP+TP, full AC": ["parallel.tp_degree=2", "parallel.activation_checkpoint=full"],
         "PP+FSDP": ["parallel.pp_degree=2", "parallel.dp_shard_degree=2"],
+        "PP+FSDP, reduce every micro-batch": [
+            "parallel.pp_degree=2",
+            "parallel.dp_shard_degree=2",
+            "parallel.fsdp_reduce_every_micro_batch=true",
+        ],
         "PP+TP": ["parallel.pp_degree=2", "parallel.tp_degree=2"],
         "FSDP, CPU offload": ["parallel.dp_shard_degree=4", "parallel.cpu_offload=true"],
     },
@@ -178,7 +183,12 @@ def layout(*overrides: str, world: int):
         (["parallel.pp_degree=2", "parallel.pp_virtual_stages=2"], 2, r"runs one stage per rank"),
         (["train.global_batch_size=6"], 4, r"global_batch_size=6 is not divisible by the data-parallel degree 4"),
         (["parallel.pp_degree=2", "model.tie_embeddings=true"], 2, r"cannot be pipelined"),
-        (["parallel.pp_degree=2", "parallel.fsdp_reduce_every_micro_batch=true"], 2, r"does not apply under pipeline"),
+        (
+            ["parallel.pp_degree=2", "parallel.pp_schedule=zero_bubble", "parallel.pp_virtual_stages=2"]
+            + ["parallel.fsdp_reduce_every_micro_batch=true"],
+            2,
+            r"with pp_schedule='zero_bubble' is refused",
+        ),
         (["parallel.tp_degree=2", "data.seq_len=33"], 2, r"seq_len=33 must be divisible by parallel.tp_degree"),
     ],
 )

@@ -166,8 +166,8 @@ class ParallelConfig:
     fsdp_reduce_every_micro_batch: bool = False
     """FSDP with gradient accumulation: reduce-scatter gradients after every micro-batch and accumulate them
     sharded (memory: no unsharded fp32 gradients held across micro-batches; traffic: one reduce-scatter per
-    micro-batch) instead of once after the last. Not with pipeline parallelism (its schedule accumulates
-    unsharded)."""
+    micro-batch) instead of once after the last. Under pipeline parallelism too (not with the zero-bubble
+    schedule, which computes weight gradients apart from their backward)."""
     cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state in CPU memory (FSDP2 offload)."""
     activation_checkpoint: Literal["none", "selective", "full"] = "none"

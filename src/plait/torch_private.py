@@ -30,3 +30,28 @@ def sac_cached_tensors(caching_mode) -> list:
 
     entries = [list(by_index.values()) for by_index in caching_mode.storage.values()]
     return [leaf.val for leaf in tree_leaves(entries) if isinstance(getattr(leaf, "val", None), torch.Tensor)]
+
+
+def reducing_pipeline_stage():
+    """A PipelineStage class whose FSDP-sharded stage reduce-scatters its gradients after every micro-batch's
+    backward and accumulates them sharded, instead of keeping them unsharded (fp32, the whole stage) until
+    the end of the step. torch's stage turns FSDP's gradient sync off before each micro-batch's backward
+    (PipelineStage.backward_maybe_with_nosync) and reduces once at the end (perform_reduce_grad, which finds
+    nothing left to reduce here: FSDP's post-backward is idempotent); this one turns it on for a full backward.
+    Schedules that split backward into input and weight parts (zero bubble) are not covered: refused where
+    the layout is checked."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining._backward import stage_backward
+
+    class ReducingStage(PipelineStage):
+        def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
+            if backward_type != "full" or not isinstance(self.submod, FSDPModule):
+                return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+            self.submod.set_is_last_backward(False)  # the end-of-step reduction still finalises
+            self.submod.set_reshard_after_backward(False)
+            self.submod.set_requires_gradient_sync(True)
+            grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"])
+            return grads, None
+
+    return ReducingStage

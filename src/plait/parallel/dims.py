@@ -202,8 +202,9 @@ def validate_layout(cfg: Config, dims: ParallelDims) -> None:
         problem = pp_problem(m, dims.pp)
         if problem:
             raise ConfigError(problem)
-        if p.fsdp_reduce_every_micro_batch:
+        if p.fsdp_reduce_every_micro_batch and p.pp_schedule == "zero_bubble":
             raise ConfigError(
-                "parallel.fsdp_reduce_every_micro_batch=true does not apply under pipeline parallelism (the "
-                "schedule accumulates gradients unsharded and reduces them once); set it false or pp_degree=1"
+                "parallel.fsdp_reduce_every_micro_batch=true with pp_schedule='zero_bubble' is refused: that "
+                "schedule computes weight gradients apart from their backward, so they accumulate unsharded; "
+                "use pp_schedule='interleaved_1f1b' or set it false"
             )

@@ -30,6 +30,7 @@ from plait.model.args import split_layers
 from plait.model.llama import ModelArgs, Transformer
 from plait.parallel.dims import Meshes, num_micro_batches
 from plait.parallel.parallelize import materialize, parallelize
+from plait.torch_private import reducing_pipeline_stage
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -69,19 +70,22 @@ def build_pipeline(args: ModelArgs, meshes: Meshes, cfg: Config, device: torch.d
 
     loss_fn(logits, targets) gives one micro-batch's loss; the schedule divides the summed gradients by the
     number of micro-batches (scale_grads), which plait's TokenLoss undoes in its scale (so the step's gradient
-    is that of the mean over the batch's scored tokens).
+    is that of the mean over the batch's scored tokens). With parallel.fsdp_reduce_every_micro_batch each
+    micro-batch's gradients are reduce-scattered after its backward and accumulated sharded.
     """
     pp, v = meshes.dims.pp, cfg.parallel.pp_virtual_stages
     num_stages = pp * v
     pp_rank = meshes.pp.get_local_rank()
     layout = split_layers(args, num_stages, cfg.parallel.pp_split, cfg.data.seq_len)
     stages, parts = [], []
+    reduce_each = cfg.parallel.fsdp_reduce_every_micro_batch and meshes.dims.fsdp_enabled
+    stage_class = reducing_pipeline_stage() if reduce_each else PipelineStage
     for stage_id in range(pp_rank, num_stages, pp):
         part = stage_module(args, layout[stage_id], stage_id == 0, stage_id == num_stages - 1)
         parallelize(part, meshes, cfg, device)
         materialize(part, cfg, device)
         parts.append(part)
-        stages.append(PipelineStage(part, stage_id, num_stages, device, group=meshes.pp.get_group()))
+        stages.append(stage_class(part, stage_id, num_stages, device, group=meshes.pp.get_group()))
     local_batch = cfg.train.global_batch_size // meshes.dims.dp
     micro = num_micro_batches(cfg.train.micro_batch_size, local_batch, num_stages)
     cls = SCHEDULES[cfg.parallel.pp_schedule]

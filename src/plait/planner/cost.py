@@ -375,7 +375,7 @@ def evaluate(work: Workload, cluster: Cluster, lay: Layouts) -> dict[str, np.nda
     a_layer = layer_activation_bytes(a, e, tp, lay.ac)
     a_none = layer_activation_bytes(a, e, tp, 0)
     # gradients stay unsharded across micro-batches (no-sync accumulation), unless reduced after each one
-    accumulate = ((m > 1) & ~lay.sync_each) | (pp > 1)
+    accumulate = ((m > 1) | (pp > 1)) & ~lay.sync_each
     held = (pp > 1) | ~lay.reshard  # gathered parameters stay gathered through the step
     fsdp = dp > 1
 
@@ -498,7 +498,7 @@ def evaluate(work: Workload, cluster: Cluster, lay: Layouts) -> dict[str, np.nda
             + np.maximum(bwd_ag + rs + ar - bwd_t, 0)
             + (ag + rs + ar) / groups
         )
-        n_ag = fwd_gathers + np.where(pp == 1, mf, 0) * lay.reshard + lay.sync_each * np.maximum(mf - 1, 0)
+        n_ag = fwd_gathers + np.where(pp == 1, mf * lay.reshard + lay.sync_each * np.maximum(mf - 1, 0), 0)
         optimizer = np.where(
             lay.offload,
             OPTIMIZER_BYTES_PER_PARAM * rank["sharded"] * G / cluster.host_bw

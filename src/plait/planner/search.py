@@ -18,7 +18,7 @@ import numpy as np
 from plait.errors import ConfigError
 from plait.parallel.dims import pp_problem, tp_problem
 from plait.planner.cluster import Cluster, GiB
-from plait.planner.cost import AC_MODES, Layouts, Workload, evaluate
+from plait.planner.cost import AC_MODES, SCHEDULES, Layouts, Workload, evaluate
 
 VIRTUAL_STAGES = (2, 3, 4, 5, 6, 8, 10, 12, 16)
 """Virtual stages per pipeline rank tried for the interleaved and zero-bubble schedules."""
@@ -123,7 +123,10 @@ def enumerate_layouts(work: Workload, cluster: Cluster) -> Layouts:
     # for the whole step (reshard=False), and without FSDP there is nothing to reshard.
     fsdp = lay.dp_replicate * lay.dp_shard > 1
     keep = np.where(lay.pp > 1, ~lay.reshard, np.where(fsdp, True, lay.reshard))
-    accumulates = (lay.pp == 1) & fsdp & (batch // (lay.dp_replicate * lay.dp_shard) > lay.micro_batch)
+    # Reducing every micro-batch is a choice where FSDP accumulates: over micro-batches, or a pipeline's
+    # (not zero bubble's: its weight gradients are computed apart from their backward).
+    piped = (lay.pp > 1) & (lay.schedule != SCHEDULES.index("zero_bubble"))
+    accumulates = fsdp & (piped | (batch // (lay.dp_replicate * lay.dp_shard) > lay.micro_batch))
     keep &= accumulates | ~lay.sync_each
     return lay.take(np.nonzero(keep)[0])
 
