@@ -275,3 +275,59 @@ def test_masked_loss_is_the_same_for_every_layout_and_micro_batch(masked_data, t
     check("FSDP 2, micro-batches of 2", fsdp, reference)
     (tp_pp,) = run_layouts(4, [[*job, "parallel.tp_degree=2", "parallel.pp_degree=2", "train.micro_batch_size=2"]])
     check("TP 2 x PP 2, micro-batches of 2", tp_pp, reference)
+
+
+def _count_reduce_scatters(rank: int, world: int, port: int, reduce_each: bool, out_dir: str) -> None:
+    """One step of PP 2 x FSDP 2 with 4 micro-batches per rank; the reduce-scatters FSDP issued."""
+    import json
+
+    import torch
+    import torch.distributed as dist
+
+    from parallel_harness import join_as_rank
+    from plait.parallel import Meshes
+    from plait.parallel.env import init_distributed, shutdown
+    from plait.train import build_trainable, train_step
+
+    join_as_rank(rank, world, port)
+    calls = [0]
+
+    def counting(collective):
+        def call(*args, **kwargs):
+            calls[0] += 1
+            return collective(*args, **kwargs)
+
+        return call
+
+    for name in ("reduce_scatter_single", "reduce_scatter_tensor"):  # FSDP2's, by torch version
+        if hasattr(dist, name):  # it calls them through the module attribute
+            setattr(dist, name, counting(getattr(dist, name)))
+    env = init_distributed("cpu", 120)
+    try:
+        overrides = ["model.preset=debug", "data.seq_len=32", "train.global_batch_size=8", "run.device=cpu"]
+        overrides += ["parallel.pp_degree=2", "parallel.dp_shard_degree=2", "train.micro_batch_size=1"]
+        cfg = load_config(None, [*overrides, f"parallel.fsdp_reduce_every_micro_batch={str(reduce_each).lower()}"])
+        dims = ParallelDims.from_config(cfg.parallel, world)
+        t = build_trainable(cfg, env.device, Meshes.build(dims, "cpu"))
+        tokens = torch.randint(0, cfg.model.vocab_size, (4, 33), generator=torch.Generator().manual_seed(0))
+        train_step(t, tokens[:, :-1], tokens[:, 1:])
+        Path(out_dir, f"{reduce_each}-{rank}.json").write_text(json.dumps(calls[0]))
+    finally:
+        shutdown()
+
+
+@pytest.mark.slow
+def test_reduce_every_micro_batch_under_a_pipeline_reduces_after_each_backward(tmp_path):
+    """parallel.fsdp_reduce_every_micro_batch under a pipeline takes effect: FSDP reduce-scatters each of the
+    4 micro-batches' gradients (4x the reduce-scatters of the end-of-step reduction torch's schedule does
+    otherwise); its losses equal the single process's (LAYOUTS: "PP+FSDP, reduce every micro-batch")."""
+    from parallel_harness import free_port, start_ranks
+
+    for reduce_each in (False, True):
+        ctx = start_ranks(_count_reduce_scatters, (4, free_port(), reduce_each, str(tmp_path)), 4)
+        while not ctx.join(timeout=300):
+            pass
+    for rank in range(4):
+        once = int((tmp_path / f"False-{rank}.json").read_text())
+        each = int((tmp_path / f"True-{rank}.json").read_text())
+        assert once > 0 and each == 4 * once, (rank, once, each)
