@@ -107,6 +107,12 @@ LAYOUTS = {
         "HSDP 2x2, selective AC": ["parallel.dp_replicate_degree=2", "parallel.activation_checkpoint=selective"],
         "FSDP+TP": ["parallel.dp_shard_degree=2", "parallel.tp_degree=2"],
         "FSDP+TP, full AC": ["parallel.tp_degree=2", "parallel.activation_checkpoint=full"],
+        "FSDP+TP, selective AC (recompute units)": ["parallel.tp_degree=2", "parallel.activation_checkpoint=selective"],
+        "PP+TP, selective AC (recompute units)": [
+            "parallel.pp_degree=2",
+            "parallel.tp_degree=2",
+            "parallel.activation_checkpoint=selective",
+        ],
         "PP+FSDP": ["parallel.pp_degree=2", "parallel.dp_shard_degree=2"],
         "PP+FSDP, reduce every micro-batch": [
             "parallel.pp_degree=2",
