@@ -192,10 +192,11 @@ def layout(*overrides: str, world: int):
         (
             ["parallel.pp_degree=2", "parallel.pp_schedule=zero_bubble", "parallel.pp_virtual_stages=2"]
             + ["parallel.fsdp_reduce_every_micro_batch=true"],
-            2,
+            4,
             r"with pp_schedule='zero_bubble' is refused",
         ),
         (["parallel.tp_degree=2", "data.seq_len=33"], 2, r"seq_len=33 must be divisible by parallel.tp_degree"),
+        (["parallel.fsdp_reduce_every_micro_batch=true"], 1, r"needs FSDP, which this layout does not use"),
     ],
 )
 def test_impossible_layouts_are_refused(overrides, world, message):

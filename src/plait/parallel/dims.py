@@ -169,6 +169,11 @@ def validate_layout(cfg: Config, dims: ParallelDims) -> None:
             f"the per-rank batch {local} (train.global_batch_size / {dims.dp} data-parallel ranks) is not a "
             f"multiple of train.micro_batch_size={t.micro_batch_size}"
         )
+    if p.fsdp_reduce_every_micro_batch and not dims.fsdp_enabled:
+        raise ConfigError(
+            "parallel.fsdp_reduce_every_micro_batch=true needs FSDP, which this layout does not use (no data "
+            "parallelism, no cpu_offload): there are no gradients to reduce; set it false"
+        )
     virtual = p.pp_virtual_stages
     if virtual < 1:
         raise ConfigError("parallel.pp_virtual_stages must be at least 1")
