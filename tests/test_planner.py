@@ -422,3 +422,13 @@ def test_config_parallel_section_pins_the_plan_or_is_refused(tmp_path, capsys):
     odd.write_text(head + "[parallel]\ntp_degree = 3\n")
     with pytest.raises(ConfigError, match=r"tp_degree=3 must divide model.n_heads=32"):
         cmd_plan(["--config", str(odd), "--nodes", "3"])
+
+
+def test_reduce_every_micro_batch_is_never_planned_with_zero_bubble():
+    """Zero bubble computes weight gradients apart from their backward: sharded accumulation does not apply
+    (validate_layout refuses it), so the planner never proposes it."""
+    result = plan(Workload(preset_args("llama3-405b"), 8192, 2048), get_cluster("h100", nodes=128))
+    lay = result.layouts
+    zero_bubble = lay.schedule == cost.SCHEDULES.index("zero_bubble")
+    assert zero_bubble.any() and not (zero_bubble & lay.sync_each).any()
+    assert (lay.sync_each & (lay.pp > 1)).any()  # 1F1B / interleaved / GPipe pipelines may reduce every micro-batch

@@ -125,8 +125,9 @@ def enumerate_layouts(work: Workload, cluster: Cluster) -> Layouts:
     keep = np.where(lay.pp > 1, ~lay.reshard, np.where(fsdp, True, lay.reshard))
     # Reducing every micro-batch is a choice where FSDP accumulates: over micro-batches, or a pipeline's
     # (not zero bubble's: its weight gradients are computed apart from their backward).
-    piped = (lay.pp > 1) & (lay.schedule != SCHEDULES.index("zero_bubble"))
-    accumulates = fsdp & (piped | (batch // (lay.dp_replicate * lay.dp_shard) > lay.micro_batch))
+    piped = lay.schedule != SCHEDULES.index("zero_bubble")
+    over_micro_batches = batch // (lay.dp_replicate * lay.dp_shard) > lay.micro_batch
+    accumulates = fsdp & np.where(lay.pp > 1, piped, over_micro_batches)
     keep &= accumulates | ~lay.sync_each
     return lay.take(np.nonzero(keep)[0])
 
