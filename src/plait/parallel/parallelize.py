@@ -35,7 +35,7 @@ from plait.compile import apply_compile
 from plait.config import Config
 from plait.errors import ConfigError
 from plait.model.args import recompute_units_pay
-from plait.model.llama import Transformer
+from plait.model.llama import Transformer, TransformerBlock
 from plait.parallel.activations import track_sac_cache
 from plait.parallel.dims import Meshes
 from plait.torch_private import local_box
@@ -168,9 +168,9 @@ RECOMPUTE_UNITS = ("attend", "gated")
 
 
 def _units_pay(block: nn.Module, tp: int) -> bool:
-    if not all(callable(getattr(block, unit, None)) for unit in RECOMPUTE_UNITS):
+    if not isinstance(block, TransformerBlock):  # your own model's block: one region
         return False
-    dim, hidden = block.feed_forward.w1.weight.shape[1], block.feed_forward.w1.weight.shape[0]  # global shapes
+    hidden, dim = block.feed_forward.w1.weight.shape  # global shapes (DTensor under TP)
     return recompute_units_pay(dim, hidden, tp)
 
 
