@@ -2,9 +2,9 @@
 (saved-tensor hooks, each storage counted once, parameters and buffers left out) plus what selective
 activation checkpointing keeps in torch's own cache, which those hooks do not see.
 
-    with SavedBytes(model) as saved:       # counts only inside model.layers' blocks when per_block=True
+    with SavedBytes(model) as saved:
         loss = loss_fn(model(x), y)
-    saved.total, saved.per_block
+    saved.total, saved.per_block, saved.blocks   # the whole pass; inside model.layers' blocks; block calls
 
 The planner's memory model is checked against this (tests/test_plan_vs_runtime.py), and bench/memory.py
 prints it per token and layer next to Megatron's formula."""
@@ -33,8 +33,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class SavedBytes:
-    """Bytes saved for backward during the block: `total` over the whole pass, `per_block` inside the
-    blocks of model.layers (their sum), `blocks` the number of block calls."""
+    """Bytes saved for backward inside the `with` statement: `total` over the whole pass, `per_block` inside
+    the blocks of model.layers (their sum), `blocks` the number of block calls."""
 
     def __init__(self, model: nn.Module | None = None):
         self.model = model
