@@ -22,6 +22,13 @@ LOSS_RTOL = 1e-5
 GRAD_NORM_RTOL = 1e-5
 STEPS = 10
 
+TWO_REORDERINGS_GRAD_NORM_RTOL = 5e-5
+"""TP 2 x CP 2's gradient norm at step 10 (measured 3.5e-5 off; its loss stays within LOSS_RTOL). It reorders
+two sums at once (TP splits the matmuls, CP the sequences); step 10 is where this model's gradient norm
+jumps (1.75 -> 2.10) and amplifies nine steps of fp32 rounding x100. The step itself is exact: from the same
+step-9 state TP x CP's step-10 gradient norm equals one process's to 1e-7 (test_context_parallel:
+test_a_step_from_the_same_state_is_exact), as TP alone and CP alone are within GRAD_NORM_RTOL."""
+
 
 def base(data_dir: Path) -> list[str]:
     return [
@@ -60,12 +67,12 @@ def reference(data_dir, tmp_path_factory):
     return read_metrics(out / "ref")
 
 
-def check(name: str, got: dict, ref: dict) -> None:
+def check(name: str, got: dict, ref: dict, grad_norm_rtol: float = GRAD_NORM_RTOL) -> None:
     assert "error" not in got, got.get("error")
     assert sorted(got["loss"]) == list(range(1, STEPS + 1)), name
     for step in ref["loss"]:
         assert got["loss"][step] == pytest.approx(ref["loss"][step], rel=LOSS_RTOL), f"{name} loss @ {step}"
-        assert got["grad_norm"][step] == pytest.approx(ref["grad_norm"][step], rel=GRAD_NORM_RTOL), (
+        assert got["grad_norm"][step] == pytest.approx(ref["grad_norm"][step], rel=grad_norm_rtol), (
             f"{name} grad norm @ {step}"
         )
     for step in ref["val_loss"]:
@@ -88,6 +95,12 @@ LAYOUTS = {
             "parallel.pp_virtual_stages=2",
         ],
         "PP zero bubble": ["parallel.pp_degree=2", "parallel.pp_schedule=zero_bubble", "parallel.pp_virtual_stages=2"],
+        "CP 2": ["parallel.cp_degree=2"],
+        "CP 2, selective AC, accumulation": [
+            "parallel.cp_degree=2",
+            "parallel.activation_checkpoint=selective",
+            "train.micro_batch_size=2",
+        ],
     },
     4: {
         "DP": ["parallel.dp_replicate_degree=4", "parallel.dp_shard_degree=1"],
@@ -121,6 +134,13 @@ LAYOUTS = {
         ],
         "PP+TP": ["parallel.pp_degree=2", "parallel.tp_degree=2"],
         "FSDP, CPU offload": ["parallel.dp_shard_degree=4", "parallel.cpu_offload=true"],
+        "CP 4": ["parallel.cp_degree=4"],
+        "FSDP 2 x CP 2": ["parallel.dp_shard_degree=2", "parallel.cp_degree=2"],
+        "HSDP 2 x CP 2, full AC": ["parallel.dp_replicate_degree=2", "parallel.cp_degree=2"]
+        + ["parallel.activation_checkpoint=full"],
+        "TP 2 x CP 2, selective AC (recompute units)": ["parallel.tp_degree=2", "parallel.cp_degree=2"]
+        + ["parallel.activation_checkpoint=selective"],
+        "PP 2 x CP 2": ["parallel.pp_degree=2", "parallel.cp_degree=2"],
     },
     8: {
         "pp2 x dp2 x tp2": ["parallel.pp_degree=2", "parallel.tp_degree=2"],
@@ -141,7 +161,8 @@ def test_layouts_match_single_process(world, data_dir, reference):
     jobs = {name: [*base(data_dir), *extra] for name, extra in LAYOUTS[world].items()}
     results = run_layouts(world, list(jobs.values()))
     for name, got in zip(jobs, results, strict=True):
-        check(f"{name} (world {world})", got, reference)
+        rtol = TWO_REORDERINGS_GRAD_NORM_RTOL if name.startswith("TP 2 x CP 2") else GRAD_NORM_RTOL
+        check(f"{name} (world {world})", got, reference, rtol)
 
 
 WINDOW_AND_BIAS = ["model.sliding_window=8", "model.qkv_bias=true"]  # a window of 8 over data.seq_len=32
@@ -177,7 +198,7 @@ def layout(*overrides: str, world: int):
     [
         (["parallel.tp_degree=4"], 4, r"tp_degree=4 must divide model.n_heads=4 and model.n_kv_heads=2; choose"),
         (["parallel.tp_degree=3"], 3, r"tp_degree=3 must divide"),
-        (["parallel.dp_replicate_degree=3"], 4, r"world size 4 is not divisible by dp_replicate x tp x pp = 3"),
+        (["parallel.dp_replicate_degree=3"], 4, r"world size 4 is not divisible by dp_replicate x cp x tp x pp = 3"),
         (["parallel.dp_shard_degree=2"], 4, r"= 2, but 4 processes run"),
         (["parallel.pp_degree=8"], 8, r"model.n_layers=4 is fewer than the pipeline stages"),
         (
@@ -197,6 +218,16 @@ def layout(*overrides: str, world: int):
         ),
         (["parallel.tp_degree=2", "data.seq_len=33"], 2, r"seq_len=33 must be divisible by parallel.tp_degree"),
         (["parallel.fsdp_reduce_every_micro_batch=true"], 1, r"needs FSDP, which this layout does not use"),
+        (["parallel.cp_degree=2", "data.seq_len=30"], 2, r"seq_len=30 must be divisible by 2 x parallel.cp_degree"),
+        (["parallel.cp_degree=4", "data.seq_len=36"], 4, r"cp_degree in \[1, 2, 3\]"),
+        (
+            ["parallel.cp_degree=2", "parallel.tp_degree=4", "model.n_kv_heads=4", "data.seq_len=36"],
+            8,
+            r"seq_len / parallel.cp_degree",
+        ),
+        (["parallel.cp_degree=2", "model.sliding_window=8"], 2, r"sliding_window=8 with parallel.cp_degree=2"),
+        (["parallel.cp_degree=0"], 1, r"cp_degree=0 must be at least 1"),
+        (["parallel.cp_degree=3"], 4, r"not divisible by dp_replicate x cp x tp x pp = 3"),
     ],
 )
 def test_impossible_layouts_are_refused(overrides, world, message):

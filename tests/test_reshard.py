@@ -1,8 +1,9 @@
 """Any-to-any resharding: a checkpoint saved under one layout resumes under another, with another world
 size and data-parallel degree, and the resumed run reproduces the uninterrupted single-process run.
 
-Four runs save at step 6 of 10 (FSDP 4, FSDP 2 x TP 2, PP 2 x TP 2, HSDP 2 x 2; their own 10 steps are
-checked against the reference too); seven layouts on 4 and 2 processes, and one process, resume from them,
+Five runs save at step 6 of 10 (FSDP 4, FSDP 2 x TP 2, PP 2 x TP 2, HSDP 2 x 2, FSDP 2 x CP 2; their own 10
+steps are checked against the reference too); eight layouts on 4 and 2 processes, and one process, resume from
+them (context parallel ones included, both ways: the data position is the dp rank's, whatever cp is),
 each under another layout than its checkpoint was saved with, and train steps 7-10. Model, optimizer state
 (Adam moments, step counts), LR schedule and data position all come from the checkpoint: any of them wrong
 moves the loss by far more than the tolerance.
@@ -31,6 +32,7 @@ SAVES = {
     "FSDP 2 x TP 2": ["parallel.dp_shard_degree=2", "parallel.tp_degree=2"],
     "PP 2 x TP 2": ["parallel.pp_degree=2", "parallel.tp_degree=2"],
     "HSDP 2 x 2": ["parallel.dp_replicate_degree=2", "parallel.dp_shard_degree=2"],
+    "FSDP 2 x CP 2": ["parallel.dp_shard_degree=2", "parallel.cp_degree=2"],
 }
 
 # (world, resuming layout, layout whose checkpoint it resumes)
@@ -42,7 +44,10 @@ RESUMES = [
     (2, "TP 2", "FSDP 4"),
     (2, "PP 2 gpipe", "PP 2 x TP 2"),
     (2, "FSDP 2", "HSDP 2 x 2"),
+    (2, "FSDP 2", "FSDP 2 x CP 2"),
+    (2, "CP 2", "PP 2 x TP 2"),
     (1, "one process", "FSDP 2 x TP 2"),
+    (1, "one process", "FSDP 2 x CP 2"),
 ]
 
 LAYOUTS = {
@@ -62,6 +67,7 @@ LAYOUTS = {
     "TP 2": ["parallel.tp_degree=2"],
     "PP 2 gpipe": ["parallel.pp_degree=2", "parallel.pp_schedule=gpipe"],
     "FSDP 2": ["parallel.dp_shard_degree=2"],
+    "CP 2": ["parallel.cp_degree=2"],
     "one process": [],
 }
 

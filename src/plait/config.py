@@ -152,6 +152,9 @@ class ParallelConfig:
     """FSDP shard group size (MiCS partition group); -1 uses what the other degrees leave of the world."""
     tp_degree: int = 1
     """Tensor (+ sequence) parallel degree."""
+    cp_degree: int = 1
+    """Context parallel degree: each sequence is split over this many ranks (load-balanced causal chunks),
+    attention runs as an exact ring over them; data.seq_len must be divisible by 2 x cp_degree."""
     pp_degree: int = 1
     """Pipeline stages (one per rank along the pp axis; see pp_virtual_stages)."""
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = "1f1b"

@@ -126,7 +126,7 @@ def print_report(report: HealthReport, dims: ParallelDims, iters: int) -> None:
             f"{c.matmul_err:.1e}", f"{c.checksum_err:.1e}", bits, status,
         )  # fmt: skip
     console.print(table)
-    layout = f"pp={dims.pp} dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} tp={dims.tp}"
+    layout = dims.describe()
     if not report.collectives:
         console.print(f"collectives: none to check ({layout}: no mesh axis has more than one rank)")
     else:

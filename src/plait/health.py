@@ -227,7 +227,7 @@ def axis_groups(meshes: Meshes | None) -> list[tuple[str, int, object]]:
     if meshes is None:
         return []
     degrees = {"pp": meshes.dims.pp, "dp_replicate": meshes.dims.dp_replicate, "dp_shard": meshes.dims.dp_shard}
-    degrees["tp"] = meshes.dims.tp
+    degrees.update(cp=meshes.dims.cp, tp=meshes.dims.tp)
     return [(axis, degrees[axis], meshes.world.get_group(axis)) for axis in AXES if degrees[axis] > 1]
 
 

@@ -37,13 +37,14 @@ class TokenLoss:
         return cross_entropy(logits, targets, reduction="sum") * self.scale
 
     def for_step(self, targets: torch.Tensor, meshes: Meshes, num_micro: int, accumulated: int = 1) -> None:
-        """scale = dp x m / N: N scored tokens in the global batch (one all-reduce of a count over the
-        data-parallel ranks); the gradient reduction averages over the dp ranks and the pipeline schedule
-        over its m micro-batches (m = 1 for gradient accumulation, which sums), so both are undone here."""
+        """scale = dp x cp x m / N: N scored tokens in the global batch (one all-reduce of a count over the
+        ranks holding different tokens: data and context parallel); the gradient reduction averages over those
+        dp x cp ranks and the pipeline schedule over its m micro-batches (m = 1 for gradient accumulation,
+        which sums), so both are undone here."""
         count = (targets != IGNORE_INDEX).sum().to(torch.float64)
-        if meshes.dims.dp > 1:
-            dist.all_reduce(count, group=meshes.batch.get_group())
-        self.scale = meshes.dims.dp * num_micro / max(count.item(), 1.0)
+        if meshes.dims.dp_cp > 1:
+            dist.all_reduce(count, group=meshes.loss.get_group())
+        self.scale = meshes.dims.dp_cp * num_micro / max(count.item(), 1.0)
 
 
 class MeanLoss:

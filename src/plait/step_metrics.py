@@ -26,7 +26,7 @@ class StepMetrics(Callback):
         if env.is_main:
             source = f"data {run.data_dir}" if run.data_dir else "your data"
             dims = run.meshes.dims
-            layout = f"pp={dims.pp} dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} tp={dims.tp}"
+            layout = dims.describe()
             info(
                 f"plait: {params / 1e6:.2f}M parameters, {env.world_size} x {dev.name} ({env.device}) as "
                 f"{layout}, {cfg.train.steps} steps x {self.tokens_per_step:,} tokens, {source}"

@@ -55,3 +55,20 @@ def reducing_pipeline_stage():
             return grads, None
 
     return ReducingStage
+
+
+def flatten_mesh(mesh, name: str):
+    """The axes of `mesh` (a slice of the world mesh) merged into one axis called `name`: DeviceMesh._flatten,
+    which also registers the name on the world mesh."""
+    return mesh._flatten(name)
+
+
+def merge_inner_axes(mesh, outer: str, inner: tuple[str, ...], name: str):
+    """A 2-D mesh (outer, name) with the `inner` axes of the world mesh merged into one called `name`
+    (HSDP over dp_replicate x (dp_shard x cp)). torch >= 2.10 unflattens a flattened mesh; older torch slices the
+    flattened axis off the world mesh (which newer torch deprecates)."""
+    flat = mesh[(outer, *inner)]._flatten(f"{outer}_{name}")
+    if hasattr(flat, "_unflatten"):
+        return flat._unflatten(0, (mesh[outer].size(), flat.size() // mesh[outer].size()), (outer, name))
+    mesh[inner]._flatten(name)
+    return mesh[outer, name]

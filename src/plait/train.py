@@ -26,6 +26,7 @@ from plait.errors import ConfigError, PlaitError
 from plait.loss import IGNORE_INDEX, TokenLoss, cross_entropy
 from plait.metrics import MetricsLogger, info
 from plait.parallel import DistEnv, Meshes, ParallelDims, init_distributed, validate_layout
+from plait.parallel.context import context_shard
 from plait.parallel.dims import num_micro_batches
 from plait.parallel.env import restart_count, shutdown
 from plait.parallel.norm import clip_grad_norm, local
@@ -61,6 +62,7 @@ def train_step(
 
     should_step(loss, grad_norm), given the global values, may withhold the update (plait.guards): the
     gradients are then dropped and neither the optimizer nor the LR schedule moves."""
+    inputs, targets = context_shard(t.meshes, inputs, targets)  # cp > 1: this rank's part of each sequence
     pipelined = t.pipeline.num_microbatches if t.pipeline is not None else 1
     t.loss_fn.for_step(targets, t.meshes, pipelined, 1 if t.pipeline is not None else _num_micro(t, inputs))
     with t.loss_context(), t.autocast():
@@ -69,10 +71,10 @@ def train_step(
         else:
             loss = _accumulate(t, inputs, targets)
     norm = clip_grad_norm(t.parameters(), t.cfg.train.grad_clip, t.meshes)
-    if t.meshes.dims.dp > 1:
-        # Each data-parallel rank holds dp x its share of the global token mean: sum, divide. (gloo has no AVG.)
-        dist.all_reduce(loss, group=t.meshes.batch.get_group())
-        loss = loss / t.meshes.dims.dp
+    if t.meshes.dims.dp_cp > 1:
+        # Each rank holds dp x cp x its share of the global token mean: sum, divide. (gloo has no AVG.)
+        dist.all_reduce(loss, group=t.meshes.loss.get_group())
+        loss = loss / t.meshes.dims.dp_cp
     stepped = should_step is None or should_step(loss, norm)
     for opt, sched in zip(t.optimizers, t.schedulers, strict=True):
         if stepped:

@@ -9,18 +9,20 @@ import torch.distributed as dist
 
 from plait.callbacks import Callback
 from plait.loss import MeanLoss, cross_entropy
+from plait.parallel.context import context_shard
 from plait.parallel.norm import local
 
 
 @torch.no_grad()
 def evaluate(t, loader, batches: int) -> float:
     """Mean loss of a Trainable over the first `batches` global batches of a validation loader, averaged
-    over data-parallel ranks."""
+    over data- and context-parallel ranks."""
     for part in t.parts:
         part.eval()
     losses = []
     with t.loss_context(), t.autocast():
         for _, (x, y) in zip(range(batches), loader, strict=False):
+            x, y = context_shard(t.meshes, x, y)
             if t.pipeline is not None:
                 out: list[torch.Tensor] | None = [] if t.pipeline.has_last else None
                 kwargs = {"target": y, "losses": out} if t.pipeline.has_last else {}
@@ -35,9 +37,9 @@ def evaluate(t, loader, batches: int) -> float:
     for part in t.parts:
         part.train()
     mean = torch.stack(losses).mean()
-    if t.meshes.dims.dp > 1:
-        dist.all_reduce(mean, group=t.meshes.batch.get_group())
-        mean = mean / t.meshes.dims.dp
+    if t.meshes.dims.dp_cp > 1:  # data and context parallel ranks: equal shares of the tokens
+        dist.all_reduce(mean, group=t.meshes.loss.get_group())
+        mean = mean / t.meshes.dims.dp_cp
     return mean.item()
 
 

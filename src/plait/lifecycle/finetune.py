@@ -62,8 +62,8 @@ def apply_finetune(cfg: Config, parts: list[nn.Module], meshes=None) -> None:
     if f.lora_rank:
         for part in parts:
             apply_lora_config(part, f, cfg.run.seed)
-        if meshes is not None and meshes.dims.dp > 1:
-            _sync_adapter_grads(parts, meshes.batch.get_group(), meshes.dims.dp)
+        if meshes is not None and meshes.dims.dp_cp > 1:
+            _sync_adapter_grads(parts, meshes.loss.get_group(), meshes.dims.dp_cp)
 
 
 class Finetune(Callback):
@@ -74,10 +74,10 @@ class Finetune(Callback):
 
 
 def _sync_adapter_grads(parts: list[nn.Module], group, dp: int) -> None:
-    """Communication plan: each adapter gradient is all-reduced (sum, then divided by dp) over the batch
-    (data-parallel) axis as autograd produces it, one small all-reduce per adapter tensor and micro-batch. A
-    tensor hook runs before accumulation, so micro-batches add already-averaged gradients. FSDP2 reduces the
-    (frozen, gradient-free) base as before, which is nothing."""
+    """Communication plan: each adapter gradient is all-reduced (sum, then divided by dp x cp) over the
+    ranks holding different tokens (data- and context-parallel) as autograd produces it, one small all-reduce
+    per adapter tensor and micro-batch. A tensor hook runs before accumulation, so micro-batches add
+    already-averaged gradients. FSDP2 reduces the (frozen, gradient-free) base as before, which is nothing."""
 
     def average(grad: torch.Tensor) -> torch.Tensor:
         grad = grad.clone()

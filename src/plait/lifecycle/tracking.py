@@ -280,7 +280,8 @@ class RunLineage:
             if self.lora:
                 apply_lora_config(self._suite_copy, self.cfg.finetune, self.cfg.run.seed)
         meshes = self.t.meshes
-        sender = self.t.pipeline is not None and meshes.dp_rank == 0 and meshes.tp.get_local_rank() == 0
+        sender = self.t.pipeline is not None and meshes.dp_rank == 0 and meshes.cp.get_local_rank() == 0
+        sender = sender and meshes.tp.get_local_rank() == 0
         tensors: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             for part in self.t.parts:

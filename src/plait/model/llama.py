@@ -131,16 +131,24 @@ class Attention(nn.Module):
         if cache is not None:
             start = cache.pos
             k, v = cache.update(self.layer_id, k, v)  # (B, start + T, n_kv_heads, head_dim)
-        if self.n_rep > 1:  # grouped-query attention: each kv head serves n_rep query heads
-            k = k.repeat_interleave(self.n_rep, dim=2)
-            v = v.repeat_interleave(self.n_rep, dim=2)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, head_dim)
         if start == 0 and not 0 < self.sliding_window < seqlen:  # plain causal: SDPA's fastest kernels
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out = self.causal(q, k, v)
         else:
             mask = attention_mask(start, seqlen, k.shape[2], self.sliding_window, x.device)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            out = F.scaled_dot_product_attention(q, *self.repeat_kv(k, v), attn_mask=mask)
         return out.transpose(1, 2).reshape(bsz, seqlen, -1)  # (B, T, n_heads * head_dim)
+
+    def causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of the whole sequence: q (B, n_heads, T, head_dim), k / v with n_kv_heads.
+        Context parallelism replaces it with the ring over the cp ranks (plait.parallel.context)."""
+        return F.scaled_dot_product_attention(q, *self.repeat_kv(k, v), is_causal=True)
+
+    def repeat_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Grouped-query attention: each kv head serves n_rep query heads (B, heads, T, head_dim)."""
+        if self.n_rep == 1:
+            return k, v
+        return k.repeat_interleave(self.n_rep, dim=1), v.repeat_interleave(self.n_rep, dim=1)
 
 
 class FeedForward(nn.Module):
@@ -209,14 +217,18 @@ class Transformer(nn.Module):
         # A pipeline stage without the embedding receives hidden states (B, T, dim) instead of ids.
         seqlen = tokens.shape[1]  # before the embedding: sequence parallelism may shard h on T
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        start = cache.pos if cache is not None else 0
-        cos, sin = self.rope_cos[start : start + seqlen], self.rope_sin[start : start + seqlen]
+        cos, sin = self.rope(cache.pos if cache is not None else 0, seqlen)
         for layer in self.layers.values():
             h = layer(h, cos, sin, cache=cache)
         if cache is not None:
             cache.pos += seqlen
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
+
+    def rope(self, start: int, seqlen: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary tables (cos, sin) of positions start .. start + seqlen - 1. Context parallelism replaces
+        it with the positions its rank holds (plait.parallel.context)."""
+        return self.rope_cos[start : start + seqlen], self.rope_sin[start : start + seqlen]
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0, assign=None) -> None:

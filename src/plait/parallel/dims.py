@@ -1,9 +1,13 @@
 """The parallel layout: validated degrees, one named DeviceMesh, and purpose-named sub-meshes.
 
 Mesh axes, outermost first: ``pp`` (pipeline stages), ``dp_replicate`` (HSDP replicas: MiCS groups),
-``dp_shard`` (FSDP shard group: the MiCS partition group), ``tp`` (tensor + sequence parallel, innermost so
-its heavy traffic stays inside a node). Every axis exists even with degree 1, so code never branches on
-which axes are present.
+``dp_shard`` (FSDP shard group: the MiCS partition group), ``cp`` (context parallel: each rank a part of every
+sequence), ``tp`` (tensor + sequence parallel, innermost so its heavy traffic stays inside a node). Every axis
+exists even with degree 1, so code never branches on which axes are present.
+
+Context parallelism is folded into FSDP (as torchtitan does): the ranks of a cp group hold different tokens
+of the same sequences, so their gradients are reduced together with the data-parallel ones, and parameters
+are sharded over dp_shard x cp.
 """
 
 from __future__ import annotations
@@ -14,13 +18,14 @@ from typing import TYPE_CHECKING
 
 from plait.config import Config, ParallelConfig
 from plait.errors import ConfigError
+from plait.torch_private import flatten_mesh, merge_inner_axes
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from plait.model.args import ModelArgs
 
-AXES = ("pp", "dp_replicate", "dp_shard", "tp")
+AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 @dataclass(frozen=True)
@@ -30,32 +35,35 @@ class ParallelDims:
     tp: int
     pp: int
     cpu_offload: bool = False  # FSDP2's offload policy: FSDP2 then applies at any dp, 1 included
+    cp: int = 1
 
     @classmethod
     def from_config(cls, cfg: ParallelConfig, world_size: int) -> ParallelDims:
         """Resolve dp_shard=-1 to what the other degrees leave of the world, and check the product."""
-        fixed = cfg.dp_replicate_degree * cfg.tp_degree * cfg.pp_degree
+        if cfg.cp_degree < 1:
+            raise ConfigError(f"parallel.cp_degree={cfg.cp_degree} must be at least 1 (1: no context parallelism)")
+        fixed = cfg.dp_replicate_degree * cfg.tp_degree * cfg.pp_degree * cfg.cp_degree
         shard = cfg.dp_shard_degree
         if shard == -1:
             if world_size % fixed:
                 raise ConfigError(
-                    f"world size {world_size} is not divisible by dp_replicate x tp x pp = {fixed}; "
+                    f"world size {world_size} is not divisible by dp_replicate x cp x tp x pp = {fixed}; "
                     f"choose degrees whose product divides {world_size}, or run a multiple of {fixed} processes "
                     f"(plait train --nproc {fixed})"
                 )
             shard = world_size // fixed
-        dims = cls(cfg.dp_replicate_degree, shard, cfg.tp_degree, cfg.pp_degree, cfg.cpu_offload)
+        dims = cls(cfg.dp_replicate_degree, shard, cfg.tp_degree, cfg.pp_degree, cfg.cpu_offload, cfg.cp_degree)
         if dims.world_size != world_size:
             raise ConfigError(
-                f"parallel degrees dp_replicate={dims.dp_replicate} x dp_shard={dims.dp_shard} x tp={dims.tp} "
-                f"x pp={dims.pp} = {dims.world_size}, but {world_size} processes run; set "
+                f"parallel degrees dp_replicate={dims.dp_replicate} x dp_shard={dims.dp_shard} x cp={dims.cp} "
+                f"x tp={dims.tp} x pp={dims.pp} = {dims.world_size}, but {world_size} processes run; set "
                 f"parallel.dp_shard_degree=-1 to infer it, or change --nproc"
             )
         return dims
 
     @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp * self.pp
+        return self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
 
     @property
     def dp(self) -> int:
@@ -63,15 +71,28 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     @property
+    def dp_cp(self) -> int:
+        """Ranks that hold different tokens of a step (dp x cp): the loss and the gradients are averaged over
+        them."""
+        return self.dp * self.cp
+
+    @property
     def fsdp_enabled(self) -> bool:
-        """FSDP2 wraps the model where data parallelism shards it, and at dp = 1 where CPU offload is asked
-        (FSDP2's offload policy is how parameters, gradients and optimizer state live on the CPU)."""
-        return self.dp > 1 or self.cpu_offload
+        """FSDP2 wraps the model where data or context parallelism shards it, and at dp = cp = 1 where CPU
+        offload is asked (FSDP2's offload policy is how parameters, gradients and optimizer state live on the
+        CPU)."""
+        return self.dp_cp > 1 or self.cpu_offload
+
+    def describe(self) -> str:
+        """The degrees as one line for logs and reports."""
+        cp = f" cp={self.cp}" if self.cp > 1 else ""
+        return f"pp={self.pp} dp_replicate={self.dp_replicate} dp_shard={self.dp_shard}{cp} tp={self.tp}"
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         from torch.distributed.device_mesh import init_device_mesh
 
-        return init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=AXES)
+        shape = (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
+        return init_device_mesh(device_type, shape, mesh_dim_names=AXES)
 
 
 class Meshes:
@@ -88,18 +109,29 @@ class Meshes:
     @cached_property
     def batch(self) -> DeviceMesh:
         """Ranks that see different data (data loading, loss averaging): dp_replicate x dp_shard, flattened."""
-        return self.world["dp_replicate", "dp_shard"]._flatten("batch")
+        return flatten_mesh(self.world["dp_replicate", "dp_shard"], "batch")
 
-    @property
+    @cached_property
     def loss(self) -> DeviceMesh:
-        return self.batch
+        """Ranks that hold different tokens (dp_replicate x dp_shard x cp, flattened): the loss's token count
+        and mean are reduced over them."""
+        return flatten_mesh(self.world["dp_replicate", "dp_shard", "cp"], "loss")
 
-    @property
+    @cached_property
     def fsdp(self) -> DeviceMesh:
-        """FSDP2's mesh: 1-D shard group, or 2-D (replicate, shard) for HSDP."""
+        """FSDP2's mesh: 1-D shard group (dp_shard, merged with cp under context parallelism), or 2-D
+        (dp_replicate, shard group) for HSDP."""
+        if self.dims.cp > 1:
+            if self.dims.dp_replicate > 1:
+                return merge_inner_axes(self.world, "dp_replicate", ("dp_shard", "cp"), "dp_shard_cp")
+            return flatten_mesh(self.world["dp_shard", "cp"], "dp_shard_cp")
         if self.dims.dp_replicate > 1:
             return self.world["dp_replicate", "dp_shard"]
         return self.world["dp_shard"]
+
+    @property
+    def cp(self) -> DeviceMesh:
+        return self.world["cp"]
 
     @property
     def tp(self) -> DeviceMesh:
@@ -140,6 +172,31 @@ def tp_problem(m: ModelArgs, seq_len: int, tp: int) -> str | None:
     return None
 
 
+def cp_problem(m: ModelArgs, seq_len: int, cp: int, tp: int = 1) -> str | None:
+    """Why context parallelism of degree cp cannot split this sequence (None: it can); shared like tp_problem.
+    Each rank holds two of 2 x cp equal chunks (a head one and its mirror from the tail, so that causal
+    attention costs every rank the same), and under sequence parallelism its part splits again by tp."""
+    if cp == 1:
+        return None
+    if seq_len % (2 * cp):
+        ok = [c for c in range(1, cp + 1) if seq_len % (2 * c) == 0]
+        return (
+            f"data.seq_len={seq_len} must be divisible by 2 x parallel.cp_degree = {2 * cp} (each rank holds two "
+            f"equal chunks of every sequence); use a seq_len that is a multiple of {2 * cp}, or cp_degree in {ok}"
+        )
+    if (seq_len // cp) % tp:
+        return (
+            f"data.seq_len / parallel.cp_degree = {seq_len // cp} must be divisible by parallel.tp_degree={tp} "
+            "(sequence parallel splits each rank's part of the sequence)"
+        )
+    if 0 < m.sliding_window < seq_len:
+        return (
+            f"model.sliding_window={m.sliding_window} with parallel.cp_degree={cp}: the ring attention is causal "
+            "without a window; set parallel.cp_degree=1"
+        )
+    return None
+
+
 def pp_problem(m: ModelArgs, pp: int) -> str | None:
     """Why pipeline parallelism of degree pp cannot split this model (None: it can); shared like tp_problem."""
     if pp > 1 and m.tie_embeddings:
@@ -155,7 +212,7 @@ def pp_problem(m: ModelArgs, pp: int) -> str | None:
 def validate_layout(cfg: Config, dims: ParallelDims) -> None:
     """Refuse layouts that cannot work, before any worker starts; each message names the setting to change."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    problem = tp_problem(m, cfg.data.seq_len, dims.tp)
+    problem = tp_problem(m, cfg.data.seq_len, dims.tp) or cp_problem(m, cfg.data.seq_len, dims.cp, dims.tp)
     if problem:
         raise ConfigError(problem)
     if t.global_batch_size % dims.dp:

@@ -1,6 +1,7 @@
 """Parallelise a plain Transformer from outside, in a fixed order:
 
-1. tensor + sequence parallel (a plan: module name -> parallel style), loss-parallel output;
+1. tensor + sequence parallel (a plan: module name -> parallel style), loss-parallel output; context
+   parallel (ring attention over the cp axis, rotary tables at this rank's positions: plait.parallel.context);
 2. activation checkpointing per block (none / selective / full);
 3. torch.compile per block (compile.enabled; see plait.compile), after AC so the checkpointed block is
    traced whole, before FSDP2 so its collectives stay outside the compiled graphs;
@@ -37,6 +38,7 @@ from plait.errors import ConfigError
 from plait.model.args import recompute_units_pay
 from plait.model.llama import Transformer, TransformerBlock
 from plait.parallel.activations import track_sac_cache
+from plait.parallel.context import apply_cp
 from plait.parallel.dims import Meshes
 from plait.torch_private import local_box
 
@@ -47,6 +49,8 @@ def parallelize(model: nn.Module, meshes: Meshes, cfg: Config, device: torch.dev
     dims = meshes.dims
     if dims.tp > 1:
         apply_tp(model, meshes.tp)
+    if dims.cp > 1:
+        apply_cp(model, meshes.cp)
     if cfg.parallel.activation_checkpoint != "none":
         apply_ac(model, cfg.parallel.activation_checkpoint, dims.tp)
     apply_compile(model, cfg)
@@ -129,6 +133,7 @@ def _selective_policy(ctx, op, *args, **kwargs):
         torch.ops.aten._scaled_dot_product_efficient_attention.default,
         torch.ops.aten._scaled_dot_product_flash_attention.default,
         torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+        torch.ops.plait.ring_attention.default,  # context parallel attention: keeping it saves a ring pass
     )
     return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -252,6 +257,11 @@ def parallelize_own(model: nn.Module, meshes: Meshes, cfg: Config, device: torch
             f"parallel.tp_degree={dims.tp}: plait's tensor-parallel plan is for its own Transformer; give your "
             "model's plan as Trainer(parallelize=fn) (fn(model, meshes, cfg, device) on the meta model), or set "
             "parallel.tp_degree=1"
+        )
+    if dims.cp > 1:
+        raise ConfigError(
+            f"parallel.cp_degree={dims.cp}: context parallelism replaces the attention of plait's own Transformer "
+            "with a ring over the cp ranks; your model's attention is its own; set parallel.cp_degree=1"
         )
     if not blocks(model) and cfg.parallel.activation_checkpoint != "none":
         raise ConfigError(

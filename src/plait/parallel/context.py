@@ -1,0 +1,252 @@
+"""Context parallelism: every sequence split over the ``cp`` ranks, attention computed exactly as a ring.
+
+Layout. A sequence of T tokens is cut into 2 x cp equal chunks; cp rank r holds chunk r and its mirror
+2 cp - 1 - r (a head chunk and a tail chunk), so under causal attention every rank does the same work (the
+load balancing of Megatron's and torchtitan's CP). Inputs, targets and rotary positions are sharded alike
+(`shard_sequence`, `apply_cp`); everything but attention is position-wise and runs on the local tokens as is.
+
+Ring attention (`ring_attention`, an opaque torch op so activation checkpointing keeps its output and
+torch.compile leaves it whole). Forward: each rank's keys and values travel once round the ring (cp - 1
+point-to-point hops, the next hop overlapping the current block's compute); each block of (query chunk, key
+chunk) that causality allows is computed with its log-sum-exp, and the blocks are merged with the online
+softmax, so the result is exact softmax attention over the whole sequence. Backward: the keys and values go
+round again with their gradient accumulators (cp hops of the fp32 accumulators: the last brings them home);
+each block's gradients come from the attention kernel's own backward given the merged output and
+log-sum-exp (flash attention's recomputation), so they too are exact.
+
+Kernels: on the CPU the blocks run torch's flash attention for CPU (the kernel SDPA itself uses there, so
+at cp = 1 the ring is SDPA); elsewhere a plain fp32 matmul/log-sum-exp kernel computes the same. Grouped-query
+attention: keys and values travel with n_kv_heads (n_heads / n_kv_heads times fewer bytes) and are repeated
+per block.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+_RINGS: dict[str, dist.ProcessGroup] = {}  # ring name -> process group (the op's arguments must be plain)
+
+
+def chunks_of(rank: int, cp: int) -> tuple[int, int]:
+    """The two chunks (of 2 x cp) of every sequence that cp rank `rank` holds: a head one and its mirror."""
+    return rank, 2 * cp - 1 - rank
+
+
+def shard_sequence(x: Tensor, cp: int, rank: int, dim: int = 1) -> Tensor:
+    """This cp rank's part of x along `dim` (the sequence): its two chunks, head first."""
+    if cp == 1:
+        return x
+    parts = x.chunk(2 * cp, dim)
+    return torch.cat([parts[i] for i in chunks_of(rank, cp)], dim)
+
+
+def local_positions(length: int, cp: int, rank: int, device=None) -> Tensor:
+    """Positions (in the whole sequence) of the `length` tokens this cp rank holds."""
+    return shard_sequence(torch.arange(length * cp, device=device), cp, rank, dim=0)
+
+
+def context_shard(meshes, *tensors: Tensor) -> tuple[Tensor, ...]:
+    """(B, T) batches (inputs, targets) cut to this rank's part of each sequence; unchanged at cp = 1."""
+    cp = meshes.dims.cp
+    if cp == 1:
+        return tensors
+    rank = meshes.cp.get_local_rank()
+    return tuple(shard_sequence(t, cp, rank) for t in tensors)
+
+
+def apply_cp(model: nn.Module, cp_mesh) -> None:
+    """Attention of every block as the ring over cp_mesh, and the rotary tables indexed by the positions this
+    rank holds (plait's Transformer: `Attention.causal` and `Transformer.rope` are the seams)."""
+    from plait.model.llama import Transformer, TransformerBlock
+
+    group = cp_mesh.get_group()
+    _RINGS[group.group_name] = group
+    if not isinstance(model, Transformer):
+        raise TypeError("context parallelism splits plait's Transformer")
+    for block in model.layers.values():
+        assert isinstance(block, TransformerBlock)
+        block.attention.causal = partial(ring_causal, ring=group.group_name)
+    model.rope = partial(_local_rope, model, cp_mesh.size(), cp_mesh.get_local_rank())
+
+
+def _local_rope(model, cp: int, rank: int, start: int, seqlen: int) -> tuple[Tensor, Tensor]:
+    if start:
+        raise ValueError("context parallelism runs whole sequences (no KV cache)")
+    positions = local_positions(seqlen, cp, rank, device=model.rope_cos.device)
+    return model.rope_cos[positions], model.rope_sin[positions]
+
+
+def ring_causal(q: Tensor, k: Tensor, v: Tensor, *, ring: str) -> Tensor:
+    """`Attention.causal` under context parallelism: q (B, n_heads, L, hd), k / v (B, n_kv_heads, L, hd),
+    this rank's L tokens of each sequence."""
+    return torch.ops.plait.ring_attention(q.contiguous(), k.contiguous(), v.contiguous(), ring)[0]
+
+
+# ---- block kernels: one (query chunk, key chunk) pair; causal means the two chunks are the same positions
+
+
+def _repeat(x: Tensor, heads: int) -> Tensor:
+    rep = heads // x.shape[1]
+    return x if rep == 1 else x.repeat_interleave(rep, dim=1)
+
+
+def _fold(grad: Tensor, kv_heads: int) -> Tensor:
+    """Gradient of repeated keys/values (B, H, c, hd) summed back to their n_kv_heads."""
+    b, h, c, d = grad.shape
+    return grad if h == kv_heads else grad.view(b, kv_heads, h // kv_heads, c, d).sum(2)
+
+
+def _flash(x: Tensor) -> bool:
+    """Whether a block runs torch's flash attention kernel (on the CPU) rather than the fp32 math one."""
+    return x.device.type == "cpu"
+
+
+def _block_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> tuple[Tensor, Tensor]:
+    k, v = _repeat(k, q.shape[1]), _repeat(v, q.shape[1])
+    if _flash(q):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+        return out, lse.float()
+    scores = _scores(q, k, causal)
+    lse = scores.logsumexp(-1)
+    return ((scores - lse[..., None]).exp() @ v.float()).to(q.dtype), lse
+
+
+def _block_backward(dout, q, k, v, out, lse, causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of one block given the merged output and log-sum-exp of its query rows: its exact share."""
+    kv_heads = k.shape[1]
+    k, v = _repeat(k, q.shape[1]), _repeat(v, q.shape[1])
+    if _flash(q):
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, causal
+        )
+    else:
+        p = (_scores(q, k, causal) - lse[..., None]).exp()
+        dout32 = dout.float()
+        dv = p.transpose(-1, -2) @ dout32
+        dp = dout32 @ v.float().transpose(-1, -2)
+        ds = p * (dp - (dout32 * out.float()).sum(-1, keepdim=True)) / math.sqrt(q.shape[-1])
+        dq, dk = ds @ k.float(), ds.transpose(-1, -2) @ q.float()
+    return dq.float(), _fold(dk.float(), kv_heads), _fold(dv.float(), kv_heads)
+
+
+def _scores(q: Tensor, k: Tensor, causal: bool) -> Tensor:
+    s = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    if causal:
+        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(), float("-inf"))
+    return s
+
+
+def _pairs(rank: int, source: int, cp: int):
+    """(query chunk slot, key chunk slot, causal) for the blocks that causality leaves between this rank's
+    query chunks and the source rank's key chunks (slot 0: the head chunk, 1: the tail chunk)."""
+    mine, theirs = chunks_of(rank, cp), chunks_of(source, cp)
+    for qs, i in enumerate(mine):
+        for ks, j in enumerate(theirs):
+            if j <= i:
+                yield qs, ks, j == i
+
+
+class _Ring:
+    """Point-to-point hops to the next cp rank (receiving from the previous), overlapping compute."""
+
+    def __init__(self, ring: str):
+        self.group = _RINGS[ring]
+        self.cp, self.rank = self.group.size(), self.group.rank()
+        self.next = dist.get_global_rank(self.group, (self.rank + 1) % self.cp)
+        self.prev = dist.get_global_rank(self.group, (self.rank - 1) % self.cp)
+
+    def shift(self, x: Tensor):
+        """Start sending x on and receiving the previous rank's; returns (received buffer, wait)."""
+        got = torch.empty_like(x)
+        ops = [dist.P2POp(dist.isend, x, self.next, self.group), dist.P2POp(dist.irecv, got, self.prev, self.group)]
+        reqs = dist.batch_isend_irecv(ops)
+        return got, lambda: [r.wait() for r in reqs]
+
+
+@torch.library.custom_op("plait::ring_attention", mutates_args=())
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, ring: str) -> tuple[Tensor, Tensor]:
+    """Exact causal attention of this rank's queries over every rank's keys: (output (B, H, L, hd),
+    log-sum-exp (B, H, L) fp32)."""
+    net = _Ring(ring)
+    c = q.shape[2] // 2
+    q_slots = (q[:, :, :c], q[:, :, c:])
+    out = [torch.zeros_like(s, dtype=torch.float32) for s in q_slots]
+    lse = [torch.full(s.shape[:3], float("-inf"), device=q.device) for s in q_slots]
+    kv = torch.stack([k, v])
+    for step in range(net.cp):
+        source = (net.rank - step) % net.cp
+        if step < net.cp - 1:
+            incoming, wait = net.shift(kv)
+        for qs, ks, causal in _pairs(net.rank, source, net.cp):
+            o, l = _block_forward(
+                q_slots[qs], kv[0][:, :, ks * c : (ks + 1) * c], kv[1][:, :, ks * c : (ks + 1) * c], causal
+            )
+            merged = torch.logaddexp(lse[qs], l)
+            out[qs] = out[qs] * (lse[qs] - merged).exp()[..., None] + o.float() * (l - merged).exp()[..., None]
+            lse[qs] = merged
+        if step < net.cp - 1:
+            wait()
+            kv = incoming
+    return torch.cat(out, dim=2).to(q.dtype), torch.cat(lse, dim=2)
+
+
+@ring_attention.register_fake
+def _(q, k, v, ring):
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("plait::ring_attention_backward", mutates_args=())
+def ring_attention_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, ring: str
+) -> tuple[Tensor, Tensor, Tensor]:
+    net = _Ring(ring)
+    c = q.shape[2] // 2
+    slot = lambda x, s: x[:, :, s * c : (s + 1) * c]  # noqa: E731
+    dq = torch.zeros_like(q, dtype=torch.float32)
+    kv = torch.stack([k, v])
+    dkv = torch.zeros_like(kv, dtype=torch.float32)  # travels with kv: the gradient of the keys it holds
+    for step in range(net.cp):
+        source = (net.rank - step) % net.cp
+        if step < net.cp - 1:
+            incoming, wait = net.shift(kv)
+        for qs, ks, causal in _pairs(net.rank, source, net.cp):
+            g = _block_backward(
+                slot(dout, qs), slot(q, qs), slot(kv[0], ks), slot(kv[1], ks), slot(out, qs), slot(lse, qs), causal
+            )
+            slot(dq, qs).add_(g[0])
+            slot(dkv[0], ks).add_(g[1])
+            slot(dkv[1], ks).add_(g[2])
+        if net.cp > 1:  # on to the next rank; after the last step that is the keys' owner
+            dkv, wait_grad = net.shift(dkv)
+            wait_grad()
+        if step < net.cp - 1:
+            wait()
+            kv = incoming
+    return dq.to(q.dtype), dkv[0].to(k.dtype, copy=True), dkv[1].to(v.dtype, copy=True)  # own storage each
+
+
+@ring_attention_backward.register_fake
+def _(dout, q, k, v, out, lse, ring):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, ring = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.ring = ring
+    ctx.set_materialize_grads(True)
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = torch.ops.plait.ring_attention_backward(dout.contiguous(), q, k, v, out, lse, ctx.ring)
+    return dq, dk, dv, None
+
+
+ring_attention.register_autograd(_backward, setup_context=_setup_context)
