@@ -61,6 +61,14 @@ LAYOUTS = [
         ["parallel.dp_shard_degree=4", "parallel.tp_degree=2", "parallel.activation_checkpoint=selective"],
         dict(dp_shard=4, tp=2, ac="selective"),
     ),
+    ("CP 4", ["parallel.cp_degree=4"], dict(cp=4)),
+    ("FSDP 2 x CP 2", ["parallel.dp_shard_degree=2", "parallel.cp_degree=2"], dict(dp_shard=2, cp=2)),
+    (
+        "CP 2 x TP 2, selective AC",
+        ["parallel.cp_degree=2", "parallel.tp_degree=2", "parallel.activation_checkpoint=selective"],
+        dict(cp=2, tp=2, ac="selective"),
+    ),
+    ("CP 4, full AC", ["parallel.cp_degree=4", "parallel.activation_checkpoint=full"], dict(cp=4, ac="full")),
 ]
 # Activations are measured by plait.parallel.activations.SavedBytes: saved-tensor hooks plus what selective AC
 # keeps in torch's own cache, which those hooks do not see.
@@ -76,6 +84,7 @@ from plait.config import load_config
 from plait.parallel import Meshes, ParallelDims
 from plait.train import build_trainable, cross_entropy
 from plait.parallel.activations import SavedBytes
+from plait.parallel.context import context_shard
 
 world, jobs, args = int(sys.argv[1]), json.loads(sys.argv[2]), json.loads(sys.argv[3])
 seq, batch = int(sys.argv[4]), int(sys.argv[5])
@@ -91,6 +100,7 @@ for overrides in jobs:
     t = build_trainable(cfg, torch.device("cpu"), Meshes(dims.build_mesh("cpu"), dims))
     local_batch = batch // dims.dp
     x = torch.randint(0, args["vocab_size"], (local_batch, seq))
+    (x,) = context_shard(t.meshes, x)  # this rank's part of each sequence under context parallelism
     with t.loss_context():
         with SavedBytes(t.model) as saved:  # parameters (FSDP's gathered ones too) and buffers are not counted
             loss = cross_entropy(t.model(x), x)
@@ -130,7 +140,7 @@ def test_planner_memory_matches_plait_runtime(world, tmp_path):
     # All layouts run in one fake group of 8 ranks (layouts of 4 ranks pad with dp_replicate to 8).
     jobs, expected = [], []
     for name, overrides, layout in LAYOUTS:
-        size = layout.get("dp_replicate", 1) * layout.get("dp_shard", 1) * layout.get("tp", 1)
+        size = layout.get("dp_replicate", 1) * layout.get("dp_shard", 1) * layout.get("tp", 1) * layout.get("cp", 1)
         if size < world:  # fill the world with replicas: no effect on per-rank states or activations
             rep = layout.get("dp_replicate", 1) * world // size
             overrides = [o for o in overrides if not o.startswith("parallel.dp_replicate")]

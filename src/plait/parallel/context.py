@@ -10,7 +10,8 @@ torch.compile leaves it whole). Forward: each rank's keys and values travel once
 point-to-point hops, the next hop overlapping the current block's compute); each block of (query chunk, key
 chunk) that causality allows is computed with its log-sum-exp, and the blocks are merged with the online
 softmax, so the result is exact softmax attention over the whole sequence. Backward: the keys and values go
-round again with their gradient accumulators (cp hops of the fp32 accumulators: the last brings them home);
+round again, followed one step behind by their fp32 gradient accumulators (cp hops, each overlapping the next
+block's compute but the last, which brings them home);
 each block's gradients come from the attention kernel's own backward given the merged output and
 log-sum-exp (flash attention's recomputation), so they too are exact.
 
@@ -160,10 +161,14 @@ class _Ring:
         self.next = dist.get_global_rank(self.group, (self.rank + 1) % self.cp)
         self.prev = dist.get_global_rank(self.group, (self.rank - 1) % self.cp)
 
-    def shift(self, x: Tensor):
-        """Start sending x on and receiving the previous rank's; returns (received buffer, wait)."""
+    def shift(self, x: Tensor, tag: int = 0):
+        """Start sending x on and receiving the previous rank's; returns (received buffer, wait). Messages of
+        one kind share a tag (keys and values 0, their gradients 1), so two kinds in flight never cross."""
         got = torch.empty_like(x)
-        ops = [dist.P2POp(dist.isend, x, self.next, self.group), dist.P2POp(dist.irecv, got, self.prev, self.group)]
+        ops = [
+            dist.P2POp(dist.isend, x, self.next, self.group, tag=tag),
+            dist.P2POp(dist.irecv, got, self.prev, self.group, tag=tag),
+        ]
         reqs = dist.batch_isend_irecv(ops)
         return got, lambda: [r.wait() for r in reqs]
 
@@ -192,12 +197,21 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, ring: str) -> tuple[Tensor, 
         if step < net.cp - 1:
             wait()
             kv = incoming
-    return torch.cat(out, dim=2).to(q.dtype), torch.cat(lse, dim=2)
+    result = _heads_inner(q)
+    result.copy_(torch.cat(out, dim=2))
+    return result, torch.cat(lse, dim=2)
+
+
+def _heads_inner(q: Tensor) -> Tensor:
+    """An empty (B, H, L, hd) tensor laid out as (B, L, H, hd), as SDPA returns its output: the output
+    projection's input (B, L, H x hd) is then a view of it, not a copy kept for backward beside it."""
+    b, h, n, d = q.shape
+    return q.new_empty((b, n, h, d)).transpose(1, 2)
 
 
 @ring_attention.register_fake
 def _(q, k, v, ring):
-    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+    return _heads_inner(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.custom_op("plait::ring_attention_backward", mutates_args=())
@@ -209,11 +223,12 @@ def ring_attention_backward(
     slot = lambda x, s: x[:, :, s * c : (s + 1) * c]  # noqa: E731
     dq = torch.zeros_like(q, dtype=torch.float32)
     kv = torch.stack([k, v])
-    dkv = torch.zeros_like(kv, dtype=torch.float32)  # travels with kv: the gradient of the keys it holds
+    arriving = None  # the gradient of the keys held now, summed by the ranks that held them before
     for step in range(net.cp):
         source = (net.rank - step) % net.cp
         if step < net.cp - 1:
             incoming, wait = net.shift(kv)
+        dkv = torch.zeros_like(kv, dtype=torch.float32)
         for qs, ks, causal in _pairs(net.rank, source, net.cp):
             g = _block_backward(
                 slot(dout, qs), slot(q, qs), slot(kv[0], ks), slot(kv[1], ks), slot(out, qs), slot(lse, qs), causal
@@ -221,12 +236,18 @@ def ring_attention_backward(
             slot(dq, qs).add_(g[0])
             slot(dkv[0], ks).add_(g[1])
             slot(dkv[1], ks).add_(g[2])
-        if net.cp > 1:  # on to the next rank; after the last step that is the keys' owner
-            dkv, wait_grad = net.shift(dkv)
+        if arriving is not None:  # it travelled while this step computed
+            buffer, wait_grad = arriving
             wait_grad()
+            dkv += buffer
+        if net.cp > 1:  # on to the next holder; after the last step that is the keys' owner
+            arriving = net.shift(dkv, tag=1)
         if step < net.cp - 1:
             wait()
             kv = incoming
+    if arriving is not None:
+        dkv, wait_grad = arriving
+        wait_grad()
     return dq.to(q.dtype), dkv[0].to(k.dtype, copy=True), dkv[1].to(v.dtype, copy=True)  # own storage each
 
 

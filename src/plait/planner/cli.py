@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = PlaitParser(
         prog="plait plan",
         usage="plait plan (--model PRESET --global-batch-tokens N | --config CONFIG.toml) [options]",
-        description="Choose a parallel layout (dp_replicate x dp_shard x tp x pp, schedule, micro-batch, "
+        description="Choose a parallel layout (dp_replicate x dp_shard x cp x tp x pp, schedule, micro-batch, "
         "activation checkpointing, offload): predicted memory per rank, step time, MFU and tokens/s.",
     )
     src = p.add_mutually_exclusive_group()
@@ -180,7 +180,12 @@ def config_pins(path: str, base, world_size: int) -> dict[str, int]:
         written = tomllib.load(f).get("parallel") or {}
     p = base.parallel
     pins: dict[str, int] = {}
-    for key, column in (("dp_replicate_degree", "dp_replicate"), ("tp_degree", "tp"), ("pp_degree", "pp")):
+    for key, column in (
+        ("dp_replicate_degree", "dp_replicate"),
+        ("tp_degree", "tp"),
+        ("pp_degree", "pp"),
+        ("cp_degree", "cp"),
+    ):
         if key in written:
             pins[column] = getattr(p, key)
     if "dp_shard_degree" in written and p.dp_shard_degree != -1:
@@ -192,20 +197,23 @@ def config_pins(path: str, base, world_size: int) -> dict[str, int]:
     if "pp_schedule" in written and p.pp_degree > 1:
         pins["schedule"] = SCHEDULES.index(p.pp_schedule)
     fixed = pins.get("dp_replicate", 1) * pins.get("tp", 1) * pins.get("pp", 1) * pins.get("dp_shard", 1)
+    fixed *= pins.get("cp", 1)
     if world_size % fixed:
-        degrees = " x ".join(f"{k}={v}" for k, v in pins.items() if k in ("dp_replicate", "dp_shard", "tp", "pp"))
+        degrees = " x ".join(f"{k}={v}" for k, v in pins.items() if k in ("dp_replicate", "dp_shard", "cp", "tp", "pp"))
         raise ConfigError(
             f"{path} [parallel]: {degrees} = {fixed} does not divide the {world_size} devices planned for; "
             f"change those degrees or --nodes / --devices-per-node"
         )
-    if {"tp", "pp"} & pins.keys():
+    if {"tp", "pp", "cp"} & pins.keys():
         import dataclasses
 
-        tp, pp, rep = pins.get("tp", 1), pins.get("pp", 1), pins.get("dp_replicate", 1)
-        shard = world_size // (tp * pp * rep)
-        pinned = dataclasses.replace(p, tp_degree=tp, pp_degree=pp, dp_replicate_degree=rep, dp_shard_degree=shard)
+        tp, pp, rep, cp = pins.get("tp", 1), pins.get("pp", 1), pins.get("dp_replicate", 1), pins.get("cp", 1)
+        shard = world_size // (tp * pp * rep * cp)
+        pinned = dataclasses.replace(
+            p, tp_degree=tp, pp_degree=pp, dp_replicate_degree=rep, dp_shard_degree=shard, cp_degree=cp
+        )
         # the runtime's own reason, e.g. "parallel.tp_degree=3 must divide model.n_heads=32 ..."
-        validate_layout(dataclasses.replace(base, parallel=pinned), ParallelDims(rep, shard, tp, pp))
+        validate_layout(dataclasses.replace(base, parallel=pinned), ParallelDims(rep, shard, tp, pp, cp=cp))
     return pins
 
 
@@ -243,6 +251,7 @@ def print_plan(result, top: int) -> None:
         "#",
         "dp rep",
         "dp shard",
+        "cp",
         "tp",
         "pp",
         "schedule",
@@ -261,11 +270,12 @@ def print_plan(result, top: int) -> None:
     for rank, i in enumerate(result.top(top), 1):
         r = result.record(i)
         sched = "-" if r["pp"] == 1 else r["schedule"] + (f" v{r['virtual']}" if r["virtual"] > 1 else "")
-        comm = r["t_tp"] + r["t_p2p"] + r["t_fsdp"]
+        comm = r["t_tp"] + r["t_cp"] + r["t_p2p"] + r["t_fsdp"]
         table.add_row(
             str(rank),
             str(r["dp_replicate"]),
             str(r["dp_shard"]),
+            str(r["cp"]),
             str(r["tp"]),
             str(r["pp"]),
             sched,

@@ -8,7 +8,8 @@ FLOPs, the activation bytes and the sharded state bytes against torch itself.
 
 Notation: T tokens in a micro-batch, h = dim, H = n_heads, kv = n_kv_heads * head_dim, F = SwiGLU width,
 V = vocab, L = n_layers, s = seq_len, e = bytes per activation element (2 for bf16, 4 for fp32),
-m micro-batches per step, p = pp degree, v = virtual stages per pipeline rank.
+m micro-batches per step, p = pp degree, v = virtual stages per pipeline rank, c = cp degree (context
+parallel: a rank holds s / c tokens of each sequence, so T = micro-batch x s / c).
 """
 
 from __future__ import annotations
@@ -72,12 +73,13 @@ class Layouts:
     offload: np.ndarray  # bool
     reshard: np.ndarray  # bool: FSDP reshard_after_forward
     sync_each: np.ndarray  # bool: FSDP reduce-scatters every micro-batch (sharded gradient accumulation)
+    cp: np.ndarray  # context parallel degree
 
     @classmethod
     def single(cls, **kw) -> Layouts:
         """One layout from scalars: dp_replicate, dp_shard, tp, pp, virtual, schedule (name), micro_batch,
-        ac (name), offload, reshard, sync_each."""
-        defaults = dict(dp_replicate=1, dp_shard=1, tp=1, pp=1, virtual=1, micro_batch=1, ac="none")
+        ac (name), offload, reshard, sync_each, cp."""
+        defaults = dict(dp_replicate=1, dp_shard=1, tp=1, pp=1, virtual=1, micro_batch=1, ac="none", cp=1)
         kw = {**defaults, "offload": False, "reshard": True, "sync_each": False, **kw}
         kw.setdefault("schedule", "none" if kw.get("pp", 1) == 1 else "1f1b")
         kw["schedule"] = SCHEDULES.index(kw["schedule"])
@@ -176,7 +178,7 @@ def _norm_bytes(e: int) -> int:
     return 4 + e
 
 
-def layer_activation_bytes(a: ModelArgs, e: int, tp, ac) -> np.ndarray:
+def layer_activation_bytes(a: ModelArgs, e: int, tp, ac, cp=1) -> np.ndarray:
     """Bytes kept for backward per token per block (measured on the real model: tests/test_planner.py).
 
     none: two norms, each (norm_bytes h + 4 for rsqrt) + its output h e (the input of the next matmul);
@@ -189,11 +191,14 @@ def layer_activation_bytes(a: ModelArgs, e: int, tp, ac) -> np.ndarray:
         outputs of wo and w2, which are full-size partial sums before their reduce-scatter (2 h e); as two
         units per block (model.args.recompute_units_pay: under TP) the same but for those two partial sums,
         for which each unit's input (the residual stream, h e) and w2's input (F e) are kept, split over tp.
+    Context parallel (cp > 1), none: the ring attention keeps k and v as they travel, n_kv_heads wide (the
+        GQA repeat happens inside it), 2 kv e instead of 2 h e; the other modes keep what they keep at cp = 1.
     """
     h, f, heads = a.dim, a.hidden_dim, a.n_heads
     kv = a.n_kv_heads * a.head_dim
     nb = _norm_bytes(e)
-    none = (2 * nb * h + 4 * e * h + 4 * heads + 4 * e * f + 8) / tp + 2 * e * h
+    attention = np.where(np.asarray(cp) > 1, 2 * e * h + 2 * e * kv, 4 * e * h)  # q, k, v and the output
+    none = (2 * nb * h + attention + 4 * heads + 4 * e * f + 8) / tp + 2 * e * h
     full = e * h / tp
     kept = e * h + e * (h + 2 * kv) + e * h + 4 * heads + 2 * e * f  # input, q/k/v, attention, w1 and w3 outputs
     selective = np.where(recompute_units_pay(h, f, tp), (kept + e * h + e * f) / tp, kept / tp + 2 * e * h)
@@ -348,6 +353,18 @@ def allreduce_time(nbytes, n, bw, lat, count=1):
     return np.where(n > 1, 2 * (n - 1) / n * nbytes / bw + count * hops * lat, 0.0)
 
 
+def ring_bytes(a: ModelArgs, e: int, T, tp, cp, full_ac=False) -> tuple[np.ndarray, np.ndarray]:
+    """Bytes one rank sends per layer and micro-batch in the ring attention of context parallelism
+    (plait.parallel.context), forward and backward: the keys and values (2 T kv / tp elements of e bytes) make
+    c - 1 hops forward, and again in backward with their fp32 gradients, which make c hops (the last brings
+    them home). Full AC recomputes the forward in backward: its hops once more. Zero at c = 1."""
+    cp = np.asarray(cp)
+    kv = 2 * T * a.n_kv_heads * a.head_dim / np.asarray(tp)
+    fwd = (cp - 1) * kv * e
+    bwd = (cp - 1) * kv * e + cp * kv * 4 + np.where(full_ac, fwd, 0)
+    return np.where(cp > 1, fwd, 0.0), np.where(cp > 1, bwd, 0.0)
+
+
 # ---------------------------------------------------------------------------------------------- the model
 
 
@@ -356,28 +373,31 @@ def evaluate(work: Workload, cluster: Cluster, lay: Layouts) -> dict[str, np.nda
     a, s, e = work.model, work.seq_len, work.act_bytes
     tp, pp, v = lay.tp.astype(np.int64), lay.pp.astype(np.int64), lay.virtual.astype(np.int64)
     shard, rep = lay.dp_shard.astype(np.int64), lay.dp_replicate.astype(np.int64)
+    cp = lay.cp.astype(np.int64)
     dp = shard * rep
+    fsdp_shard = shard * cp  # context parallel ranks shard the parameters with dp_shard (plait.parallel.dims)
     m = (work.global_batch // dp) // lay.micro_batch
-    T = (lay.micro_batch * s).astype(np.float64)
+    T = (lay.micro_batch * s / cp).astype(np.float64)  # this rank's tokens of one micro-batch
     G = cluster.devices_per_node
     out: dict[str, np.ndarray] = {"micro_batches": m}
 
     # ---- parameters per rank: first rank (embedding) and last rank (output projection)
     n_first, n_last = split_stages(a, s, pp, v)
     single = pp == 1
-    layer_s, layer_u = sharded_numel(layer_params(a), tp, shard), local_numel(layer_params(a), tp)
-    emb_s, emb_u = sharded_numel(embed_params(a), tp, shard), local_numel(embed_params(a), tp)
-    head_s, head_u = sharded_numel(head_params(a), tp, shard), local_numel(head_params(a), tp)
+    layer_s, layer_u = sharded_numel(layer_params(a), tp, fsdp_shard), local_numel(layer_params(a), tp)
+    emb_s, emb_u = sharded_numel(embed_params(a), tp, fsdp_shard), local_numel(embed_params(a), tp)
+    head_s, head_u = sharded_numel(head_params(a), tp, fsdp_shard), local_numel(head_params(a), tp)
     ranks = {
         "first": (n_first, emb_s + np.where(single, head_s, 0), emb_u + np.where(single, head_u, 0)),
         "last": (n_last, head_s + np.where(single, emb_s, 0), head_u + np.where(single, emb_u, 0)),
     }
-    a_layer = layer_activation_bytes(a, e, tp, lay.ac)
-    a_none = layer_activation_bytes(a, e, tp, 0)
+    a_layer = layer_activation_bytes(a, e, tp, lay.ac, cp)
+    a_none = layer_activation_bytes(a, e, tp, 0, cp)
     # gradients stay unsharded across micro-batches (no-sync accumulation), unless reduced after each one
     accumulate = ((m > 1) | (pp > 1)) & ~lay.sync_each
     held = (pp > 1) | ~lay.reshard  # gathered parameters stay gathered through the step
-    fsdp = dp > 1
+    fsdp = dp * cp > 1
+    kv_local = a.n_kv_heads * a.head_dim / tp  # the keys (and values) one rank's attention holds per token
 
     mem: dict[str, dict[str, np.ndarray]] = {}
     for name, (layers, root_s, root_u) in ranks.items():
@@ -421,6 +441,8 @@ def evaluate(work: Workload, cluster: Cluster, lay: Layouts) -> dict[str, np.nda
         acts = acts + np.where(has_embed, m * T * EMBED_ACTIVATION_BYTES, 0)  # the token ids of all micro-batches
         transient = np.where(lay.ac > 0, a_none * T, 0.0)  # one block recomputed during its backward
         transient = transient + np.where(has_head, T * a.vocab_size / tp * (e + 4), 0.0)  # logits + fp32 copy
+        # the ring's buffers in backward: k and v held and arriving, their fp32 gradients held and arriving
+        transient = transient + np.where(cp > 1, T * kv_local * 2 * (2 * e + 2 * 4), 0.0)
         dynamic = params_buf + grads_buf + tp_buf + pp_buf + acts + transient
         total = states + dynamic * (1 + ALLOCATOR_OVERHEAD) + RESERVED_GIB * GiB
         mem[name] = dict(
@@ -446,11 +468,13 @@ def evaluate(work: Workload, cluster: Cluster, lay: Layouts) -> dict[str, np.nda
 
     # ---- time
     tp_spans = _spans_nodes(1, tp, G)
-    shard_spans = _spans_nodes(tp, shard, G)
-    rep_spans = _spans_nodes(tp * shard, rep, G)
-    pp_spans = _spans_nodes(tp * dp, pp, G)
+    cp_spans = _spans_nodes(tp, cp, G)
+    shard_spans = _spans_nodes(tp * cp, shard, G)
+    rep_spans = _spans_nodes(tp * cp * shard, rep, G)
+    pp_spans = _spans_nodes(tp * cp * dp, pp, G)
     out["tp_cross_node"] = tp_spans
     tp_bw, tp_lat = _link(cluster, tp_spans)
+    cp_bw, cp_lat = _link(cluster, cp_spans)
     sh_bw, sh_lat = _link(cluster, shard_spans)
     rp_bw, rp_lat = _link(cluster, rep_spans)
     pp_bw, pp_lat = _link(cluster, pp_spans)
@@ -474,7 +498,16 @@ def evaluate(work: Workload, cluster: Cluster, lay: Layouts) -> dict[str, np.nda
         coll = ring_time(T * a.dim * e, tp, tp_bw, tp_lat)  # one SP all-gather or reduce-scatter
         tp_time = layers * (8 + extra_collectives) * coll
         p2p = np.where(pp > 1, 2 * v * (T * a.dim * e / tp / pp_bw + pp_lat), 0.0)  # each TP rank: its shard
-        t_mb = compute + tp_time + p2p
+        # Ring attention, per layer: each of the c - 1 hops travels while one block computes (1/c of this rank's
+        # attention, whose forward is 4 h s FLOPs per token, backward twice that), so only what a hop takes
+        # beyond its block is exposed; in backward the gradients of the previous step's keys travel alongside,
+        # and their last hop home is exposed whole. Full AC runs the forward ring twice.
+        kv_hop, grad_hop = 2 * T * kv_local * e / cp_bw + cp_lat, 2 * T * kv_local * 4 / cp_bw + cp_lat
+        block = 4 * a.dim * s * T / tp / rate / cp
+        ring_fwd = (cp - 1) * np.maximum(kv_hop - block, 0)
+        ring_bwd = (cp - 1) * np.maximum(kv_hop + grad_hop - 2 * block, 0) + grad_hop
+        cp_time = np.where(cp > 1, layers * (ring_fwd * np.where(lay.ac == 2, 2, 1) + ring_bwd), 0.0)
+        t_mb = compute + tp_time + p2p + cp_time
         # F / B / W shares of a micro-batch (communication spread pro rata) for the zero-bubble schedule.
         total_flops = fwd + bwd_in + wgt
         f_t, b_t, w_t = (t_mb * x / total_flops for x in (fwd, bwd_in, wgt))
@@ -483,9 +516,9 @@ def evaluate(work: Workload, cluster: Cluster, lay: Layouts) -> dict[str, np.nda
         # replicas, on the last micro-batch only: accumulation skips the sync) behind its backward. The first
         # group's gather and the last group's reduction cannot overlap anything.
         groups = layers + 1
-        ag = ring_time(e * rank["unsharded"], shard, sh_bw, sh_lat, groups)
-        rs = ring_time(4.0 * rank["unsharded"], shard, sh_bw, sh_lat, groups)
-        ar = allreduce_time(4.0 * rank["unsharded"] / shard, rep, rp_bw, rp_lat, groups)
+        ag = ring_time(e * rank["unsharded"], fsdp_shard, sh_bw, sh_lat, groups)
+        rs = ring_time(4.0 * rank["unsharded"], fsdp_shard, sh_bw, sh_lat, groups)
+        ar = allreduce_time(4.0 * rank["unsharded"] / fsdp_shard, rep, rp_bw, rp_lat, groups)
         bwd_t = b_t + w_t
         bwd_ag = np.where(lay.reshard & (pp == 1), ag, 0.0)
         fwd_gathers = np.where(pp == 1, mf, 1.0)  # a pipeline keeps weights gathered after the first
@@ -508,6 +541,7 @@ def evaluate(work: Workload, cluster: Cluster, lay: Layouts) -> dict[str, np.nda
         per_rank[name] = dict(
             compute=compute,
             tp=tp_time,
+            cp=cp_time,
             p2p=p2p,
             t_mb=t_mb,
             zb=np.maximum(f_t + b_t - w_t, 0),
@@ -528,13 +562,14 @@ def evaluate(work: Workload, cluster: Cluster, lay: Layouts) -> dict[str, np.nda
     out.update(
         t_compute=mf * pick["compute"],
         t_tp=mf * pick["tp"],
+        t_cp=mf * pick["cp"],
         t_p2p=mf * pick["p2p"],
         t_bubble=bubble,
         t_fsdp=fsdp_time,
         t_optimizer=opt_time,
         step_time=step,
     )
-    world = dp * tp * pp
+    world = dp * cp * tp * pp
     tokens = work.tokens
     out["tokens_per_s"] = tokens / step
     out["mfu"] = train_flops_per_token(a, s) * tokens / (step * world * cluster.peak_flops)

@@ -1,6 +1,6 @@
 """Enumerate parallel layouts, price them all at once with cost.evaluate, rank, and explain the choice.
 
-The search space is every factorisation world = dp_replicate x dp_shard x tp x pp that plait can run
+The search space is every factorisation world = dp_replicate x dp_shard x cp x tp x pp that plait can run
 (the same divisibility rules as plait.parallel.dims.validate_layout), times the micro-batch size, the
 pipeline schedule and its virtual stages, the activation-checkpointing mode, CPU offload and FSDP's
 reshard-after-forward. Layout columns are built with numpy, so ~10^6 candidates cost about a second.
@@ -16,18 +16,22 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from plait.errors import ConfigError
-from plait.parallel.dims import pp_problem, tp_problem
+from plait.parallel.dims import cp_problem, pp_problem, tp_problem
 from plait.planner.cluster import Cluster, GiB
 from plait.planner.cost import AC_MODES, SCHEDULES, Layouts, Workload, evaluate
 
+CP_MIN_LOCAL_TOKENS = 1024
+"""Context parallel degrees are searched where each rank keeps at least this many tokens of a sequence: below
+that the ring's hops have too little attention work to hide behind (and short sequences fit without it)."""
 VIRTUAL_STAGES = (2, 3, 4, 5, 6, 8, 10, 12, 16)
 """Virtual stages per pipeline rank tried for the interleaved and zero-bubble schedules."""
 TIE = 0.005
 """Step times closer than this fraction are a tie (the model is not that precise): less memory wins."""
-TIME_PARTS = ("t_compute", "t_tp", "t_p2p", "t_bubble", "t_fsdp", "t_optimizer")
+TIME_PARTS = ("t_compute", "t_tp", "t_cp", "t_p2p", "t_bubble", "t_fsdp", "t_optimizer")
 PART_NAMES = {
     "t_compute": "compute",
     "t_tp": "TP communication",
+    "t_cp": "context-parallel ring not hidden by attention",
     "t_p2p": "pipeline send/recv",
     "t_bubble": "pipeline bubble",
     "t_fsdp": "FSDP/HSDP communication not hidden by compute",
@@ -82,11 +86,17 @@ def enumerate_layouts(work: Workload, cluster: Cluster) -> Layouts:
     a, world, batch = work.model, cluster.world_size, work.global_batch
     tps = [t for t in divisors(world) if tp_problem(a, work.seq_len, t) is None]
     base, sched = [], []
-    for tp in tps:
-        for pp in divisors(world // tp):
+    for tp, cp in itertools.product(tps, divisors(world)):
+        if (
+            world % (tp * cp)
+            or cp > 1
+            and (work.seq_len // cp < CP_MIN_LOCAL_TOKENS or cp_problem(a, work.seq_len, cp, tp))
+        ):
+            continue
+        for pp in divisors(world // (tp * cp)):
             if pp_problem(a, pp):
                 continue
-            dp = world // (tp * pp)
+            dp = world // (tp * cp * pp)
             if batch % dp:
                 continue
             local = batch // dp
@@ -96,10 +106,10 @@ def enumerate_layouts(work: Workload, cluster: Cluster) -> Layouts:
                 for code, v in options:
                     if code >= 2 and m < pp or code == 3 and m % pp:
                         continue
-                    base.append((dp // shard, shard, tp, pp, mb))
+                    base.append((dp // shard, shard, tp, pp, mb, cp))
                     sched.append((code, v))
     if not base:
-        return Layouts(*(np.zeros(0, dtype=np.int64) for _ in range(11)))
+        return Layouts(*(np.zeros(0, dtype=np.int64) for _ in range(12)))
     base_a, sched_a = np.asarray(base, dtype=np.int64), np.asarray(sched, dtype=np.int64)
     # Cross with AC mode x offload x reshard x reduce-every-micro-batch; the last two matter only with FSDP and
     # no pipeline (and the last only with more than one micro-batch).
@@ -118,10 +128,11 @@ def enumerate_layouts(work: Workload, cluster: Cluster) -> Layouts:
         offload=ex[:, 1].astype(bool),
         reshard=ex[:, 2].astype(bool),
         sync_each=ex[:, 3].astype(bool),
+        cp=base_a[rows, 5],
     )
     # reshard_after_forward is a choice only for FSDP without a pipeline; a pipeline keeps gathered weights
     # for the whole step (reshard=False), and without FSDP there is nothing to reshard.
-    fsdp = lay.dp_replicate * lay.dp_shard > 1
+    fsdp = lay.dp_replicate * lay.dp_shard * lay.cp > 1
     keep = np.where(lay.pp > 1, ~lay.reshard, np.where(fsdp, True, lay.reshard))
     # Reducing every micro-batch is a choice where FSDP accumulates: over micro-batches, or a pipeline's
     # (not zero bubble's: its weight gradients are computed apart from their backward).
@@ -191,6 +202,8 @@ def _check_request(work: Workload, cluster: Cluster) -> None:
 
 def layout_name(rec: dict) -> str:
     parts = [f"dp {rec['dp_replicate']}x{rec['dp_shard']}", f"tp {rec['tp']}", f"pp {rec['pp']}"]
+    if rec.get("cp", 1) > 1:
+        parts.insert(1, f"cp {rec['cp']}")
     if rec["pp"] > 1:
         parts.append(rec["schedule"] + (f" v={rec['virtual']}" if rec["virtual"] > 1 else ""))
     parts.append(f"mb {rec['micro_batch']}")
@@ -204,8 +217,8 @@ def layout_name(rec: dict) -> str:
     return ", ".join(parts)
 
 
-LAYOUT_KEYS = ("dp_replicate", "dp_shard", "tp", "pp", "schedule", "virtual")
-STRATEGY_KEYS = ("tp", "pp", "schedule", "ac", "offload")
+LAYOUT_KEYS = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "schedule", "virtual")
+STRATEGY_KEYS = ("cp", "tp", "pp", "schedule", "ac", "offload")
 
 
 def _distinct(lay: Layouts, indices: np.ndarray, n: int, keys=LAYOUT_KEYS) -> list[int]:
@@ -375,6 +388,7 @@ def layout_config(result, base=None):
         dp_replicate_degree=best["dp_replicate"],
         dp_shard_degree=best["dp_shard"],
         tp_degree=best["tp"],
+        cp_degree=best["cp"],
         pp_degree=best["pp"],
         pp_schedule=best["schedule"] if best["pp"] > 1 else None,
         pp_virtual_stages=best["virtual"],
