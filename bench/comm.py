@@ -10,7 +10,10 @@ FSDP2 calls `dist.all_gather_single` / `reduce_scatter_single` / `all_reduce` (-
 collectives (`_c10d_functional.*`), pipelining calls `batch_isend_irecv` (-> `c10d.send` / `c10d.recv_`).
 (`CommDebugMode` would miss the P2P ops.) A call is converted to bytes sent by one rank with the ring formulas,
 N the group size:  all-gather out_bytes (N-1)/N,  reduce-scatter in_bytes (N-1)/N,  all-reduce 2 bytes (N-1)/N,
-send bytes.  The group of each call is named by the mesh axis it belongs to (pp, dp_replicate, dp_shard, tp).
+send bytes.  The group of each call is named by the mesh axis it belongs to (pp, dp_replicate, dp_shard, cp, tp; FSDP's
+dp_shard_cp under context parallelism). Context parallelism's ring attention sends from inside a torch op
+(plait.parallel.context): the counter runs that op's body under itself to see its sends, and the analytic
+count is the planner's own (plait.planner.cost.ring_bytes), so this bench checks the planner's ring model.
 Scalar collectives (gradient-norm partial sums, the logged loss) are listed apart and not in the ratio.
 
 Independently, `/proc/self/io` `wchar` (bytes the process wrote, sockets included: gloo writes with writev) gives
@@ -42,6 +45,8 @@ LAYOUTS: dict[int, dict[str, list[str]]] = {
     2: {
         "TP 2": ["parallel.tp_degree=2"],
         "PP 2 (1f1b)": ["parallel.pp_degree=2", "parallel.pp_schedule=1f1b"],
+        "CP 2": ["parallel.cp_degree=2"],
+        "CP 2, full AC": ["parallel.cp_degree=2", "parallel.activation_checkpoint=full"],
     },
     4: {
         "DP 4": ["parallel.dp_replicate_degree=4", "parallel.dp_shard_degree=1"],
@@ -64,6 +69,9 @@ LAYOUTS: dict[int, dict[str, list[str]]] = {
             "train.micro_batch_size=1",
             "parallel.fsdp_reshard_after_forward=false",
         ],  # fmt: skip
+        "CP 4": ["parallel.cp_degree=4"],
+        "FSDP 2 x CP 2": ["parallel.dp_shard_degree=2", "parallel.cp_degree=2"],
+        "TP 2 x CP 2": ["parallel.tp_degree=2", "parallel.cp_degree=2"],
     },
     8: {
         "PP 2 x FSDP 2 x TP 2": ["parallel.pp_degree=2", "parallel.dp_shard_degree=2", "parallel.tp_degree=2"],
@@ -149,6 +157,12 @@ class CommCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         if any(t is not torch.Tensor and issubclass(t, torch.Tensor) for t in types):
             return NotImplemented  # let DTensor desugar into plain-tensor collectives, then count those
+        if isinstance(func, torch._ops.OpOverload) and func.namespace == "plait":
+            from plait.parallel import context
+
+            body = {"ring_attention": context.ring_forward, "ring_attention_backward": context.ring_backward}
+            with self:  # the ring attention's op sends from inside: run its body under the counter
+                return body[func._schema.name.split("::")[-1]](*args, **kwargs)
         out = func(*args, **kwargs)
         if isinstance(func, torch._ops.OpOverload):
             ns, name = func.namespace, func._schema.name.split("::")[-1]
@@ -167,7 +181,9 @@ class CommCounter(TorchDispatchMode):
         elif not isinstance(group, dist.ProcessGroup):  # the dispatcher hands c10d ops a boxed ScriptObject
             group = dist.ProcessGroup.unbox(group)
         n = dist.get_world_size(group)
-        axis = self.axis_of_group.get(group.group_name, "?" + ",".join(map(str, dist.get_process_group_ranks(group))))
+        ranks = ",".join(map(str, dist.get_process_group_ranks(group)))
+        # by name, else by members (torch may build a second group of the same ranks for a mesh axis)
+        axis = self.axis_of_group.get(group.group_name) or self.axis_of_group.get(f"ranks {ranks}", f"?{ranks}")
         if "output_tensor" in bound:  # c10d single-tensor collectives
             in_b, out_b = _nbytes(bound["input_tensor"]), _nbytes(bound["output_tensor"])
         elif "output_tensors" in bound or "outputs" in bound or "output_lists" in bound:
@@ -238,6 +254,7 @@ def schedule_order(schedule: str, stage: int, num_stages: int, m: int) -> list[t
 def analytic(cfg, dims, pp_rank: int) -> dict[tuple[str, str], float]:
     """Bytes this rank sends per step, by (kind, axis), from the model shape and the layout alone."""
     from plait.parallel.pipeline import split_layers
+    from plait.planner.cost import ring_bytes as cp_ring_bytes
 
     a, p, t = cfg.model, cfg.parallel, cfg.train
     vol: dict[tuple[str, str], float] = defaultdict(float)
@@ -253,8 +270,8 @@ def analytic(cfg, dims, pp_rank: int) -> dict[tuple[str, str], float]:
         m = local // t.micro_batch_size if t.micro_batch_size else num_stages
     else:
         m = local // t.micro_batch_size if t.micro_batch_size else 1
-    act = local // m * cfg.data.seq_len * a.dim * BYTES  # one micro-batch's (b, T, dim) activations
-    tokens = local // m * cfg.data.seq_len
+    tokens = local // m * cfg.data.seq_len // dims.cp  # this rank's tokens of one micro-batch
+    act = tokens * a.dim * BYTES  # one micro-batch's (b, T, dim) activations
     for s in range(pp_rank, num_stages, dims.pp):
         first, last = s == 0, s == num_stages - 1
         ids = layout[s]
@@ -280,9 +297,16 @@ def analytic(cfg, dims, pp_rank: int) -> dict[tuple[str, str], float]:
         # previous (each TP rank sends its own sequence shard)
         if dims.pp > 1:
             add("send", "pp", act / dims.tp, 2, m * ((not last) + (not first)))
+        # context parallel: the planner's count of the ring attention's hops (plait.planner.cost.ring_bytes),
+        # per block and micro-batch
+        if dims.cp > 1:
+            fwd, bwd = cp_ring_bytes(a, BYTES, tokens, dims.tp, dims.cp, p.activation_checkpoint == "full")
+            add("send", "cp", float(fwd + bwd), dims.cp, m * len(ids))
         # FSDP2: a state machine per parameter group (each block, and the stage's root: embedding / norm / output)
         if dims.fsdp_enabled:
-            ns, r = dims.dp_shard, dims.dp_replicate
+            ns, r = dims.dp_shard * dims.cp, dims.dp_replicate  # context parallel ranks shard with dp_shard
+            # (with dp_shard = 1 the merged group is the cp group itself: torch reuses it)
+            shard_axis = "dp_shard" if dims.cp == 1 else "cp" if dims.dp_shard == 1 else "dp_shard_cp"
             groups = _tp_local_shapes(a, ids, first, last, dims.tp)
             last_block = f"layers.{ids[-1]}"
             # as apply_fsdp: the root and the last block stay gathered after forward, and no block reshards
@@ -306,8 +330,8 @@ def analytic(cfg, dims, pp_rank: int) -> dict[tuple[str, str], float]:
                         gathered = False
                     if op == "B" and dims.pp == 1:  # reshard after backward (pipelining defers it to the end)
                         gathered = False
-                add("all_gather", "dp_shard", full, ns, gathers)
-                add("reduce_scatter", "dp_shard", full, ns, reduces)
+                add("all_gather", shard_axis, full, ns, gathers)
+                add("reduce_scatter", shard_axis, full, ns, reduces)
                 add("all_reduce", "dp_replicate", full / ns, r, reduces)
     return dict(vol)
 
@@ -320,8 +344,15 @@ def _axis_names(meshes) -> dict[str, str]:
 
     names = {dist.group.WORLD.group_name: "world"}
     names[meshes.batch.get_group().group_name] = "batch"
-    for axis in ("pp", "dp_replicate", "dp_shard", "tp"):
+    for axis in ("pp", "dp_replicate", "dp_shard", "cp", "tp"):
         names[meshes.world.get_group(axis).group_name] = axis
+    if meshes.dims.cp > 1:
+        names.setdefault(meshes.loss.get_group().group_name, "loss")
+        if meshes.fsdp.ndim == 1:
+            names.setdefault(meshes.fsdp.get_group().group_name, "dp_shard_cp")
+    for name, axis in list(names.items()):
+        group = torch._C._distributed_c10d._resolve_process_group(name)
+        names.setdefault("ranks " + ",".join(map(str, dist.get_process_group_ranks(group))), axis)
     return names
 
 

@@ -173,8 +173,7 @@ class _Ring:
         return got, lambda: [r.wait() for r in reqs]
 
 
-@torch.library.custom_op("plait::ring_attention", mutates_args=())
-def ring_attention(q: Tensor, k: Tensor, v: Tensor, ring: str) -> tuple[Tensor, Tensor]:
+def ring_forward(q: Tensor, k: Tensor, v: Tensor, ring: str) -> tuple[Tensor, Tensor]:
     """Exact causal attention of this rank's queries over every rank's keys: (output (B, H, L, hd),
     log-sum-exp (B, H, L) fp32)."""
     net = _Ring(ring)
@@ -209,15 +208,18 @@ def _heads_inner(q: Tensor) -> Tensor:
     return q.new_empty((b, n, h, d)).transpose(1, 2)
 
 
+ring_attention = torch.library.custom_op("plait::ring_attention", ring_forward, mutates_args=())
+
+
 @ring_attention.register_fake
 def _(q, k, v, ring):
     return _heads_inner(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
-@torch.library.custom_op("plait::ring_attention_backward", mutates_args=())
-def ring_attention_backward(
+def ring_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, ring: str
 ) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of q, k, v from the output's gradient, the merged output and log-sum-exp."""
     net = _Ring(ring)
     c = q.shape[2] // 2
     slot = lambda x, s: x[:, :, s * c : (s + 1) * c]  # noqa: E731
@@ -249,6 +251,9 @@ def ring_attention_backward(
         dkv, wait_grad = arriving
         wait_grad()
     return dq.to(q.dtype), dkv[0].to(k.dtype, copy=True), dkv[1].to(v.dtype, copy=True)  # own storage each
+
+
+ring_attention_backward = torch.library.custom_op("plait::ring_attention_backward", ring_backward, mutates_args=())
 
 
 @ring_attention_backward.register_fake
