@@ -434,3 +434,31 @@ def test_reduce_every_micro_batch_is_never_planned_with_zero_bubble():
     zero_bubble = lay.schedule == cost.SCHEDULES.index("zero_bubble")
     assert zero_bubble.any() and not (zero_bubble & lay.sync_each).any()
     assert (lay.sync_each & (lay.pp > 1)).any()  # 1F1B / interleaved / GPipe pipelines may reduce every micro-batch
+
+
+@pytest.mark.parametrize(
+    "name,nodes,batch",
+    [("llama3-405b", 2048, 128), ("llama3-70b", 64, 64), ("llama3-8b", 8, 16)],
+)
+def test_plans_131k_token_sequences_with_context_parallelism(name, nodes, batch):
+    """Long context (Llama 3's last pre-training stage: 131,072 tokens, 16M per step for 405B on 16,384 GPUs):
+    a layout fits, and it splits the sequence over context-parallel ranks."""
+    result = plan(Workload(preset_args(name), 131072, batch), get_cluster("h100", nodes=nodes))
+    best = result.record(result.best)
+    assert best["fits"] and best["cp"] > 1, best
+    cfg = layout_config(result)
+    assert cfg.parallel.cp_degree == best["cp"] and cfg.data.seq_len == 131072
+
+
+def test_the_llama3_long_context_layout_is_priced():
+    """The Llama 3 paper's CP 16 row (TP 8 x CP 16 x PP 16 x DP 8 on 16,384 H100s, 131,072 tokens): it fits with
+    full activation checkpointing, not with selective (whose attention outputs alone are 8k x 16k x 2 bytes
+    per layer and micro-batch on a rank), and its exposed ring traffic is a small part of the step."""
+    work = Workload(preset_args("llama3-405b"), 131072, 128)
+    cluster = get_cluster("h100", nodes=2048)
+    row = dict(dp_shard=8, cp=16, tp=8, pp=16, schedule="1f1b")
+    full = evaluate(work, cluster, Layouts.single(ac="full", **row))
+    selective = evaluate(work, cluster, Layouts.single(ac="selective", **row))
+    assert full["fits"][0] and not selective["fits"][0]
+    assert 0 < full["t_cp"][0] < 0.05 * full["step_time"][0]
+    assert full["mem_activations"][0] < selective["mem_activations"][0]

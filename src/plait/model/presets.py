@@ -38,7 +38,7 @@ PRESETS: dict[str, dict] = {
         vocab_size=128256,
         ffn_dim_multiplier=1.3,
         multiple_of=1024,
-        max_seq_len=8192,
+        max_seq_len=131072,  # Llama 3.1: rope scaled to 128K tokens
         **_LLAMA3_ROPE,
     ),
     "llama3-70b": dict(
@@ -49,7 +49,7 @@ PRESETS: dict[str, dict] = {
         vocab_size=128256,
         ffn_dim_multiplier=1.3,
         multiple_of=4096,
-        max_seq_len=8192,
+        max_seq_len=131072,  # Llama 3.1: rope scaled to 128K tokens
         **_LLAMA3_ROPE,
     ),
     "llama3-405b": dict(
@@ -60,7 +60,7 @@ PRESETS: dict[str, dict] = {
         vocab_size=128256,
         ffn_dim_multiplier=1.2,
         multiple_of=4096,
-        max_seq_len=8192,
+        max_seq_len=131072,  # Llama 3.1: rope scaled to 128K tokens
         **_LLAMA3_ROPE,
     ),
 }
