@@ -48,6 +48,7 @@ class Anchor:
     tp: int
     pp: int
     memory_gib: float | None = None
+    cp: int = 1
 
 
 ANCHORS = [
@@ -68,6 +69,8 @@ ANCHORS = [
            preset_args("llama3-405b"), "h100", 1024, 8192, 2048, 64, 8, 16),
     Anchor("Meta Llama 3 405B, 16,384 H100, tp 8 pp 16 dp 128, 16M tokens", "400 TFLOP/s, 41% MFU",
            preset_args("llama3-405b"), "h100", 2048, 8192, 2048, 128, 8, 16),
+    Anchor("Meta Llama 3 405B long context, 16,384 H100, tp 8 cp 16 pp 16 dp 8, seq 131,072, 16M tokens",
+           "380 TFLOP/s, 38% MFU", preset_args("llama3-405b"), "h100", 2048, 131072, 128, 8, 8, 16, cp=16),
     Anchor("Megatron-LM 1T, 3,072 A100, tp 8 pp 64 dp 6, seq 2048, batch 3072",
            "163 TFLOP/s incl. recompute (~39% MFU)",
            T1, "a100", 384, 2048, 3072, 6, 8, 64),
@@ -83,7 +86,7 @@ def evaluate_anchor(a: Anchor) -> dict:
         return {**row, "error": str(e).splitlines()[0]}
     lay, met = result.layouts, result.metrics
     devices = cluster.world_size
-    same = (lay.tp == a.tp) & (lay.pp == a.pp) & (lay.dp_replicate * lay.dp_shard == a.dp)
+    same = (lay.tp == a.tp) & (lay.pp == a.pp) & (lay.dp_replicate * lay.dp_shard == a.dp) & (lay.cp == a.cp)
     fitting = np.nonzero(same & met["fits"])[0]
     if len(fitting):
         rec = result.record(int(fitting[np.argmin(met["step_time"][fitting])]))

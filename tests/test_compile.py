@@ -314,7 +314,7 @@ def test_trusted_dir_checks_every_file_before_copying_it(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_compiled_parallel_layouts_match_eager(data_dir, tmp_path):
-    """FSDP (plain, full AC, selective AC, CPU offload) and a 1F1B pipeline, compiled (strict: any
+    """FSDP (plain, full AC, selective AC, CPU offload), a 1F1B pipeline and context parallelism, compiled (strict: any
     recompilation fails the job), against the eager single-process run of the same batches."""
     from plait.api import train
 
@@ -327,6 +327,7 @@ def test_compiled_parallel_layouts_match_eager(data_dir, tmp_path):
         "FSDP, full AC": ["parallel.dp_shard_degree=2", "parallel.activation_checkpoint=full"],
         "FSDP, selective AC": ["parallel.dp_shard_degree=2", "parallel.activation_checkpoint=selective"],
         "FSDP, CPU offload": ["parallel.dp_shard_degree=2", "parallel.cpu_offload=true"],
+        "CP 2 (the ring attention: an opaque op in the graph)": ["parallel.cp_degree=2"],
     }
     results = run_layouts(2, [[*compiled, *extra] for extra in jobs.values()])
     for name, got in zip(jobs, results, strict=True):

@@ -141,6 +141,14 @@ LAYOUTS = {
         "TP 2 x CP 2, selective AC (recompute units)": ["parallel.tp_degree=2", "parallel.cp_degree=2"]
         + ["parallel.activation_checkpoint=selective"],
         "PP 2 x CP 2": ["parallel.pp_degree=2", "parallel.cp_degree=2"],
+        "PP 2 x CP 2, zero bubble": ["parallel.pp_degree=2", "parallel.cp_degree=2", "parallel.pp_schedule=zero_bubble"]
+        + ["parallel.pp_virtual_stages=2"],
+        "PP 2 x CP 2, interleaved, selective AC": ["parallel.pp_degree=2", "parallel.cp_degree=2"]
+        + [
+            "parallel.pp_schedule=interleaved_1f1b",
+            "parallel.pp_virtual_stages=2",
+            "parallel.activation_checkpoint=selective",
+        ],
     },
     8: {
         "pp2 x dp2 x tp2": ["parallel.pp_degree=2", "parallel.tp_degree=2"],

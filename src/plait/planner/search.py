@@ -86,12 +86,8 @@ def enumerate_layouts(work: Workload, cluster: Cluster) -> Layouts:
     a, world, batch = work.model, cluster.world_size, work.global_batch
     tps = [t for t in divisors(world) if tp_problem(a, work.seq_len, t) is None]
     base, sched = [], []
-    for tp, cp in itertools.product(tps, divisors(world)):
-        if (
-            world % (tp * cp)
-            or cp > 1
-            and (work.seq_len // cp < CP_MIN_LOCAL_TOKENS or cp_problem(a, work.seq_len, cp, tp))
-        ):
+    for tp, cp in itertools.product(tps, _cp_degrees(work, world)):
+        if world % (tp * cp) or cp_problem(a, work.seq_len, cp, tp):
             continue
         for pp in divisors(world // (tp * cp)):
             if pp_problem(a, pp):
@@ -141,6 +137,11 @@ def enumerate_layouts(work: Workload, cluster: Cluster) -> Layouts:
     accumulates = fsdp & np.where(lay.pp > 1, piped, over_micro_batches)
     keep &= accumulates | ~lay.sync_each
     return lay.take(np.nonzero(keep)[0])
+
+
+def _cp_degrees(work: Workload, world: int) -> list[int]:
+    """Context parallel degrees worth searching: 1, and those leaving each rank CP_MIN_LOCAL_TOKENS or more."""
+    return [c for c in divisors(world) if c == 1 or work.seq_len // c >= CP_MIN_LOCAL_TOKENS]
 
 
 def _schedules(pp: int, n_layers: int) -> list[tuple[int, int]]:
@@ -309,12 +310,12 @@ def _no_layout_message(work: Workload, cluster: Cluster) -> str:
     """No factorisation divides the batch: name the nearest batch sizes that work."""
     a, world = work.model, cluster.world_size
     dps = set()
-    for tp in divisors(world):
-        if tp_problem(a, work.seq_len, tp):
+    for tp, cp in itertools.product(divisors(world), _cp_degrees(work, world)):
+        if world % (tp * cp) or tp_problem(a, work.seq_len, tp) or cp_problem(a, work.seq_len, cp, tp):
             continue
-        for pp in divisors(world // tp):
+        for pp in divisors(world // (tp * cp)):
             if not pp_problem(a, pp):
-                dps.add(world // (tp * pp))
+                dps.add(world // (tp * cp * pp))
     if not dps:
         return f"no tensor-parallel degree divides both the model's heads and the sequence length {work.seq_len}"
     smallest = min(dps)
@@ -326,7 +327,7 @@ def _no_layout_message(work: Workload, cluster: Cluster) -> str:
         f"the global batch of {work.global_batch} sequences cannot be split evenly over {world} devices: "
         f"every "
         f"layout needs it divisible by its data-parallel degree, at least {smallest} here (world {world} / "
-        f"the largest tp x pp the model allows). Smallest change: --global-batch-tokens={tokens}"
+        f"the largest tp x cp x pp the model and sequence allow). Smallest change: --global-batch-tokens={tokens}"
     )
 
 
