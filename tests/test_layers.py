@@ -45,6 +45,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "plait.rundir",
             "plait.step_metrics",
             "plait.validation",
+            "plait.moe",
         ),
     ),
     ("trainer", ("plait.train", "plait.trainable")),

@@ -34,6 +34,7 @@ RUN = {
     "plait ckpt export runs/default --format hf --out hf/": ([], ["wrote hf"]),
     "plait ckpt import hf/ --out runs/ft": ([], ["wrote runs/ft/checkpoints/step_00000000"]),
     "plait train configs/seed_3d.toml --parallel.pp_degree=1 --parallel.tp_degree=1": (CAP, ["pp=1"]),
+    "plait train --model.preset=moe-debug --train.steps=50": (CAP + ["--run.name=moe"], ["runs/moe/checkpoints"]),
     "plait train configs/seed_3d.toml --nproc 8": (CAP, ["pp=2 dp_replicate=1 dp_shard=2 tp=2"]),
     "torchrun --nproc-per-node 8 -m plait train configs/seed_3d.toml": (CAP, ["pp=2 dp_replicate=1 dp_shard=2 tp=2"]),
     SLURM: ([], ["wrote job.sbatch"]),

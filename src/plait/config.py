@@ -503,9 +503,42 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(
             f"run.name={name!r} must be one directory name (not empty, '.' or '..', no '/' or '\\'), e.g. run.name=exp1"
         )
+    _validate_moe(cfg)
     _validate_finetune(cfg)
     _validate_compile(cfg)
     return cfg
+
+
+def _validate_moe(cfg: Config) -> None:
+    m, p = cfg.model, cfg.parallel
+    _non_negative("model", m, ["moe_experts", "moe_hidden_dim", "moe_shared_experts", "moe_dense_layers"])
+    _non_negative("model", m, ["moe_aux_loss", "moe_bias_rate"])
+    if not m.moe_experts:
+        return
+    if not 1 <= m.moe_top_k <= m.moe_experts:
+        raise ConfigError(f"model.moe_top_k={m.moe_top_k} must be in [1, model.moe_experts={m.moe_experts}]")
+    if m.moe_score not in ("softmax", "sigmoid"):
+        raise ConfigError(f"model.moe_score={m.moe_score!r}: choose 'softmax' or 'sigmoid'")
+    if m.moe_dense_layers >= m.n_layers:
+        raise ConfigError(
+            f"model.moe_dense_layers={m.moe_dense_layers} leaves no MoE block of model.n_layers={m.n_layers}; "
+            "lower it, or set model.moe_experts=0 for a dense model"
+        )
+    if cfg.compile.enabled:  # the tokens per expert change every step: a compiled block would recompile
+        raise ConfigError(
+            f"compile.enabled=true with a mixture-of-experts model (model.moe_experts={m.moe_experts}) is not "
+            "supported yet (each expert's token count changes every step); set compile.enabled=false"
+        )
+    if p.tp_degree > 1:  # the tensor-parallel plan splits dense MLPs, not stacked experts
+        raise ConfigError(
+            f"parallel.tp_degree={p.tp_degree} with a mixture-of-experts model (model.moe_experts={m.moe_experts}) "
+            "is not supported yet; set parallel.tp_degree=1 (data, FSDP/HSDP, context and pipeline parallelism work)"
+        )
+    if p.cp_degree > 1 and m.moe_aux_loss:  # the balance loss is per sequence: it needs whole sequences
+        raise ConfigError(
+            f"model.moe_aux_loss={m.moe_aux_loss} with parallel.cp_degree={p.cp_degree}: the sequence-wise balance "
+            "loss needs each sequence on one rank; use model.moe_bias_rate (loss-free balancing) or cp_degree=1"
+        )
 
 
 def _validate_compile(cfg: Config) -> None:

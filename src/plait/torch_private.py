@@ -72,3 +72,30 @@ def merge_inner_axes(mesh, outer: str, inner: tuple[str, ...], name: str):
         return flat._unflatten(0, (mesh[outer].size(), flat.size() // mesh[outer].size()), (outer, name))
     mesh[inner]._flatten(name)
     return mesh[outer, name]
+
+
+def in_backward() -> bool:
+    """Whether autograd's backward is running on this thread (an activation-checkpoint recompute is: its
+    forward must not count statistics a second time)."""
+    import torch
+
+    return torch._C._current_graph_task_id() != -1
+
+
+def quiet_shape_inference(stage_class, quiet):
+    """A pipeline stage class whose shape inference (the extra forward, and backward, torch's stage runs on its
+    first step to learn the shapes it sends: `_forward_metadata_inference` / `_backward_metadata_inference`
+    in torch >= 2.12, `_shape_inference` before) runs inside `quiet(submodule)`, a context manager: model
+    statistics (MoE routing counts) must not count those passes."""
+
+    def wrapped(name):
+        def method(self, *args, **kwargs):
+            with quiet(self.submod):
+                return getattr(super(Stage, self), name)(*args, **kwargs)
+
+        return method
+
+    names = ("_forward_metadata_inference", "_backward_metadata_inference", "_shape_inference")
+    members = {name: wrapped(name) for name in names if hasattr(stage_class, name)}
+    Stage = type(f"Quiet{stage_class.__name__}", (stage_class,), members)
+    return Stage

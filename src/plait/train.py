@@ -25,6 +25,7 @@ from plait.data.samples import SampleLoader
 from plait.errors import ConfigError, PlaitError
 from plait.loss import IGNORE_INDEX, TokenLoss, cross_entropy
 from plait.metrics import MetricsLogger, info
+from plait.moe import ExpertBalance, set_aux_scale
 from plait.parallel import DistEnv, Meshes, ParallelDims, init_distributed, validate_layout
 from plait.parallel.context import context_shard
 from plait.parallel.dims import num_micro_batches
@@ -65,6 +66,7 @@ def train_step(
     inputs, targets = context_shard(t.meshes, inputs, targets)  # cp > 1: this rank's part of each sequence
     pipelined = t.pipeline.num_microbatches if t.pipeline is not None else 1
     t.loss_fn.for_step(targets, t.meshes, pipelined, 1 if t.pipeline is not None else _num_micro(t, inputs))
+    set_aux_scale(t.parts, t.meshes, pipelined, t.cfg.train.global_batch_size)  # MoE balancing loss, if any
     with t.loss_context(), t.autocast():
         if t.pipeline is not None:
             loss = pipeline_forward_backward(t.pipeline, inputs, targets, t.meshes.pp.get_group())
@@ -107,11 +109,11 @@ class Trainer:
     loss (see build_trainable; default: plait's Llama for cfg.model); data / val_data: your own samples
     (plait.data.samples: any sequence or iterable of token sequences or {"input_ids"} dicts; default:
     cfg.data.source); callbacks: plait.Callback instances, called in order between the trainer's own
-    (core_callbacks: the compile monitor before yours; logging, validation and checkpointing after them);
-    env: a process group already set up (it is then left up), else one from the torchrun environment (or of
-    one process). `fit()` trains to cfg.train.steps (resuming the run directory's newest checkpoint) and
-    returns the last logged metrics. Everything a callback may read is an attribute: cfg, env, meshes, t,
-    loader, state, checkpointer, metrics, compiler, stop, callbacks, data_dir, resumed_from, final."""
+    (core_callbacks: the compile monitor and MoE balancing before yours; logging, validation and checkpointing
+    after them); env: a process group already set up (it is then left up), else one from the torchrun
+    environment (or of one process). `fit()` trains to cfg.train.steps (resuming the run directory's newest
+    checkpoint) and returns the last logged metrics. Everything a callback may read is an attribute: cfg, env,
+    meshes, t, loader, state, checkpointer, metrics, compiler, stop, callbacks, data_dir, resumed_from, final."""
 
     def __init__(
         self,
@@ -143,9 +145,10 @@ class Trainer:
 
     @staticmethod
     def core_callbacks() -> tuple[list[Callback], list[Callback]]:
-        """The trainer's own features as (before yours, after yours): the compile monitor sees every step;
-        logging, validation and checkpointing, in that order, only the steps that count."""
-        return [CompileWatch()], [StepMetrics(), Validation(), Checkpointing()]
+        """The trainer's own features as (before yours, after yours): the compile monitor and the experts'
+        balancing (MoE models) see every step; logging, validation and checkpointing, in that order, only the
+        steps that count."""
+        return [CompileWatch(), ExpertBalance()], [StepMetrics(), Validation(), Checkpointing()]
 
     def fit(self) -> dict[str, float]:
         own = self.env is None

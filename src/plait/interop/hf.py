@@ -49,7 +49,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
-from plait.errors import PlaitError
+from plait.errors import ConfigError, PlaitError
 from plait.interop.shards import DEFAULT_MAX_SHARD_SIZE, SafetensorsShards, parse_shard_size
 from plait.model.llama import ModelArgs, Transformer, rope_tables
 from plait.publish import staged_dir
@@ -132,6 +132,11 @@ def _first(items: Sequence[str], n: int = 4) -> str:
 def hf_family(args: ModelArgs) -> str:
     """The transformers model type that computes exactly what a plait model of this shape does: qwen2 with
     q/k/v biases (windowed or not), else mistral with a sliding window, else llama."""
+    if args.moe_experts:
+        raise ConfigError(
+            f"a mixture-of-experts model (model.moe_experts={args.moe_experts}) has no Hugging Face export yet; "
+            "it trains, resumes and reshards as a plait checkpoint"
+        )
     if args.qkv_bias:
         return "qwen2"
     return "mistral" if args.sliding_window else "llama"

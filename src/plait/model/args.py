@@ -47,6 +47,28 @@ class ModelArgs:
     tokens before it; 0 = full causal attention."""
     qkv_bias: bool = False
     """Biases on the query, key and value projections (Qwen2); the output projection and MLP have none."""
+    moe_experts: int = 0
+    """Mixture of experts: routed experts per MoE block; 0 = a dense model (every block one SwiGLU MLP)."""
+    moe_top_k: int = 2
+    """Experts each token is routed to (token-choice top-k)."""
+    moe_hidden_dim: int = 0
+    """Each expert's SwiGLU width; 0 = the dense width (hidden_dim)."""
+    moe_shared_experts: int = 0
+    """Shared experts every token passes through beside its routed ones (DeepSeek), as one SwiGLU of
+    moe_shared_experts x moe_hidden_dim width; 0 = none (Mixtral, Qwen3-MoE)."""
+    moe_dense_layers: int = 0
+    """The first k blocks keep a dense MLP (DeepSeek-V3: 3); the rest are MoE blocks."""
+    moe_score: str = "softmax"
+    """Router scores: 'softmax' over the experts (Mixtral, Qwen3-MoE) or 'sigmoid' per expert (DeepSeek-V3)."""
+    moe_norm_topk: bool = True
+    """Renormalise each token's top-k weights to sum to 1 (Mixtral, Qwen3-MoE norm_topk_prob, DeepSeek-V3)."""
+    moe_aux_loss: float = 0.0
+    """Load-balancing loss coefficient (sequence-wise: E x sum_e f_e P_e per sequence, averaged, so it is the
+    same whatever splits the batch); 0 = none."""
+    moe_bias_rate: float = 0.0
+    """Auxiliary-loss-free balancing (DeepSeek-V3): after each step every expert's routing bias moves by this
+    much towards balance (up if it got fewer tokens than the mean, down if more); the bias only picks experts,
+    it never weights them. 0 = off."""
 
     @property
     def head_dim(self) -> int:
@@ -59,23 +81,45 @@ class ModelArgs:
         hidden = int(self.ffn_dim_multiplier * int(2 * 4 * self.dim / 3))
         return self.multiple_of * math.ceil(hidden / self.multiple_of)
 
-    def num_params(self, *, exclude_embeddings: bool = False) -> int:
-        """Parameter count computed from the shape (no model needed: the planner uses it for 405B)."""
+    @property
+    def expert_hidden_dim(self) -> int:
+        return self.moe_hidden_dim or self.hidden_dim
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        """Whether block layer_id is a mixture of experts (else a dense SwiGLU MLP)."""
+        return self.moe_experts > 0 and layer_id >= self.moe_dense_layers
+
+    @property
+    def n_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.n_layers))
+
+    def _mlp_params(self, moe: bool, active: bool) -> int:
+        if not moe:
+            return 3 * self.dim * self.hidden_dim
+        experts = self.moe_top_k if active else self.moe_experts
+        routed = (experts + self.moe_shared_experts) * 3 * self.dim * self.expert_hidden_dim
+        return routed + self.dim * self.moe_experts  # + the router
+
+    def num_params(self, *, exclude_embeddings: bool = False, active: bool = False) -> int:
+        """Parameter count computed from the shape (no model needed: the planner uses it for 405B). active:
+        what one token uses (an MoE block's top-k and shared experts, not all of them)."""
         kv_dim = self.n_kv_heads * self.head_dim
         attn = self.dim * self.dim * 2 + self.dim * kv_dim * 2
         if self.qkv_bias:
             attn += self.dim + 2 * kv_dim
-        mlp = 3 * self.dim * self.hidden_dim
-        per_layer = attn + mlp + 2 * self.dim
+        mlps = sum(self._mlp_params(self.is_moe_layer(i), active) for i in range(self.n_layers))
         embed = self.vocab_size * self.dim
         output = 0 if self.tie_embeddings else self.vocab_size * self.dim
-        total = self.n_layers * per_layer + self.dim + embed + output
+        total = self.n_layers * (attn + 2 * self.dim) + mlps + self.dim + embed + output
         return total - (embed if exclude_embeddings else 0)
 
-    def matmul_params(self) -> int:
-        """Weights of one block that take part in matmuls (everything but its norm vectors and biases)."""
+    def matmul_params(self) -> float:
+        """Weights of one block that take part in a token's matmuls (everything but its norm vectors and
+        biases; of an MoE block, the router and the top-k and shared experts), averaged over the blocks."""
         q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        return self.dim * (2 * q + 2 * kv) + 3 * self.dim * self.hidden_dim
+        total = sum(self._mlp_params(self.is_moe_layer(i), True) for i in range(self.n_layers))
+        mlps = total // self.n_layers if total % self.n_layers == 0 else total / self.n_layers
+        return self.dim * (2 * q + 2 * kv) + mlps
 
     def layer_flops_per_token(self, seq_len: int) -> float:
         """Forward FLOPs of one block per token: 2 per matmul weight, plus attention 4 d s (QK^T and AV over

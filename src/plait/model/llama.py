@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.model.args import ModelArgs
+from plait.torch_private import in_backward
 
 
 def rope_tables(args: ModelArgs, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,16 +169,126 @@ class FeedForward(nn.Module):
         return F.silu(self.w1(x)) * self.w3(x)
 
 
+class MoE(nn.Module):
+    """Token-choice top-k mixture of SwiGLU experts (Mixtral, Qwen3-MoE, DeepSeek-V3), with an optional shared
+    expert. Each token's router scores (softmax over the experts, or a sigmoid each) pick its top-k experts
+    (after adding the loss-free balancing bias, which picks but never weights), whose outputs are summed with
+    the scores as weights (renormalised to sum 1 if norm_topk). Experts are stacked: w1 and w3 (E, F, dim),
+    w2 (E, dim, F). Computed exactly, expert by expert, on the tokens routed to each (dropless: no capacity).
+
+    Balancing: with aux_loss > 0 the sequence-wise load-balancing loss (`_balance_loss`) is added to the
+    training objective through the gradient (AuxLoss: the forward's output is unchanged), scaled by
+    `aux_scale`, which the trainer sets each step so that the loss counts as the mean over the global batch's
+    sequences. Training forwards add the routing counts per expert to `load` and the loss values to
+    `aux_total` (buffers the trainer reads and resets each step: plait.moe)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        e, f, dim = args.moe_experts, args.expert_hidden_dim, args.dim
+        self.top_k, self.score, self.norm_topk = args.moe_top_k, args.moe_score, args.moe_norm_topk
+        self.aux_coef = args.moe_aux_loss
+        self.router = nn.Linear(dim, e, bias=False)
+        self.experts = Experts(e, dim, f)
+        self.shared = FeedForward(dim, f * args.moe_shared_experts) if args.moe_shared_experts else None
+        self.register_buffer("expert_bias", torch.zeros(e))  # persistent: balancing state, checkpointed
+        self.register_buffer("load", torch.zeros(e), persistent=False)  # tokens routed per expert, this step
+        self.register_buffer("aux_total", torch.zeros(()), persistent=False)  # summed per-sequence losses
+        self.aux_scale = 1.0
+        self.counting = True  # off while a pipeline stage infers its shapes (plait.parallel.pipeline)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bsz, seqlen, dim = x.shape
+        tokens = x.reshape(-1, dim)
+        logits = self.router(tokens).float()
+        scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
+        picked = torch.topk(scores + self.expert_bias, self.top_k, dim=-1, sorted=False).indices  # (N, k)
+        weights = scores.gather(-1, picked)
+        if self.norm_topk:
+            weights = weights / weights.sum(-1, keepdim=True)
+        out = self.experts(tokens, picked, weights.type_as(x))
+        # An activation-checkpoint recompute (in backward) and a pipeline's shape inference count nothing.
+        first_pass = self.training and self.counting and not in_backward()
+        if first_pass:
+            with torch.no_grad():
+                self.load += torch.bincount(picked.flatten(), minlength=self.load.numel()).to(self.load.dtype)
+        if self.aux_coef and self.training and torch.is_grad_enabled():
+            aux = self._balance_loss(scores.view(bsz, seqlen, -1), picked.view(bsz, seqlen, -1))
+            if first_pass:
+                self.aux_total += aux.detach()
+            out = AuxLoss.apply(out, aux * self.aux_scale)
+        if self.shared is not None:
+            out = out + self.shared(tokens)
+        return out.view(bsz, seqlen, dim)
+
+    def _balance_loss(self, scores: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
+        """Summed over this micro-batch's sequences: coef x sum_e f_e P_e, f_e = E / (k T) x the picks of e in
+        the sequence, P_e = the mean over its tokens of e's normalised score (DeepSeek-V3's sequence-wise loss;
+        Switch Transformer's with the sequence as the batch)."""
+        experts = scores.shape[-1]
+        seqlen = scores.shape[1]
+        counts = torch.zeros_like(scores[:, 0]).scatter_add_(
+            1, picked.flatten(1), torch.ones_like(picked.flatten(1), dtype=scores.dtype)
+        )  # (B, E)
+        f = counts * experts / (self.top_k * seqlen)
+        p = (scores / scores.sum(-1, keepdim=True)).mean(1)  # (B, E)
+        return self.aux_coef * (f * p).sum()
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts as stacked weights, applied to the tokens routed to each."""
+
+    def __init__(self, experts: int, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(experts, hidden_dim, dim))
+        self.w3 = nn.Parameter(torch.empty(experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(experts, dim, hidden_dim))
+
+    def forward(self, tokens: torch.Tensor, picked: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """tokens (N, dim), picked (N, k) expert ids, weights (N, k) -> sum_k weight x expert(token)."""
+        if tokens.is_meta:  # shapes only (a pipeline stage's shape inference on older torch)
+            return torch.zeros_like(tokens)
+        flat = picked.flatten()
+        order = flat.argsort(stable=True)  # the (token, slot) pairs grouped by expert
+        rows = order // picked.shape[1]
+        counts = torch.bincount(flat, minlength=self.w1.shape[0]).tolist()
+        grouped = tokens[rows]
+        outs = []
+        for e, chunk in enumerate(grouped.split(counts)):
+            if chunk.shape[0]:
+                outs.append((F.silu(chunk @ self.w1[e].t()) * (chunk @ self.w3[e].t())) @ self.w2[e].t())
+        routed = torch.cat(outs) * weights.flatten()[order, None]
+        return torch.zeros_like(tokens).index_add_(0, rows, routed)
+
+
+class AuxLoss(torch.autograd.Function):
+    """Adds a loss to the objective through the gradient: forward returns x unchanged; backward also sends
+    d(loss) = 1 into the loss's graph (Megatron's MoEAuxLossAutoScaler), so no model output has to carry it."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(loss)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (loss,) = ctx.saved_tensors
+        return grad, torch.ones_like(loss)
+
+
 class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs, layer_id: int):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args, layer_id)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.hidden_dim)
+        self.feed_forward: FeedForward | MoE = (
+            MoE(args) if args.is_moe_layer(layer_id) else FeedForward(args.dim, args.hidden_dim)
+        )
 
     def forward(self, x, cos, sin, cache: KVCache | None = None):
         h = x + self.attention.wo(self.attend(x, cos, sin, cache))
+        if isinstance(self.feed_forward, MoE):
+            return h + self.feed_forward(self.ffn_norm(h))
         return h + self.feed_forward.w2(self.gated(h))
 
     # The block's two halves up to their output projections. Selective activation checkpointing recomputes
@@ -247,6 +358,10 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(self.args, device=self.rope_cos.device)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
+        for module in self.modules():
+            if isinstance(module, MoE):  # balancing state starts neutral
+                for buffer in (module.expert_bias, module.load, module.aux_total):
+                    buffer.zero_()
         assign = assign or (lambda param, rows: param.copy_(rows(0, param.shape[0])))
         residual_std = 0.02 / math.sqrt(2 * self.args.n_layers)
         for name, param in self.named_parameters():
@@ -256,7 +371,7 @@ class Transformer(nn.Module):
             elif name.endswith(".bias"):
                 rows = partial(_zeros_rows, tuple(param.shape))
             else:
-                std = residual_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
+                std = residual_std if name.endswith(("wo.weight", "w2.weight", "experts.w2")) else 0.02
                 rows = partial(init_rows, tuple(param.shape), std, _name_seed(seed, name))
             assign(param, rows)
 

@@ -63,6 +63,24 @@ PRESETS: dict[str, dict] = {
         max_seq_len=131072,  # Llama 3.1: rope scaled to 128K tokens
         **_LLAMA3_ROPE,
     ),
+    # The debug model with mixture-of-experts blocks after a dense first one: 8 experts, top 2, a shared expert,
+    # both balancing methods (CPU tests of MoE).
+    "moe-debug": dict(
+        dim=64,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        vocab_size=4096,
+        multiple_of=32,
+        max_seq_len=512,
+        moe_experts=8,
+        moe_top_k=2,
+        moe_hidden_dim=32,
+        moe_shared_experts=1,
+        moe_dense_layers=1,
+        moe_aux_loss=0.01,
+        moe_bias_rate=1e-3,
+    ),  # fmt: skip
 }
 
 

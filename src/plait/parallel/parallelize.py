@@ -36,7 +36,7 @@ from plait.compile import apply_compile
 from plait.config import Config
 from plait.errors import ConfigError
 from plait.model.args import recompute_units_pay
-from plait.model.llama import Transformer, TransformerBlock
+from plait.model.llama import FeedForward, Transformer, TransformerBlock
 from plait.parallel.activations import track_sac_cache
 from plait.parallel.context import apply_cp
 from plait.parallel.dims import Meshes
@@ -173,8 +173,8 @@ RECOMPUTE_UNITS = ("attend", "gated")
 
 
 def _units_pay(block: nn.Module, tp: int) -> bool:
-    if not isinstance(block, TransformerBlock):  # your own model's block: one region
-        return False
+    if not isinstance(block, TransformerBlock) or not isinstance(block.feed_forward, FeedForward):
+        return False  # your own model's block, or a mixture of experts: one region
     hidden, dim = block.feed_forward.w1.weight.shape  # global shapes (DTensor under TP)
     return recompute_units_pay(dim, hidden, tp)
 

@@ -11,6 +11,7 @@ stages over the ``pp`` axis with point-to-point send/recv, one message per micro
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from dataclasses import dataclass
 
@@ -27,10 +28,10 @@ from torch.distributed.pipelining.schedules import (
 
 from plait.config import Config
 from plait.model.args import split_layers
-from plait.model.llama import ModelArgs, Transformer
+from plait.model.llama import ModelArgs, MoE, Transformer
 from plait.parallel.dims import Meshes, num_micro_batches
 from plait.parallel.parallelize import materialize, parallelize
-from plait.torch_private import reducing_pipeline_stage
+from plait.torch_private import quiet_shape_inference, reducing_pipeline_stage
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -56,6 +57,19 @@ def stage_module(args: ModelArgs, layer_ids: list[int], first: bool, last: bool)
     return model
 
 
+@contextlib.contextmanager
+def not_counting(module: nn.Module):
+    """MoE blocks of a stage count no routing while torch's stage infers its shapes with an extra pass."""
+    moe = [m for m in module.modules() if isinstance(m, MoE)]
+    for m in moe:
+        m.counting = False
+    try:
+        yield
+    finally:
+        for m in moe:
+            m.counting = True
+
+
 @dataclass
 class Pipeline:
     schedule: object
@@ -79,7 +93,7 @@ def build_pipeline(args: ModelArgs, meshes: Meshes, cfg: Config, device: torch.d
     layout = split_layers(args, num_stages, cfg.parallel.pp_split, cfg.data.seq_len)
     stages, parts = [], []
     reduce_each = cfg.parallel.fsdp_reduce_every_micro_batch and meshes.dims.fsdp_enabled
-    stage_class = reducing_pipeline_stage() if reduce_each else PipelineStage
+    stage_class = quiet_shape_inference(reducing_pipeline_stage() if reduce_each else PipelineStage, not_counting)
     for stage_id in range(pp_rank, num_stages, pp):
         part = stage_module(args, layout[stage_id], stage_id == 0, stage_id == num_stages - 1)
         parallelize(part, meshes, cfg, device)

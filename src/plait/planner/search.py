@@ -188,6 +188,11 @@ def plan(work: Workload, cluster: Cluster, *, hints: bool = True, pins: dict[str
 
 def _check_request(work: Workload, cluster: Cluster) -> None:
     a = work.model
+    if a.moe_experts:
+        raise ConfigError(
+            f"plait plan does not model mixture-of-experts blocks yet (model.moe_experts={a.moe_experts}): "
+            "plan the dense model of the same shape (moe_experts=0) for a first layout"
+        )
     if work.seq_len > a.max_seq_len:
         raise ConfigError(
             f"--seq-len={work.seq_len} is longer than the model supports "

@@ -1,0 +1,222 @@
+"""Mixture of experts: the MoE block against a per-token reference, the balancing loss and its gradient, the
+routing statistics and loss-free balancing in a real run, and parity of the parallel layouts that support MoE
+today (FSDP, HSDP, pipeline, context parallel, activation checkpointing) with one process: loss, gradient
+norm, balancing loss and load imbalance, within test_parallel's tolerances (fp32, 1e-5: reorderings only;
+routing is discrete, so a flipped top-k pick would show as a jump far beyond them)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from parallel_harness import read_metrics, run_layouts
+from plait.config import load_config
+from plait.errors import ConfigError
+from plait.model.args import ModelArgs
+from plait.model.llama import AuxLoss, Transformer
+from test_parallel import GRAD_NORM_RTOL, LOSS_RTOL, STEPS
+
+SMALL = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, max_seq_len=64, moe_experts=4)
+
+
+def built(**overrides) -> Transformer:
+    with torch.device("meta"):
+        model = Transformer(ModelArgs(**{**SMALL, **overrides}))
+    model.to_empty(device="cpu")
+    model.init_weights(0)
+    return model
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(moe_top_k=2, moe_hidden_dim=32),
+        dict(moe_top_k=1, moe_shared_experts=2, moe_score="sigmoid"),
+        dict(moe_top_k=3, moe_norm_topk=False),
+    ],
+    ids=["softmax top-2", "sigmoid top-1 + shared", "unnormalised top-3"],
+)
+def test_moe_block_equals_a_per_token_reference(overrides):
+    moe = built(**overrides).layers["1"].feed_forward
+    with torch.no_grad():
+        moe.expert_bias.copy_(torch.tensor([0.0, 0.3, -0.2, 0.1]))  # picks experts, never weights them
+        x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(0))
+        got = moe(x)
+        tokens = x.view(-1, 64)
+        logits = moe.router(tokens)
+        scores = logits.softmax(-1) if moe.score == "softmax" else logits.sigmoid()
+        picked = (scores + moe.expert_bias).topk(moe.top_k).indices
+        weights = scores.gather(-1, picked)
+        if moe.norm_topk:
+            weights = weights / weights.sum(-1, keepdim=True)
+        e = moe.experts
+        rows = []
+        for i, t in enumerate(tokens):
+            y = sum(
+                weights[i, j] * ((F.silu(t @ e.w1[k].t()) * (t @ e.w3[k].t())) @ e.w2[k].t())
+                for j, k in enumerate(picked[i].tolist())
+            )
+            rows.append(y + (moe.shared(t) if moe.shared is not None else 0))
+    torch.testing.assert_close(got.view(-1, 64), torch.stack(rows), atol=1e-6, rtol=0)
+
+
+def test_balance_loss_is_one_coefficient_when_balanced_and_adds_its_gradient():
+    moe = built(moe_top_k=2, moe_aux_loss=0.5).layers["1"].feed_forward
+    scores = torch.full((1, 4, 4), 0.25)
+    picked = torch.tensor([[[0, 1], [2, 3], [0, 1], [2, 3]]])  # every expert twice of 8 picks
+    assert moe._balance_loss(scores, picked).item() == pytest.approx(0.5)  # coef x sum_e (1)(1/4)
+    skewed = torch.tensor([[[0, 1]] * 4])  # experts 0 and 1 take every pick: f = (2, 2, 0, 0)
+    leaning = torch.tensor([0.4, 0.4, 0.1, 0.1]).expand(1, 4, 4)
+    assert moe._balance_loss(leaning, skewed).item() == pytest.approx(0.5 * (2 * 0.4 * 2))
+    x = torch.randn(3, requires_grad=True)
+    w = torch.randn(3, requires_grad=True)
+    AuxLoss.apply(x * 2, (w**2).sum()).sum().backward()
+    torch.testing.assert_close(x.grad, torch.full((3,), 2.0))
+    torch.testing.assert_close(w.grad, 2 * w.detach())  # d(aux)/dw arrives through the backward
+
+
+def test_refused_settings_name_the_fix():
+    def cfg(*overrides):
+        return load_config(None, ["model.preset=moe-debug", *overrides])
+
+    with pytest.raises(ConfigError, match=r"moe_top_k=9 must be in \[1, model.moe_experts=8\]"):
+        cfg("model.moe_top_k=9")
+    with pytest.raises(ConfigError, match="moe_score='relu'"):
+        cfg("model.moe_score=relu")
+    with pytest.raises(ConfigError, match="tp_degree=2 with a mixture-of-experts model"):
+        cfg("parallel.tp_degree=2")
+    with pytest.raises(ConfigError, match="needs each sequence on one rank"):
+        cfg("parallel.cp_degree=2")
+    with pytest.raises(ConfigError, match="compile.enabled=true with a mixture-of-experts model"):
+        cfg("compile.enabled=true")
+    with pytest.raises(ConfigError, match="moe_dense_layers=4 leaves no MoE block"):
+        cfg("model.moe_dense_layers=4")
+    from plait.interop.hf import hf_family
+
+    with pytest.raises(ConfigError, match="no Hugging Face export yet"):
+        hf_family(cfg().model)
+    from plait.planner.cluster import get_cluster
+    from plait.planner.cost import Workload
+    from plait.planner.search import plan
+
+    with pytest.raises(ConfigError, match="does not model mixture-of-experts"):
+        plan(Workload(cfg().model, 64, 8), get_cluster("h100"))
+
+
+def test_flops_count_active_parameters():
+    args = load_config(None, ["model.preset=moe-debug"]).model
+    dense = ModelArgs(**{**vars(args), "moe_experts": 0})
+    assert args.num_params() > args.num_params(active=True) > dense.num_params() - 3 * 64 * dense.hidden_dim * 3
+    block = built(moe_top_k=2, moe_hidden_dim=32).layers["1"].feed_forward
+    assert sum(p.numel() for p in block.parameters()) == 4 * 3 * 64 * 32 + 64 * 4
+
+
+# --------------------------------------------------------------------------------------------- training
+
+
+def base(data_dir: Path) -> list[str]:
+    from test_parallel import base as dense_base
+
+    return [*dense_base(data_dir), "model.preset=moe-debug", "model.ffn_hidden_dim=0"]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    from plait.data import ensure_prepared
+
+    return ensure_prepared("shakespeare", tmp_path_factory.mktemp("cache"), 4096)
+
+
+@pytest.fixture(scope="module")
+def reference(data_dir, tmp_path_factory):
+    from plait.api import train
+
+    out = tmp_path_factory.mktemp("ref")
+    train(load_config(None, [*base(data_dir), f"run.out_dir={out}", "run.name=ref", "checkpoint.every_steps=6"]))
+    return out / "ref"
+
+
+def test_a_run_logs_routing_and_balances_without_a_loss(reference):
+    got = read_metrics(reference)
+    assert sorted(got["moe/load_imbalance"]) == list(range(1, STEPS + 1))
+    assert all(v >= 1 for v in got["moe/load_imbalance"].values())
+    assert all(0 < v < 1 for v in got["moe/aux_loss"].values())  # 0.01 x 3 blocks x ~1 when balanced
+    from plait.checkpoint import list_checkpoints
+    from plait.generate import load_for_generation
+
+    (ckpt,) = list_checkpoints(reference / "checkpoints")
+    model = load_for_generation(ckpt, "cpu")[0]
+    bias = model.layers["1"].feed_forward.expert_bias
+    updates = torch.round(bias / 1e-3)  # six steps of +-1e-3 (the checkpoint is step 6's)
+    assert torch.allclose(bias, updates * 1e-3, atol=1e-6) and bias.abs().max() > 0
+    assert (updates.abs() <= 6).all()  # six moves of +-1 (or 0 where an expert got exactly the mean)
+
+
+def check(name: str, got: dict, ref: dict, steps=range(1, STEPS + 1)) -> None:
+    assert "error" not in got, got.get("error")
+    assert sorted(got["loss"]) == list(steps), name
+    for key, rtol in (("loss", LOSS_RTOL), ("grad_norm", GRAD_NORM_RTOL), ("moe/aux_loss", LOSS_RTOL)):
+        for step in steps:
+            assert got[key][step] == pytest.approx(ref[key][step], rel=rtol), f"{name} {key} @ {step}"
+    for step in steps:  # a ratio of integer counts: equal routing gives it exactly
+        assert got["moe/load_imbalance"][step] == ref["moe/load_imbalance"][step], f"{name} load @ {step}"
+
+
+LAYOUTS = {
+    2: {
+        "FSDP 2": ["parallel.dp_shard_degree=2"],
+        "PP 2, full AC": ["parallel.pp_degree=2", "parallel.activation_checkpoint=full"],
+        "DP 2, selective AC, accumulation": [
+            "parallel.dp_replicate_degree=2",
+            "parallel.dp_shard_degree=1",
+            "parallel.activation_checkpoint=selective",
+            "train.micro_batch_size=2",
+        ],
+    },
+    4: {
+        "HSDP 2 x 2": ["parallel.dp_replicate_degree=2", "parallel.dp_shard_degree=2"],
+        "PP 2 x FSDP 2, interleaved": [
+            "parallel.pp_degree=2",
+            "parallel.dp_shard_degree=2",
+            "parallel.pp_schedule=interleaved_1f1b",
+            "parallel.pp_virtual_stages=2",
+        ],
+    },
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", sorted(LAYOUTS))
+def test_moe_layouts_match_single_process(world, data_dir, reference):
+    jobs = {name: [*base(data_dir), *extra] for name, extra in LAYOUTS[world].items()}
+    ref = read_metrics(reference)
+    for name, got in zip(jobs, run_layouts(world, list(jobs.values())), strict=True):
+        check(f"{name} (world {world})", got, ref)
+
+
+@pytest.mark.slow
+def test_resume_restores_the_routing_bias(data_dir, reference, tmp_path):
+    """FSDP 2 resumes the one-process run's step-6 checkpoint (weights, optimizer, routing biases) and
+    trains steps 7-10 as the uninterrupted run did."""
+    ckpts = reference / "checkpoints"
+    job = [*base(data_dir), "parallel.dp_shard_degree=2", "checkpoint.every_steps=0", f"checkpoint.dir={ckpts}"]
+    (got,) = run_layouts(2, [job])
+    check("FSDP 2 resumed at step 6", got, read_metrics(reference), steps=range(7, STEPS + 1))
+
+
+@pytest.mark.slow
+def test_context_parallel_moe_matches_single_process(data_dir, tmp_path):
+    """CP 2 with loss-free balancing (the sequence-wise balance loss needs whole sequences: refused with CP):
+    routing counts are summed over the cp ranks too, so the biases move as in one process."""
+    from plait.api import train
+
+    job = [*base(data_dir), "model.moe_aux_loss=0"]
+    train(load_config(None, [*job, f"run.out_dir={tmp_path}", "run.name=ref"]))
+    ref = read_metrics(tmp_path / "ref")
+    ref["moe/aux_loss"] = dict.fromkeys(ref["loss"], 0.0)
+    (got,) = run_layouts(2, [[*job, "parallel.cp_degree=2"]])
+    got["moe/aux_loss"] = dict.fromkeys(got["loss"], 0.0)
+    check("CP 2", got, ref)
