@@ -220,3 +220,17 @@ def test_context_parallel_moe_matches_single_process(data_dir, tmp_path):
     (got,) = run_layouts(2, [[*job, "parallel.cp_degree=2"]])
     got["moe/aux_loss"] = dict.fromkeys(got["loss"], 0.0)
     check("CP 2", got, ref)
+
+
+def test_plait_safetensors_export_carries_the_routing_bias(tmp_path):
+    """The routing bias decides which experts run: an export without it would compute another model."""
+    from plait.interop import load_safetensors
+    from plait.interop.hf import export_safetensors
+
+    model = built(moe_top_k=2)
+    with torch.no_grad():
+        model.layers["0"].feed_forward.expert_bias.copy_(torch.tensor([0.5, -0.5, 0.25, 0.0]))
+    loaded = load_safetensors(export_safetensors(model, tmp_path / "m.safetensors"))
+    torch.testing.assert_close(loaded.layers["0"].feed_forward.expert_bias, model.layers["0"].feed_forward.expert_bias)
+    x = torch.randint(0, 256, (2, 8))
+    torch.testing.assert_close(loaded(x), model(x), atol=0, rtol=0)

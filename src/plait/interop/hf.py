@@ -47,6 +47,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 from plait.errors import ConfigError, PlaitError
@@ -95,10 +96,18 @@ def hf_name(name: str) -> str:
 
 
 def param_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
-    """plait name -> shape of every parameter of a model of this shape (one entry for tied weights)."""
+    """plait name -> shape of every tensor a model of this shape is made of (`saved_tensors`)."""
     with torch.device("meta"):
         model = Transformer(args)
-    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+    return {name: tuple(t.shape) for name, t in saved_tensors(model)}
+
+
+def saved_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """A model's parameters (tied weights once) and persistent buffers (an MoE block's routing bias, which
+    decides what the model computes): what a checkpoint, an export and an import carry."""
+    yield from model.named_parameters()
+    persistent = set(model.state_dict(keep_vars=True))
+    yield from ((name, b) for name, b in model.named_buffers() if name in persistent)
 
 
 def check_tensors(found: Mapping[str, Sequence[int]], expected: Mapping[str, Sequence[int]], where: str) -> None:
@@ -346,12 +355,13 @@ def _rope_settings(config: Mapping, where: str) -> tuple[float, dict]:
 
 
 def model_tensors(model: Transformer) -> dict[str, torch.Tensor]:
-    """One full tensor per parameter, plait names (tied weights once, as tok_embeddings.weight).
+    """One full tensor per parameter and persistent buffer (`saved_tensors`), plait names (tied weights once,
+    as tok_embeddings.weight).
 
     Sharded (DTensor) parameters are gathered: with FSDP / TP every rank must call this.
     """
     tensors = {}
-    for name, param in model.named_parameters():
+    for name, param in saved_tensors(model):
         t = param.detach()
         tensors[name] = t.full_tensor() if isinstance(t, DTensor) else t
     check_tensors({k: v.shape for k, v in tensors.items()}, param_shapes(model.args), "the model")
@@ -375,6 +385,7 @@ def export_hf(
     Written to a temporary sibling directory and renamed into place; an existing non-empty ``out_dir`` is
     replaced only with ``overwrite=True``.
     """
+    hf_family(model.args)  # refuses what no transformers family computes
     found = {name: tuple(p.shape) for name, p in model.named_parameters()}  # a DTensor's shape is the full one
     check_tensors(found, param_shapes(model.args), "the model")
     with hf_export(
@@ -407,6 +418,7 @@ def hf_export(
     takes every parameter (plait names), one at a time in any order, and writes it at once. ``order`` is the
     order the shards are cut in (transformers cuts its state dict's order). On a clean exit the config,
     generation config and tokenizer files are added and the directory is renamed into place."""
+    hf_family(args)  # refuses what no transformers family computes, before anything is staged
     if dtype not in _DTYPE_NAMES:
         raise PlaitError(f"dtype {dtype} is not supported for export; use torch.float32 or torch.bfloat16")
     max_bytes = parse_shard_size(max_shard_size)

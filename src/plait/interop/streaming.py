@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.planner import WriteItemType
 from plait.checkpoint import load_model_weights
 from plait.digest import combine, partial_digest
 from plait.errors import PlaitError
-from plait.interop.hf import param_shapes
+from plait.interop.hf import param_shapes, saved_tensors
 from plait.model.llama import ModelArgs, Transformer
 from plait.storage import DCP_METADATA, Location, dcp_writer, parse_metadata, read_bytes
 
@@ -76,10 +76,10 @@ class StreamedHash:
 
 def checkpoint_sources(args: ModelArgs) -> dict[str, str]:
     """Checkpoint key (as ``get_model_state_dict`` names a Transformer of this shape, tied ``output.weight``
-    included, as CheckpointManager saves it) -> the parameter that holds its value."""
+    included, as CheckpointManager saves it) -> the parameter (or persistent buffer) that holds its value."""
     with torch.device("meta"):
         model = Transformer(args)
-    owner = {id(p): name for name, p in model.named_parameters()}
+    owner = {id(t): name for name, t in saved_tensors(model)}
     return {key: owner[id(value)] for key, value in model.state_dict(keep_vars=True).items()}
 
 
