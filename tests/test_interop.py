@@ -38,12 +38,15 @@ CASES = {
     "sliding-window": {"sliding_window": 8},
     "qkv-bias": {"qkv_bias": True},
     "qkv-bias-sliding-window": {"qkv_bias": True, "sliding_window": 8, "tie_embeddings": True},
+    # Mixture of experts (every block): 4 experts of width 48, top 2, a window of 8.
+    "moe": {"moe_experts": 4, "moe_top_k": 2, "moe_hidden_dim": 48, "sliding_window": 8},
 }
 # The transformers class that computes what plait's model does: the one export_hf writes.
 ARCHITECTURES = {
     "sliding-window": "MistralForCausalLM",
     "qkv-bias": "Qwen2ForCausalLM",
     "qkv-bias-sliding-window": "Qwen2ForCausalLM",
+    "moe": "MixtralForCausalLM",
 }
 
 
@@ -141,6 +144,7 @@ def save_hf_model(kind: str, path: Path, **overrides) -> Path:
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
     }
     config_cls, model_cls = configs[kind]
     torch.manual_seed(0)
@@ -184,8 +188,15 @@ HF_CASES = {
         dict(qkv_bias=True, sliding_window=8),
         32,
     ),
+    # 4 experts of width 48 (intermediate_size), top 2; Mixtral's sliding_window is null by default.
+    "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48), {}, 32),
 }
-HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+HF_CLASSES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+}
 
 
 @pytest.mark.parametrize("case", list(HF_CASES))

@@ -96,8 +96,9 @@ def test_refused_settings_name_the_fix():
         cfg("model.moe_dense_layers=4")
     from plait.interop.hf import hf_family
 
-    with pytest.raises(ConfigError, match="no Hugging Face export yet"):
+    with pytest.raises(ConfigError, match="Mixtral's has no model.moe_shared_experts=1, model.moe_dense_layers=1"):
         hf_family(cfg().model)
+    assert hf_family(cfg("model.moe_shared_experts=0", "model.moe_dense_layers=0").model) == "mixtral"
     from plait.planner.cluster import get_cluster
     from plait.planner.cost import Workload
     from plait.planner.search import plan
@@ -234,3 +235,16 @@ def test_plait_safetensors_export_carries_the_routing_bias(tmp_path):
     torch.testing.assert_close(loaded.layers["0"].feed_forward.expert_bias, model.layers["0"].feed_forward.expert_bias)
     x = torch.randint(0, 256, (2, 8))
     torch.testing.assert_close(loaded(x), model(x), atol=0, rtol=0)
+
+
+def test_mixtral_export_refuses_routing_biases(tmp_path):
+    """Mixtral's format has no routing bias: a model that balanced with one would route differently there."""
+    from plait.errors import PlaitError
+    from plait.interop import export_hf
+
+    model = built(moe_top_k=2)
+    with torch.no_grad():
+        model.layers["1"].feed_forward.expert_bias[0] = 1e-3
+    with pytest.raises(PlaitError, match=r"layers.1.feed_forward.expert_bias is not zero.*moe_bias_rate"):
+        export_hf(model, tmp_path / "hf", tokenizer_path=None)
+    assert not (tmp_path / "hf").exists()

@@ -55,7 +55,7 @@ from plait.interop.shards import DEFAULT_MAX_SHARD_SIZE, SafetensorsShards, pars
 from plait.model.llama import ModelArgs, Transformer, rope_tables
 from plait.publish import staged_dir
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral")
 SAFETENSORS_FORMAT = "plait-safetensors-v1"
 
 _TOP_NAMES = {
@@ -76,8 +76,20 @@ _LAYER_NAMES = {
     "feed_forward.w2.weight": "mlp.down_proj.weight",
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
+    "feed_forward.router.weight": "block_sparse_moe.gate.weight",
 }
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_EXPERT_NAMES = {  # stacked (experts, ...) in plait; one tensor per expert in Mixtral's files
+    "feed_forward.experts.w1": "block_sparse_moe.experts.{e}.w1.weight",
+    "feed_forward.experts.w2": "block_sparse_moe.experts.{e}.w2.weight",
+    "feed_forward.experts.w3": "block_sparse_moe.experts.{e}.w3.weight",
+}
+_NOT_IN_HF = "feed_forward.expert_bias"  # loss-free balancing state: Mixtral has none (exported only if zero)
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+}
 _BOS_TOKENS = ("<|begin_of_text|>", "<s>", "<bos>")
 _PAD_TOKENS = ("<|pad|>", "<pad>")
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -88,11 +100,32 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 
 
 def hf_name(name: str) -> str:
-    """The Hugging Face name of a plait parameter."""
+    """The Hugging Face name of a plait parameter held as one tensor there too."""
     if name in _TOP_NAMES:
         return _TOP_NAMES[name]
     _, layer, rest = name.split(".", 2)  # layers.<i>.<rest>
     return f"model.layers.{layer}.{_LAYER_NAMES[rest]}"
+
+
+def hf_pieces(name: str, shape: Sequence[int]) -> list[tuple[str, int | None]]:
+    """The Hugging Face tensors a plait tensor is made of: [(name, None)] for one tensor; [(expert e's name, e)]
+    for stacked experts (plait's (experts, ...) is one tensor per expert in Mixtral's files); [] for the MoE
+    routing bias, which the Hugging Face formats do not have."""
+    _, layer, rest = name.split(".", 2) if name.startswith("layers.") else ("", "", name)
+    if rest == _NOT_IN_HF:
+        return []
+    if rest in _EXPERT_NAMES:
+        return [(f"model.layers.{layer}." + _EXPERT_NAMES[rest].format(e=e), e) for e in range(shape[0])]
+    return [(hf_name(name), None)]
+
+
+def hf_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """Hugging Face name -> shape of every tensor of the ``hf_family`` checkpoint of a model of this shape."""
+    out = {}
+    for name, shape in param_shapes(args).items():
+        for piece, index in hf_pieces(name, shape):
+            out[piece] = tuple(shape[1:]) if index is not None else tuple(shape)
+    return out
 
 
 def param_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
@@ -139,13 +172,27 @@ def _first(items: Sequence[str], n: int = 4) -> str:
 
 
 def hf_family(args: ModelArgs) -> str:
-    """The transformers model type that computes exactly what a plait model of this shape does: qwen2 with
+    """The transformers model type that computes exactly what a plait model of this shape does: mixtral for
+    mixtures of experts (softmax router, renormalised top-k, no shared experts, no dense blocks), qwen2 with
     q/k/v biases (windowed or not), else mistral with a sliding window, else llama."""
     if args.moe_experts:
-        raise ConfigError(
-            f"a mixture-of-experts model (model.moe_experts={args.moe_experts}) has no Hugging Face export yet; "
-            "it trains, resumes and reshards as a plait checkpoint"
-        )
+        unlike = [
+            reason
+            for reason, differs in (
+                (f"model.moe_shared_experts={args.moe_shared_experts}", args.moe_shared_experts),
+                (f"model.moe_dense_layers={args.moe_dense_layers}", args.moe_dense_layers),
+                (f"model.moe_score={args.moe_score!r}", args.moe_score != "softmax"),
+                ("model.moe_norm_topk=false", not args.moe_norm_topk),
+                ("model.qkv_bias=true", args.qkv_bias),
+            )
+            if differs
+        ]
+        if unlike:
+            raise ConfigError(
+                f"this mixture-of-experts model has no Hugging Face family: Mixtral's has no {', '.join(unlike)}; "
+                "it trains, resumes and reshards as a plait checkpoint"
+            )
+        return "mixtral"
     if args.qkv_bias:
         return "qwen2"
     return "mistral" if args.sliding_window else "llama"
@@ -174,7 +221,7 @@ def hf_config(
         "architectures": [_ARCHITECTURES[family]],
         "model_type": family,
         "hidden_size": args.dim,
-        "intermediate_size": args.hidden_dim,
+        "intermediate_size": args.expert_hidden_dim if family == "mixtral" else args.hidden_dim,
         "num_hidden_layers": args.n_layers,
         "num_attention_heads": args.n_heads,
         "num_key_value_heads": args.n_kv_heads,
@@ -202,6 +249,14 @@ def _attention_config(args: ModelArgs, family: str) -> dict:
         return {"attention_bias": False, "mlp_bias": False}
     if family == "mistral":
         return {"sliding_window": args.sliding_window}  # MistralConfig defaults to 4096: always written
+    if family == "mixtral":
+        return {
+            "sliding_window": args.sliding_window or None,
+            "num_local_experts": args.moe_experts,
+            "num_experts_per_tok": args.moe_top_k,
+            "output_router_logits": False,
+            "router_aux_loss_coef": 0.0,  # plait's balancing loss is sequence-wise, not Mixtral's
+        }
     windowed = args.sliding_window > 0
     layer_type = "sliding_attention" if windowed else "full_attention"
     return {
@@ -239,6 +294,13 @@ def args_from_hf_config(config: Mapping, where: str = "config.json") -> ModelArg
         raise PlaitError(f"{where}: head size {dim // heads} must be even for rotary embeddings")
     theta, scaling = _rope_settings(config, where)
     n_layers = _int(config, "num_hidden_layers", where)
+    moe = {}
+    if model_type == "mixtral":  # every block a softmax top-k mixture, weights renormalised
+        moe = dict(
+            moe_experts=_int(config, "num_local_experts", where),
+            moe_top_k=_int(config, "num_experts_per_tok", where),
+            moe_hidden_dim=_int(config, "intermediate_size", where),
+        )
     return ModelArgs(
         dim=dim,
         n_layers=n_layers,
@@ -252,6 +314,7 @@ def args_from_hf_config(config: Mapping, where: str = "config.json") -> ModelArg
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         **scaling,
         **_attention_settings(config, model_type, n_layers, where),
+        **moe,
     )
 
 
@@ -267,7 +330,7 @@ def _attention_settings(config: Mapping, model_type: str, n_layers: int, where: 
         if config.get("mlp_bias"):
             raise PlaitError(f"{where}: mlp_bias=true is not supported: plait's MLP has no biases")
         return {}
-    if model_type == "mistral":  # one window for every layer: MistralAttention reads no layer_types
+    if model_type in ("mistral", "mixtral"):  # one window for every layer: they read no layer_types
         return {"sliding_window": _window(config, where)}
     return {"qkv_bias": True, "sliding_window": _qwen2_window(config, n_layers, where)}
 
@@ -386,7 +449,7 @@ def export_hf(
     replaced only with ``overwrite=True``.
     """
     hf_family(model.args)  # refuses what no transformers family computes
-    found = {name: tuple(p.shape) for name, p in model.named_parameters()}  # a DTensor's shape is the full one
+    found = {name: tuple(p.shape) for name, p in saved_tensors(model)}  # a DTensor's shape is the full one
     check_tensors(found, param_shapes(model.args), "the model")
     with hf_export(
         out_dir,
@@ -397,7 +460,7 @@ def export_hf(
         overwrite=overwrite,
         max_shard_size=max_shard_size,
     ) as write:
-        for name, param in model.named_parameters():
+        for name, param in saved_tensors(model):
             t = param.detach()
             write(name, t.full_tensor() if isinstance(t, DTensor) else t)
     return Path(out_dir)
@@ -428,8 +491,24 @@ def hf_export(
     out = Path(out_dir)
     special = _special_tokens(Path(tokenizer_path)) if tokenizer_path is not None else {}
     with _staged_dir(out, overwrite) as tmp:
-        writer = SafetensorsShards(tmp, {hf_name(n): shapes[n] for n in order}, dtype, max_bytes)
-        yield lambda name, tensor: writer.add(hf_name(name), tensor)
+        pieces = {n: hf_pieces(n, shapes[n]) for n in order}
+        writer = SafetensorsShards(
+            tmp,
+            {p: tuple(shapes[n][1:]) if i is not None else shapes[n] for n in order for p, i in pieces[n]},
+            dtype,
+            max_bytes,
+        )
+
+        def write(name: str, tensor: torch.Tensor) -> None:
+            if not pieces[name] and tensor.any():
+                raise PlaitError(
+                    f"{name} is not zero: this model balanced its experts with routing biases "
+                    "(model.moe_bias_rate), which Mixtral's format cannot hold; the export would route differently"
+                )
+            for piece, index in pieces[name]:
+                writer.add(piece, tensor if index is None else tensor[index])
+
+        yield write
         writer.finish()
         _write_hf_files(tmp, args, special, tokenizer_path, dtype)
 
@@ -522,14 +601,24 @@ class HFWeights:
     path: Path
     args: ModelArgs
     config: dict
-    locations: dict[str, tuple[Path, str]]  # plait name -> (file, Hugging Face name)
+    locations: dict[str, list[tuple[Path, str]]]  # plait name -> its (file, Hugging Face name) pieces
+    shapes: dict[str, tuple[int, ...]]  # plait name -> full shape
 
     def read(self, name: str, offset: Sequence[int] | None = None, shape: Sequence[int] | None = None) -> torch.Tensor:
         """Parameter ``name`` (plait's name) in its stored dtype; with ``offset`` and ``shape`` only that box
-        of it (one rank's shard), read without the rest."""
-        file, key = self.locations[name]
-        box = None if shape is None else tuple(zip(offset or [0] * len(shape), shape, strict=True))
-        return _read_tensor(file, key, box)
+        of it (one rank's shard), read without the rest. Stacked experts are read expert by expert (only those
+        in the box); the MoE routing bias, absent from Hugging Face files, reads as zeros."""
+        full = self.shapes[name]
+        shape = tuple(shape) if shape is not None else full
+        offset = tuple(offset) if offset is not None else (0,) * len(full)
+        box = tuple(zip(offset, shape, strict=True))
+        pieces = self.locations[name]
+        if not pieces:
+            return torch.zeros(shape)
+        if not name.endswith(tuple(_EXPERT_NAMES)):
+            file, key = pieces[0]
+            return _read_tensor(file, key, None if shape == full else box)
+        return torch.stack([_read_tensor(*pieces[e], box[1:]) for e in range(offset[0], offset[0] + shape[0])])
 
 
 def _read_tensor(file: Path, key: str, box: Sequence[tuple[int, int]] | None = None) -> torch.Tensor:
@@ -559,7 +648,7 @@ def open_hf(hf_dir: str | Path) -> HFWeights:
     except (OSError, json.JSONDecodeError) as e:
         raise PlaitError(f"{config_path} is not valid JSON: {e}") from None
     args = args_from_hf_config(config, str(config_path))
-    expected = {hf_name(k): shape for k, shape in param_shapes(args).items()}
+    expected = hf_shapes(args)
     where = str(hf_dir)
     found: dict[str, tuple[Path, tuple[int, ...]]] = {}  # HF name -> (file, shape)
     for file in _weight_files(hf_dir):
@@ -582,9 +671,9 @@ def open_hf(hf_dir: str | Path) -> HFWeights:
             )
         del found["lm_head.weight"]
     check_tensors({n: shape for n, (_, shape) in found.items()}, expected, where)
-    return HFWeights(
-        hf_dir, args, config, {name: (found[hf_name(name)][0], hf_name(name)) for name in param_shapes(args)}
-    )
+    shapes = param_shapes(args)
+    locations = {name: [(found[p][0], p) for p, _ in hf_pieces(name, shape)] for name, shape in shapes.items()}
+    return HFWeights(hf_dir, args, config, locations, shapes)
 
 
 def import_hf(hf_dir: str | Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
@@ -624,8 +713,8 @@ def load_hf_model(hf_dir: str | Path, device: str | torch.device = "cpu") -> Tra
     hf = open_hf(hf_dir)
     model = empty_model(hf.args, device)
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.copy_(hf.read(name))
+        for name, tensor in saved_tensors(model):
+            tensor.copy_(hf.read(name))
     return model
 
 
@@ -672,6 +761,8 @@ def empty_model(args: ModelArgs, device: str | torch.device = "cpu") -> Transfor
     model.to_empty(device=device)
     model.tie_weights()  # to_empty unties
     with torch.no_grad():
+        for buffer in model.buffers():  # MoE balancing state and statistics start at zero
+            buffer.zero_()
         cos, sin = rope_tables(args, device=device)
         model.rope_cos.copy_(cos)
         model.rope_sin.copy_(sin)
