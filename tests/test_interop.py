@@ -40,6 +40,11 @@ CASES = {
     "qkv-bias-sliding-window": {"qkv_bias": True, "sliding_window": 8, "tie_embeddings": True},
     # Mixture of experts (every block): 4 experts of width 48, top 2, a window of 8.
     "moe": {"moe_experts": 4, "moe_top_k": 2, "moe_hidden_dim": 48, "sliding_window": 8},
+    # Qwen3: per-head q/k norms, a head size of 32 apart from dim / n_heads = 16.
+    "qk-norm": {"qk_norm": True, "attention_head_dim": 32},
+    # Qwen3-MoE: a dense first block, then 4 experts of width 24, top 2 without renormalising.
+    "qk-norm-moe": {"qk_norm": True, "attention_head_dim": 32, "moe_experts": 4, "moe_top_k": 2}
+    | {"moe_hidden_dim": 24, "moe_dense_layers": 1, "moe_norm_topk": False},
 }
 # The transformers class that computes what plait's model does: the one export_hf writes.
 ARCHITECTURES = {
@@ -47,6 +52,8 @@ ARCHITECTURES = {
     "qkv-bias": "Qwen2ForCausalLM",
     "qkv-bias-sliding-window": "Qwen2ForCausalLM",
     "moe": "MixtralForCausalLM",
+    "qk-norm": "Qwen3ForCausalLM",
+    "qk-norm-moe": "Qwen3MoeForCausalLM",
 }
 
 
@@ -145,6 +152,8 @@ def save_hf_model(kind: str, path: Path, **overrides) -> Path:
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     }
     config_cls, model_cls = configs[kind]
     torch.manual_seed(0)
@@ -190,12 +199,22 @@ HF_CASES = {
     ),
     # 4 experts of width 48 (intermediate_size), top 2; Mixtral's sliding_window is null by default.
     "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48), {}, 32),
+    "qwen3": ("qwen3", dict(head_dim=32), {}, 32),
+    # A dense first block (mlp_only_layers), then 4 experts of width 24, top 2, weights not renormalised.
+    "qwen3_moe": (
+        "qwen3_moe",
+        dict(head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, mlp_only_layers=[0]),
+        {},
+        32,
+    ),
 }
 HF_CLASSES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
 
@@ -361,7 +380,12 @@ BROKEN = {
         lambda p: _edit_config(p, rope_scaling=YARN),
         r"rope_scaling type 'yarn' is not supported; supported: llama3, none",
     ),
-    "head_dim": (lambda p: _edit_config(p, head_dim=32), r"head_dim=32 differs from .*=16"),
+    # a head size of its own is supported (Qwen3's): here the weights are not shaped for it
+    "head_dim": (
+        lambda p: _edit_config(p, head_dim=32),
+        r"shape mismatches: model\.layers\.0\.self_attn\.q_proj\.weight \(64, 64\) \(expected \(128, 64\)\)",
+    ),
+    "head_dim not an integer": (lambda p: _edit_config(p, head_dim="32"), r"head_dim must be a positive integer"),
     "model type": (lambda p: _edit_config(p, model_type="gpt2"), r"model_type 'gpt2' is not supported"),
     "llama o_proj bias": (
         lambda p: _edit_config(p, attention_bias=True),

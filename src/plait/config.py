@@ -460,13 +460,22 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(
             "guard.nonfinite_policy='rollback' reloads the newest checkpoint: set checkpoint.every_steps (e.g. 100)"
         )
-    if m.dim % m.n_heads:
+    _non_negative("model", m, ["attention_head_dim"])
+    if m.dim % m.n_heads and not m.attention_head_dim:
         raise ConfigError(
             f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}; "
-            f"choose n_heads in {_divisors(m.dim, limit=64)}"
+            f"choose n_heads in {_divisors(m.dim, limit=64)} (or set model.attention_head_dim)"
         )
     if m.head_dim % 2:
-        raise ConfigError(f"model.dim/model.n_heads={m.head_dim} must be even for rotary embeddings")
+        raise ConfigError(
+            f"the head size {m.head_dim} (model.attention_head_dim, or dim / n_heads) must be even for rotary "
+            "embeddings"
+        )
+    if m.qk_norm and cfg.parallel.tp_degree > 1:  # the per-head norm weights would get partial gradients
+        raise ConfigError(
+            f"model.qk_norm=true with parallel.tp_degree={cfg.parallel.tp_degree} is not supported yet; set "
+            "parallel.tp_degree=1 (data, FSDP/HSDP, context and pipeline parallelism work)"
+        )
     if m.n_heads % m.n_kv_heads:
         raise ConfigError(
             f"model.n_kv_heads={m.n_kv_heads} does not divide model.n_heads={m.n_heads}; "

@@ -55,7 +55,7 @@ from plait.interop.shards import DEFAULT_MAX_SHARD_SIZE, SafetensorsShards, pars
 from plait.model.llama import ModelArgs, Transformer, rope_tables
 from plait.publish import staged_dir
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
 SAFETENSORS_FORMAT = "plait-safetensors-v1"
 
 _TOP_NAMES = {
@@ -76,19 +76,32 @@ _LAYER_NAMES = {
     "feed_forward.w2.weight": "mlp.down_proj.weight",
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
-    "feed_forward.router.weight": "block_sparse_moe.gate.weight",
+    "attention.q_norm.weight": "self_attn.q_norm.weight",
+    "attention.k_norm.weight": "self_attn.k_norm.weight",
 }
-_EXPERT_NAMES = {  # stacked (experts, ...) in plait; one tensor per expert in Mixtral's files
-    "feed_forward.experts.w1": "block_sparse_moe.experts.{e}.w1.weight",
-    "feed_forward.experts.w2": "block_sparse_moe.experts.{e}.w2.weight",
-    "feed_forward.experts.w3": "block_sparse_moe.experts.{e}.w3.weight",
+_MOE_NAMES = {  # per family: the router; experts are stacked (experts, ...) in plait, one tensor each in the files
+    "mixtral": {
+        "feed_forward.router.weight": "block_sparse_moe.gate.weight",
+        "feed_forward.experts.w1": "block_sparse_moe.experts.{e}.w1.weight",
+        "feed_forward.experts.w2": "block_sparse_moe.experts.{e}.w2.weight",
+        "feed_forward.experts.w3": "block_sparse_moe.experts.{e}.w3.weight",
+    },
+    "qwen3_moe": {
+        "feed_forward.router.weight": "mlp.gate.weight",
+        "feed_forward.experts.w1": "mlp.experts.{e}.gate_proj.weight",
+        "feed_forward.experts.w2": "mlp.experts.{e}.down_proj.weight",
+        "feed_forward.experts.w3": "mlp.experts.{e}.up_proj.weight",
+    },
 }
+_EXPERT_NAMES = ("feed_forward.experts.w1", "feed_forward.experts.w2", "feed_forward.experts.w3")
 _NOT_IN_HF = "feed_forward.expert_bias"  # loss-free balancing state: Mixtral has none (exported only if zero)
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 _BOS_TOKENS = ("<|begin_of_text|>", "<s>", "<bos>")
 _PAD_TOKENS = ("<|pad|>", "<pad>")
@@ -99,31 +112,32 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 # ------------------------------------------------------------------------------------------- names, shapes
 
 
-def hf_name(name: str) -> str:
+def hf_name(name: str, family: str = "llama") -> str:
     """The Hugging Face name of a plait parameter held as one tensor there too."""
     if name in _TOP_NAMES:
         return _TOP_NAMES[name]
     _, layer, rest = name.split(".", 2)  # layers.<i>.<rest>
-    return f"model.layers.{layer}.{_LAYER_NAMES[rest]}"
+    return f"model.layers.{layer}.{_MOE_NAMES.get(family, {}).get(rest) or _LAYER_NAMES[rest]}"
 
 
-def hf_pieces(name: str, shape: Sequence[int]) -> list[tuple[str, int | None]]:
+def hf_pieces(name: str, shape: Sequence[int], family: str = "llama") -> list[tuple[str, int | None]]:
     """The Hugging Face tensors a plait tensor is made of: [(name, None)] for one tensor; [(expert e's name, e)]
-    for stacked experts (plait's (experts, ...) is one tensor per expert in Mixtral's files); [] for the MoE
-    routing bias, which the Hugging Face formats do not have."""
+    for stacked experts (plait's (experts, ...) is one tensor per expert in Mixtral's and Qwen3-MoE's files);
+    [] for the MoE routing bias, which those formats do not have."""
     _, layer, rest = name.split(".", 2) if name.startswith("layers.") else ("", "", name)
     if rest == _NOT_IN_HF:
         return []
     if rest in _EXPERT_NAMES:
-        return [(f"model.layers.{layer}." + _EXPERT_NAMES[rest].format(e=e), e) for e in range(shape[0])]
-    return [(hf_name(name), None)]
+        pattern = _MOE_NAMES[family][rest]
+        return [(f"model.layers.{layer}." + pattern.format(e=e), e) for e in range(shape[0])]
+    return [(hf_name(name, family), None)]
 
 
 def hf_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     """Hugging Face name -> shape of every tensor of the ``hf_family`` checkpoint of a model of this shape."""
-    out = {}
+    out, family = {}, hf_family(args)
     for name, shape in param_shapes(args).items():
-        for piece, index in hf_pieces(name, shape):
+        for piece, index in hf_pieces(name, shape, family):
             out[piece] = tuple(shape[1:]) if index is not None else tuple(shape)
     return out
 
@@ -172,27 +186,40 @@ def _first(items: Sequence[str], n: int = 4) -> str:
 
 
 def hf_family(args: ModelArgs) -> str:
-    """The transformers model type that computes exactly what a plait model of this shape does: mixtral for
-    mixtures of experts (softmax router, renormalised top-k, no shared experts, no dense blocks), qwen2 with
-    q/k/v biases (windowed or not), else mistral with a sliding window, else llama."""
+    """The transformers model type that computes exactly what a plait model of this shape does. Mixtures of
+    experts: qwen3_moe with per-head q/k norms (softmax router, top-k renormalised or not, leading dense
+    blocks allowed), else mixtral (softmax router, renormalised top-k, every block MoE); neither has shared
+    experts. Dense: qwen3 with q/k norms, qwen2 with q/k/v biases (windowed or not), mistral with a sliding
+    window, else llama."""
     if args.moe_experts:
+        qwen3 = args.qk_norm
+        family = "qwen3_moe" if qwen3 else "mixtral"
         unlike = [
             reason
             for reason, differs in (
                 (f"model.moe_shared_experts={args.moe_shared_experts}", args.moe_shared_experts),
-                (f"model.moe_dense_layers={args.moe_dense_layers}", args.moe_dense_layers),
+                (f"model.moe_dense_layers={args.moe_dense_layers}", args.moe_dense_layers and not qwen3),
                 (f"model.moe_score={args.moe_score!r}", args.moe_score != "softmax"),
-                ("model.moe_norm_topk=false", not args.moe_norm_topk),
+                ("model.moe_norm_topk=false", not args.moe_norm_topk and not qwen3),
                 ("model.qkv_bias=true", args.qkv_bias),
+                (f"model.sliding_window={args.sliding_window}", args.sliding_window and qwen3),
             )
             if differs
         ]
         if unlike:
+            name = {"mixtral": "Mixtral", "qwen3_moe": "Qwen3-MoE"}[family]
             raise ConfigError(
-                f"this mixture-of-experts model has no Hugging Face family: Mixtral's has no {', '.join(unlike)}; "
+                f"this mixture-of-experts model has no Hugging Face family: {name}'s has no {', '.join(unlike)}; "
                 "it trains, resumes and reshards as a plait checkpoint"
             )
-        return "mixtral"
+        return family
+    if args.qk_norm:
+        if args.qkv_bias or args.sliding_window:
+            raise ConfigError(
+                "model.qk_norm=true with q/k/v biases or a sliding window has no Hugging Face family (Qwen3 has "
+                "neither); it trains, resumes and reshards as a plait checkpoint"
+            )
+        return "qwen3"
     if args.qkv_bias:
         return "qwen2"
     return "mistral" if args.sliding_window else "llama"
@@ -249,6 +276,26 @@ def _attention_config(args: ModelArgs, family: str) -> dict:
         return {"attention_bias": False, "mlp_bias": False}
     if family == "mistral":
         return {"sliding_window": args.sliding_window}  # MistralConfig defaults to 4096: always written
+    if family in ("qwen3", "qwen3_moe"):
+        config = {
+            "attention_bias": False,
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "max_window_layers": args.n_layers,
+            "layer_types": ["full_attention"] * args.n_layers,
+        }
+        if family == "qwen3_moe":
+            config.update(
+                moe_intermediate_size=args.expert_hidden_dim,
+                num_experts=args.moe_experts,
+                num_experts_per_tok=args.moe_top_k,
+                norm_topk_prob=args.moe_norm_topk,
+                decoder_sparse_step=1,
+                mlp_only_layers=list(range(args.moe_dense_layers)),
+                output_router_logits=False,
+                router_aux_loss_coef=0.0,  # plait's balancing loss is sequence-wise, not Qwen3-MoE's
+            )
+        return config
     if family == "mixtral":
         return {
             "sliding_window": args.sliding_window or None,
@@ -280,27 +327,37 @@ def args_from_hf_config(config: Mapping, where: str = "config.json") -> ModelArg
         raise PlaitError(f"{where}: hidden_act {config['hidden_act']!r} is not supported; plait uses silu")
     dim, heads = _int(config, "hidden_size", where), _int(config, "num_attention_heads", where)
     kv_heads = int(config.get("num_key_value_heads") or heads)
-    if dim % heads:
-        raise PlaitError(f"{where}: hidden_size={dim} is not divisible by num_attention_heads={heads}")
     head_dim = config.get("head_dim")
-    if head_dim is not None and head_dim != dim // heads:
-        raise PlaitError(
-            f"{where}: head_dim={head_dim} differs from hidden_size/num_attention_heads={dim // heads}; "
-            f"plait derives the head size from them, so this model is not supported"
-        )
+    if head_dim is None and dim % heads:
+        raise PlaitError(f"{where}: hidden_size={dim} is not divisible by num_attention_heads={heads}")
+    if head_dim is not None and (not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim <= 0):
+        raise PlaitError(f"{where}: head_dim must be a positive integer, got {head_dim!r}")
+    size = head_dim or dim // heads
     if heads % kv_heads:
         raise PlaitError(f"{where}: num_key_value_heads={kv_heads} does not divide num_attention_heads={heads}")
-    if (dim // heads) % 2:
-        raise PlaitError(f"{where}: head size {dim // heads} must be even for rotary embeddings")
+    if size % 2:
+        raise PlaitError(f"{where}: head size {size} must be even for rotary embeddings")
     theta, scaling = _rope_settings(config, where)
     n_layers = _int(config, "num_hidden_layers", where)
-    moe = {}
+    extra: dict = {}  # mixtures of experts, Qwen3's q/k norms, a head size of its own
     if model_type == "mixtral":  # every block a softmax top-k mixture, weights renormalised
-        moe = dict(
+        extra = dict(
             moe_experts=_int(config, "num_local_experts", where),
             moe_top_k=_int(config, "num_experts_per_tok", where),
             moe_hidden_dim=_int(config, "intermediate_size", where),
         )
+    if model_type == "qwen3_moe":
+        extra = dict(
+            moe_experts=_int(config, "num_experts" if "num_experts" in config else "num_local_experts", where),
+            moe_top_k=_int(config, "num_experts_per_tok", where),
+            moe_hidden_dim=_int(config, "moe_intermediate_size", where),
+            moe_norm_topk=bool(config.get("norm_topk_prob", False)),
+            moe_dense_layers=_qwen3_dense_layers(config, n_layers, where),
+        )
+    if head_dim is not None and head_dim != dim // heads:
+        extra["attention_head_dim"] = head_dim
+    if model_type in ("qwen3", "qwen3_moe"):
+        extra["qk_norm"] = True
     return ModelArgs(
         dim=dim,
         n_layers=n_layers,
@@ -314,7 +371,7 @@ def args_from_hf_config(config: Mapping, where: str = "config.json") -> ModelArg
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         **scaling,
         **_attention_settings(config, model_type, n_layers, where),
-        **moe,
+        **extra,
     )
 
 
@@ -332,7 +389,26 @@ def _attention_settings(config: Mapping, model_type: str, n_layers: int, where: 
         return {}
     if model_type in ("mistral", "mixtral"):  # one window for every layer: they read no layer_types
         return {"sliding_window": _window(config, where)}
+    if model_type in ("qwen3", "qwen3_moe"):
+        if config.get("attention_bias"):
+            raise PlaitError(f"{where}: attention_bias=true is not supported for {model_type}: plait's has none")
+        if config.get("use_sliding_window"):
+            raise PlaitError(f"{where}: use_sliding_window=true is not supported for {model_type} yet")
+        return {}
     return {"qkv_bias": True, "sliding_window": _qwen2_window(config, n_layers, where)}
+
+
+def _qwen3_dense_layers(config: Mapping, n_layers: int, where: str) -> int:
+    """Qwen3-MoE's dense blocks as plait's moe_dense_layers: they must be the first k (mlp_only_layers =
+    [0, ..., k-1]) and every other block sparse (decoder_sparse_step = 1)."""
+    step = config.get("decoder_sparse_step", 1)
+    dense = sorted(config.get("mlp_only_layers") or [])
+    if step != 1 or dense != list(range(len(dense))) or len(dense) >= n_layers:
+        raise PlaitError(
+            f"{where}: decoder_sparse_step={step} and mlp_only_layers={dense} are not supported: plait's dense "
+            "blocks are the first k (mlp_only_layers = [0, ..., k-1], decoder_sparse_step = 1)"
+        )
+    return len(dense)
 
 
 def _window(config: Mapping, where: str) -> int:
@@ -481,7 +557,7 @@ def hf_export(
     takes every parameter (plait names), one at a time in any order, and writes it at once. ``order`` is the
     order the shards are cut in (transformers cuts its state dict's order). On a clean exit the config,
     generation config and tokenizer files are added and the directory is renamed into place."""
-    hf_family(args)  # refuses what no transformers family computes, before anything is staged
+    family = hf_family(args)  # refuses what no transformers family computes, before anything is staged
     if dtype not in _DTYPE_NAMES:
         raise PlaitError(f"dtype {dtype} is not supported for export; use torch.float32 or torch.bfloat16")
     max_bytes = parse_shard_size(max_shard_size)
@@ -491,7 +567,7 @@ def hf_export(
     out = Path(out_dir)
     special = _special_tokens(Path(tokenizer_path)) if tokenizer_path is not None else {}
     with _staged_dir(out, overwrite) as tmp:
-        pieces = {n: hf_pieces(n, shapes[n]) for n in order}
+        pieces = {n: hf_pieces(n, shapes[n], family) for n in order}
         writer = SafetensorsShards(
             tmp,
             {p: tuple(shapes[n][1:]) if i is not None else shapes[n] for n in order for p, i in pieces[n]},
@@ -672,7 +748,8 @@ def open_hf(hf_dir: str | Path) -> HFWeights:
         del found["lm_head.weight"]
     check_tensors({n: shape for n, (_, shape) in found.items()}, expected, where)
     shapes = param_shapes(args)
-    locations = {name: [(found[p][0], p) for p, _ in hf_pieces(name, shape)] for name, shape in shapes.items()}
+    family = hf_family(args)
+    locations = {name: [(found[p][0], p) for p, _ in hf_pieces(name, shape, family)] for name, shape in shapes.items()}
     return HFWeights(hf_dir, args, config, locations, shapes)
 
 

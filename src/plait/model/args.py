@@ -47,6 +47,10 @@ class ModelArgs:
     tokens before it; 0 = full causal attention."""
     qkv_bias: bool = False
     """Biases on the query, key and value projections (Qwen2); the output projection and MLP have none."""
+    qk_norm: bool = False
+    """RMSNorm of each query and key head (its own weight, head_dim wide) before the rotary embedding (Qwen3)."""
+    attention_head_dim: int = 0
+    """Size of each attention head; 0 = dim / n_heads (Qwen3 sets it apart: q_proj is n_heads x head_dim wide)."""
     moe_experts: int = 0
     """Mixture of experts: routed experts per MoE block; 0 = a dense model (every block one SwiGLU MLP)."""
     moe_top_k: int = 2
@@ -72,7 +76,7 @@ class ModelArgs:
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.attention_head_dim or self.dim // self.n_heads
 
     @property
     def hidden_dim(self) -> int:
@@ -103,10 +107,12 @@ class ModelArgs:
     def num_params(self, *, exclude_embeddings: bool = False, active: bool = False) -> int:
         """Parameter count computed from the shape (no model needed: the planner uses it for 405B). active:
         what one token uses (an MoE block's top-k and shared experts, not all of them)."""
-        kv_dim = self.n_kv_heads * self.head_dim
-        attn = self.dim * self.dim * 2 + self.dim * kv_dim * 2
+        q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        attn = self.dim * q_dim * 2 + self.dim * kv_dim * 2
         if self.qkv_bias:
-            attn += self.dim + 2 * kv_dim
+            attn += q_dim + 2 * kv_dim
+        if self.qk_norm:
+            attn += 2 * self.head_dim
         mlps = sum(self._mlp_params(self.is_moe_layer(i), active) for i in range(self.n_layers))
         embed = self.vocab_size * self.dim
         output = 0 if self.tie_embeddings else self.vocab_size * self.dim

@@ -114,6 +114,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, kv_dim, bias=args.qkv_bias)
         self.wv = nn.Linear(args.dim, kv_dim, bias=args.qkv_bias)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None
@@ -127,6 +129,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)  # (B, T, n_heads, head_dim)
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)  # (B, T, n_kv_heads, head_dim)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
+        if self.q_norm is not None:  # per head, before the rotation (Qwen3)
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         start = 0
         if cache is not None:
