@@ -32,6 +32,13 @@ ARGS = dict(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=256, multipl
 # tp = 2 (model.args.recompute_units_pay) and as one region at tp = 1, and both are measured.
 FLAT_ARGS = dict(ARGS, ffn_hidden_dim=96)
 SEQ, BATCH = 32, 8
+# Mixture-of-experts models: every block MoE, or a dense first block and a shared expert.
+MOE = {
+    "": dict(moe_experts=8, moe_top_k=2, moe_hidden_dim=48),
+    " (shared, dense first)": dict(moe_experts=4, moe_top_k=1, moe_hidden_dim=64, moe_shared_experts=1)
+    | dict(moe_dense_layers=1),
+}
+MOE_OVERRIDES = {name: [f"model.{k}={v}" for k, v in args.items()] for name, args in MOE.items()}
 
 # (name, overrides, planner layout)
 LAYOUTS = [
@@ -69,6 +76,19 @@ LAYOUTS = [
         dict(cp=2, tp=2, ac="selective"),
     ),
     ("CP 4, full AC", ["parallel.cp_degree=4", "parallel.activation_checkpoint=full"], dict(cp=4, ac="full")),
+    *(
+        (
+            f"MoE{name}, FSDP 4{ac_name}",
+            [*MOE_OVERRIDES[name], "parallel.dp_shard_degree=4", *ac_over],
+            dict(dp_shard=4, model=MOE[name], **ac_lay),
+        )
+        for name in ("", " (shared, dense first)")
+        for ac_name, ac_over, ac_lay in (
+            ("", [], {}),
+            (", selective AC", ["parallel.activation_checkpoint=selective"], dict(ac="selective")),
+            (", full AC", ["parallel.activation_checkpoint=full"], dict(ac="full")),
+        )
+    ),
 ]
 # Activations are measured by plait.parallel.activations.SavedBytes: saved-tensor hooks plus what selective AC
 # keeps in torch's own cache, which those hooks do not see.
@@ -129,8 +149,10 @@ def measure(world: int, jobs: list[list[str]], tmp_path) -> list[dict]:
 
 
 def predict(layout: dict) -> dict:
+    layout = dict(layout)
+    args = ModelArgs(**FLAT_ARGS, **layout.pop("model", {}))
     lay = Layouts.single(micro_batch=BATCH // (layout.get("dp_replicate", 1) * layout.get("dp_shard", 1)), **layout)
-    work = Workload(ModelArgs(**FLAT_ARGS), SEQ, BATCH, compute_dtype="fp32")
+    work = Workload(args, SEQ, BATCH, compute_dtype="fp32")
     out = evaluate(work, get_cluster("h100", devices_per_node=8), lay)
     return dict(states=float(out["mem_states"][0]), activations=float(out["mem_activations"][0]))
 

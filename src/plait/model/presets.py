@@ -81,6 +81,47 @@ PRESETS: dict[str, dict] = {
         moe_aux_loss=0.01,
         moe_bias_rate=1e-3,
     ),  # fmt: skip
+    # Qwen3-30B-A3B's shape (128 experts, top 8, q/k norms, head size 128): 30.5B parameters, 3.3B active.
+    "qwen3-30b-a3b": dict(
+        dim=2048,
+        n_layers=48,
+        n_heads=32,
+        n_kv_heads=4,
+        attention_head_dim=128,
+        qk_norm=True,
+        vocab_size=151936,
+        ffn_hidden_dim=6144,
+        norm_eps=1e-6,
+        rope_theta=1e6,
+        max_seq_len=40960,
+        moe_experts=128,
+        moe_top_k=8,
+        moe_hidden_dim=768,
+        moe_norm_topk=True,
+    ),  # fmt: skip
+    # DeepSeek-V3's MoE shape for planning (256 routed experts, top 8, one shared, 3 dense first blocks, sigmoid
+    # router, loss-free balancing) with grouped-query attention in place of its multi-head latent attention:
+    # 675B parameters, 41B active (DeepSeek-V3: 671B, 37B).
+    "deepseek-v3-shaped": dict(
+        dim=7168,
+        n_layers=61,
+        n_heads=128,
+        n_kv_heads=8,
+        attention_head_dim=128,
+        vocab_size=129280,
+        ffn_hidden_dim=18432,
+        norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_seq_len=131072,
+        moe_experts=256,
+        moe_top_k=8,
+        moe_hidden_dim=2048,
+        moe_shared_experts=1,
+        moe_dense_layers=3,
+        moe_score="sigmoid",
+        moe_norm_topk=True,
+        moe_bias_rate=1e-3,
+    ),  # fmt: skip
 }
 
 

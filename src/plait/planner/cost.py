@@ -107,19 +107,24 @@ class Layouts:
 
 
 def layer_params(a: ModelArgs) -> list[tuple[int, int, int]]:
+    """One block's parameters; for a model mixing dense and MoE blocks, the average block (each MLP's
+    columns weighted by its share of the blocks: every count below is linear in them). An MoE block's
+    stacked experts are (experts, F x h): FSDP2 shards them by expert (dim 0)."""
     q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
     h, f = a.dim, a.hidden_dim
-    return [
-        (q, h, 0),
-        (kv, h, 0),
-        (kv, h, 0),
-        (h, q, 1),
-        (f, h, 0),
-        (f, h, 0),
-        (h, f, 1),
-        (h, 1, -1),
-        (h, 1, -1),
-    ]
+    out = [(q, h, 0), (kv, h, 0), (kv, h, 0), (h, q, 1), (h, 1, -1), (h, 1, -1)]
+    if a.qk_norm:
+        out += [(a.head_dim, 1, -1), (a.head_dim, 1, -1)]
+    moe = a.n_moe_layers / a.n_layers
+    if moe < 1:
+        out += [(f, h * (1 - moe), 0), (f, h * (1 - moe), 0), (h, f * (1 - moe), 1)]
+    if moe:
+        e, fe, shared = a.moe_experts, a.expert_hidden_dim, a.expert_hidden_dim * a.moe_shared_experts
+        out += [(e, h * moe, -1)]  # the router
+        out += [(e, fe * h * moe, 0), (e, fe * h * moe, 0), (e, h * fe * moe, 1)]
+        if shared:
+            out += [(shared, h * moe, 0), (shared, h * moe, 0), (h, shared * moe, 1)]
+    return out
 
 
 def embed_params(a: ModelArgs) -> list[tuple[int, int, int]]:
@@ -193,17 +198,37 @@ def layer_activation_bytes(a: ModelArgs, e: int, tp, ac, cp=1) -> np.ndarray:
         for which each unit's input (the residual stream, h e) and w2's input (F e) are kept, split over tp.
     Context parallel (cp > 1), none: the ring attention keeps k and v as they travel, n_kv_heads wide (the
         GQA repeat happens inside it), 2 kv e instead of 2 h e; the other modes keep what they keep at cp = 1.
+    Mixtures of experts (`moe_mlp_bytes`): the MLP terms of the average block (dense and MoE blocks weighted
+        by their share); the attention terms as above.
     """
     h, f, heads = a.dim, a.hidden_dim, a.n_heads
     kv = a.n_kv_heads * a.head_dim
     nb = _norm_bytes(e)
     attention = np.where(np.asarray(cp) > 1, 2 * e * h + 2 * e * kv, 4 * e * h)  # q, k, v and the output
-    none = (2 * nb * h + attention + 4 * heads + 4 * e * f + 8) / tp + 2 * e * h
+    moe = a.n_moe_layers / a.n_layers
+    mlp_none, mlp_kept = moe_mlp_bytes(a, e)
+    mlp_none = (1 - moe) * 4 * e * f + moe * mlp_none
+    mlp_kept = (1 - moe) * 2 * e * f + moe * mlp_kept
+    none = (2 * nb * h + attention + 4 * heads + mlp_none + 8) / tp + 2 * e * h
     full = e * h / tp
-    kept = e * h + e * (h + 2 * kv) + e * h + 4 * heads + 2 * e * f  # input, q/k/v, attention, w1 and w3 outputs
+    kept = e * h + e * (h + 2 * kv) + e * h + 4 * heads + mlp_kept  # input, q/k/v, attention, w1 and w3 outputs
     selective = np.where(recompute_units_pay(h, f, tp), (kept + e * h + e * f) / tp, kept / tp + 2 * e * h)
     ac = np.asarray(ac)
     return np.where(ac == 0, none, np.where(ac == 1, selective, full))
+
+
+def moe_mlp_bytes(a: ModelArgs, e: int) -> tuple[float, float]:
+    """Bytes per token an MoE block's MLP keeps (measured on plait.model.llama.MoE: tests/test_plan_vs_runtime.py),
+    as (no AC, selective AC beyond the one h e the block's formula counts for the MLP's output). Per routed copy
+    (k per token): without AC the expert's SwiGLU tensors (4 F e), the gathered token, the expert output and
+    its weighted copy (3 h e) and two int64 indices with their inverse (32); selective keeps the w1 and w3
+    outputs and the w2 output (2 F e + h e). Per token: the fp32 router scores and their top-k weights
+    (4 E + 4; selective: the router's output, E e); a shared expert as a dense SwiGLU of its width."""
+    h, k, fe, experts = a.dim, a.moe_top_k, a.expert_hidden_dim, a.moe_experts
+    shared = a.expert_hidden_dim * a.moe_shared_experts
+    none = k * (4 * fe * e + 3 * h * e + 32) + 4 * experts + 4 + 4 * shared * e
+    kept = k * (2 * fe * e + h * e) + experts * e + (2 * shared * e + h * e if shared else 0) - h * e
+    return none, kept
 
 
 def head_activation_bytes(a: ModelArgs, e: int, tp) -> np.ndarray:

@@ -188,11 +188,6 @@ def plan(work: Workload, cluster: Cluster, *, hints: bool = True, pins: dict[str
 
 def _check_request(work: Workload, cluster: Cluster) -> None:
     a = work.model
-    if a.moe_experts:
-        raise ConfigError(
-            f"plait plan does not model mixture-of-experts blocks yet (model.moe_experts={a.moe_experts}): "
-            "plan the dense model of the same shape (moe_experts=0) for a first layout"
-        )
     if work.seq_len > a.max_seq_len:
         raise ConfigError(
             f"--seq-len={work.seq_len} is longer than the model supports "
@@ -373,6 +368,12 @@ def _no_fit_message(work, cluster, lay, metrics, hints: bool) -> str:
     if rec["mem_activations_gib"] > rec["mem_states_gib"] and work.seq_len > 256:
         changes.append(f"a shorter sequence (activations grow with --seq-len={work.seq_len})")
     lines.append("Smallest changes that would make it fit: " + "; or ".join(changes) + ".")
+    if work.model.moe_experts and rec["mem_buffers_gib"] > rec["mem_states_gib"]:
+        lines.append(
+            f"Most of it is FSDP's gathered buffers: a mixture-of-experts block is gathered with all "
+            f"{work.model.moe_experts} experts; expert parallelism (each rank keeping its experts, tokens sent to "
+            "them) is what lifts this, and plait does not have it yet."
+        )
     return " ".join(lines)
 
 
