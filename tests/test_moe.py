@@ -86,8 +86,11 @@ def test_refused_settings_name_the_fix():
         cfg("model.moe_top_k=9")
     with pytest.raises(ConfigError, match="moe_score='relu'"):
         cfg("model.moe_score=relu")
-    with pytest.raises(ConfigError, match="tp_degree=2 with a mixture-of-experts model"):
-        cfg("parallel.tp_degree=2")
+    from plait.parallel import ParallelDims, validate_layout
+
+    with pytest.raises(ConfigError, match="tp_degree=2 with model.moe_experts=8 is not supported yet"):
+        moe_tp = cfg("parallel.tp_degree=2")
+        validate_layout(moe_tp, ParallelDims.from_config(moe_tp.parallel, 2))
     with pytest.raises(ConfigError, match="needs each sequence on one rank"):
         cfg("parallel.cp_degree=2")
     with pytest.raises(ConfigError, match="compile.enabled=true with a mixture-of-experts model"):

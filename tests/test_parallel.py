@@ -251,7 +251,7 @@ def layout(*overrides: str, world: int):
         (["parallel.cp_degree=2", "model.sliding_window=8"], 2, r"sliding_window=8 with parallel.cp_degree=2"),
         (["parallel.cp_degree=0"], 1, r"cp_degree=0 must be at least 1"),
         (["parallel.cp_degree=3"], 4, r"not divisible by dp_replicate x cp x tp x pp = 3"),
-        (["model.qk_norm=true", "parallel.tp_degree=2"], 2, r"qk_norm=true with parallel.tp_degree=2"),
+        (["model.qk_norm=true", "parallel.tp_degree=2"], 2, r"tp_degree=2 with model.qk_norm=true is not supported"),
     ],
 )
 def test_impossible_layouts_are_refused(overrides, world, message):

@@ -471,11 +471,6 @@ def validate(cfg: Config) -> Config:
             f"the head size {m.head_dim} (model.attention_head_dim, or dim / n_heads) must be even for rotary "
             "embeddings"
         )
-    if m.qk_norm and cfg.parallel.tp_degree > 1:  # the per-head norm weights would get partial gradients
-        raise ConfigError(
-            f"model.qk_norm=true with parallel.tp_degree={cfg.parallel.tp_degree} is not supported yet; set "
-            "parallel.tp_degree=1 (data, FSDP/HSDP, context and pipeline parallelism work)"
-        )
     if m.n_heads % m.n_kv_heads:
         raise ConfigError(
             f"model.n_kv_heads={m.n_kv_heads} does not divide model.n_heads={m.n_heads}; "
@@ -537,11 +532,6 @@ def _validate_moe(cfg: Config) -> None:
         raise ConfigError(
             f"compile.enabled=true with a mixture-of-experts model (model.moe_experts={m.moe_experts}) is not "
             "supported yet (each expert's token count changes every step); set compile.enabled=false"
-        )
-    if p.tp_degree > 1:  # the tensor-parallel plan splits dense MLPs, not stacked experts
-        raise ConfigError(
-            f"parallel.tp_degree={p.tp_degree} with a mixture-of-experts model (model.moe_experts={m.moe_experts}) "
-            "is not supported yet; set parallel.tp_degree=1 (data, FSDP/HSDP, context and pipeline parallelism work)"
         )
     if p.cp_degree > 1 and m.moe_aux_loss:  # the balance loss is per sequence: it needs whole sequences
         raise ConfigError(

@@ -39,7 +39,9 @@ class ExpertBalance(Callback):
             return False
         layers, meshes = moe_layers(run.t.parts), run.t.meshes  # a pipeline stage may have none: it still joins
         experts = cfg.model.moe_experts
-        loads = torch.stack([m.load for m in layers]) if layers else torch.zeros(0, experts)  # (blocks, experts)
+        loads = (  # (blocks, experts)
+            torch.stack([m.load for m in layers]) if layers else torch.zeros(0, experts, device=run.env.device)
+        )
         aux = sum((m.aux_total for m in layers), torch.zeros(())).reshape(1).to(loads.device)
         packed = torch.cat([loads.flatten(), aux]).double()
         if meshes.dims.dp_cp > 1:

@@ -156,9 +156,12 @@ def num_micro_batches(micro_batch_size: int, local_batch: int, stages: int = 1) 
 def tp_problem(m: ModelArgs, seq_len: int, tp: int) -> str | None:
     """Why tensor parallelism of degree tp cannot split this model and sequence (None: it can). The rule the
     runtime (validate_layout) and the planner's search share."""
-    if tp > 1 and (m.moe_experts or m.qk_norm):
+    if tp > 1 and (m.moe_experts or m.qk_norm):  # the plan splits dense MLPs and heads, not experts or q/k norms
         what = f"model.moe_experts={m.moe_experts}" if m.moe_experts else "model.qk_norm=true"
-        return f"parallel.tp_degree={tp} with {what} is not supported yet; set parallel.tp_degree=1"
+        return (
+            f"parallel.tp_degree={tp} with {what} is not supported yet; set parallel.tp_degree=1 (data, "
+            "FSDP/HSDP, context and pipeline parallelism work)"
+        )
     if m.n_heads % tp or m.n_kv_heads % tp:
         ok = [d for d in range(1, m.n_kv_heads + 1) if m.n_kv_heads % d == 0 and m.n_heads % d == 0]
         return (
