@@ -264,7 +264,7 @@ def analytic(cfg, dims, pp_rank: int) -> dict[tuple[str, str], float]:
             vol[(kind, axis)] += times * ring_bytes(kind, nbytes, nbytes, n)
 
     num_stages = dims.pp * p.pp_virtual_stages
-    layout = split_layers(a, num_stages, p.pp_split)
+    layout = split_layers(a, num_stages, p.pp_split, cfg.data.seq_len)  # as the pipeline splits it
     local = t.global_batch_size // dims.dp
     if dims.pp > 1:
         m = local // t.micro_batch_size if t.micro_batch_size else num_stages

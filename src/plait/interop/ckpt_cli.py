@@ -186,13 +186,21 @@ def _publish_weights(ckpt_dir: Path, save, *, config: dict, tokenizer_path: Path
 # ------------------------------------------------------------------------------------------------ inspect
 
 
+def _param_summary(m) -> str:
+    total = m.num_params()
+    line = f"{total:,} ({total / 1e6:.2f}M; {m.num_params(exclude_embeddings=True):,} non-embedding"
+    if m.moe_experts:
+        line += f"; {m.num_params(active=True):,} active per token"
+    return line + ")"
+
+
 def _inspect(a: argparse.Namespace) -> int:
     ckpt = resolve_checkpoint(a.path)
     meta = read_meta(ckpt)
     cfg = read_config(ckpt)
     m = cfg.model
     shapes = param_shapes(m)
-    numel = sum(_prod(s) for s in shapes.values())
+    numel = sum(_prod(s) for s in shapes.values())  # parameters and persistent buffers (MoE routing biases)
     files = file_sizes(ckpt)
     state = meta.get("train_state", {})
     rows: list[tuple[str, str]] = [
@@ -207,7 +215,7 @@ def _inspect(a: argparse.Namespace) -> int:
         ("tokens", f"{state['tokens']:,}" if isinstance(state.get("tokens"), int) else "?"),
         ("model", _shape_summary(m)),
         ("rotary", _rope_summary(m)),
-        ("parameters", f"{numel:,} ({numel / 1e6:.2f}M; {m.num_params(exclude_embeddings=True):,} non-embedding)"),
+        ("parameters", _param_summary(m)),
         ("model tensors", f"{len(shapes)} tensors, {_bytes(4 * numel)} in fp32"),
         ("optimizer state", _optim_summary(meta)),
         ("files", f"{len(files)} files, {_bytes(sum(files.values()))} on disk"),
