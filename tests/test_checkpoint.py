@@ -92,13 +92,6 @@ def same(a: dict, b: dict) -> bool:
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
-    from plait.data import ensure_prepared
-
-    return ensure_prepared("shakespeare", tmp_path_factory.mktemp("cache"), 4096)
-
-
-@pytest.fixture(scope="module")
 def straight(data_dir, tmp_path_factory):
     """The uninterrupted reference: 8 steps, one synchronous save at the end."""
     out = tmp_path_factory.mktemp("straight")

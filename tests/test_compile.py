@@ -88,13 +88,6 @@ def check_parity(name: str, got: dict, ref: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
-    from plait.data import ensure_prepared
-
-    return ensure_prepared("shakespeare", tmp_path_factory.mktemp("cache"), 4096)
-
-
-@pytest.fixture(scope="module")
 def runs(tmp_path_factory, data_dir) -> dict:
     """An eager run (in this process) and a cold compiled run (a fresh process) of the same job."""
     from plait.api import train

@@ -29,14 +29,6 @@ from plait.metrics import MetricsLogger
 from plait.parallel.env import DistEnv
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
-    from plait.data import ensure_prepared
-
-    # one cache per session, shared by test_health and test_guards: tokenising costs seconds
-    return ensure_prepared("shakespeare", tmp_path_factory.getbasetemp() / "guard-health-cache", 4096)
-
-
 def base(data_dir: Path, steps: int) -> list[str]:
     return [
         "model.preset=debug",

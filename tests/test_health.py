@@ -17,14 +17,6 @@ from plait.errors import PlaitError
 from plait.health import CollectiveRow, ComputeResult, HealthReport, bus_factor, check_compute
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    from plait.data import ensure_prepared
-
-    # one cache per session, shared by test_health and test_guards: tokenising costs seconds
-    return ensure_prepared("shakespeare", tmp_path_factory.getbasetemp() / "guard-health-cache", 4096)
-
-
 def test_bus_bandwidth_factors_and_sizes():
     assert bus_factor("all_reduce", 4) == 1.5 and bus_factor("all_gather", 4) == 0.75
     assert bus_factor("reduce_scatter", 2) == 0.5 and bus_factor("send_recv", 8) == 1.0

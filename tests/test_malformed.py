@@ -19,13 +19,6 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
-    from plait.data import ensure_prepared
-
-    return ensure_prepared("shakespeare", tmp_path_factory.mktemp("cache"), 4096)
-
-
-@pytest.fixture(scope="module")
 def trained(data_dir, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("trained")
     args = [

@@ -52,13 +52,6 @@ def base(data_dir: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
-    from plait.data import ensure_prepared
-
-    return ensure_prepared("shakespeare", tmp_path_factory.mktemp("cache"), 4096)
-
-
-@pytest.fixture(scope="module")
 def reference(data_dir, tmp_path_factory):
     from plait.api import train
 

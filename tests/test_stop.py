@@ -26,13 +26,6 @@ STEPS = 40
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
-    from plait.data import ensure_prepared
-
-    return ensure_prepared("shakespeare", tmp_path_factory.mktemp("cache"), 4096)
-
-
 def command(data_dir: Path, out: Path, name: str, nproc: int, *extra: str) -> list[str]:
     args = [
         "model.preset=debug",
