@@ -1,8 +1,8 @@
 """Mixture of experts: the MoE block against a per-token reference, the balancing loss and its gradient, the
 routing statistics and loss-free balancing in a real run, and parity of the parallel layouts that support MoE
-today (FSDP, HSDP, pipeline, context parallel, activation checkpointing) with one process: loss, gradient
-norm, balancing loss and load imbalance, within test_parallel's tolerances (fp32, 1e-5: reorderings only;
-routing is discrete, so a flipped top-k pick would show as a jump far beyond them)."""
+today (FSDP, HSDP, pipeline, context and expert parallel, activation checkpointing) with one process: loss,
+gradient norm, balancing loss and load imbalance, within test_parallel's tolerances (fp32, 1e-5: reorderings
+only; routing is discrete, so a flipped top-k pick would show as a jump far beyond them)."""
 
 from __future__ import annotations
 
@@ -91,6 +91,13 @@ def test_refused_settings_name_the_fix():
     with pytest.raises(ConfigError, match="tp_degree=2 with model.moe_experts=8 is not supported yet"):
         moe_tp = cfg("parallel.tp_degree=2")
         validate_layout(moe_tp, ParallelDims.from_config(moe_tp.parallel, 2))
+    with pytest.raises(ConfigError, match=r"ep_degree=3 must divide model.moe_experts=8 .* in \[1, 2, 4, 8\]"):
+        cfg("parallel.ep_degree=3")
+    with pytest.raises(ConfigError, match="model is dense"):
+        load_config(None, ["parallel.ep_degree=2"])
+    with pytest.raises(ConfigError, match=r"ep_degree=4 must divide dp_shard x cp = 2 .* in \[1, 2\]"):
+        moe_ep = cfg("parallel.ep_degree=4", "parallel.dp_replicate_degree=2")
+        validate_layout(moe_ep, ParallelDims.from_config(moe_ep.parallel, 4))
     with pytest.raises(ConfigError, match="needs each sequence on one rank"):
         cfg("parallel.cp_degree=2")
     with pytest.raises(ConfigError, match="compile.enabled=true with a mixture-of-experts model"):
@@ -166,8 +173,21 @@ LAYOUTS = {
             "parallel.activation_checkpoint=selective",
             "train.micro_batch_size=2",
         ],
+        "EP 2": ["parallel.ep_degree=2"],
     },
     4: {
+        "EP 4": ["parallel.ep_degree=4"],
+        "FSDP 2 x EP 2, selective AC, accumulation": [
+            "parallel.ep_degree=2",
+            "parallel.activation_checkpoint=selective",
+            "train.micro_batch_size=1",
+        ],
+        "PP 2 x EP 2": ["parallel.pp_degree=2", "parallel.ep_degree=2"],
+        "HSDP 2 x EP 2, full AC": [
+            "parallel.dp_replicate_degree=2",
+            "parallel.ep_degree=2",
+            "parallel.activation_checkpoint=full",
+        ],
         "HSDP 2 x 2": ["parallel.dp_replicate_degree=2", "parallel.dp_shard_degree=2"],
         "PP 2 x FSDP 2, interleaved": [
             "parallel.pp_degree=2",
@@ -196,6 +216,29 @@ def test_resume_restores_the_routing_bias(data_dir, reference, tmp_path):
     job = [*base(data_dir), "parallel.dp_shard_degree=2", "checkpoint.every_steps=0", f"checkpoint.dir={ckpts}"]
     (got,) = run_layouts(2, [job])
     check("FSDP 2 resumed at step 6", got, read_metrics(reference), steps=range(7, STEPS + 1))
+
+
+@pytest.mark.slow
+def test_checkpoints_reshard_across_expert_parallel_degrees(data_dir, reference, tmp_path):
+    """The experts' shards follow the layout, not the checkpoint: EP 4 resumes the one-process run's step-6
+    checkpoint, and one process resumes what EP 2 x FSDP 2 saved at step 6; both then train steps 7-10 as
+    the uninterrupted run did."""
+    from plait.api import train
+
+    ref = read_metrics(reference)
+    saved = tmp_path / "ep2-checkpoints"
+    resume = [*base(data_dir), "checkpoint.every_steps=0"]
+    ep4, ep2 = run_layouts(
+        4,
+        [
+            [*resume, f"checkpoint.dir={reference / 'checkpoints'}", "parallel.ep_degree=4"],
+            [*base(data_dir), "parallel.ep_degree=2", "checkpoint.every_steps=6", f"checkpoint.dir={saved}"],
+        ],
+    )
+    check("EP 4 resumed at step 6", ep4, ref, steps=range(7, STEPS + 1))
+    check("EP 2 x FSDP 2", ep2, ref)
+    train(load_config(None, [*resume, f"checkpoint.dir={saved}", f"run.out_dir={tmp_path}", "run.name=one"]))
+    check("one process resumed from EP 2", read_metrics(tmp_path / "one"), ref, steps=range(7, STEPS + 1))
 
 
 @pytest.mark.slow

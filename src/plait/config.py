@@ -155,6 +155,11 @@ class ParallelConfig:
     cp_degree: int = 1
     """Context parallel degree: each sequence is split over this many ranks (load-balanced causal chunks),
     attention runs as an exact ring over them; data.seq_len must be divisible by 2 x cp_degree."""
+    ep_degree: int = 1
+    """Expert parallel degree (mixture-of-experts models): each MoE block's experts are split over this many
+    ranks and tokens travel to their experts and back by all-to-all (dropless). The ep ranks are taken from
+    the data- and context-parallel ranks of one FSDP shard group, so ep_degree must divide dp_shard x cp; the
+    experts are FSDP-sharded over the rest of that group (and replicated over dp_replicate)."""
     pp_degree: int = 1
     """Pipeline stages (one per rank along the pp axis; see pp_virtual_stages)."""
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = "1f1b"
@@ -495,7 +500,7 @@ def validate(cfg: Config) -> Config:
             f"train.micro_batch_size={t.micro_batch_size}; choose micro_batch_size in "
             f"{_divisors(t.global_batch_size)}"
         )
-    for name in ("dp_replicate_degree", "tp_degree", "pp_degree"):
+    for name in ("dp_replicate_degree", "tp_degree", "pp_degree", "ep_degree"):
         if getattr(cfg.parallel, name) < 1:
             raise ConfigError(f"parallel.{name} must be at least 1")
     if cfg.parallel.dp_shard_degree == 0 or cfg.parallel.dp_shard_degree < -1:
@@ -517,8 +522,19 @@ def _validate_moe(cfg: Config) -> None:
     m, p = cfg.model, cfg.parallel
     _non_negative("model", m, ["moe_experts", "moe_hidden_dim", "moe_shared_experts", "moe_dense_layers"])
     _non_negative("model", m, ["moe_aux_loss", "moe_bias_rate"])
+    if p.ep_degree > 1 and not m.moe_experts:
+        raise ConfigError(
+            f"parallel.ep_degree={p.ep_degree} splits a mixture of experts, but this model is dense "
+            "(model.moe_experts=0); set parallel.ep_degree=1, or choose an MoE model (e.g. model.preset=moe-debug)"
+        )
     if not m.moe_experts:
         return
+    if m.moe_experts % p.ep_degree:
+        ok = [d for d in range(1, m.moe_experts + 1) if m.moe_experts % d == 0]
+        raise ConfigError(
+            f"parallel.ep_degree={p.ep_degree} must divide model.moe_experts={m.moe_experts} (each ep rank holds "
+            f"an equal share of the experts); choose ep_degree in {ok}"
+        )
     if not 1 <= m.moe_top_k <= m.moe_experts:
         raise ConfigError(f"model.moe_top_k={m.moe_top_k} must be in [1, model.moe_experts={m.moe_experts}]")
     if m.moe_score not in ("softmax", "sigmoid"):

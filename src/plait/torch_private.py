@@ -74,6 +74,42 @@ def merge_inner_axes(mesh, outer: str, inner: tuple[str, ...], name: str):
     return mesh[outer, name]
 
 
+def unflatten_mesh(flat, sizes: tuple[int, ...], names: tuple[str, ...]):
+    """A flattened 1-D mesh (`flatten_mesh`) split again into axes of the given sizes and names: sub-meshes of
+    the same world mesh, so FSDP2 can shard a parameter that is already a DTensor on one of them
+    (DeviceMesh._unflatten, torch >= 2.10)."""
+    return flat._unflatten(0, sizes, names)
+
+
+_COUNTED_MODES: dict[type, type] = {}
+
+
+def count_only_saved_ops(modes, saved) -> None:
+    """Selective activation checkpointing's two dispatch modes (from create_selective_checkpoint_contexts)
+    changed in place to count and cache only the ops in `saved`; every other op runs as it is, in forward
+    and in the recompute. torch matches the recompute to the forward op by op (an invocation counter per op),
+    so a region that contains an FSDP2-sharded module (expert-parallel experts: plait.parallel.parallelize)
+    fails in backward: FSDP's hooks run a different number of record_function, all-gather and copy ops in the
+    recompute than in forward (pytorch/pytorch#196862 makes torch skip those; not in torch 2.13). The ops
+    left uncounted are ones the policy recomputes anyway, so only the bookkeeping changes. Eager mode only."""
+    from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
+
+    for mode in modes:
+        base = type(mode)
+        if base not in (_CachingTorchDispatchMode, _CachedTorchDispatchMode):
+            raise TypeError(f"not a selective-checkpoint mode: {base.__name__}")
+        if base not in _COUNTED_MODES:
+
+            def dispatch(self, func, types, args=(), kwargs=None, _base=base):
+                if func not in self.plait_saved:
+                    return func(*args, **(kwargs or {}))
+                return _base.__torch_dispatch__(self, func, types, args, kwargs)
+
+            _COUNTED_MODES[base] = type(f"SavedOnly{base.__name__}", (base,), {"__torch_dispatch__": dispatch})
+        mode.__class__ = _COUNTED_MODES[base]
+        mode.plait_saved = saved
+
+
 def in_backward() -> bool:
     """Whether autograd's backward is running on this thread (an activation-checkpoint recompute is: its
     forward must not count statistics a second time)."""

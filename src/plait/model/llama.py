@@ -254,14 +254,22 @@ class Experts(nn.Module):
         flat = picked.flatten()
         order = flat.argsort(stable=True)  # the (token, slot) pairs grouped by expert
         rows = order // picked.shape[1]
-        counts = torch.bincount(flat, minlength=self.w1.shape[0]).tolist()
-        grouped = tokens[rows]
-        outs = []
-        for e, chunk in enumerate(grouped.split(counts)):
-            if chunk.shape[0]:
-                outs.append((F.silu(chunk @ self.w1[e].t()) * (chunk @ self.w3[e].t())) @ self.w2[e].t())
-        routed = torch.cat(outs) * weights.flatten()[order, None]
+        counts = torch.bincount(flat, minlength=self.w1.shape[0])
+        routed = self.grouped(tokens[rows], counts) * weights.flatten()[order, None]
         return torch.zeros_like(tokens).index_add_(0, rows, routed)
+
+    def grouped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Each expert on its tokens: x (sum(counts), dim) holds counts[e] tokens for expert e, in expert order.
+        The seam expert parallelism replaces (plait.parallel.experts): it sends the tokens to the ranks that
+        hold their experts and brings the results back in this order."""
+        return swiglu_experts(x, counts.tolist(), self.w1, self.w2, self.w3)
+
+
+def swiglu_experts(x: torch.Tensor, counts: list[int], w1, w2, w3) -> torch.Tensor:
+    """Expert e's SwiGLU (w1[e], w3[e]: (F, dim), w2[e]: (dim, F)) on its counts[e] rows of x, in order. An
+    expert with no tokens still takes part (a zero-row product), so every expert weight gets a gradient."""
+    outs = [(F.silu(c @ w1[e].t()) * (c @ w3[e].t())) @ w2[e].t() for e, c in enumerate(x.split(counts))]
+    return torch.cat(outs)
 
 
 class AuxLoss(torch.autograd.Function):

@@ -8,6 +8,11 @@ exists even with degree 1, so code never branches on which axes are present.
 Context parallelism is folded into FSDP (as torchtitan does): the ranks of a cp group hold different tokens
 of the same sequences, so their gradients are reduced together with the data-parallel ones, and parameters
 are sharded over dp_shard x cp.
+
+Expert parallelism borrows its ranks from that shard group: dp_shard x cp splits into (ep_shard, ep), ep
+innermost. A mixture of experts' blocks are split over ep (each rank its share of the experts, tokens sent
+to them by all-to-all) and FSDP-sharded over ep_shard; every other parameter is sharded as before. The ep
+ranks hold different tokens, so no rank computes anything twice.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from plait.config import Config, ParallelConfig
 from plait.errors import ConfigError
-from plait.torch_private import flatten_mesh, merge_inner_axes
+from plait.torch_private import flatten_mesh, merge_inner_axes, unflatten_mesh
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -36,6 +41,7 @@ class ParallelDims:
     pp: int
     cpu_offload: bool = False  # FSDP2's offload policy: FSDP2 then applies at any dp, 1 included
     cp: int = 1
+    ep: int = 1  # a split of dp_shard x cp, not a further factor of the world
 
     @classmethod
     def from_config(cls, cfg: ParallelConfig, world_size: int) -> ParallelDims:
@@ -52,7 +58,9 @@ class ParallelDims:
                     f"(plait train --nproc {fixed})"
                 )
             shard = world_size // fixed
-        dims = cls(cfg.dp_replicate_degree, shard, cfg.tp_degree, cfg.pp_degree, cfg.cpu_offload, cfg.cp_degree)
+        dims = cls(
+            cfg.dp_replicate_degree, shard, cfg.tp_degree, cfg.pp_degree, cfg.cpu_offload, cfg.cp_degree, cfg.ep_degree
+        )
         if dims.world_size != world_size:
             raise ConfigError(
                 f"parallel degrees dp_replicate={dims.dp_replicate} x dp_shard={dims.dp_shard} x cp={dims.cp} "
@@ -86,7 +94,8 @@ class ParallelDims:
     def describe(self) -> str:
         """The degrees as one line for logs and reports."""
         cp = f" cp={self.cp}" if self.cp > 1 else ""
-        return f"pp={self.pp} dp_replicate={self.dp_replicate} dp_shard={self.dp_shard}{cp} tp={self.tp}"
+        ep = f" ep={self.ep}" if self.ep > 1 else ""
+        return f"pp={self.pp} dp_replicate={self.dp_replicate} dp_shard={self.dp_shard}{cp} tp={self.tp}{ep}"
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         from torch.distributed.device_mesh import init_device_mesh
@@ -128,6 +137,27 @@ class Meshes:
         if self.dims.dp_replicate > 1:
             return self.world["dp_replicate", "dp_shard"]
         return self.world["dp_shard"]
+
+    @cached_property
+    def _experts(self) -> DeviceMesh:
+        """(ep_replicate, ep_shard, ep): dp_replicate x dp_shard x cp with its shard part split in two, ep
+        innermost (neighbouring ranks, as cp and tp are)."""
+        d = self.dims
+        sizes = (d.dp_replicate, d.dp_shard * d.cp // d.ep, d.ep)
+        return unflatten_mesh(self.loss, sizes, ("ep_replicate", "ep_shard", "ep"))
+
+    @property
+    def ep(self) -> DeviceMesh:
+        """The ranks one MoE block's experts are split over (all-to-all dispatch and combine)."""
+        return self._experts["ep"]
+
+    @property
+    def experts_fsdp(self) -> DeviceMesh:
+        """FSDP2's mesh for the experts: the rest of the shard group (ep_shard), or (ep_replicate, ep_shard)
+        under HSDP."""
+        if self.dims.dp_replicate > 1:
+            return self._experts["ep_replicate", "ep_shard"]
+        return self._experts["ep_shard"]
 
     @property
     def cp(self) -> DeviceMesh:
@@ -203,6 +233,26 @@ def cp_problem(m: ModelArgs, seq_len: int, cp: int, tp: int = 1) -> str | None:
     return None
 
 
+def ep_problem(m: ModelArgs, dims: ParallelDims) -> str | None:
+    """Why expert parallelism of degree dims.ep cannot split this model in this layout (None: it can); shared
+    like tp_problem."""
+    if dims.ep == 1:
+        return None
+    if (dims.dp_shard * dims.cp) % dims.ep:
+        ok = [d for d in range(1, dims.dp_shard * dims.cp + 1) if (dims.dp_shard * dims.cp) % d == 0]
+        return (
+            f"parallel.ep_degree={dims.ep} must divide dp_shard x cp = {dims.dp_shard * dims.cp} (the expert-parallel "
+            f"ranks are data- or context-parallel ranks of one FSDP shard group); choose ep_degree in {ok}, or raise "
+            "parallel.dp_shard_degree"
+        )
+    if dims.tp > 1:
+        return (
+            f"parallel.ep_degree={dims.ep} with parallel.tp_degree={dims.tp} is not supported yet (the experts are "
+            "not tensor-parallel); set parallel.tp_degree=1"
+        )
+    return None
+
+
 def pp_problem(m: ModelArgs, pp: int) -> str | None:
     """Why pipeline parallelism of degree pp cannot split this model (None: it can); shared like tp_problem."""
     if pp > 1 and m.tie_embeddings:
@@ -218,7 +268,11 @@ def pp_problem(m: ModelArgs, pp: int) -> str | None:
 def validate_layout(cfg: Config, dims: ParallelDims) -> None:
     """Refuse layouts that cannot work, before any worker starts; each message names the setting to change."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    problem = tp_problem(m, cfg.data.seq_len, dims.tp) or cp_problem(m, cfg.data.seq_len, dims.cp, dims.tp)
+    problem = (
+        tp_problem(m, cfg.data.seq_len, dims.tp)
+        or cp_problem(m, cfg.data.seq_len, dims.cp, dims.tp)
+        or ep_problem(m, dims)
+    )
     if problem:
         raise ConfigError(problem)
     if t.global_batch_size % dims.dp:

@@ -51,6 +51,10 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, meshes: Meshes) 
     if meshes.dims.pp > 1:
         dist.all_reduce(squared, group=meshes.pp.get_group())
     norm = squared.sqrt().float()
-    if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+    if max_norm > 0:  # per mesh: one foreach call may not mix meshes (expert parallel experts have their own)
+        by_mesh: dict[object, list[nn.Parameter]] = {}
+        for p in params:
+            by_mesh.setdefault(getattr(p, "device_mesh", None), []).append(p)
+        for group in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
     return norm

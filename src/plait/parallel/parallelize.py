@@ -2,10 +2,12 @@
 
 1. tensor + sequence parallel (a plan: module name -> parallel style), loss-parallel output; context
    parallel (ring attention over the cp axis, rotary tables at this rank's positions: plait.parallel.context);
+   expert parallel (each MoE block's experts split over the ep axis: plait.parallel.experts);
 2. activation checkpointing per block (none / selective / full);
 3. torch.compile per block (compile.enabled; see plait.compile), after AC so the checkpointed block is
    traced whole, before FSDP2 so its collectives stay outside the compiled graphs;
-4. FSDP2 per block and at the root, with a mixed-precision policy; HSDP on a 2-D mesh (MiCS);
+4. FSDP2 per block and at the root, with a mixed-precision policy; HSDP on a 2-D mesh (MiCS); expert-parallel
+   experts on their own mesh (the shard group's ranks outside their ep group);
    optional CPU offload of parameters, gradients and optimizer state.
 
 Then ``materialize`` allocates the sharded parameters on the device and fills them with exactly the values
@@ -36,11 +38,12 @@ from plait.compile import apply_compile
 from plait.config import Config
 from plait.errors import ConfigError
 from plait.model.args import recompute_units_pay
-from plait.model.llama import FeedForward, Transformer, TransformerBlock
+from plait.model.llama import Experts, FeedForward, Transformer, TransformerBlock
 from plait.parallel.activations import track_sac_cache
 from plait.parallel.context import apply_cp
 from plait.parallel.dims import Meshes
-from plait.torch_private import local_box
+from plait.parallel.experts import apply_ep
+from plait.torch_private import count_only_saved_ops, local_box
 
 
 def parallelize(model: nn.Module, meshes: Meshes, cfg: Config, device: torch.device) -> nn.Module:
@@ -51,8 +54,10 @@ def parallelize(model: nn.Module, meshes: Meshes, cfg: Config, device: torch.dev
         apply_tp(model, meshes.tp)
     if dims.cp > 1:
         apply_cp(model, meshes.cp)
+    if dims.ep > 1:
+        apply_ep(model, meshes.ep)
     if cfg.parallel.activation_checkpoint != "none":
-        apply_ac(model, cfg.parallel.activation_checkpoint, dims.tp)
+        apply_ac(model, cfg.parallel.activation_checkpoint, dims.tp, dims.ep)
     apply_compile(model, cfg)
     if dims.fsdp_enabled:
         apply_fsdp(model, meshes, cfg, device)
@@ -124,18 +129,22 @@ def _sequence_shard_input(module, args, *, mesh):
     return (x, *rest)
 
 
-def _selective_policy(ctx, op, *args, **kwargs):
-    """Keep the outputs of matmuls and attention (expensive to recompute, cheap to keep relative to the
-    element-wise work around them); recompute norms, activations and rotary embeddings."""
-    save = op in (
+SAVED_OPS = frozenset(
+    {
         torch.ops.aten.mm.default,
         torch.ops.aten.addmm.default,
         torch.ops.aten._scaled_dot_product_efficient_attention.default,
         torch.ops.aten._scaled_dot_product_flash_attention.default,
         torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
         torch.ops.plait.ring_attention.default,  # context parallel attention: keeping it saves a ring pass
-    )
-    return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
+    }
+)
+"""What selective recompute keeps: the outputs of matmuls and attention (expensive to recompute, cheap to keep
+relative to the element-wise work around them); norms, activations and rotary embeddings are recomputed."""
+
+
+def _selective_policy(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def blocks(model: nn.Module) -> list[tuple[str | int, nn.Module]]:
@@ -149,7 +158,7 @@ def blocks(model: nn.Module) -> list[tuple[str | int, nn.Module]]:
     return []
 
 
-def apply_ac(model: nn.Module, mode: str, tp: int = 1) -> None:
+def apply_ac(model: nn.Module, mode: str, tp: int = 1, ep: int = 1) -> None:
     """full: each block recomputed whole in backward (it keeps only its input). selective: the matmul and
     attention outputs kept (_selective_policy), the element-wise work between them (norms, rotary tables,
     SiLU, the all-gathers of sequence parallelism) recomputed. On a block with recompute units (plait's:
@@ -158,7 +167,9 @@ def apply_ac(model: nn.Module, mode: str, tp: int = 1) -> None:
     selective recompute with sequence parallelism does; the output projections keep their input as usual.
     That pays under tensor parallelism (model.args.recompute_units_pay: from tp = 2 for Llama's shapes); else,
     and on a block without units (your own model), the block is one selective region, which keeps the output
-    projections' outputs instead (full-size partial sums under TP)."""
+    projections' outputs instead (full-size partial sums under TP). An MoE block under expert parallelism
+    holds an FSDP-sharded module of its own (its experts), whose hooks run inside the region: there the
+    region counts only the ops it keeps (torch_private.count_only_saved_ops)."""
     for name, block in blocks(model):
         if mode == "full":
             model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
@@ -166,7 +177,9 @@ def apply_ac(model: nn.Module, mode: str, tp: int = 1) -> None:
             for unit in RECOMPUTE_UNITS:
                 setattr(block, unit, partial(_recomputed, getattr(block, unit)))  # shadows the method
         else:
-            model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False, context_fn=_selective_contexts)
+            nested_fsdp = ep > 1 and any(isinstance(m, Experts) for m in block.modules())
+            contexts = partial(_selective_contexts, count_all=not nested_fsdp)
+            model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False, context_fn=contexts)
 
 
 RECOMPUTE_UNITS = ("attend", "gated")
@@ -183,8 +196,10 @@ def _recomputed(fn, *args):
     return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False, context_fn=_selective_contexts)
 
 
-def _selective_contexts():
+def _selective_contexts(count_all: bool = True):
     caching, cached = create_selective_checkpoint_contexts(_selective_policy)
+    if not count_all:
+        count_only_saved_ops((caching, cached), SAVED_OPS)
     track_sac_cache(caching)  # counted when activation memory is being measured (plait.parallel.activations)
     return caching, cached
 
@@ -211,7 +226,11 @@ def apply_fsdp(model: nn.Module, meshes: Meshes, cfg: Config, device: torch.devi
     units = [block for _, block in blocks(model)]
     for i, block in enumerate(units):
         # The last block's parameters are needed again at once by backward: keep them gathered.
-        fully_shard(block, reshard_after_forward=reshard and i < len(units) - 1, **kwargs)
+        unit_reshard = reshard and i < len(units) - 1
+        if meshes.dims.ep > 1:  # expert-parallel experts: sharded over the rest of the shard group
+            for experts in [m for m in block.modules() if isinstance(m, Experts)]:
+                fully_shard(experts, reshard_after_forward=unit_reshard, **{**kwargs, "mesh": meshes.experts_fsdp})
+        fully_shard(block, reshard_after_forward=unit_reshard, **kwargs)
     # The root (embedding, final norm, output) is needed first in backward (the output) and last (the
     # embedding): keep it gathered through the step. (An explicit True re-gathers it in every backward,
     # measured as 25% of FSDP's traffic by bench/comm.py.)

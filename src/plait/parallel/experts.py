@@ -1,0 +1,90 @@
+"""Expert parallelism: each MoE block's experts split over the ep ranks, tokens sent to their experts and back
+by all-to-all.
+
+The model's experts compute through one seam, ``Experts.grouped(x, counts)``: the tokens of this rank grouped
+by expert (counts[e] for expert e, all E experts). Here that seam becomes:
+
+1. dispatch: the counts go to every ep rank (a small all-to-all), then the tokens themselves, each rank
+   receiving, from every rank, the tokens for its own E / ep experts (rows ordered by source, then expert);
+2. the local experts run on their tokens (regrouped by expert: every source's tokens for expert 0, ...);
+3. combine: the results go back by the reverse all-to-all, arriving in the order they left, which is the
+   order ``grouped`` promises.
+
+Dropless: every token reaches every expert it picked, however unbalanced the routing (no capacity factor,
+no padding); the price of an imbalance is time on the busiest rank, which moe/load_imbalance shows.
+
+The expert weights are DTensors sharded on the expert dimension over the ep mesh (FSDP2 shards them further
+over ep_shard: plait.parallel.parallelize.apply_fsdp). Their gradients arrive summed over the ep ranks' tokens
+(the all-to-all's backward brings every rank's share to the expert's owner) and FSDP then averages over
+ep_shard, so they are scaled by 1 / ep on the way in: the mean over all data-parallel ranks, as for every
+other parameter.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from plait.model.llama import Experts, swiglu_experts
+
+
+def apply_ep(model: nn.Module, ep_mesh) -> None:
+    """Split the experts of every MoE block of a model (on meta) over ep_mesh and route through it."""
+    for module in model.modules():
+        if isinstance(module, Experts):
+            for name, param in list(module.named_parameters(recurse=False)):
+                local = param.detach().chunk(ep_mesh.size(), dim=0)[ep_mesh.get_local_rank()]
+                sharded = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
+                module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+            module.grouped = partial(_expert_parallel, module, ep_mesh)  # shadows the method
+
+
+def _expert_parallel(experts: Experts, ep_mesh, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    ep, group = ep_mesh.size(), ep_mesh.get_group()
+    send = counts.view(ep, -1)  # tokens for each rank's experts
+    recv = torch.empty_like(send)  # recv[s, e]: tokens from rank s for local expert e
+    dist.all_to_all_single(recv, send, group=group)
+    sent_rows, got_rows = send.sum(1).tolist(), recv.sum(1).tolist()
+    got = AllToAll.apply(x, got_rows, sent_rows, group)
+    local = recv.shape[1]
+    pieces = recv.flatten().tolist()  # chunk sizes of `got`, by (source, expert)
+    by_source = got.split(pieces)
+    by_expert = torch.cat([by_source[s * local + e] for e in range(local) for s in range(ep)])
+    weights = [ScaleGrad.apply(w.to_local(), 1.0 / ep) for w in (experts.w1, experts.w2, experts.w3)]
+    out = swiglu_experts(by_expert, recv.sum(0).tolist(), *weights)
+    done = out.split([recv[s, e] for e in range(local) for s in range(ep)])
+    back = torch.cat([done[e * ep + s] for s in range(ep) for e in range(local)])
+    return AllToAll.apply(back, sent_rows, got_rows, group)
+
+
+class AllToAll(torch.autograd.Function):
+    """Rows of x split by in_rows go one piece to each rank; out_rows pieces arrive. Backward: the reverse."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, out_rows: list[int], in_rows: list[int], group) -> torch.Tensor:
+        ctx.rows, ctx.group = (out_rows, in_rows), group
+        out = x.new_empty((sum(out_rows), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_rows, in_rows, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out_rows, in_rows = ctx.rows
+        return AllToAll.apply(grad, in_rows, out_rows, ctx.group), None, None, None
+
+
+class ScaleGrad(torch.autograd.Function):
+    """x unchanged; its gradient times `scale`."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
