@@ -549,11 +549,6 @@ def _validate_moe(cfg: Config) -> None:
             f"compile.enabled=true with a mixture-of-experts model (model.moe_experts={m.moe_experts}) is not "
             "supported yet (each expert's token count changes every step); set compile.enabled=false"
         )
-    if p.cp_degree > 1 and m.moe_aux_loss:  # the balance loss is per sequence: it needs whole sequences
-        raise ConfigError(
-            f"model.moe_aux_loss={m.moe_aux_loss} with parallel.cp_degree={p.cp_degree}: the sequence-wise balance "
-            "loss needs each sequence on one rank; use model.moe_bias_rate (loss-free balancing) or cp_degree=1"
-        )
 
 
 def _validate_compile(cfg: Config) -> None:

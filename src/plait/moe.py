@@ -44,8 +44,8 @@ class ExpertBalance(Callback):
         )
         aux = sum((m.aux_total for m in layers), torch.zeros(())).reshape(1).to(loads.device)
         packed = torch.cat([loads.flatten(), aux]).double()
-        if meshes.dims.dp_cp > 1:
-            dist.all_reduce(packed, group=meshes.loss.get_group())
+        if meshes.dims.dp_cp * meshes.dims.moe_tp > 1:  # the ranks that routed different tokens
+            dist.all_reduce(packed, group=meshes.tokens.get_group())
         loads = packed[:-1].view_as(loads)
         mean = loads.mean(1, keepdim=True)
         if result.stepped and cfg.model.moe_bias_rate:

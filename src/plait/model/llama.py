@@ -227,15 +227,24 @@ class MoE(nn.Module):
     def _balance_loss(self, scores: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
         """Summed over this micro-batch's sequences: coef x sum_e f_e P_e, f_e = E / (k T) x the picks of e in
         the sequence, P_e = the mean over its tokens of e's normalised score (DeepSeek-V3's sequence-wise loss;
-        Switch Transformer's with the sequence as the batch)."""
+        Switch Transformer's with the sequence as the batch). Written as sum_e f_e x (the scores summed over
+        this part's tokens) / T with f and T from `sequence_counts`, so where the sequences are split over
+        ranks each part's value is its share of the loss and of its gradient (their sum is the loss)."""
         experts = scores.shape[-1]
-        seqlen = scores.shape[1]
         counts = torch.zeros_like(scores[:, 0]).scatter_add_(
             1, picked.flatten(1), torch.ones_like(picked.flatten(1), dtype=scores.dtype)
         )  # (B, E)
+        counts = self.sequence_counts(counts)
+        seqlen = counts[:1].sum() / self.top_k  # every token makes top_k picks
         f = counts * experts / (self.top_k * seqlen)
-        p = (scores / scores.sum(-1, keepdim=True)).mean(1)  # (B, E)
+        p = (scores / scores.sum(-1, keepdim=True)).sum(1) / seqlen  # (B, E)
         return self.aux_coef * (f * p).sum()
+
+    def sequence_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """The picks per expert (B, E) of each whole sequence from those of this rank's part of it: the same
+        tensor here. The seam for layouts that split sequences over ranks (context parallelism, and sequence
+        parallelism through an MoE block), which sum it over them: plait.parallel.experts."""
+        return counts
 
 
 class Experts(nn.Module):

@@ -9,10 +9,14 @@ Context parallelism is folded into FSDP (as torchtitan does): the ranks of a cp 
 of the same sequences, so their gradients are reduced together with the data-parallel ones, and parameters
 are sharded over dp_shard x cp.
 
-Expert parallelism borrows its ranks from that shard group: dp_shard x cp splits into (ep_shard, ep), ep
-innermost. A mixture of experts' blocks are split over ep (each rank its share of the experts, tokens sent
-to them by all-to-all) and FSDP-sharded over ep_shard; every other parameter is sharded as before. The ep
-ranks hold different tokens, so no rank computes anything twice.
+A mixture-of-experts block under tensor parallelism is not split by tp: it runs on each tp rank's sequence
+shard (the layout sequence parallelism leaves between blocks), so for it the tp ranks are more ranks with
+different tokens, like cp's; its parameters are FSDP-sharded over dp_shard x cp x tp ("tokens").
+
+Expert parallelism borrows its ranks from those: dp_shard x cp (x tp) splits into (ep_shard, ep), ep
+innermost. The experts are split over ep (each rank its share, tokens sent to them by all-to-all) and
+FSDP-sharded over ep_shard; every other parameter is sharded as before. The ep ranks hold different tokens,
+so no rank computes anything twice.
 """
 
 from __future__ import annotations
@@ -41,11 +45,13 @@ class ParallelDims:
     pp: int
     cpu_offload: bool = False  # FSDP2's offload policy: FSDP2 then applies at any dp, 1 included
     cp: int = 1
-    ep: int = 1  # a split of dp_shard x cp, not a further factor of the world
+    ep: int = 1  # a split of dp_shard x cp (x tp), not a further factor of the world
+    moe: bool = False  # the model has mixture-of-experts blocks
 
     @classmethod
-    def from_config(cls, cfg: ParallelConfig, world_size: int) -> ParallelDims:
-        """Resolve dp_shard=-1 to what the other degrees leave of the world, and check the product."""
+    def from_config(cls, cfg: ParallelConfig, world_size: int, moe: bool = False) -> ParallelDims:
+        """Resolve dp_shard=-1 to what the other degrees leave of the world, and check the product. moe: the
+        model has mixture-of-experts blocks (which tensor parallelism does not split: see the module doc)."""
         if cfg.cp_degree < 1:
             raise ConfigError(f"parallel.cp_degree={cfg.cp_degree} must be at least 1 (1: no context parallelism)")
         fixed = cfg.dp_replicate_degree * cfg.tp_degree * cfg.pp_degree * cfg.cp_degree
@@ -59,7 +65,14 @@ class ParallelDims:
                 )
             shard = world_size // fixed
         dims = cls(
-            cfg.dp_replicate_degree, shard, cfg.tp_degree, cfg.pp_degree, cfg.cpu_offload, cfg.cp_degree, cfg.ep_degree
+            cfg.dp_replicate_degree,
+            shard,
+            cfg.tp_degree,
+            cfg.pp_degree,
+            cfg.cpu_offload,
+            cfg.cp_degree,
+            cfg.ep_degree,
+            moe,
         )
         if dims.world_size != world_size:
             raise ConfigError(
@@ -85,11 +98,18 @@ class ParallelDims:
         return self.dp * self.cp
 
     @property
+    def moe_tp(self) -> int:
+        """How many ranks split each sequence's tokens inside a mixture-of-experts block beyond cp: tp (the
+        block runs on each tp rank's sequence shard), 1 for a dense model."""
+        return self.tp if self.moe else 1
+
+    @property
     def fsdp_enabled(self) -> bool:
-        """FSDP2 wraps the model where data or context parallelism shards it, and at dp = cp = 1 where CPU
-        offload is asked (FSDP2's offload policy is how parameters, gradients and optimizer state live on the
-        CPU)."""
-        return self.dp_cp > 1 or self.cpu_offload
+        """FSDP2 wraps the model where data or context parallelism shards it, where mixture-of-experts blocks
+        are split (expert parallelism, or tp ranks with different tokens: their gradients are reduced by
+        FSDP), and at dp = cp = 1 where CPU offload is asked (FSDP2's offload policy is how parameters,
+        gradients and optimizer state live on the CPU)."""
+        return self.dp_cp > 1 or self.cpu_offload or self.ep > 1 or self.moe_tp > 1
 
     def describe(self) -> str:
         """The degrees as one line for logs and reports."""
@@ -139,12 +159,30 @@ class Meshes:
         return self.world["dp_shard"]
 
     @cached_property
-    def _experts(self) -> DeviceMesh:
-        """(ep_replicate, ep_shard, ep): dp_replicate x dp_shard x cp with its shard part split in two, ep
-        innermost (neighbouring ranks, as cp and tp are)."""
+    def tokens(self) -> DeviceMesh:
+        """Ranks that hold different tokens of a step inside a mixture-of-experts block: the loss ranks, and
+        tp's too (`ParallelDims.moe_tp`). Routing statistics are summed over them."""
+        if self.dims.moe_tp == 1:
+            return self.loss
+        return flatten_mesh(self.world["dp_replicate", "dp_shard", "cp", "tp"], "tokens")
+
+    @cached_property
+    def sequence(self) -> DeviceMesh:
+        """Ranks that hold parts of the same sequences inside a mixture-of-experts block: cp, and tp under
+        `moe_tp`. Its sequence-wise balancing loss sums their routing counts."""
+        if self.dims.cp > 1 and self.dims.moe_tp > 1:
+            return flatten_mesh(self.world["cp", "tp"], "cp_tp")
+        return self.world["tp"] if self.dims.moe_tp > 1 else self.world["cp"]
+
+    def _split_tokens(self, ep: int, names: tuple[str, str, str]) -> DeviceMesh:
+        """`tokens` as (replicas, shard, ep): its dp_replicate part, and the rest split in two, ep innermost
+        (neighbouring ranks, as cp and tp are)."""
         d = self.dims
-        sizes = (d.dp_replicate, d.dp_shard * d.cp // d.ep, d.ep)
-        return unflatten_mesh(self.loss, sizes, ("ep_replicate", "ep_shard", "ep"))
+        return unflatten_mesh(self.tokens, (d.dp_replicate, self.tokens.size() // d.dp_replicate // ep, ep), names)
+
+    @cached_property
+    def _experts(self) -> DeviceMesh:
+        return self._split_tokens(self.dims.ep, ("ep_replicate", "ep_shard", "ep"))
 
     @property
     def ep(self) -> DeviceMesh:
@@ -153,11 +191,20 @@ class Meshes:
 
     @property
     def experts_fsdp(self) -> DeviceMesh:
-        """FSDP2's mesh for the experts: the rest of the shard group (ep_shard), or (ep_replicate, ep_shard)
-        under HSDP."""
+        """FSDP2's mesh for expert-parallel experts: the rest of the token ranks (ep_shard), or (ep_replicate,
+        ep_shard) under HSDP."""
         if self.dims.dp_replicate > 1:
             return self._experts["ep_replicate", "ep_shard"]
         return self._experts["ep_shard"]
+
+    @cached_property
+    def moe_fsdp(self) -> DeviceMesh:
+        """FSDP2's mesh for a mixture-of-experts block whose tokens tp splits (`moe_tp`): the token ranks,
+        (replicas, the rest) under HSDP."""
+        if self.dims.dp_replicate > 1:
+            shard = self.tokens.size() // self.dims.dp_replicate
+            return unflatten_mesh(self.tokens, (self.dims.dp_replicate, shard), ("moe_replicate", "moe_shard"))
+        return self.tokens
 
     @property
     def cp(self) -> DeviceMesh:
@@ -186,11 +233,10 @@ def num_micro_batches(micro_batch_size: int, local_batch: int, stages: int = 1) 
 def tp_problem(m: ModelArgs, seq_len: int, tp: int) -> str | None:
     """Why tensor parallelism of degree tp cannot split this model and sequence (None: it can). The rule the
     runtime (validate_layout) and the planner's search share."""
-    if tp > 1 and (m.moe_experts or m.qk_norm):  # the plan splits dense MLPs and heads, not experts or q/k norms
-        what = f"model.moe_experts={m.moe_experts}" if m.moe_experts else "model.qk_norm=true"
+    if tp > 1 and m.qk_norm:  # the plan splits heads, not the norms applied to them
         return (
-            f"parallel.tp_degree={tp} with {what} is not supported yet; set parallel.tp_degree=1 (data, "
-            "FSDP/HSDP, context and pipeline parallelism work)"
+            f"parallel.tp_degree={tp} with model.qk_norm=true is not supported yet; set parallel.tp_degree=1 "
+            "(data, FSDP/HSDP, context, expert and pipeline parallelism work)"
         )
     if m.n_heads % tp or m.n_kv_heads % tp:
         ok = [d for d in range(1, m.n_kv_heads + 1) if m.n_kv_heads % d == 0 and m.n_heads % d == 0]
@@ -238,17 +284,13 @@ def ep_problem(m: ModelArgs, dims: ParallelDims) -> str | None:
     like tp_problem."""
     if dims.ep == 1:
         return None
-    if (dims.dp_shard * dims.cp) % dims.ep:
-        ok = [d for d in range(1, dims.dp_shard * dims.cp + 1) if (dims.dp_shard * dims.cp) % d == 0]
+    ranks = dims.dp_shard * dims.cp * dims.moe_tp
+    if ranks % dims.ep:
+        ok = [d for d in range(1, ranks + 1) if ranks % d == 0]
         return (
-            f"parallel.ep_degree={dims.ep} must divide dp_shard x cp = {dims.dp_shard * dims.cp} (the expert-parallel "
-            f"ranks are data- or context-parallel ranks of one FSDP shard group); choose ep_degree in {ok}, or raise "
+            f"parallel.ep_degree={dims.ep} must divide dp_shard x cp x tp = {ranks} (the expert-parallel ranks are "
+            f"ranks of one FSDP shard group that hold different tokens); choose ep_degree in {ok}, or raise "
             "parallel.dp_shard_degree"
-        )
-    if dims.tp > 1:
-        return (
-            f"parallel.ep_degree={dims.ep} with parallel.tp_degree={dims.tp} is not supported yet (the experts are "
-            "not tensor-parallel); set parallel.tp_degree=1"
         )
     return None
 

@@ -29,21 +29,42 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from plait.model.llama import Experts, swiglu_experts
+from plait.model.llama import Experts, MoE, swiglu_experts
+from plait.parallel.dims import Meshes
 
 
-def apply_ep(model: nn.Module, ep_mesh) -> None:
-    """Split the experts of every MoE block of a model (on meta) over ep_mesh and route through it."""
+def apply_moe_layout(model: nn.Module, meshes: Meshes) -> None:
+    """The mixture-of-experts blocks of a model (on meta) in this layout: where sequences are split over ranks
+    (cp, and tp: see plait.parallel.dims) each block's balancing loss sums its routing counts over them;
+    with ep > 1 its experts are split over the ep ranks and routed to by all-to-all."""
+    dims = meshes.dims
     for module in model.modules():
-        if isinstance(module, Experts):
-            for name, param in list(module.named_parameters(recurse=False)):
-                local = param.detach().chunk(ep_mesh.size(), dim=0)[ep_mesh.get_local_rank()]
-                sharded = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
-                module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-            module.grouped = partial(_expert_parallel, module, ep_mesh)  # shadows the method
+        if isinstance(module, MoE) and (dims.cp > 1 or dims.moe_tp > 1):
+            module.sequence_counts = partial(_summed, group=meshes.sequence.get_group())  # shadows the method
+        if isinstance(module, Experts) and dims.ep > 1:
+            apply_ep(module, meshes.ep, grad_scale=dims.moe_tp / dims.ep)
 
 
-def _expert_parallel(experts: Experts, ep_mesh, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def _summed(counts: torch.Tensor, group) -> torch.Tensor:
+    counts = counts.clone()
+    dist.all_reduce(counts, group=group)
+    return counts
+
+
+def apply_ep(experts: Experts, ep_mesh, grad_scale: float) -> None:
+    """Split the experts over ep_mesh (on meta) and route through it. grad_scale: what the all-to-all's sum
+    over the ep ranks' tokens is multiplied by so that FSDP's mean over the other ranks gives the step's mean
+    gradient (1 / ep; tp / ep where the tp ranks hold different tokens)."""
+    for name, param in list(experts.named_parameters(recurse=False)):
+        local = param.detach().chunk(ep_mesh.size(), dim=0)[ep_mesh.get_local_rank()]
+        sharded = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
+        experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+    experts.grouped = partial(_expert_parallel, experts, ep_mesh, grad_scale)  # shadows the method
+
+
+def _expert_parallel(
+    experts: Experts, ep_mesh, grad_scale: float, x: torch.Tensor, counts: torch.Tensor
+) -> torch.Tensor:
     ep, group = ep_mesh.size(), ep_mesh.get_group()
     send = counts.view(ep, -1)  # tokens for each rank's experts
     recv = torch.empty_like(send)  # recv[s, e]: tokens from rank s for local expert e
@@ -54,7 +75,7 @@ def _expert_parallel(experts: Experts, ep_mesh, x: torch.Tensor, counts: torch.T
     pieces = recv.flatten().tolist()  # chunk sizes of `got`, by (source, expert)
     by_source = got.split(pieces)
     by_expert = torch.cat([by_source[s * local + e] for e in range(local) for s in range(ep)])
-    weights = [ScaleGrad.apply(w.to_local(), 1.0 / ep) for w in (experts.w1, experts.w2, experts.w3)]
+    weights = [ScaleGrad.apply(w.to_local(), grad_scale) for w in (experts.w1, experts.w2, experts.w3)]
     out = swiglu_experts(by_expert, recv.sum(0).tolist(), *weights)
     done = out.split([recv[s, e] for e in range(local) for s in range(ep)])
     back = torch.cat([done[e * ep + s] for s in range(ep) for e in range(local)])

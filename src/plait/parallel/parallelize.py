@@ -38,11 +38,11 @@ from plait.compile import apply_compile
 from plait.config import Config
 from plait.errors import ConfigError
 from plait.model.args import recompute_units_pay
-from plait.model.llama import Experts, FeedForward, Transformer, TransformerBlock
+from plait.model.llama import FeedForward, MoE, Transformer, TransformerBlock
 from plait.parallel.activations import track_sac_cache
 from plait.parallel.context import apply_cp
 from plait.parallel.dims import Meshes
-from plait.parallel.experts import apply_ep
+from plait.parallel.experts import apply_moe_layout
 from plait.torch_private import count_only_saved_ops, local_box
 
 
@@ -54,33 +54,42 @@ def parallelize(model: nn.Module, meshes: Meshes, cfg: Config, device: torch.dev
         apply_tp(model, meshes.tp)
     if dims.cp > 1:
         apply_cp(model, meshes.cp)
-    if dims.ep > 1:
-        apply_ep(model, meshes.ep)
+    apply_moe_layout(model, meshes)
     if cfg.parallel.activation_checkpoint != "none":
-        apply_ac(model, cfg.parallel.activation_checkpoint, dims.tp, dims.ep)
+        apply_ac(model, cfg.parallel.activation_checkpoint, dims.tp, moe_sharded=dims.ep > 1 or dims.moe_tp > 1)
     apply_compile(model, cfg)
     if dims.fsdp_enabled:
         apply_fsdp(model, meshes, cfg, device)
     return model
 
 
-def tp_plan_block() -> dict[str, object]:
+def tp_plan_block(moe: bool = False) -> dict[str, object]:
     """Per block: norms run sequence-parallel (activations sharded on the sequence dim) and their output is
     gathered (all-gather: see gather_norm_outputs) for the column-parallel projections; the row-parallel ones
     reduce-scatter back to sequence shards. Two all-gathers and two reduce-scatters of (B, T, dim) per block
     and pass. The gather sits on the norm, not on the attention / MLP module, so that selective recompute
-    (apply_ac) can redo it in backward from the sequence shard instead of keeping the gathered tensor."""
-    return {
+    (apply_ac) can redo it in backward from the sequence shard instead of keeping the gathered tensor.
+
+    A mixture of experts is not split: it runs on this rank's sequence shard as it is (no gather, no
+    reduce-scatter), its parameters whole on every tp rank and reduced over the tp ranks with the
+    data-parallel ones (plait.parallel.dims: `moe_tp`)."""
+    plan: dict[str, object] = {
         "attention_norm": SequenceParallel(),
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
         "ffn_norm": SequenceParallel(),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-        "feed_forward.w3": ColwiseParallel(),
     }
+    if moe:
+        plan["feed_forward"] = PrepareModuleInput(  # the norm's sequence shard as a plain tensor, as blocks pass
+            input_layouts=Shard(1), desired_input_layouts=Shard(1), use_local_output=True
+        )
+        return plan
+    plan["feed_forward.w1"] = ColwiseParallel()
+    plan["feed_forward.w2"] = RowwiseParallel(output_layouts=Shard(1))
+    plan["feed_forward.w3"] = ColwiseParallel()
+    return plan
 
 
 def _gather_sequence(module, args, output):
@@ -88,8 +97,11 @@ def _gather_sequence(module, args, output):
 
 
 def gather_norm_outputs(block: nn.Module) -> None:
-    """The sequence-parallel norms' outputs all-gathered for the column-parallel matmuls after them."""
+    """The sequence-parallel norms' outputs all-gathered for the column-parallel matmuls after them (not
+    before a mixture of experts, which takes the sequence shard)."""
     for norm in (block.attention_norm, block.ffn_norm):
+        if norm is block.ffn_norm and isinstance(block.feed_forward, MoE):
+            continue
         norm.register_forward_hook(_gather_sequence)
 
 
@@ -118,7 +130,7 @@ def apply_tp(model: Transformer, tp_mesh) -> None:
     if top:
         parallelize_module(model, tp_mesh, top)
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, tp_plan_block())
+        parallelize_module(block, tp_mesh, tp_plan_block(moe=isinstance(block.feed_forward, MoE)))
         gather_norm_outputs(block)
 
 
@@ -158,7 +170,7 @@ def blocks(model: nn.Module) -> list[tuple[str | int, nn.Module]]:
     return []
 
 
-def apply_ac(model: nn.Module, mode: str, tp: int = 1, ep: int = 1) -> None:
+def apply_ac(model: nn.Module, mode: str, tp: int = 1, moe_sharded: bool = False) -> None:
     """full: each block recomputed whole in backward (it keeps only its input). selective: the matmul and
     attention outputs kept (_selective_policy), the element-wise work between them (norms, rotary tables,
     SiLU, the all-gathers of sequence parallelism) recomputed. On a block with recompute units (plait's:
@@ -167,9 +179,9 @@ def apply_ac(model: nn.Module, mode: str, tp: int = 1, ep: int = 1) -> None:
     selective recompute with sequence parallelism does; the output projections keep their input as usual.
     That pays under tensor parallelism (model.args.recompute_units_pay: from tp = 2 for Llama's shapes); else,
     and on a block without units (your own model), the block is one selective region, which keeps the output
-    projections' outputs instead (full-size partial sums under TP). An MoE block under expert parallelism
-    holds an FSDP-sharded module of its own (its experts), whose hooks run inside the region: there the
-    region counts only the ops it keeps (torch_private.count_only_saved_ops)."""
+    projections' outputs instead (full-size partial sums under TP). moe_sharded: MoE blocks hold FSDP-sharded
+    modules of their own (expert parallelism, tensor parallelism: see apply_fsdp), whose hooks run inside the
+    region: there the region counts only the ops it keeps (torch_private.count_only_saved_ops)."""
     for name, block in blocks(model):
         if mode == "full":
             model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
@@ -177,7 +189,7 @@ def apply_ac(model: nn.Module, mode: str, tp: int = 1, ep: int = 1) -> None:
             for unit in RECOMPUTE_UNITS:
                 setattr(block, unit, partial(_recomputed, getattr(block, unit)))  # shadows the method
         else:
-            nested_fsdp = ep > 1 and any(isinstance(m, Experts) for m in block.modules())
+            nested_fsdp = moe_sharded and any(isinstance(m, MoE) for m in block.modules())
             contexts = partial(_selective_contexts, count_all=not nested_fsdp)
             model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False, context_fn=contexts)
 
@@ -227,14 +239,27 @@ def apply_fsdp(model: nn.Module, meshes: Meshes, cfg: Config, device: torch.devi
     for i, block in enumerate(units):
         # The last block's parameters are needed again at once by backward: keep them gathered.
         unit_reshard = reshard and i < len(units) - 1
-        if meshes.dims.ep > 1:  # expert-parallel experts: sharded over the rest of the shard group
-            for experts in [m for m in block.modules() if isinstance(m, Experts)]:
-                fully_shard(experts, reshard_after_forward=unit_reshard, **{**kwargs, "mesh": meshes.experts_fsdp})
+        for moe in [m for m in block.modules() if isinstance(m, MoE)]:
+            _shard_moe(moe, meshes, kwargs, unit_reshard)
         fully_shard(block, reshard_after_forward=unit_reshard, **kwargs)
     # The root (embedding, final norm, output) is needed first in backward (the output) and last (the
     # embedding): keep it gathered through the step. (An explicit True re-gathers it in every backward,
     # measured as 25% of FSDP's traffic by bench/comm.py.)
     fully_shard(model, reshard_after_forward=False, **kwargs)
+
+
+def _shard_moe(moe: MoE, meshes: Meshes, kwargs: dict, reshard: bool) -> None:
+    """Expert-parallel experts: FSDP over the token ranks outside their ep group (experts_fsdp). Under
+    tensor parallelism the whole block (router, shared expert, experts) over the token ranks, tp's included
+    (moe_fsdp): its gradients are sums over the tp ranks' tokens and means over the data-parallel ranks', so
+    FSDP divides by dp x cp, not by the group's size (in sums: gloo has no pre-scaled reduction)."""
+    dims = meshes.dims
+    if dims.ep > 1:
+        fully_shard(moe.experts, reshard_after_forward=reshard, **{**kwargs, "mesh": meshes.experts_fsdp})
+    if dims.moe_tp > 1:
+        fully_shard(moe, reshard_after_forward=reshard, **{**kwargs, "mesh": meshes.moe_fsdp})
+        moe.set_gradient_divide_factor(float(dims.dp_cp))
+        moe.set_force_sum_reduction_for_comms(True)
 
 
 @torch.no_grad()
