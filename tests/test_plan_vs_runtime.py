@@ -89,6 +89,32 @@ LAYOUTS = [
             (", full AC", ["parallel.activation_checkpoint=full"], dict(ac="full")),
         )
     ),
+    # Expert parallelism (a balanced exchange: the fake group moves nothing) and MoE under TP (each tp rank its
+    # sequence shard through the block).
+    *(
+        (f"MoE{name}, {what}", [*MOE_OVERRIDES[name], *over], dict(model=MOE[name], **lay))
+        for name, what, over, lay in (
+            ("", "FSDP 4 x EP 2", ["parallel.dp_shard_degree=4", "parallel.ep_degree=2"], dict(dp_shard=4, ep=2)),
+            ("", "TP 2", ["parallel.tp_degree=2"], dict(tp=2)),
+            (
+                "",
+                "FSDP 2 x TP 2 x EP 4, selective AC",
+                [
+                    "parallel.dp_shard_degree=2",
+                    "parallel.tp_degree=2",
+                    "parallel.ep_degree=4",
+                    "parallel.activation_checkpoint=selective",
+                ],
+                dict(dp_shard=2, tp=2, ep=4, ac="selective"),
+            ),
+            (
+                " (shared, dense first)",
+                "FSDP 2 x TP 2",
+                ["parallel.dp_shard_degree=2", "parallel.tp_degree=2"],
+                dict(dp_shard=2, tp=2),
+            ),
+        )
+    ),
 ]
 # Activations are measured by plait.parallel.activations.SavedBytes: saved-tensor hooks plus what selective AC
 # keeps in torch's own cache, which those hooks do not see.
@@ -116,7 +142,7 @@ for overrides in jobs:
     model = [f"model.{k}={v}" for k, v in args.items()]
     cfg = load_config(None, [*model, f"data.seq_len={seq}", f"train.global_batch_size={batch}", "run.device=cpu",
                              *overrides])
-    dims = ParallelDims.from_config(cfg.parallel, world)
+    dims = ParallelDims.from_config(cfg.parallel, world, moe=bool(cfg.model.moe_experts))
     t = build_trainable(cfg, torch.device("cpu"), Meshes(dims.build_mesh("cpu"), dims))
     local_batch = batch // dims.dp
     x = torch.randint(0, args["vocab_size"], (local_batch, seq))

@@ -63,9 +63,15 @@ class SavedBytes:
         if key in self._seen:
             return
         self._seen.add(key)
+        if self.model is not None and key in self._parameter_storages():
+            return  # a parameter used through a view of its local tensor (expert parallelism's experts)
         self.total += size
         if in_block:
             self.per_block += size
+
+    def _parameter_storages(self) -> set:
+        """The storages of the model's parameters as they are now (FSDP swaps in gathered ones for forward)."""
+        return {self._key(_local(p))[0] for p in self.model.parameters()}
 
     def _pack(self, tensor):
         self._count(tensor, self._in_block)

@@ -67,7 +67,9 @@ def _expert_parallel(
 ) -> torch.Tensor:
     ep, group = ep_mesh.size(), ep_mesh.get_group()
     send = counts.view(ep, -1)  # tokens for each rank's experts
-    recv = torch.empty_like(send)  # recv[s, e]: tokens from rank s for local expert e
+    # recv[s, e]: tokens from rank s for local expert e. (Filled with what is sent so that a fake process group,
+    # which moves nothing, sizes a balanced exchange: plait.planner's memory checks run on one.)
+    recv = send.clone()
     dist.all_to_all_single(recv, send, group=group)
     sent_rows, got_rows = send.sum(1).tolist(), recv.sum(1).tolist()
     got = AllToAll.apply(x, got_rows, sent_rows, group)

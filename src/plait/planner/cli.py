@@ -185,6 +185,7 @@ def config_pins(path: str, base, world_size: int) -> dict[str, int]:
         ("tp_degree", "tp"),
         ("pp_degree", "pp"),
         ("cp_degree", "cp"),
+        ("ep_degree", "ep"),
     ):
         if key in written:
             pins[column] = getattr(p, key)
@@ -213,7 +214,9 @@ def config_pins(path: str, base, world_size: int) -> dict[str, int]:
             p, tp_degree=tp, pp_degree=pp, dp_replicate_degree=rep, dp_shard_degree=shard, cp_degree=cp
         )
         # the runtime's own reason, e.g. "parallel.tp_degree=3 must divide model.n_heads=32 ..."
-        validate_layout(dataclasses.replace(base, parallel=pinned), ParallelDims(rep, shard, tp, pp, cp=cp))
+        moe = bool(base.model.moe_experts)
+        dims = ParallelDims(rep, shard, tp, pp, cp=cp, ep=pins.get("ep", 1), moe=moe)
+        validate_layout(dataclasses.replace(base, parallel=pinned), dims)
     return pins
 
 
@@ -254,6 +257,7 @@ def print_plan(result, top: int) -> None:
         "cp",
         "tp",
         "pp",
+        "ep",
         "schedule",
         "mb",
         "m",
@@ -270,7 +274,7 @@ def print_plan(result, top: int) -> None:
     for rank, i in enumerate(result.top(top), 1):
         r = result.record(i)
         sched = "-" if r["pp"] == 1 else r["schedule"] + (f" v{r['virtual']}" if r["virtual"] > 1 else "")
-        comm = r["t_tp"] + r["t_cp"] + r["t_p2p"] + r["t_fsdp"]
+        comm = r["t_tp"] + r["t_cp"] + r["t_ep"] + r["t_p2p"] + r["t_fsdp"]
         table.add_row(
             str(rank),
             str(r["dp_replicate"]),
@@ -278,6 +282,7 @@ def print_plan(result, top: int) -> None:
             str(r["cp"]),
             str(r["tp"]),
             str(r["pp"]),
+            str(r["ep"]),
             sched,
             str(r["micro_batch"]),
             str(r["micro_batches"]),

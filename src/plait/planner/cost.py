@@ -74,12 +74,13 @@ class Layouts:
     reshard: np.ndarray  # bool: FSDP reshard_after_forward
     sync_each: np.ndarray  # bool: FSDP reduce-scatters every micro-batch (sharded gradient accumulation)
     cp: np.ndarray  # context parallel degree
+    ep: np.ndarray  # expert parallel degree (a split of dp_shard x cp x tp for MoE blocks)
 
     @classmethod
     def single(cls, **kw) -> Layouts:
         """One layout from scalars: dp_replicate, dp_shard, tp, pp, virtual, schedule (name), micro_batch,
-        ac (name), offload, reshard, sync_each, cp."""
-        defaults = dict(dp_replicate=1, dp_shard=1, tp=1, pp=1, virtual=1, micro_batch=1, ac="none", cp=1)
+        ac (name), offload, reshard, sync_each, cp, ep."""
+        defaults = dict(dp_replicate=1, dp_shard=1, tp=1, pp=1, virtual=1, micro_batch=1, ac="none", cp=1, ep=1)
         kw = {**defaults, "offload": False, "reshard": True, "sync_each": False, **kw}
         kw.setdefault("schedule", "none" if kw.get("pp", 1) == 1 else "1f1b")
         kw["schedule"] = SCHEDULES.index(kw["schedule"])
@@ -107,9 +108,9 @@ class Layouts:
 
 
 def layer_params(a: ModelArgs) -> list[tuple[int, int, int]]:
-    """One block's parameters; for a model mixing dense and MoE blocks, the average block (each MLP's
-    columns weighted by its share of the blocks: every count below is linear in them). An MoE block's
-    stacked experts are (experts, F x h): FSDP2 shards them by expert (dim 0)."""
+    """One block's parameters that tensor parallelism splits and FSDP shards over dp_shard x cp: attention,
+    norms and the dense MLP; for a model mixing dense and MoE blocks, the average block (each MLP's columns
+    weighted by its share of the blocks: every count below is linear in them). The MoE parts: moe_params."""
     q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
     h, f = a.dim, a.hidden_dim
     out = [(q, h, 0), (kv, h, 0), (kv, h, 0), (h, q, 1), (h, 1, -1), (h, 1, -1)]
@@ -118,13 +119,42 @@ def layer_params(a: ModelArgs) -> list[tuple[int, int, int]]:
     moe = a.n_moe_layers / a.n_layers
     if moe < 1:
         out += [(f, h * (1 - moe), 0), (f, h * (1 - moe), 0), (h, f * (1 - moe), 1)]
-    if moe:
-        e, fe, shared = a.moe_experts, a.expert_hidden_dim, a.expert_hidden_dim * a.moe_shared_experts
-        out += [(e, h * moe, -1)]  # the router
-        out += [(e, fe * h * moe, 0), (e, fe * h * moe, 0), (e, h * fe * moe, 1)]
-        if shared:
-            out += [(shared, h * moe, 0), (shared, h * moe, 0), (h, shared * moe, 1)]
     return out
+
+
+def moe_params(a: ModelArgs) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+    """An average block's mixture-of-experts parameters (weighted by the MoE blocks' share), as (router and
+    shared expert, routed experts). Tensor parallelism splits neither (an MoE block runs on each tp rank's
+    sequence shard: plait.parallel.dims); FSDP shards both over dp_shard x cp x tp, the experts after expert
+    parallelism has split them by expert (dim 0 of the stacked (experts, F x h) weights: the 0 below)."""
+    moe = a.n_moe_layers / a.n_layers
+    if not moe:
+        return [], []
+    h, e, fe, shared = a.dim, a.moe_experts, a.expert_hidden_dim, a.expert_hidden_dim * a.moe_shared_experts
+    rest = [(e, h * moe, -1)]  # the router
+    if shared:
+        rest += [(shared, h * moe, -1), (shared, h * moe, -1), (h, shared * moe, -1)]
+    experts = [(e, fe * h * moe, 0), (e, fe * h * moe, 0), (e, h * fe * moe, 0)]
+    return rest, experts
+
+
+def block_numel(a: ModelArgs, tp, fsdp_shard, ep) -> tuple:
+    """Elements of one (average) block per rank: (FSDP-sharded, gathered) for its three parameter groups,
+    dense parts (TP-split, sharded over fsdp_shard), the MoE router and shared expert (sharded over
+    fsdp_shard x tp) and the experts (split over ep, sharded over fsdp_shard x tp / ep), as two dicts."""
+    rest, experts = moe_params(a)
+    moe_tp = tp if a.moe_experts else 1
+    sharded = {
+        "dense": sharded_numel(layer_params(a), tp, fsdp_shard),
+        "moe": sharded_numel(rest, 1, fsdp_shard * moe_tp),
+        "experts": sharded_numel(experts, ep, fsdp_shard * moe_tp // ep),
+    }
+    gathered = {
+        "dense": local_numel(layer_params(a), tp),
+        "moe": local_numel(rest, 1),
+        "experts": local_numel(experts, ep),
+    }
+    return sharded, gathered
 
 
 def embed_params(a: ModelArgs) -> list[tuple[int, int, int]]:
@@ -199,7 +229,9 @@ def layer_activation_bytes(a: ModelArgs, e: int, tp, ac, cp=1) -> np.ndarray:
     Context parallel (cp > 1), none: the ring attention keeps k and v as they travel, n_kv_heads wide (the
         GQA repeat happens inside it), 2 kv e instead of 2 h e; the other modes keep what they keep at cp = 1.
     Mixtures of experts (`moe_mlp_bytes`): the MLP terms of the average block (dense and MoE blocks weighted
-        by their share); the attention terms as above.
+        by their share); the attention terms as above. Under TP an MoE block runs on its sequence shard: its
+        terms split over tp, and only the attention's input is gathered. Expert parallelism moves tokens to
+        their experts and back; with balanced routing each rank keeps what it would without it.
     """
     h, f, heads = a.dim, a.hidden_dim, a.n_heads
     kv = a.n_kv_heads * a.head_dim
@@ -207,12 +239,20 @@ def layer_activation_bytes(a: ModelArgs, e: int, tp, ac, cp=1) -> np.ndarray:
     attention = np.where(np.asarray(cp) > 1, 2 * e * h + 2 * e * kv, 4 * e * h)  # q, k, v and the output
     moe = a.n_moe_layers / a.n_layers
     mlp_none, mlp_kept = moe_mlp_bytes(a, e)
-    mlp_none = (1 - moe) * 4 * e * f + moe * mlp_none
-    mlp_kept = (1 - moe) * 2 * e * f + moe * mlp_kept
-    none = (2 * nb * h + attention + 4 * heads + mlp_none + 8) / tp + 2 * e * h
+    common = 2 * nb * h + attention + 4 * heads + 8
+    # Under TP a dense block gathers both norms' outputs (2 h e, whole); an MoE block only the attention's:
+    # it runs on its sequence shard (its norm's output h e / tp).
+    none_dense = (common + 4 * e * f) / tp + 2 * e * h
+    none_moe = (common + mlp_none + e * h) / tp + e * h
     full = e * h / tp
-    kept = e * h + e * (h + 2 * kv) + e * h + 4 * heads + mlp_kept  # input, q/k/v, attention, w1 and w3 outputs
-    selective = np.where(recompute_units_pay(h, f, tp), (kept + e * h + e * f) / tp, kept / tp + 2 * e * h)
+    kept = e * h + e * (h + 2 * kv) + e * h + 4 * heads  # input, q/k/v, attention: the attention half's
+    kept_dense = kept + 2 * e * f  # + the w1 and w3 outputs
+    selective_dense = np.where(
+        recompute_units_pay(h, f, tp), (kept_dense + e * h + e * f) / tp, kept_dense / tp + 2 * e * h
+    )
+    selective_moe = (kept + mlp_kept + e * h) / tp + e * h  # one region; wo's partial sum whole under TP
+    none = (1 - moe) * none_dense + moe * none_moe
+    selective = (1 - moe) * selective_dense + moe * selective_moe
     ac = np.asarray(ac)
     return np.where(ac == 0, none, np.where(ac == 1, selective, full))
 
@@ -390,6 +430,15 @@ def ring_bytes(a: ModelArgs, e: int, T, tp, cp, full_ac=False) -> tuple[np.ndarr
     return np.where(cp > 1, fwd, 0.0), np.where(cp > 1, bwd, 0.0)
 
 
+def a2a_bytes(a: ModelArgs, e: int, T, ep) -> np.ndarray:
+    """Bytes one rank sends in one all-to-all of expert parallelism (plait.parallel.experts), dispatch or
+    combine, for T tokens in an MoE block: the k routed copies of each token, h elements of e bytes, of which
+    (ep - 1) / ep leave the rank when routing is balanced (the planner's assumption; bench/comm.py counts
+    the real routing). The counts exchanged before them: E int64s, (ep - 1) / ep of them sent."""
+    ep = np.asarray(ep)
+    return (ep - 1) / ep * (a.moe_top_k * T * a.dim * e + 8 * a.moe_experts)
+
+
 # ---------------------------------------------------------------------------------------------- the model
 
 
@@ -398,7 +447,9 @@ def evaluate(work: Workload, cluster: Cluster, lay: Layouts) -> dict[str, np.nda
     a, s, e = work.model, work.seq_len, work.act_bytes
     tp, pp, v = lay.tp.astype(np.int64), lay.pp.astype(np.int64), lay.virtual.astype(np.int64)
     shard, rep = lay.dp_shard.astype(np.int64), lay.dp_replicate.astype(np.int64)
-    cp = lay.cp.astype(np.int64)
+    cp, ep = lay.cp.astype(np.int64), lay.ep.astype(np.int64)
+    moe_share = a.n_moe_layers / a.n_layers
+    moe_tp = tp if a.moe_experts else np.ones_like(tp)  # ranks that split an MoE block's tokens beyond cp
     dp = shard * rep
     fsdp_shard = shard * cp  # context parallel ranks shard the parameters with dp_shard (plait.parallel.dims)
     m = (work.global_batch // dp) // lay.micro_batch
@@ -409,7 +460,8 @@ def evaluate(work: Workload, cluster: Cluster, lay: Layouts) -> dict[str, np.nda
     # ---- parameters per rank: first rank (embedding) and last rank (output projection)
     n_first, n_last = split_stages(a, s, pp, v)
     single = pp == 1
-    layer_s, layer_u = sharded_numel(layer_params(a), tp, fsdp_shard), local_numel(layer_params(a), tp)
+    block_s, block_u = block_numel(a, tp, fsdp_shard, ep)
+    layer_s, layer_u = sum(block_s.values()), sum(block_u.values())
     emb_s, emb_u = sharded_numel(embed_params(a), tp, fsdp_shard), local_numel(embed_params(a), tp)
     head_s, head_u = sharded_numel(head_params(a), tp, fsdp_shard), local_numel(head_params(a), tp)
     ranks = {
@@ -421,7 +473,7 @@ def evaluate(work: Workload, cluster: Cluster, lay: Layouts) -> dict[str, np.nda
     # gradients stay unsharded across micro-batches (no-sync accumulation), unless reduced after each one
     accumulate = ((m > 1) | (pp > 1)) & ~lay.sync_each
     held = (pp > 1) | ~lay.reshard  # gathered parameters stay gathered through the step
-    fsdp = dp * cp > 1
+    fsdp = (dp * cp > 1) | (ep > 1) | (moe_tp > 1)  # ParallelDims.fsdp_enabled
     kv_local = a.n_kv_heads * a.head_dim / tp  # the keys (and values) one rank's attention holds per token
 
     mem: dict[str, dict[str, np.ndarray]] = {}
@@ -468,6 +520,8 @@ def evaluate(work: Workload, cluster: Cluster, lay: Layouts) -> dict[str, np.nda
         transient = transient + np.where(has_head, T * a.vocab_size / tp * (e + 4), 0.0)  # logits + fp32 copy
         # the ring's buffers in backward: k and v held and arriving, their fp32 gradients held and arriving
         transient = transient + np.where(cp > 1, T * kv_local * 2 * (2 * e + 2 * 4), 0.0)
+        # expert parallelism: one MoE block's tokens on the move (received, regrouped, results going back)
+        transient = transient + np.where(ep > 1, 3 * a.moe_top_k * T / moe_tp * a.dim * e, 0.0)
         dynamic = params_buf + grads_buf + tp_buf + pp_buf + acts + transient
         total = states + dynamic * (1 + ALLOCATOR_OVERHEAD) + RESERVED_GIB * GiB
         mem[name] = dict(
@@ -481,6 +535,7 @@ def evaluate(work: Workload, cluster: Cluster, lay: Layouts) -> dict[str, np.nda
             sharded=sharded,
             unsharded=unsharded,
             layers=layers,
+            root_unsharded=root_u,
         )
     for name in ("first", "last"):  # per pipeline rank, for the comparison with measured memory
         for key in ("states", "buffers", "activations"):
@@ -508,6 +563,10 @@ def evaluate(work: Workload, cluster: Cluster, lay: Layouts) -> dict[str, np.nda
     rate = cluster.peak_flops * eff
     recompute = np.where(lay.ac == 2, 1.0, np.where(lay.ac == 1, SELECTIVE_RECOMPUTE, 0.0))
     extra_collectives = np.where(lay.ac > 0, 3, 0)  # recomputing a block repeats its SP all-gathers
+    sp_share = 1 - moe_share / 2  # an MoE block has the attention's SP collectives only
+    moe_spans = _spans_nodes(1, fsdp_shard * moe_tp, G)  # MoE FSDP groups and ep groups: consecutive ranks
+    mo_bw, mo_lat = _link(cluster, moe_spans)
+    ep_bw, ep_lat = _link(cluster, _spans_nodes(1, ep, G))
 
     c_layer, c_head = layer_flops_per_token(a, s), head_flops_per_token(a)
     mf = m.astype(np.float64)
@@ -521,7 +580,7 @@ def evaluate(work: Workload, cluster: Cluster, lay: Layouts) -> dict[str, np.nda
         bwd_in = 2 * fwd - wgt + recompute * T * layers * c_layer / tp
         compute = (fwd + bwd_in + wgt) / rate
         coll = ring_time(T * a.dim * e, tp, tp_bw, tp_lat)  # one SP all-gather or reduce-scatter
-        tp_time = layers * (8 + extra_collectives) * coll
+        tp_time = layers * sp_share * (8 + extra_collectives) * coll
         p2p = np.where(pp > 1, 2 * v * (T * a.dim * e / tp / pp_bw + pp_lat), 0.0)  # each TP rank: its shard
         # Ring attention, per layer: each of the c - 1 hops travels while one block computes (1/c of this rank's
         # attention, whose forward is 4 h s FLOPs per token, backward twice that), so only what a hop takes
@@ -532,7 +591,12 @@ def evaluate(work: Workload, cluster: Cluster, lay: Layouts) -> dict[str, np.nda
         ring_fwd = (cp - 1) * np.maximum(kv_hop - block, 0)
         ring_bwd = (cp - 1) * np.maximum(kv_hop + grad_hop - 2 * block, 0) + grad_hop
         cp_time = np.where(cp > 1, layers * (ring_fwd * np.where(lay.ac == 2, 2, 1) + ring_bwd), 0.0)
-        t_mb = compute + tp_time + p2p + cp_time
+        # Expert parallelism, per MoE block and pass: the routed copies (k per token) go to their experts and
+        # back, (ep - 1) / ep of them to other ranks, plus an exchange of the counts; backward the same for the
+        # gradients; full AC dispatches the forward again. On the critical path: nothing hides it.
+        a2a = 2 * (a2a_bytes(a, e, T / moe_tp, ep) / ep_bw + 2 * ep_lat)
+        ep_time = np.where(ep > 1, layers * moe_share * a2a * (2 + (lay.ac == 2)), 0.0)
+        t_mb = compute + tp_time + p2p + cp_time + ep_time
         # F / B / W shares of a micro-batch (communication spread pro rata) for the zero-bubble schedule.
         total_flops = fwd + bwd_in + wgt
         f_t, b_t, w_t = (t_mb * x / total_flops for x in (fwd, bwd_in, wgt))
@@ -540,10 +604,18 @@ def evaluate(work: Workload, cluster: Cluster, lay: Layouts) -> dict[str, np.nda
         # ones (after reshard-after-forward) and the gradient reduce-scatter (+ the HSDP all-reduce across
         # replicas, on the last micro-batch only: accumulation skips the sync) behind its backward. The first
         # group's gather and the last group's reduction cannot overlap anything.
+        # Each FSDP group over its own ranks: dense parts over fsdp_shard, MoE router and shared expert over
+        # fsdp_shard x tp, experts over fsdp_shard x tp / ep (plait.parallel.parallelize._shard_moe).
         groups = layers + 1
-        ag = ring_time(e * rank["unsharded"], fsdp_shard, sh_bw, sh_lat, groups)
-        rs = ring_time(4.0 * rank["unsharded"], fsdp_shard, sh_bw, sh_lat, groups)
-        ar = allreduce_time(4.0 * rank["unsharded"] / fsdp_shard, rep, rp_bw, rp_lat, groups)
+        ag, rs, ar = 0.0, 0.0, 0.0
+        for numel, n, bw, lat in (
+            (layers * block_u["dense"] + rank["root_unsharded"], fsdp_shard, sh_bw, sh_lat),
+            (layers * block_u["moe"], fsdp_shard * moe_tp, mo_bw, mo_lat),
+            (layers * block_u["experts"], fsdp_shard * moe_tp // ep, mo_bw, mo_lat),
+        ):
+            ag = ag + ring_time(e * numel, n, bw, lat, groups)
+            rs = rs + ring_time(4.0 * numel, n, bw, lat, groups)
+            ar = ar + allreduce_time(4.0 * numel / n, rep, rp_bw, rp_lat, groups)
         bwd_t = b_t + w_t
         bwd_ag = np.where(lay.reshard & (pp == 1), ag, 0.0)
         fwd_gathers = np.where(pp == 1, mf, 1.0)  # a pipeline keeps weights gathered after the first
@@ -567,6 +639,7 @@ def evaluate(work: Workload, cluster: Cluster, lay: Layouts) -> dict[str, np.nda
             compute=compute,
             tp=tp_time,
             cp=cp_time,
+            ep=ep_time,
             p2p=p2p,
             t_mb=t_mb,
             zb=np.maximum(f_t + b_t - w_t, 0),
@@ -588,6 +661,7 @@ def evaluate(work: Workload, cluster: Cluster, lay: Layouts) -> dict[str, np.nda
         t_compute=mf * pick["compute"],
         t_tp=mf * pick["tp"],
         t_cp=mf * pick["cp"],
+        t_ep=mf * pick["ep"],
         t_p2p=mf * pick["p2p"],
         t_bubble=bubble,
         t_fsdp=fsdp_time,

@@ -1,7 +1,8 @@
 """Enumerate parallel layouts, price them all at once with cost.evaluate, rank, and explain the choice.
 
 The search space is every factorisation world = dp_replicate x dp_shard x cp x tp x pp that plait can run
-(the same divisibility rules as plait.parallel.dims.validate_layout), times the micro-batch size, the
+(the same divisibility rules as plait.parallel.dims.validate_layout), for a mixture of experts every expert
+parallel degree (a divisor of dp_shard x cp x tp and of the expert count), times the micro-batch size, the
 pipeline schedule and its virtual stages, the activation-checkpointing mode, CPU offload and FSDP's
 reshard-after-forward. Layout columns are built with numpy, so ~10^6 candidates cost about a second.
 """
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from plait.errors import ConfigError
-from plait.parallel.dims import cp_problem, pp_problem, tp_problem
+from plait.parallel.dims import ParallelDims, cp_problem, ep_problem, pp_problem, tp_problem
 from plait.planner.cluster import Cluster, GiB
 from plait.planner.cost import AC_MODES, SCHEDULES, Layouts, Workload, evaluate
 
@@ -27,11 +28,12 @@ VIRTUAL_STAGES = (2, 3, 4, 5, 6, 8, 10, 12, 16)
 """Virtual stages per pipeline rank tried for the interleaved and zero-bubble schedules."""
 TIE = 0.005
 """Step times closer than this fraction are a tie (the model is not that precise): less memory wins."""
-TIME_PARTS = ("t_compute", "t_tp", "t_cp", "t_p2p", "t_bubble", "t_fsdp", "t_optimizer")
+TIME_PARTS = ("t_compute", "t_tp", "t_cp", "t_ep", "t_p2p", "t_bubble", "t_fsdp", "t_optimizer")
 PART_NAMES = {
     "t_compute": "compute",
     "t_tp": "TP communication",
     "t_cp": "context-parallel ring not hidden by attention",
+    "t_ep": "expert-parallel all-to-all",
     "t_p2p": "pipeline send/recv",
     "t_bubble": "pipeline bubble",
     "t_fsdp": "FSDP/HSDP communication not hidden by compute",
@@ -99,13 +101,14 @@ def enumerate_layouts(work: Workload, cluster: Cluster) -> Layouts:
             options = [(0, 1)] if pp == 1 else _schedules(pp, a.n_layers)
             for shard, mb in itertools.product(divisors(dp), divisors(local)):
                 m = local // mb
-                for code, v in options:
-                    if code >= 2 and m < pp or code == 3 and m % pp:
-                        continue
-                    base.append((dp // shard, shard, tp, pp, mb, cp))
-                    sched.append((code, v))
+                for ep in _ep_degrees(a, shard, cp, tp):
+                    for code, v in options:
+                        if code >= 2 and m < pp or code == 3 and m % pp:
+                            continue
+                        base.append((dp // shard, shard, tp, pp, mb, cp, ep))
+                        sched.append((code, v))
     if not base:
-        return Layouts(*(np.zeros(0, dtype=np.int64) for _ in range(12)))
+        return Layouts(*(np.zeros(0, dtype=np.int64) for _ in range(13)))
     base_a, sched_a = np.asarray(base, dtype=np.int64), np.asarray(sched, dtype=np.int64)
     # Cross with AC mode x offload x reshard x reduce-every-micro-batch; the last two matter only with FSDP and
     # no pipeline (and the last only with more than one micro-batch).
@@ -125,10 +128,11 @@ def enumerate_layouts(work: Workload, cluster: Cluster) -> Layouts:
         reshard=ex[:, 2].astype(bool),
         sync_each=ex[:, 3].astype(bool),
         cp=base_a[rows, 5],
+        ep=base_a[rows, 6],
     )
     # reshard_after_forward is a choice only for FSDP without a pipeline; a pipeline keeps gathered weights
     # for the whole step (reshard=False), and without FSDP there is nothing to reshard.
-    fsdp = lay.dp_replicate * lay.dp_shard * lay.cp > 1
+    fsdp = (lay.dp_replicate * lay.dp_shard * lay.cp > 1) | (lay.ep > 1) | ((lay.tp > 1) & bool(a.moe_experts))
     keep = np.where(lay.pp > 1, ~lay.reshard, np.where(fsdp, True, lay.reshard))
     # Reducing every micro-batch is a choice where FSDP accumulates: over micro-batches, or a pipeline's
     # (not zero bubble's: its weight gradients are computed apart from their backward).
@@ -137,6 +141,14 @@ def enumerate_layouts(work: Workload, cluster: Cluster) -> Layouts:
     accumulates = fsdp & np.where(lay.pp > 1, piped, over_micro_batches)
     keep &= accumulates | ~lay.sync_each
     return lay.take(np.nonzero(keep)[0])
+
+
+def _ep_degrees(a, shard: int, cp: int, tp: int) -> list[int]:
+    """Expert parallel degrees plait can run for this model in this layout (1 for a dense model)."""
+    if not a.moe_experts:
+        return [1]
+    dims = [ParallelDims(1, shard, tp, 1, cp=cp, ep=ep, moe=True) for ep in divisors(a.moe_experts)]
+    return [d.ep for d in dims if ep_problem(a, d) is None]
 
 
 def _cp_degrees(work: Workload, world: int) -> list[int]:
@@ -205,6 +217,8 @@ def layout_name(rec: dict) -> str:
     parts = [f"dp {rec['dp_replicate']}x{rec['dp_shard']}", f"tp {rec['tp']}", f"pp {rec['pp']}"]
     if rec.get("cp", 1) > 1:
         parts.insert(1, f"cp {rec['cp']}")
+    if rec.get("ep", 1) > 1:
+        parts.insert(-1, f"ep {rec['ep']}")
     if rec["pp"] > 1:
         parts.append(rec["schedule"] + (f" v={rec['virtual']}" if rec["virtual"] > 1 else ""))
     parts.append(f"mb {rec['micro_batch']}")
@@ -218,8 +232,8 @@ def layout_name(rec: dict) -> str:
     return ", ".join(parts)
 
 
-LAYOUT_KEYS = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "schedule", "virtual")
-STRATEGY_KEYS = ("cp", "tp", "pp", "schedule", "ac", "offload")
+LAYOUT_KEYS = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "schedule", "virtual")
+STRATEGY_KEYS = ("cp", "tp", "pp", "ep", "schedule", "ac", "offload")
 
 
 def _distinct(lay: Layouts, indices: np.ndarray, n: int, keys=LAYOUT_KEYS) -> list[int]:
@@ -267,6 +281,8 @@ def _why_slower(rec: dict, best: dict) -> str:
             what += " (smaller matmuls per device)"
         elif rec["pp"] != best["pp"]:
             what += " (uneven pipeline stages)"
+    elif key == "t_ep":
+        what += f" (ep={rec['ep']})"
     elif key == "t_optimizer" and rec["offload"]:
         what += " on the CPU (offload)"
     return f"{what} +{d:.3g} s"
@@ -353,6 +369,12 @@ def _no_fit_message(work, cluster, lay, metrics, hints: bool) -> str:
             f"the "
             f"host {per_node:,.0f} GiB per node, over 90% of its {cluster.host_memory_gib:g} GiB."
         )
+    if work.model.moe_experts and rec["mem_buffers_gib"] > rec["mem_states_gib"]:
+        lines.append(
+            f"Most of it is FSDP's gathered buffers: a mixture-of-experts block gathers its experts, "
+            f"{work.model.moe_experts // rec['ep']} per rank at the leanest layout's ep={rec['ep']}; a larger "
+            "ep (up to dp_shard x cp x tp) gathers fewer."
+        )
     if not hints:
         return " ".join(lines)
     changes = [f"devices with at least {rec['mem_total_gib']:.0f} GiB"]
@@ -368,12 +390,6 @@ def _no_fit_message(work, cluster, lay, metrics, hints: bool) -> str:
     if rec["mem_activations_gib"] > rec["mem_states_gib"] and work.seq_len > 256:
         changes.append(f"a shorter sequence (activations grow with --seq-len={work.seq_len})")
     lines.append("Smallest changes that would make it fit: " + "; or ".join(changes) + ".")
-    if work.model.moe_experts and rec["mem_buffers_gib"] > rec["mem_states_gib"]:
-        lines.append(
-            f"Most of it is FSDP's gathered buffers: a mixture-of-experts block is gathered with all "
-            f"{work.model.moe_experts} experts; expert parallelism (each rank keeping its experts, tokens sent to "
-            "them) is what lifts this, and plait does not have it yet."
-        )
     return " ".join(lines)
 
 
@@ -396,6 +412,7 @@ def layout_config(result, base=None):
         dp_shard_degree=best["dp_shard"],
         tp_degree=best["tp"],
         cp_degree=best["cp"],
+        ep_degree=best["ep"],
         pp_degree=best["pp"],
         pp_schedule=best["schedule"] if best["pp"] > 1 else None,
         pp_virtual_stages=best["virtual"],
