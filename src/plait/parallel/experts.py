@@ -66,13 +66,14 @@ def _expert_parallel(
     experts: Experts, ep_mesh, grad_scale: float, x: torch.Tensor, counts: torch.Tensor
 ) -> torch.Tensor:
     ep, group = ep_mesh.size(), ep_mesh.get_group()
+    _GROUPS[group.group_name] = group
     send = counts.view(ep, -1)  # tokens for each rank's experts
     # recv[s, e]: tokens from rank s for local expert e. (Filled with what is sent so that a fake process group,
     # which moves nothing, sizes a balanced exchange: plait.planner's memory checks run on one.)
     recv = send.clone()
     dist.all_to_all_single(recv, send, group=group)
     sent_rows, got_rows = send.sum(1).tolist(), recv.sum(1).tolist()
-    got = AllToAll.apply(x, got_rows, sent_rows, group)
+    got = torch.ops.plait.expert_all_to_all(x, got_rows, sent_rows, group.group_name)
     local = recv.shape[1]
     pieces = recv.flatten().tolist()  # chunk sizes of `got`, by (source, expert)
     by_source = got.split(pieces)
@@ -81,23 +82,40 @@ def _expert_parallel(
     out = swiglu_experts(by_expert, recv.sum(0).tolist(), *weights)
     done = out.split([recv[s, e] for e in range(local) for s in range(ep)])
     back = torch.cat([done[e * ep + s] for s in range(ep) for e in range(local)])
-    return AllToAll.apply(back, sent_rows, got_rows, group)
+    return torch.ops.plait.expert_all_to_all(back, sent_rows, got_rows, group.group_name)
 
 
-class AllToAll(torch.autograd.Function):
-    """Rows of x split by in_rows go one piece to each rank; out_rows pieces arrive. Backward: the reverse."""
+_GROUPS: dict[str, dist.ProcessGroup] = {}  # the ep groups by name: a custom op takes plain arguments
 
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, out_rows: list[int], in_rows: list[int], group) -> torch.Tensor:
-        ctx.rows, ctx.group = (out_rows, in_rows), group
-        out = x.new_empty((sum(out_rows), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), out_rows, in_rows, group=group)
-        return out
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        out_rows, in_rows = ctx.rows
-        return AllToAll.apply(grad, in_rows, out_rows, ctx.group), None, None, None
+def all_to_all_forward(x: torch.Tensor, out_rows: list[int], in_rows: list[int], group: str) -> torch.Tensor:
+    """Rows of x split by in_rows go one piece to each rank of the group; out_rows pieces arrive, in rank
+    order. A torch op (plait::expert_all_to_all) so that selective activation checkpointing can keep its
+    output (parallelize.SAVED_OPS) instead of sending the tokens again in the recompute."""
+    out = x.new_empty((sum(out_rows), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), out_rows, in_rows, group=_GROUPS[group])
+    return out
+
+
+expert_all_to_all = torch.library.custom_op("plait::expert_all_to_all", all_to_all_forward, mutates_args=())
+
+
+@expert_all_to_all.register_fake
+def _(x, out_rows, in_rows, group):
+    return x.new_empty((sum(out_rows), *x.shape[1:]))
+
+
+def _setup_context(ctx, inputs, output):
+    _, out_rows, in_rows, group = inputs
+    ctx.rows, ctx.group = (out_rows, in_rows), group
+
+
+def _backward(ctx, grad):
+    out_rows, in_rows = ctx.rows
+    return torch.ops.plait.expert_all_to_all(grad.contiguous(), in_rows, out_rows, ctx.group), None, None, None
+
+
+expert_all_to_all.register_autograd(_backward, setup_context=_setup_context)
 
 
 class ScaleGrad(torch.autograd.Function):

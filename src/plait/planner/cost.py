@@ -213,7 +213,7 @@ def _norm_bytes(e: int) -> int:
     return 4 + e
 
 
-def layer_activation_bytes(a: ModelArgs, e: int, tp, ac, cp=1) -> np.ndarray:
+def layer_activation_bytes(a: ModelArgs, e: int, tp, ac, cp=1, ep=1) -> np.ndarray:
     """Bytes kept for backward per token per block (measured on the real model: tests/test_planner.py).
 
     none: two norms, each (norm_bytes h + 4 for rsqrt) + its output h e (the input of the next matmul);
@@ -231,7 +231,8 @@ def layer_activation_bytes(a: ModelArgs, e: int, tp, ac, cp=1) -> np.ndarray:
     Mixtures of experts (`moe_mlp_bytes`): the MLP terms of the average block (dense and MoE blocks weighted
         by their share); the attention terms as above. Under TP an MoE block runs on its sequence shard: its
         terms split over tp, and only the attention's input is gathered. Expert parallelism moves tokens to
-        their experts and back; with balanced routing each rank keeps what it would without it.
+        their experts and back; with balanced routing each rank keeps what it would without it, and under
+        selective AC also both all-to-alls' outputs (kept so that the recompute does not send them again).
     """
     h, f, heads = a.dim, a.hidden_dim, a.n_heads
     kv = a.n_kv_heads * a.head_dim
@@ -251,6 +252,7 @@ def layer_activation_bytes(a: ModelArgs, e: int, tp, ac, cp=1) -> np.ndarray:
         recompute_units_pay(h, f, tp), (kept_dense + e * h + e * f) / tp, kept_dense / tp + 2 * e * h
     )
     selective_moe = (kept + mlp_kept + e * h) / tp + e * h  # one region; wo's partial sum whole under TP
+    selective_moe = selective_moe + np.where(np.asarray(ep) > 1, 2 * a.moe_top_k * h * e / tp, 0)
     none = (1 - moe) * none_dense + moe * none_moe
     selective = (1 - moe) * selective_dense + moe * selective_moe
     ac = np.asarray(ac)
@@ -468,8 +470,8 @@ def evaluate(work: Workload, cluster: Cluster, lay: Layouts) -> dict[str, np.nda
         "first": (n_first, emb_s + np.where(single, head_s, 0), emb_u + np.where(single, head_u, 0)),
         "last": (n_last, head_s + np.where(single, emb_s, 0), head_u + np.where(single, emb_u, 0)),
     }
-    a_layer = layer_activation_bytes(a, e, tp, lay.ac, cp)
-    a_none = layer_activation_bytes(a, e, tp, 0, cp)
+    a_layer = layer_activation_bytes(a, e, tp, lay.ac, cp, ep)
+    a_none = layer_activation_bytes(a, e, tp, 0, cp, ep)
     # gradients stay unsharded across micro-batches (no-sync accumulation), unless reduced after each one
     accumulate = ((m > 1) | (pp > 1)) & ~lay.sync_each
     held = (pp > 1) | ~lay.reshard  # gathered parameters stay gathered through the step
