@@ -77,6 +77,21 @@ LAYOUTS: dict[int, dict[str, list[str]]] = {
         "PP 2 x FSDP 2 x TP 2": ["parallel.pp_degree=2", "parallel.dp_shard_degree=2", "parallel.tp_degree=2"],
     },
 }
+MOE = ["model.preset=moe-debug"]  # 8 experts, top 2, a shared expert, a dense first block
+MOE_LAYOUTS: dict[int, dict[str, list[str]]] = {
+    2: {
+        "MoE, EP 2": [*MOE, "parallel.ep_degree=2"],
+        "MoE, EP 2, selective AC": [*MOE, "parallel.ep_degree=2", "parallel.activation_checkpoint=selective"],
+        "MoE, EP 2, full AC": [*MOE, "parallel.ep_degree=2", "parallel.activation_checkpoint=full"],
+        "MoE, TP 2 x EP 2": [*MOE, "parallel.tp_degree=2", "parallel.ep_degree=2"],
+    },
+    4: {
+        "MoE, FSDP 4 x EP 2": [*MOE, "parallel.ep_degree=2"],
+        "MoE, FSDP 4 x EP 4, m=2": [*MOE, "parallel.ep_degree=4", "train.micro_batch_size=1"],
+    },
+}
+for _world, _layouts in MOE_LAYOUTS.items():
+    LAYOUTS.setdefault(_world, {}).update(_layouts)
 
 BYTES = 4  # fp32 parameters, gradients and activations (mixed_precision=fp32)
 RING = "all-gather: out (N-1)/N; reduce-scatter: in (N-1)/N; all-reduce: 2 x bytes (N-1)/N; send: bytes"
@@ -158,9 +173,13 @@ class CommCounter(TorchDispatchMode):
         if any(t is not torch.Tensor and issubclass(t, torch.Tensor) for t in types):
             return NotImplemented  # let DTensor desugar into plain-tensor collectives, then count those
         if isinstance(func, torch._ops.OpOverload) and func.namespace == "plait":
-            from plait.parallel import context
+            from plait.parallel import context, experts
 
-            body = {"ring_attention": context.ring_forward, "ring_attention_backward": context.ring_backward}
+            body = {
+                "ring_attention": context.ring_forward,
+                "ring_attention_backward": context.ring_backward,
+                "expert_all_to_all": experts.all_to_all_forward,
+            }
             with self:  # the ring attention's op sends from inside: run its body under the counter
                 return body[func._schema.name.split("::")[-1]](*args, **kwargs)
         out = func(*args, **kwargs)
@@ -170,6 +189,11 @@ class CommCounter(TorchDispatchMode):
             if kind is not None:
                 self._record(func, kind, args, kwargs)
         return out
+
+    def _phase(self) -> str:
+        if self.phase == "fwd/bwd":
+            return "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+        return self.phase
 
     def _record(self, func, kind, args, kwargs) -> None:
         import torch.distributed as dist
@@ -184,6 +208,14 @@ class CommCounter(TorchDispatchMode):
         ranks = ",".join(map(str, dist.get_process_group_ranks(group)))
         # by name, else by members (torch may build a second group of the same ranks for a mesh axis)
         axis = self.axis_of_group.get(group.group_name) or self.axis_of_group.get(f"ranks {ranks}", f"?{ranks}")
+        if kind == "all_to_all" and bound.get("input_split_sizes"):  # uneven: exactly what leaves this rank
+            x, splits = bound["input"], list(bound["input_split_sizes"])
+            row = x[0].numel() * x.element_size() if len(x) else 0
+            sent = (sum(splits) - splits[dist.get_rank(group)]) * row
+            rec = self.records[(kind, axis, self._phase(), "scalar" if sent <= 8 else "bulk")]
+            rec[0] += 1
+            rec[1] += sent
+            return
         if "output_tensor" in bound:  # c10d single-tensor collectives
             in_b, out_b = _nbytes(bound["input_tensor"]), _nbytes(bound["output_tensor"])
         elif "output_tensors" in bound or "outputs" in bound or "output_lists" in bound:
@@ -195,10 +227,7 @@ class CommCounter(TorchDispatchMode):
             in_b = _nbytes(t)
             out_b = in_b * n if kind == "all_gather" else in_b // n if kind == "reduce_scatter" else in_b
         scalar = max(in_b, out_b) <= 8
-        phase = self.phase
-        if phase == "fwd/bwd":
-            phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
-        rec = self.records[(kind, axis, phase, "scalar" if scalar else "bulk")]
+        rec = self.records[(kind, axis, self._phase(), "scalar" if scalar else "bulk")]
         rec[0] += 1
         rec[1] += ring_bytes(kind, in_b, out_b, n)
 
@@ -228,6 +257,35 @@ def _tp_local_shapes(args, layer_ids: list[int], first: bool, last: bool, tp: in
     return groups
 
 
+def _fsdp_groups(args, dims, layer_ids: list[int], first: bool, last: bool) -> dict[str, tuple[list[tuple], int, str]]:
+    """FSDP groups of one stage: name -> (parameter shapes, shard group size, mesh axis). A mixture-of-experts
+    block (plait.parallel.parallelize._shard_moe): attention and norms with the block; its router, shared
+    expert and (without expert parallelism) experts with it too, or in a group of their own over the token
+    ranks (dp_shard x cp x tp: "tokens") under TP; expert-parallel experts (E / ep each) over ep_shard."""
+    ns = dims.dp_shard * dims.cp
+    shard_axis = "dp_shard" if dims.cp == 1 else "cp" if dims.dp_shard == 1 else "dp_shard_cp"
+    dense = _tp_local_shapes(args, layer_ids, first, last, dims.tp)
+    groups = {name: (shapes, ns, shard_axis) for name, shapes in dense.items()}
+    d, e, f = args.dim, args.moe_experts, args.expert_hidden_dim
+    fs = f * args.moe_shared_experts
+    moe_tp = dims.tp if args.moe_experts else 1
+    for i in layer_ids:
+        if not args.is_moe_layer(i):
+            continue
+        block = groups[f"layers.{i}"][0][:6]  # attention_norm, wq, wk, wv, wo, ffn_norm
+        rest = [(e, d)] + ([(fs, d), (d, fs), (fs, d)] if fs else [])
+        experts = [(e // dims.ep, f, d), (e // dims.ep, d, f), (e // dims.ep, f, d)]
+        local = rest + (experts if dims.ep == 1 else [])
+        if moe_tp > 1:
+            groups[f"layers.{i}"] = (block, ns, shard_axis)
+            groups[f"layers.{i}.moe"] = (local, ns * moe_tp, "tokens")
+        else:
+            groups[f"layers.{i}"] = (block + local, ns, shard_axis)
+        if dims.ep > 1:
+            groups[f"layers.{i}.experts"] = (experts, ns * moe_tp // dims.ep, "ep_shard")
+    return groups
+
+
 def _padded(shapes: list[tuple], n: int) -> int:
     """Elements of a group's all-gather output: FSDP2 pads each parameter's dim 0 to a multiple of the shard size."""
     return sum(math.ceil(s[0] / n) * n * math.prod(s[1:]) for s in shapes)
@@ -251,17 +309,25 @@ def schedule_order(schedule: str, stage: int, num_stages: int, m: int) -> list[t
     return order
 
 
-def analytic(cfg, dims, pp_rank: int) -> dict[tuple[str, str], float]:
-    """Bytes this rank sends per step, by (kind, axis), from the model shape and the layout alone."""
+def analytic(
+    cfg, dims, pp_rank: int, routing: dict | None = None, aliases: dict[str, str] | None = None
+) -> dict[tuple[str, str], float]:
+    """Bytes this rank sends per step, by (kind, axis), from the model shape and the layout alone; for expert
+    parallelism also from `routing`, this rank's routed copies per step (see `routed_bytes`): what an
+    all-to-all moves depends on where the router sends each token. `aliases`: the name the counter gives a
+    mixture-of-experts group ("ep", "ep_shard", "tokens") where it has the ranks of a mesh axis (torch
+    builds one group per set of ranks, so it goes by the axis's name)."""
     from plait.parallel.pipeline import split_layers
     from plait.planner.cost import ring_bytes as cp_ring_bytes
 
     a, p, t = cfg.model, cfg.parallel, cfg.train
     vol: dict[tuple[str, str], float] = defaultdict(float)
 
+    aliases = aliases or {}
+
     def add(kind: str, axis: str, nbytes: float, n: int, times: int = 1) -> None:
         if times and (n > 1 or kind == "send"):
-            vol[(kind, axis)] += times * ring_bytes(kind, nbytes, nbytes, n)
+            vol[(kind, aliases.get(axis, axis))] += times * ring_bytes(kind, nbytes, nbytes, n)
 
     num_stages = dims.pp * p.pp_virtual_stages
     layout = split_layers(a, num_stages, p.pp_split, cfg.data.seq_len)  # as the pipeline splits it
@@ -281,10 +347,12 @@ def analytic(cfg, dims, pp_rank: int) -> dict[tuple[str, str], float]:
         # all-reduces the max, the sum of exponentials and the target logit of each token (b * T floats each).
         # Between pipeline stages each TP rank hands on its sequence shard: no TP traffic at stage boundaries.
         # Sequence-parallel norm weights get partial gradients: one all-reduce of dim floats each.
+        # A mixture-of-experts block runs on its sequence shard: only its attention's two of each.
+        moe_ids = [i for i in ids if a.moe_experts and a.is_moe_layer(i)]
         if dims.tp > 1:
             n = dims.tp
-            add("all_gather", "tp", act, n, m * len(ids) * 4)
-            add("reduce_scatter", "tp", act, n, m * len(ids) * 4)
+            add("all_gather", "tp", act, n, m * (len(ids) * 4 - len(moe_ids) * 2))
+            add("reduce_scatter", "tp", act, n, m * (len(ids) * 4 - len(moe_ids) * 2))
             if first:
                 add("reduce_scatter", "tp", act, n, m)  # embedding fwd
                 add("all_gather", "tp", act, n, m)  # embedding bwd
@@ -302,24 +370,40 @@ def analytic(cfg, dims, pp_rank: int) -> dict[tuple[str, str], float]:
         if dims.cp > 1:
             fwd, bwd = cp_ring_bytes(a, BYTES, tokens, dims.tp, dims.cp, p.activation_checkpoint == "full")
             add("send", "cp", float(fwd + bwd), dims.cp, m * len(ids))
+        # expert parallelism, per MoE block: each forward exchanges the routing counts (E int64s), then the
+        # routed copies go to their experts and back (dispatch and combine: `routing`'s bytes), and again in
+        # backward (their gradients); full AC recomputes the forward's exchanges, selective AC keeps the
+        # all-to-alls' outputs (only the counts go again). Under TP or CP the balancing loss sums each
+        # sequence's routing counts (micro-batch x E floats) over the ranks that hold parts of it.
+        recompute = p.activation_checkpoint != "none"
+        if dims.ep > 1 and moe_ids:
+            add("all_to_all", "ep", a.moe_experts * 8, dims.ep, m * len(moe_ids) * (1 + recompute))
+            passes = 2 + (p.activation_checkpoint == "full")
+            vol[("all_to_all", aliases.get("ep", "ep"))] += passes * (routing["sent"] + routing["received"])
+        split = dims.cp * (dims.tp if a.moe_experts else 1)
+        if split > 1 and moe_ids and a.moe_aux_loss:
+            axis = "tp" if dims.cp == 1 else "cp" if dims.tp == 1 else "cp_tp"
+            add("all_reduce", axis, local // m * a.moe_experts * 4, split, m * len(moe_ids) * (1 + recompute))
         # FSDP2: a state machine per parameter group (each block, and the stage's root: embedding / norm / output)
         if dims.fsdp_enabled:
-            ns, r = dims.dp_shard * dims.cp, dims.dp_replicate  # context parallel ranks shard with dp_shard
-            # (with dp_shard = 1 the merged group is the cp group itself: torch reuses it)
-            shard_axis = "dp_shard" if dims.cp == 1 else "cp" if dims.dp_shard == 1 else "dp_shard_cp"
-            groups = _tp_local_shapes(a, ids, first, last, dims.tp)
+            r = dims.dp_replicate
+            groups = _fsdp_groups(a, dims, ids, first, last)
             last_block = f"layers.{ids[-1]}"
             # as apply_fsdp: the root and the last block stay gathered after forward, and no block reshards
             # under a pipeline (it would be gathered again for every micro-batch)
             reshard = {
-                g: p.fsdp_reshard_after_forward and dims.pp == 1 and g not in ("root", last_block) for g in groups
+                g: p.fsdp_reshard_after_forward
+                and dims.pp == 1
+                and g != "root"
+                and g.split(".")[:2] != last_block.split(".")
+                for g in groups
             }
             if dims.pp > 1:
                 order = schedule_order(p.pp_schedule, s, num_stages, m)
             else:  # gradient accumulation: forward and backward of each micro-batch in turn
                 order = [op for i in range(m) for op in (("F", i), ("B", i))]
             reduces = m if dims.pp == 1 and p.fsdp_reduce_every_micro_batch else 1
-            for g, shapes in groups.items():
+            for g, (shapes, ns, shard_axis) in groups.items():
                 full = _padded(shapes, ns) * BYTES
                 gathered, gathers = False, 0
                 for op, _ in order:
@@ -350,10 +434,50 @@ def _axis_names(meshes) -> dict[str, str]:
         names.setdefault(meshes.loss.get_group().group_name, "loss")
         if meshes.fsdp.ndim == 1:
             names.setdefault(meshes.fsdp.get_group().group_name, "dp_shard_cp")
+    if meshes.dims.ep > 1:
+        names.setdefault(meshes.ep.get_group().group_name, "ep")
+        names.setdefault(meshes.experts_fsdp.get_group().group_name, "ep_shard")
+    if meshes.dims.moe_tp > 1:
+        names.setdefault(meshes.tokens.get_group().group_name, "tokens")
     for name, axis in list(names.items()):
         group = torch._C._distributed_c10d._resolve_process_group(name)
         names.setdefault("ranks " + ",".join(map(str, dist.get_process_group_ranks(group))), axis)
     return names
+
+
+def routed_bytes(t, meshes, row_bytes: int, steps: int) -> dict[str, float]:
+    """Per step, over this rank's MoE blocks: bytes of the routed copies it sends to experts on other ranks
+    (its picks of experts it does not hold) and of those other ranks send to its experts (their picks of its
+    experts), from each block's routing counts (MoE.load), gathered over the ep group."""
+    import torch.distributed as dist
+
+    from plait.moe import moe_layers
+
+    layers = moe_layers(t.parts)
+    mine = torch.stack([m.load for m in layers])  # (blocks, experts): this rank's picks
+    everyone = [torch.empty_like(mine) for _ in range(meshes.dims.ep)]
+    dist.all_gather(everyone, mine, group=meshes.ep.get_group())
+    rank, local = meshes.ep.get_local_rank(), mine.shape[1] // meshes.dims.ep
+    own = slice(rank * local, (rank + 1) * local)
+    sent = mine.sum() - mine[:, own].sum()
+    received = sum(other[:, own].sum() for s, other in enumerate(everyone) if s != rank)
+    return {"sent": float(sent) * row_bytes / steps, "received": float(received) * row_bytes / steps}
+
+
+def planner_a2a(cfg, dims, t) -> float:
+    """Bytes per step the planner's model (plait.planner.cost.a2a_bytes: balanced routing) has this rank send in
+    expert parallelism's all-to-alls: per MoE block and micro-batch, dispatch and combine in forward and in
+    backward (and the forward again under full AC), each with its count exchange (recomputed under any AC)."""
+    from plait.moe import moe_layers
+    from plait.planner.cost import a2a_bytes
+
+    p, local = cfg.parallel, cfg.train.global_batch_size // dims.dp
+    m = local // cfg.train.micro_batch_size if cfg.train.micro_batch_size else max(1, dims.pp * p.pp_virtual_stages)
+    tokens = local // m * cfg.data.seq_len // dims.cp // dims.moe_tp
+    counts = float(a2a_bytes(cfg.model, BYTES, 0, dims.ep))
+    routed = float(a2a_bytes(cfg.model, BYTES, tokens, dims.ep)) - counts
+    passes, forwards = 2 + (p.activation_checkpoint == "full"), 1 + (p.activation_checkpoint != "none")
+    return len(moe_layers(t.parts)) * m * (2 * passes * routed + forwards * counts)
 
 
 def _run_layout(name: str, overrides: list[str], world: int, steps: int) -> dict:
@@ -365,7 +489,7 @@ def _run_layout(name: str, overrides: list[str], world: int, steps: int) -> dict
     from plait.train import build_trainable, train_step
 
     cfg = load_config(None, overrides)
-    dims = ParallelDims.from_config(cfg.parallel, world)
+    dims = ParallelDims.from_config(cfg.parallel, world, moe=bool(cfg.model.moe_experts))
     validate_layout(cfg, dims)
     meshes = Meshes(dims.build_mesh("cpu"), dims)
     torch.manual_seed(cfg.run.seed)
@@ -376,6 +500,10 @@ def _run_layout(name: str, overrides: list[str], world: int, steps: int) -> dict
         torch.randint(0, cfg.model.vocab_size, (local, cfg.data.seq_len + 1), generator=gen) for _ in range(steps + 1)
     ]
     train_step(t, batches[0][:, :-1], batches[0][:, 1:])  # warm-up: lazy init, shape inference, optimizer state
+    from plait.moe import moe_layers
+
+    for layer in moe_layers(t.parts):  # the counted steps' routing, from here
+        layer.load.zero_()
     counter = CommCounter(_axis_names(meshes))
     clip = train_mod.clip_grad_norm
 
@@ -398,12 +526,23 @@ def _run_layout(name: str, overrides: list[str], world: int, steps: int) -> dict
     finally:
         train_mod.clip_grad_norm = clip
     pp_rank = meshes.pp.get_local_rank()
+    routing = routed_bytes(t, meshes, cfg.model.dim * BYTES, steps) if dims.ep > 1 else None
     rows = [
         {"kind": k, "axis": ax, "phase": ph, "class": c, "calls": v[0] / steps, "bytes": v[1] / steps}
         for (k, ax, ph, c), v in sorted(counter.records.items())
     ]
-    expect = [{"kind": k, "axis": ax, "bytes": v} for (k, ax), v in sorted(analytic(cfg, dims, pp_rank).items())]
+    names = _axis_names(meshes)
+    aliases = {}
+    for alias, mesh in (("ep", "ep"), ("ep_shard", "experts_fsdp"), ("tokens", "tokens")):
+        if (dims.ep > 1 or alias == "tokens") and (dims.moe_tp > 1 or alias != "tokens"):
+            group = getattr(meshes, mesh).get_group()
+            ranks = "ranks " + ",".join(map(str, dist.get_process_group_ranks(group)))
+            aliases[alias] = names.get(group.group_name) or names.get(ranks, alias)
+    volume = analytic(cfg, dims, pp_rank, routing, aliases)
+    expect = [{"kind": k, "axis": ax, "bytes": v} for (k, ax), v in sorted(volume.items())]
     mine = {"rank": dist.get_rank(), "pp_rank": pp_rank, "rows": rows, "analytic": expect, "wire": wire}
+    if dims.ep > 1:  # the planner's all-to-all bytes, which assume balanced routing, beside the measured ones
+        mine["planner_a2a"] = planner_a2a(cfg, dims, t)
     everyone: list = [None] * world
     dist.all_gather_object(everyone, mine)
     del t
@@ -483,8 +622,10 @@ def summarise(result: dict) -> dict:
         measured, predicted = sum(bulk.values()), sum(expect.values())
         # gloo runs a reduce-scatter as an all-reduce of the input: twice the ring reduce-scatter's bytes
         wire_model = measured + sum(v for (k, _), v in bulk.items() if k == "reduce_scatter") + scalars
+        a2a = sum(v for (k, _), v in bulk.items() if k == "all_to_all")
         ranks.append({
             "rank": r["rank"], "pp_rank": r["pp_rank"], "measured": measured, "analytic": predicted,
+            "a2a_measured": a2a, "a2a_planner": r.get("planner_a2a"),
             "ratio": measured / predicted if predicted else float("nan"), "scalars": scalars,
             "wire": r["wire"], "wire_model": wire_model,
             "by_kind_axis": [{"kind": k, "axis": ax, "calls": dict(calls.get((k, ax), {})),
@@ -552,6 +693,15 @@ def report(summaries: list[dict]) -> None:
     )
     worst = max((abs(r["ratio"] - 1) for s in summaries for r in s["ranks"]), default=float("nan"))
     console.print(f"worst |measured / analytic - 1| over all layouts and ranks: {worst:.4f} (goal <= 0.05)")
+    for s in summaries:
+        for r in s["ranks"]:
+            if r.get("a2a_planner"):
+                console.print(
+                    f"{s['layout']}, rank {r['rank']}: all-to-all {_mb(r['a2a_measured'])} MB measured (analytic from "
+                    f"its routing: equal above), planner's balanced-routing estimate {_mb(r['a2a_planner'])} MB "
+                    f"(measured / planner {r['a2a_measured'] / r['a2a_planner']:.3f})",
+                    highlight=False,
+                )
 
 
 def main() -> None:
