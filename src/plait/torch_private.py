@@ -110,6 +110,38 @@ def count_only_saved_ops(modes, saved) -> None:
         mode.plait_saved = saved
 
 
+GROUPED_MM_ON_CPU = False
+"""Tests set this to run `grouped_mm` on the CPU too (where torch has it, fp32, forward and backward), to check
+the path CUDA takes against the exact loop."""
+
+
+def grouped_mm_fits(x, *weights) -> bool:
+    """Whether torch._grouped_mm runs `x` against these stacked weights here: bf16 on a CUDA device of compute
+    capability 9.0 or newer (H100), rows 16-byte aligned (torch's requirement); on the CPU only where tests ask
+    (GROUPED_MM_ON_CPU). Elsewhere the caller loops over the groups."""
+    import torch
+
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    aligned = all(t.shape[-1] * t.element_size() % 16 == 0 for t in (x, *weights))
+    if x.device.type == "cpu":
+        return GROUPED_MM_ON_CPU and aligned and x.dtype == torch.float32
+    return (
+        x.device.type == "cuda"
+        and x.dtype == torch.bfloat16
+        and torch.cuda.get_device_capability(x.device) >= (9, 0)
+        and aligned
+    )
+
+
+def grouped_mm(x, weight, offsets):
+    """Rows offsets[g-1]:offsets[g] of x (N, K) times weight[g] (G, K, M): one kernel for every group
+    (torch._grouped_mm; offsets int32, cumulative)."""
+    import torch
+
+    return torch._grouped_mm(x, weight, offs=offsets)
+
+
 def in_backward() -> bool:
     """Whether autograd's backward is running on this thread (an activation-checkpoint recompute is: its
     forward must not count statistics a second time)."""

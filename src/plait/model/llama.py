@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.model.args import ModelArgs
-from plait.torch_private import in_backward
+from plait.torch_private import grouped_mm, grouped_mm_fits, in_backward
 
 
 def rope_tables(args: ModelArgs, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -276,7 +276,13 @@ class Experts(nn.Module):
 
 def swiglu_experts(x: torch.Tensor, counts: list[int], w1, w2, w3) -> torch.Tensor:
     """Expert e's SwiGLU (w1[e], w3[e]: (F, dim), w2[e]: (dim, F)) on its counts[e] rows of x, in order. An
-    expert with no tokens still takes part (a zero-row product), so every expert weight gets a gradient."""
+    expert with no tokens still takes part (a zero-row product), so every expert weight gets a gradient.
+    Grouped matmuls (one kernel per projection for all experts) where the device has them, else one matmul
+    per expert."""
+    if grouped_mm_fits(x, w1, w2):
+        offsets = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(x.device)
+        h = F.silu(grouped_mm(x, w1.transpose(1, 2), offsets)) * grouped_mm(x, w3.transpose(1, 2), offsets)
+        return grouped_mm(h, w2.transpose(1, 2), offsets)
     outs = [(F.silu(c @ w1[e].t()) * (c @ w3[e].t())) @ w2[e].t() for e, c in enumerate(x.split(counts))]
     return torch.cat(outs)
 

@@ -150,6 +150,7 @@ SAVED_OPS = frozenset(
         torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
         torch.ops.plait.ring_attention.default,  # context parallel attention: keeping it saves a ring pass
         torch.ops.plait.expert_all_to_all.default,  # tokens sent to their experts and back: not sent again
+        *([torch.ops.aten._grouped_mm.default] if hasattr(torch.ops.aten, "_grouped_mm") else []),  # experts
     }
 )
 """What selective recompute keeps: the outputs of matmuls and attention (expensive to recompute, cheap to keep
