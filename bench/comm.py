@@ -489,7 +489,7 @@ def _run_layout(name: str, overrides: list[str], world: int, steps: int) -> dict
     from plait.train import build_trainable, train_step
 
     cfg = load_config(None, overrides)
-    dims = ParallelDims.from_config(cfg.parallel, world, moe=bool(cfg.model.moe_experts))
+    dims = ParallelDims.from_config(cfg.parallel, world, cfg.model)
     validate_layout(cfg, dims)
     meshes = Meshes(dims.build_mesh("cpu"), dims)
     torch.manual_seed(cfg.run.seed)

@@ -114,16 +114,13 @@ def test_refused_settings_name_the_fix():
         cfg("model.moe_score=relu")
     from plait.parallel import ParallelDims, validate_layout
 
-    with pytest.raises(ConfigError, match="tp_degree=2 with model.qk_norm=true is not supported yet"):
-        qk_tp = cfg("model.qk_norm=true", "parallel.tp_degree=2")
-        validate_layout(qk_tp, ParallelDims.from_config(qk_tp.parallel, 2, moe=True))
     with pytest.raises(ConfigError, match=r"ep_degree=3 must divide model.moe_experts=8 .* in \[1, 2, 4, 8\]"):
         cfg("parallel.ep_degree=3")
     with pytest.raises(ConfigError, match="model is dense"):
         load_config(None, ["parallel.ep_degree=2"])
     with pytest.raises(ConfigError, match=r"ep_degree=4 must divide dp_shard x cp x tp = 2 .* in \[1, 2\]"):
         moe_ep = cfg("parallel.ep_degree=4", "parallel.dp_replicate_degree=2")
-        validate_layout(moe_ep, ParallelDims.from_config(moe_ep.parallel, 4, moe=True))
+        validate_layout(moe_ep, ParallelDims.from_config(moe_ep.parallel, 4, moe_ep.model))
     with pytest.raises(ConfigError, match="compile.enabled=true with a mixture-of-experts model"):
         cfg("compile.enabled=true")
     with pytest.raises(ConfigError, match="moe_dense_layers=4 leaves no MoE block"):
@@ -257,6 +254,24 @@ def test_resume_restores_the_routing_bias(data_dir, reference, tmp_path):
     job = [*base(data_dir), "parallel.dp_shard_degree=2", "checkpoint.every_steps=0", f"checkpoint.dir={ckpts}"]
     (got,) = run_layouts(2, [job])
     check("FSDP 2 resumed at step 6", got, read_metrics(reference), steps=range(7, STEPS + 1))
+
+
+@pytest.mark.slow
+def test_qk_norms_under_tensor_parallelism_match_single_process(data_dir, tmp_path):
+    """Qwen3's per-head q/k norms under TP: each tp rank normalises its own heads with the whole weights, whose
+    gradients FSDP sums over tp (ParallelDims.tp_whole); selective recompute as two units per block (the
+    dense first block) and one region (the MoE blocks), and with expert parallelism and full AC."""
+    from plait.api import train
+
+    job = [*base(data_dir), "model.qk_norm=true"]
+    train(load_config(None, [*job, f"run.out_dir={tmp_path}", "run.name=ref"]))
+    ref = read_metrics(tmp_path / "ref")
+    layouts = {
+        "FSDP 2 x TP 2, selective AC": ["parallel.tp_degree=2", "parallel.activation_checkpoint=selective"],
+        "TP 2 x EP 4, full AC": ["parallel.tp_degree=2", "parallel.ep_degree=4", "parallel.activation_checkpoint=full"],
+    }
+    for name, got in zip(layouts, run_layouts(4, [[*job, *extra] for extra in layouts.values()]), strict=True):
+        check(f"q/k norms, {name}", got, ref)
 
 
 @pytest.mark.slow

@@ -188,12 +188,19 @@ QWEN3_ATTENTION = ["model.qk_norm=true", "model.attention_head_dim=32"]  # 32 !=
 @pytest.mark.slow
 def test_qk_norm_and_own_head_size_match_single_process(data_dir, tmp_path):
     """Qwen3's attention (per-head q/k norms, a head size apart from dim / n_heads) under FSDP (the norm
-    weights sharded like any 1-D parameter) and context parallel (the norms are per token)."""
+    weights sharded like any 1-D parameter), context parallel (the norms are per token) and tensor parallel
+    (each rank normalises its heads with the whole weights, whose gradients FSDP sums over tp: plait.parallel.dims
+    tp_whole; selective recompute in units, whose regions then hold those FSDP modules)."""
     from plait.api import train
 
     train(load_config(None, [*base(data_dir), *QWEN3_ATTENTION, f"run.out_dir={tmp_path}", "run.name=ref"]))
     reference = read_metrics(tmp_path / "ref")
-    layouts = {"FSDP": ["parallel.dp_shard_degree=2"], "CP": ["parallel.cp_degree=2"]}
+    layouts = {
+        "FSDP": ["parallel.dp_shard_degree=2"],
+        "CP": ["parallel.cp_degree=2"],
+        "TP": ["parallel.tp_degree=2"],
+        "TP, selective AC": ["parallel.tp_degree=2", "parallel.activation_checkpoint=selective"],
+    }
     results = run_layouts(2, [[*base(data_dir), *QWEN3_ATTENTION, *extra] for extra in layouts.values()])
     for name, got in zip(layouts, results, strict=True):
         check(f"{name} with q/k norms and head size 32", got, reference)
@@ -244,7 +251,7 @@ def layout(*overrides: str, world: int):
         (["parallel.cp_degree=2", "model.sliding_window=8"], 2, r"sliding_window=8 with parallel.cp_degree=2"),
         (["parallel.cp_degree=0"], 1, r"cp_degree=0 must be at least 1"),
         (["parallel.cp_degree=3"], 4, r"not divisible by dp_replicate x cp x tp x pp = 3"),
-        (["model.qk_norm=true", "parallel.tp_degree=2"], 2, r"tp_degree=2 with model.qk_norm=true is not supported"),
+        (["parallel.ep_degree=2"], 2, r"ep_degree=2 splits a mixture of experts, but this model is dense"),
     ],
 )
 def test_impossible_layouts_are_refused(overrides, world, message):

@@ -142,7 +142,7 @@ for overrides in jobs:
     model = [f"model.{k}={v}" for k, v in args.items()]
     cfg = load_config(None, [*model, f"data.seq_len={seq}", f"train.global_batch_size={batch}", "run.device=cpu",
                              *overrides])
-    dims = ParallelDims.from_config(cfg.parallel, world, moe=bool(cfg.model.moe_experts))
+    dims = ParallelDims.from_config(cfg.parallel, world, cfg.model)
     t = build_trainable(cfg, torch.device("cpu"), Meshes(dims.build_mesh("cpu"), dims))
     local_batch = batch // dims.dp
     x = torch.randint(0, args["vocab_size"], (local_batch, seq))

@@ -35,6 +35,10 @@ RUN = {
     "plait ckpt import hf/ --out runs/ft": ([], ["wrote runs/ft/checkpoints/step_00000000"]),
     "plait train configs/seed_3d.toml --parallel.pp_degree=1 --parallel.tp_degree=1": (CAP, ["pp=1"]),
     "plait train --model.preset=moe-debug --train.steps=50": (CAP + ["--run.name=moe"], ["runs/moe/checkpoints"]),
+    "plait train --nproc 4 --model.preset=moe-debug --parallel.ep_degree=2": (
+        CAP + ["--run.name=moe-ep"],
+        ["dp_shard=4 tp=1 ep=2", "runs/moe-ep/checkpoints"],
+    ),
     "plait train configs/seed_3d.toml --nproc 8": (CAP, ["pp=2 dp_replicate=1 dp_shard=2 tp=2"]),
     "torchrun --nproc-per-node 8 -m plait train configs/seed_3d.toml": (CAP, ["pp=2 dp_replicate=1 dp_shard=2 tp=2"]),
     SLURM: ([], ["wrote job.sbatch"]),

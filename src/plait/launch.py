@@ -221,7 +221,7 @@ def _validate_before_launch(train_args: list[str], world_size: int):
 
     path, overrides = split_config_args(train_args)
     cfg = load_config(path, overrides)
-    validate_layout(cfg, ParallelDims.from_config(cfg.parallel, world_size, moe=bool(cfg.model.moe_experts)))
+    validate_layout(cfg, ParallelDims.from_config(cfg.parallel, world_size, cfg.model))
     from plait.checkpoint import checkpoint_dir, list_checkpoints
     from plait.storage import RemotePath
 

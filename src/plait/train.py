@@ -194,7 +194,7 @@ class Trainer:
 
     def _run(self) -> dict[str, float]:
         cfg, env, cb = self.cfg, self.env, self.callbacks
-        dims = ParallelDims.from_config(cfg.parallel, env.world_size, moe=bool(cfg.model.moe_experts))
+        dims = ParallelDims.from_config(cfg.parallel, env.world_size, cfg.model)
         validate_layout(cfg, dims)
         torch.manual_seed(cfg.run.seed)
         candidates = prepare_run_dir(cfg, env.is_main)

@@ -94,9 +94,7 @@ def build_trainable(
     token-normalised cross-entropy; on_model(parts): called before the optimizers are made (fine-tuning)."""
     if meshes is None:
         init_single_process(device, cfg.parallel.timeout_s)
-        meshes = Meshes.build(
-            ParallelDims.from_config(cfg.parallel, dist.get_world_size(), moe=bool(cfg.model.moe_experts)), device.type
-        )
+        meshes = Meshes.build(ParallelDims.from_config(cfg.parallel, dist.get_world_size(), cfg.model), device.type)
     loss_fn = TokenLoss() if loss is None else MeanLoss(loss)
     if model is not None:
         if meshes.dims.pp > 1:

@@ -47,11 +47,13 @@ class ParallelDims:
     cp: int = 1
     ep: int = 1  # a split of dp_shard x cp (x tp), not a further factor of the world
     moe: bool = False  # the model has mixture-of-experts blocks
+    qk_norm: bool = False  # the model normalises queries and keys per head (Qwen3)
 
     @classmethod
-    def from_config(cls, cfg: ParallelConfig, world_size: int, moe: bool = False) -> ParallelDims:
-        """Resolve dp_shard=-1 to what the other degrees leave of the world, and check the product. moe: the
-        model has mixture-of-experts blocks (which tensor parallelism does not split: see the module doc)."""
+    def from_config(cls, cfg: ParallelConfig, world_size: int, model: ModelArgs | None = None) -> ParallelDims:
+        """Resolve dp_shard=-1 to what the other degrees leave of the world, and check the product. model: the
+        model's parts that tensor parallelism runs whole (mixture-of-experts blocks, q/k norms) change how
+        their gradients are reduced (`tp_whole`)."""
         if cfg.cp_degree < 1:
             raise ConfigError(f"parallel.cp_degree={cfg.cp_degree} must be at least 1 (1: no context parallelism)")
         fixed = cfg.dp_replicate_degree * cfg.tp_degree * cfg.pp_degree * cfg.cp_degree
@@ -72,7 +74,8 @@ class ParallelDims:
             cfg.cpu_offload,
             cfg.cp_degree,
             cfg.ep_degree,
-            moe,
+            bool(model and model.moe_experts),
+            bool(model and model.qk_norm),
         )
         if dims.world_size != world_size:
             raise ConfigError(
@@ -104,12 +107,19 @@ class ParallelDims:
         return self.tp if self.moe else 1
 
     @property
+    def tp_whole(self) -> bool:
+        """Whether tensor parallelism leaves parameters whole on every tp rank while the ranks compute different
+        parts with them (an MoE block on each rank's sequence shard, q/k norms on each rank's heads), so their
+        gradients are partial sums over tp: FSDP shards them over dp_shard x cp x tp and reduces them there."""
+        return self.tp > 1 and (self.moe or self.qk_norm)
+
+    @property
     def fsdp_enabled(self) -> bool:
-        """FSDP2 wraps the model where data or context parallelism shards it, where mixture-of-experts blocks
-        are split (expert parallelism, or tp ranks with different tokens: their gradients are reduced by
-        FSDP), and at dp = cp = 1 where CPU offload is asked (FSDP2's offload policy is how parameters,
-        gradients and optimizer state live on the CPU)."""
-        return self.dp_cp > 1 or self.cpu_offload or self.ep > 1 or self.moe_tp > 1
+        """FSDP2 wraps the model where data or context parallelism shards it, where expert parallelism splits
+        experts, where tensor parallelism leaves parameters whole (`tp_whole`: FSDP reduces their gradients),
+        and at dp = cp = 1 where CPU offload is asked (FSDP2's offload policy is how parameters, gradients and
+        optimizer state live on the CPU)."""
+        return self.dp_cp > 1 or self.cpu_offload or self.ep > 1 or self.tp_whole
 
     def describe(self) -> str:
         """The degrees as one line for logs and reports."""
@@ -159,12 +169,14 @@ class Meshes:
         return self.world["dp_shard"]
 
     @cached_property
+    def _data_tp(self) -> DeviceMesh:
+        return flatten_mesh(self.world["dp_replicate", "dp_shard", "cp", "tp"], "dp_cp_tp")
+
+    @cached_property
     def tokens(self) -> DeviceMesh:
         """Ranks that hold different tokens of a step inside a mixture-of-experts block: the loss ranks, and
         tp's too (`ParallelDims.moe_tp`). Routing statistics are summed over them."""
-        if self.dims.moe_tp == 1:
-            return self.loss
-        return flatten_mesh(self.world["dp_replicate", "dp_shard", "cp", "tp"], "tokens")
+        return self.loss if self.dims.moe_tp == 1 else self._data_tp
 
     @cached_property
     def sequence(self) -> DeviceMesh:
@@ -198,13 +210,13 @@ class Meshes:
         return self._experts["ep_shard"]
 
     @cached_property
-    def moe_fsdp(self) -> DeviceMesh:
-        """FSDP2's mesh for a mixture-of-experts block whose tokens tp splits (`moe_tp`): the token ranks,
-        (replicas, the rest) under HSDP."""
+    def fsdp_tp(self) -> DeviceMesh:
+        """FSDP2's mesh for parameters tensor parallelism leaves whole (`ParallelDims.tp_whole`): dp_shard x cp
+        x tp, (dp_replicate, that) under HSDP."""
         if self.dims.dp_replicate > 1:
-            shard = self.tokens.size() // self.dims.dp_replicate
-            return unflatten_mesh(self.tokens, (self.dims.dp_replicate, shard), ("moe_replicate", "moe_shard"))
-        return self.tokens
+            shard = self._data_tp.size() // self.dims.dp_replicate
+            return unflatten_mesh(self._data_tp, (self.dims.dp_replicate, shard), ("tp_replicate", "tp_shard"))
+        return self._data_tp
 
     @property
     def cp(self) -> DeviceMesh:
@@ -233,11 +245,6 @@ def num_micro_batches(micro_batch_size: int, local_batch: int, stages: int = 1) 
 def tp_problem(m: ModelArgs, seq_len: int, tp: int) -> str | None:
     """Why tensor parallelism of degree tp cannot split this model and sequence (None: it can). The rule the
     runtime (validate_layout) and the planner's search share."""
-    if tp > 1 and m.qk_norm:  # the plan splits heads, not the norms applied to them
-        return (
-            f"parallel.tp_degree={tp} with model.qk_norm=true is not supported yet; set parallel.tp_degree=1 "
-            "(data, FSDP/HSDP, context, expert and pipeline parallelism work)"
-        )
     if m.n_heads % tp or m.n_kv_heads % tp:
         ok = [d for d in range(1, m.n_kv_heads + 1) if m.n_kv_heads % d == 0 and m.n_heads % d == 0]
         return (

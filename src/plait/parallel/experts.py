@@ -16,8 +16,8 @@ no padding); the price of an imbalance is time on the busiest rank, which moe/lo
 The expert weights are DTensors sharded on the expert dimension over the ep mesh (FSDP2 shards them further
 over ep_shard: plait.parallel.parallelize.apply_fsdp). Their gradients arrive summed over the ep ranks' tokens
 (the all-to-all's backward brings every rank's share to the expert's owner) and FSDP then averages over
-ep_shard, so they are scaled by 1 / ep on the way in: the mean over all data-parallel ranks, as for every
-other parameter.
+ep_shard, so they are scaled by 1 / ep on the way in (tp / ep where tp ranks hold different tokens of an MoE
+block: plait.parallel.dims): the mean over all data-parallel ranks, as for every other parameter.
 """
 
 from __future__ import annotations
@@ -72,15 +72,15 @@ def _expert_parallel(
     # which moves nothing, sizes a balanced exchange: plait.planner's memory checks run on one.)
     recv = send.clone()
     dist.all_to_all_single(recv, send, group=group)
-    sent_rows, got_rows = send.sum(1).tolist(), recv.sum(1).tolist()
-    got = torch.ops.plait.expert_all_to_all(x, got_rows, sent_rows, group.group_name)
-    local = recv.shape[1]
-    pieces = recv.flatten().tolist()  # chunk sizes of `got`, by (source, expert)
-    by_source = got.split(pieces)
+    sent, got = send.tolist(), recv.tolist()  # the step's only host syncs: the split sizes
+    sent_rows, got_rows = [sum(row) for row in sent], [sum(row) for row in got]
+    arrived = torch.ops.plait.expert_all_to_all(x, got_rows, sent_rows, group.group_name)
+    local = len(got[0])
+    by_source = arrived.split([n for row in got for n in row])  # (source, expert) order
     by_expert = torch.cat([by_source[s * local + e] for e in range(local) for s in range(ep)])
     weights = [ScaleGrad.apply(w.to_local(), grad_scale) for w in (experts.w1, experts.w2, experts.w3)]
-    out = swiglu_experts(by_expert, recv.sum(0).tolist(), *weights)
-    done = out.split([recv[s, e] for e in range(local) for s in range(ep)])
+    out = swiglu_experts(by_expert, [sum(got[s][e] for s in range(ep)) for e in range(local)], *weights)
+    done = out.split([got[s][e] for e in range(local) for s in range(ep)])  # (expert, source) order
     back = torch.cat([done[e * ep + s] for s in range(ep) for e in range(local)])
     return torch.ops.plait.expert_all_to_all(back, sent_rows, got_rows, group.group_name)
 

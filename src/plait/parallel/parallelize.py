@@ -38,7 +38,7 @@ from plait.compile import apply_compile
 from plait.config import Config
 from plait.errors import ConfigError
 from plait.model.args import recompute_units_pay
-from plait.model.llama import FeedForward, MoE, Transformer, TransformerBlock
+from plait.model.llama import Attention, FeedForward, MoE, Transformer, TransformerBlock
 from plait.parallel.activations import track_sac_cache
 from plait.parallel.context import apply_cp
 from plait.parallel.dims import Meshes
@@ -56,7 +56,7 @@ def parallelize(model: nn.Module, meshes: Meshes, cfg: Config, device: torch.dev
         apply_cp(model, meshes.cp)
     apply_moe_layout(model, meshes)
     if cfg.parallel.activation_checkpoint != "none":
-        apply_ac(model, cfg.parallel.activation_checkpoint, dims.tp, moe_sharded=dims.ep > 1 or dims.moe_tp > 1)
+        apply_ac(model, cfg.parallel.activation_checkpoint, dims.tp, nested_fsdp=dims.ep > 1 or dims.tp_whole)
     apply_compile(model, cfg)
     if dims.fsdp_enabled:
         apply_fsdp(model, meshes, cfg, device)
@@ -172,7 +172,7 @@ def blocks(model: nn.Module) -> list[tuple[str | int, nn.Module]]:
     return []
 
 
-def apply_ac(model: nn.Module, mode: str, tp: int = 1, moe_sharded: bool = False) -> None:
+def apply_ac(model: nn.Module, mode: str, tp: int = 1, nested_fsdp: bool = False) -> None:
     """full: each block recomputed whole in backward (it keeps only its input). selective: the matmul and
     attention outputs kept (_selective_policy), the element-wise work between them (norms, rotary tables,
     SiLU, the all-gathers of sequence parallelism) recomputed. On a block with recompute units (plait's:
@@ -181,18 +181,18 @@ def apply_ac(model: nn.Module, mode: str, tp: int = 1, moe_sharded: bool = False
     selective recompute with sequence parallelism does; the output projections keep their input as usual.
     That pays under tensor parallelism (model.args.recompute_units_pay: from tp = 2 for Llama's shapes); else,
     and on a block without units (your own model), the block is one selective region, which keeps the output
-    projections' outputs instead (full-size partial sums under TP). moe_sharded: MoE blocks hold FSDP-sharded
-    modules of their own (expert parallelism, tensor parallelism: see apply_fsdp), whose hooks run inside the
-    region: there the region counts only the ops it keeps (torch_private.count_only_saved_ops)."""
+    projections' outputs instead (full-size partial sums under TP). nested_fsdp: blocks hold FSDP-sharded
+    modules of their own (experts under expert parallelism, MoE blocks and q/k norms under tensor parallelism:
+    see apply_fsdp), whose hooks run inside the regions: they count only the ops they keep
+    (torch_private.count_only_saved_ops)."""
+    contexts = partial(_selective_contexts, count_all=not nested_fsdp)
     for name, block in blocks(model):
         if mode == "full":
             model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
         elif _units_pay(block, tp):
             for unit in RECOMPUTE_UNITS:
-                setattr(block, unit, partial(_recomputed, getattr(block, unit)))  # shadows the method
+                setattr(block, unit, partial(_recomputed, getattr(block, unit), contexts))  # shadows the method
         else:
-            nested_fsdp = moe_sharded and any(isinstance(m, MoE) for m in block.modules())
-            contexts = partial(_selective_contexts, count_all=not nested_fsdp)
             model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False, context_fn=contexts)
 
 
@@ -206,8 +206,8 @@ def _units_pay(block: nn.Module, tp: int) -> bool:
     return recompute_units_pay(dim, hidden, tp)
 
 
-def _recomputed(fn, *args):
-    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False, context_fn=_selective_contexts)
+def _recomputed(fn, contexts, *args):
+    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False, context_fn=contexts)
 
 
 def _selective_contexts(count_all: bool = True):
@@ -243,6 +243,9 @@ def apply_fsdp(model: nn.Module, meshes: Meshes, cfg: Config, device: torch.devi
         unit_reshard = reshard and i < len(units) - 1
         for moe in [m for m in block.modules() if isinstance(m, MoE)]:
             _shard_moe(moe, meshes, kwargs, unit_reshard)
+        for attention in [m for m in block.modules() if isinstance(m, Attention) and m.q_norm is not None]:
+            if meshes.dims.tp > 1:  # each tp rank normalises its own heads with the whole weights
+                _shard_over_tp([attention.q_norm, attention.k_norm], meshes, kwargs, unit_reshard)
         fully_shard(block, reshard_after_forward=unit_reshard, **kwargs)
     # The root (embedding, final norm, output) is needed first in backward (the output) and last (the
     # embedding): keep it gathered through the step. (An explicit True re-gathers it in every backward,
@@ -252,16 +255,22 @@ def apply_fsdp(model: nn.Module, meshes: Meshes, cfg: Config, device: torch.devi
 
 def _shard_moe(moe: MoE, meshes: Meshes, kwargs: dict, reshard: bool) -> None:
     """Expert-parallel experts: FSDP over the token ranks outside their ep group (experts_fsdp). Under
-    tensor parallelism the whole block (router, shared expert, experts) over the token ranks, tp's included
-    (moe_fsdp): its gradients are sums over the tp ranks' tokens and means over the data-parallel ranks', so
-    FSDP divides by dp x cp, not by the group's size (in sums: gloo has no pre-scaled reduction)."""
+    tensor parallelism the whole block (router, shared expert, experts) over the data and tp ranks."""
     dims = meshes.dims
     if dims.ep > 1:
         fully_shard(moe.experts, reshard_after_forward=reshard, **{**kwargs, "mesh": meshes.experts_fsdp})
     if dims.moe_tp > 1:
-        fully_shard(moe, reshard_after_forward=reshard, **{**kwargs, "mesh": meshes.moe_fsdp})
-        moe.set_gradient_divide_factor(float(dims.dp_cp))
-        moe.set_force_sum_reduction_for_comms(True)
+        _shard_over_tp(moe, meshes, kwargs, reshard)
+
+
+def _shard_over_tp(modules, meshes: Meshes, kwargs: dict, reshard: bool) -> None:
+    """FSDP for parameters that tensor parallelism leaves whole (`ParallelDims.tp_whole`) over the data and tp
+    ranks (fsdp_tp): their gradients are sums over the tp ranks' parts and means over the data-parallel
+    ranks', so FSDP divides by dp x cp, not by the group's size (in sums: gloo has no pre-scaled reduction)."""
+    unit = fully_shard(modules, reshard_after_forward=reshard, **{**kwargs, "mesh": meshes.fsdp_tp})
+    unit = unit[0] if isinstance(unit, list) else unit
+    unit.set_gradient_divide_factor(float(meshes.dims.dp_cp))
+    unit.set_force_sum_reduction_for_comms(True)
 
 
 @torch.no_grad()

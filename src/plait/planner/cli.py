@@ -214,8 +214,8 @@ def config_pins(path: str, base, world_size: int) -> dict[str, int]:
             p, tp_degree=tp, pp_degree=pp, dp_replicate_degree=rep, dp_shard_degree=shard, cp_degree=cp
         )
         # the runtime's own reason, e.g. "parallel.tp_degree=3 must divide model.n_heads=32 ..."
-        moe = bool(base.model.moe_experts)
-        dims = ParallelDims(rep, shard, tp, pp, cp=cp, ep=pins.get("ep", 1), moe=moe)
+        m = base.model
+        dims = ParallelDims(rep, shard, tp, pp, cp=cp, ep=pins.get("ep", 1), moe=bool(m.moe_experts), qk_norm=m.qk_norm)
         validate_layout(dataclasses.replace(base, parallel=pinned), dims)
     return pins
 

@@ -114,8 +114,6 @@ def layer_params(a: ModelArgs) -> list[tuple[int, int, int]]:
     q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
     h, f = a.dim, a.hidden_dim
     out = [(q, h, 0), (kv, h, 0), (kv, h, 0), (h, q, 1), (h, 1, -1), (h, 1, -1)]
-    if a.qk_norm:
-        out += [(a.head_dim, 1, -1), (a.head_dim, 1, -1)]
     moe = a.n_moe_layers / a.n_layers
     if moe < 1:
         out += [(f, h * (1 - moe), 0), (f, h * (1 - moe), 0), (h, f * (1 - moe), 1)]
@@ -123,15 +121,17 @@ def layer_params(a: ModelArgs) -> list[tuple[int, int, int]]:
 
 
 def moe_params(a: ModelArgs) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
-    """An average block's mixture-of-experts parameters (weighted by the MoE blocks' share), as (router and
-    shared expert, routed experts). Tensor parallelism splits neither (an MoE block runs on each tp rank's
-    sequence shard: plait.parallel.dims); FSDP shards both over dp_shard x cp x tp, the experts after expert
-    parallelism has split them by expert (dim 0 of the stacked (experts, F x h) weights: the 0 below)."""
+    """An average block's parameters that tensor parallelism leaves whole (ParallelDims.tp_whole), as (the q/k
+    norms and the MoE router and shared expert, the routed experts; MoE parts weighted by the MoE blocks'
+    share). FSDP shards both over dp_shard x cp x tp (an MoE block runs on each tp rank's sequence shard, a
+    q/k norm on its heads), the experts after expert parallelism has split them by expert (dim 0 of the
+    stacked (experts, F x h) weights: the 0 below)."""
     moe = a.n_moe_layers / a.n_layers
+    rest = [(a.head_dim, 1, -1), (a.head_dim, 1, -1)] if a.qk_norm else []
     if not moe:
-        return [], []
+        return rest, []
     h, e, fe, shared = a.dim, a.moe_experts, a.expert_hidden_dim, a.expert_hidden_dim * a.moe_shared_experts
-    rest = [(e, h * moe, -1)]  # the router
+    rest += [(e, h * moe, -1)]  # the router
     if shared:
         rest += [(shared, h * moe, -1), (shared, h * moe, -1), (h, shared * moe, -1)]
     experts = [(e, fe * h * moe, 0), (e, fe * h * moe, 0), (e, h * fe * moe, 0)]
@@ -143,7 +143,7 @@ def block_numel(a: ModelArgs, tp, fsdp_shard, ep) -> tuple:
     dense parts (TP-split, sharded over fsdp_shard), the MoE router and shared expert (sharded over
     fsdp_shard x tp) and the experts (split over ep, sharded over fsdp_shard x tp / ep), as two dicts."""
     rest, experts = moe_params(a)
-    moe_tp = tp if a.moe_experts else 1
+    moe_tp = tp if a.moe_experts or a.qk_norm else 1  # the whole parts are sharded over tp too
     sharded = {
         "dense": sharded_numel(layer_params(a), tp, fsdp_shard),
         "moe": sharded_numel(rest, 1, fsdp_shard * moe_tp),
@@ -452,6 +452,7 @@ def evaluate(work: Workload, cluster: Cluster, lay: Layouts) -> dict[str, np.nda
     cp, ep = lay.cp.astype(np.int64), lay.ep.astype(np.int64)
     moe_share = a.n_moe_layers / a.n_layers
     moe_tp = tp if a.moe_experts else np.ones_like(tp)  # ranks that split an MoE block's tokens beyond cp
+    whole_tp = tp if a.moe_experts or a.qk_norm else np.ones_like(tp)  # parameters TP leaves whole: FSDP over tp
     dp = shard * rep
     fsdp_shard = shard * cp  # context parallel ranks shard the parameters with dp_shard (plait.parallel.dims)
     m = (work.global_batch // dp) // lay.micro_batch
@@ -475,7 +476,7 @@ def evaluate(work: Workload, cluster: Cluster, lay: Layouts) -> dict[str, np.nda
     # gradients stay unsharded across micro-batches (no-sync accumulation), unless reduced after each one
     accumulate = ((m > 1) | (pp > 1)) & ~lay.sync_each
     held = (pp > 1) | ~lay.reshard  # gathered parameters stay gathered through the step
-    fsdp = (dp * cp > 1) | (ep > 1) | (moe_tp > 1)  # ParallelDims.fsdp_enabled
+    fsdp = (dp * cp > 1) | (ep > 1) | (whole_tp > 1)  # ParallelDims.fsdp_enabled
     kv_local = a.n_kv_heads * a.head_dim / tp  # the keys (and values) one rank's attention holds per token
 
     mem: dict[str, dict[str, np.ndarray]] = {}
@@ -566,7 +567,7 @@ def evaluate(work: Workload, cluster: Cluster, lay: Layouts) -> dict[str, np.nda
     recompute = np.where(lay.ac == 2, 1.0, np.where(lay.ac == 1, SELECTIVE_RECOMPUTE, 0.0))
     extra_collectives = np.where(lay.ac > 0, 3, 0)  # recomputing a block repeats its SP all-gathers
     sp_share = 1 - moe_share / 2  # an MoE block has the attention's SP collectives only
-    moe_spans = _spans_nodes(1, fsdp_shard * moe_tp, G)  # MoE FSDP groups and ep groups: consecutive ranks
+    moe_spans = _spans_nodes(1, fsdp_shard * whole_tp, G)  # MoE FSDP groups and ep groups: consecutive ranks
     mo_bw, mo_lat = _link(cluster, moe_spans)
     ep_bw, ep_lat = _link(cluster, _spans_nodes(1, ep, G))
 
@@ -612,8 +613,8 @@ def evaluate(work: Workload, cluster: Cluster, lay: Layouts) -> dict[str, np.nda
         ag, rs, ar = 0.0, 0.0, 0.0
         for numel, n, bw, lat in (
             (layers * block_u["dense"] + rank["root_unsharded"], fsdp_shard, sh_bw, sh_lat),
-            (layers * block_u["moe"], fsdp_shard * moe_tp, mo_bw, mo_lat),
-            (layers * block_u["experts"], fsdp_shard * moe_tp // ep, mo_bw, mo_lat),
+            (layers * block_u["moe"], fsdp_shard * whole_tp, mo_bw, mo_lat),
+            (layers * block_u["experts"], fsdp_shard * whole_tp // ep, mo_bw, mo_lat),
         ):
             ag = ag + ring_time(e * numel, n, bw, lat, groups)
             rs = rs + ring_time(4.0 * numel, n, bw, lat, groups)

@@ -132,7 +132,8 @@ def enumerate_layouts(work: Workload, cluster: Cluster) -> Layouts:
     )
     # reshard_after_forward is a choice only for FSDP without a pipeline; a pipeline keeps gathered weights
     # for the whole step (reshard=False), and without FSDP there is nothing to reshard.
-    fsdp = (lay.dp_replicate * lay.dp_shard * lay.cp > 1) | (lay.ep > 1) | ((lay.tp > 1) & bool(a.moe_experts))
+    tp_whole = (lay.tp > 1) & (bool(a.moe_experts) or a.qk_norm)  # ParallelDims.tp_whole
+    fsdp = (lay.dp_replicate * lay.dp_shard * lay.cp > 1) | (lay.ep > 1) | tp_whole
     keep = np.where(lay.pp > 1, ~lay.reshard, np.where(fsdp, True, lay.reshard))
     # Reducing every micro-batch is a choice where FSDP accumulates: over micro-batches, or a pipeline's
     # (not zero bubble's: its weight gradients are computed apart from their backward).
@@ -147,7 +148,7 @@ def _ep_degrees(a, shard: int, cp: int, tp: int) -> list[int]:
     """Expert parallel degrees plait can run for this model in this layout (1 for a dense model)."""
     if not a.moe_experts:
         return [1]
-    dims = [ParallelDims(1, shard, tp, 1, cp=cp, ep=ep, moe=True) for ep in divisors(a.moe_experts)]
+    dims = [ParallelDims(1, shard, tp, 1, cp=cp, ep=ep, moe=True, qk_norm=a.qk_norm) for ep in divisors(a.moe_experts)]
     return [d.ep for d in dims if ep_problem(a, d) is None]
 
 
