@@ -163,6 +163,13 @@ def test_a_run_logs_routing_and_balances_without_a_loss(reference):
     assert sorted(got["moe/load_imbalance"]) == list(range(1, STEPS + 1))
     assert all(v >= 1 for v in got["moe/load_imbalance"].values())
     assert all(0 < v < 1 for v in got["moe/aux_loss"].values())  # 0.01 x 3 blocks x ~1 when balanced
+    import json
+
+    rows = [json.loads(line) for line in (reference / "moe_load.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    for r in rows:  # tokens per expert of every MoE block (block 0 is dense): every token's top 2, all counted
+        assert sorted(r["load"]) == ["1", "2", "3"] and all(sum(v) == 8 * 32 * 2 for v in r["load"].values())
+    assert (reference / "moe_load.png").stat().st_size > 0
     from plait.checkpoint import list_checkpoints
     from plait.generate import load_for_generation
 

@@ -73,11 +73,55 @@ def plot_runs(runs: dict[str, list[dict]], out: Path) -> Path:
 
 
 def write_run_plot(run_dir: Path) -> Path | None:
-    """<run>/loss.png from its metrics so far; None (and no file) when nothing was logged yet."""
+    """<run>/loss.png from its metrics so far; None (and no file) when nothing was logged yet. A mixture of
+    experts' run also gets moe_load.png (`plot_expert_load`)."""
     rows = read_metrics(run_dir)
     if not any("train/loss" in r for r in rows):
         return None
+    if (Path(run_dir) / "moe_load.jsonl").is_file():
+        plot_expert_load(Path(run_dir) / "moe_load.jsonl", Path(run_dir) / "moe_load.png")
     return plot_runs({Path(run_dir).name: rows}, Path(run_dir) / "loss.png")
+
+
+def plot_expert_load(path: Path, out: Path) -> Path | None:
+    """From moe_load.jsonl (plait.moe.ExpertBalance): left, the last logged step's tokens per expert and block
+    over the block's mean (a heatmap: 1 is balanced); right, each block's busiest expert over the mean, by
+    step."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    rows = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    rows = [r for r in rows if r.get("load")]
+    if not rows:
+        return None
+    fig = Figure(figsize=(12, 4.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    heat, lines = fig.subplots(1, 2)
+    last = rows[-1]
+    blocks = list(last["load"])
+    ratio = [[x / max(1e-9, sum(v) / len(v)) for x in v] for v in (last["load"][b] for b in blocks)]
+    image = heat.imshow(ratio, aspect="auto", cmap="viridis", interpolation="nearest")
+    fig.colorbar(image, ax=heat, label="tokens / block mean")
+    heat.set_yticks(range(len(blocks)), [f"block {b}" for b in blocks])
+    heat.set_xlabel("expert")
+    heat.set_title(f"expert load at step {last['step']}")
+    for b in blocks:
+        loads = [(r["step"], r["load"][b]) for r in rows if b in r["load"]]
+        pts = [(step, max(v) / max(1e-9, sum(v) / len(v))) for step, v in loads]
+        lines.plot([p[0] for p in pts], [p[1] for p in pts], label=f"block {b}")
+    lines.set_title("busiest expert / mean")
+    lines.set_xlabel("step")
+    lines.grid(alpha=0.3)
+    lines.legend(fontsize=7, ncol=2)
+    tmp = out.with_name(f".{out.name}.tmp.png")
+    fig.savefig(tmp, dpi=100)
+    tmp.replace(out)
+    return out
 
 
 def cmd_plot(argv: list[str]) -> int:
