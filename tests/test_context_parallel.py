@@ -26,19 +26,20 @@ def test_each_rank_holds_a_head_and_a_tail_chunk():
     assert shard_sequence(x, 1, 0) is x
 
 
-def _ring_vs_sdpa(rank: int, world: int, port: int, math_kernel: bool) -> None:
+def _ring_vs_sdpa(rank: int, world: int, port: int, math_kernel: bool, device: str = "cpu") -> None:
     join_as_rank(rank, world, port)
     import torch.distributed as dist
     import torch.nn.functional as F
 
     from plait.parallel import context
 
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo" if device == "cpu" else "nccl", rank=rank, world_size=world)
+    torch.set_default_device(device)
     if math_kernel:
         context._flash = lambda x: False
     group = dist.new_group(list(range(world)))
     context._RINGS[group.group_name] = group
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device).manual_seed(0)
     B, H, KV, T, D = 2, 4, 2, 8 * world, 16
     q, k, v = (torch.randn(B, h, T, D, generator=gen, requires_grad=True) for h in (H, KV, KV))
     dout = torch.randn(B, H, T, D, generator=gen)
@@ -57,6 +58,12 @@ def _ring_vs_sdpa(rank: int, world: int, port: int, math_kernel: bool) -> None:
 @pytest.mark.parametrize("math_kernel", [False, True], ids=["flash-cpu", "math"])
 def test_ring_attention_equals_sdpa_forward_and_backward(world, math_kernel):
     start_ranks(_ring_vs_sdpa, (world, free_port(), math_kernel), world).join()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the GPU sessions run it)")
+def test_cuda_ring_attention_at_cp_1_equals_sdpa():
+    """The CUDA path of the ring (its fp32 math block kernel, NCCL) against CUDA SDPA, forward and backward."""
+    start_ranks(_ring_vs_sdpa, (1, free_port(), False, "cuda"), 1).join()
 
 
 @pytest.mark.slow
