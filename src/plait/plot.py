@@ -25,6 +25,11 @@ def read_metrics(run_dir: Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise PlaitError(f"{run_dir} has no metrics.jsonl: give a run directory (runs/NAME)")
+    return read_jsonl(path)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The rows of a JSON-lines file that a run may still be appending to (a torn last line is skipped)."""
     rows = []
     for line in path.read_text(errors="replace").splitlines():
         try:
@@ -90,13 +95,7 @@ def plot_expert_load(path: Path, out: Path) -> Path | None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    rows = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    rows = [r for r in rows if r.get("load")]
+    rows = [r for r in read_jsonl(path) if r.get("load")]
     if not rows:
         return None
     fig = Figure(figsize=(12, 4.5), layout="constrained")
