@@ -37,8 +37,10 @@ def _ring_vs_sdpa(rank: int, world: int, port: int, math_kernel: bool, device: s
     torch.set_default_device(device)
     if math_kernel:
         context._flash = lambda x: False
+    from plait.parallel.env import register_group
+
     group = dist.new_group(list(range(world)))
-    context._RINGS[group.group_name] = group
+    register_group(group)
     gen = torch.Generator(device).manual_seed(0)
     B, H, KV, T, D = 2, 4, 2, 8 * world, 16
     q, k, v = (torch.randn(B, h, T, D, generator=gen, requires_grad=True) for h in (H, KV, KV))

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-_RINGS: dict[str, dist.ProcessGroup] = {}  # ring name -> process group (the op's arguments must be plain)
+from plait.parallel.env import register_group, registered_group
 
 
 def chunks_of(rank: int, cp: int) -> tuple[int, int]:
@@ -65,13 +65,12 @@ def apply_cp(model: nn.Module, cp_mesh) -> None:
     rank holds (plait's Transformer: `Attention.causal` and `Transformer.rope` are the seams)."""
     from plait.model.llama import Transformer, TransformerBlock
 
-    group = cp_mesh.get_group()
-    _RINGS[group.group_name] = group
+    ring = register_group(cp_mesh.get_group())
     if not isinstance(model, Transformer):
         raise TypeError("context parallelism splits plait's Transformer")
     for block in model.layers.values():
         assert isinstance(block, TransformerBlock)
-        block.attention.causal = partial(ring_causal, ring=group.group_name)
+        block.attention.causal = partial(ring_causal, ring=ring)
     model.rope = partial(_local_rope, model, cp_mesh.size(), cp_mesh.get_local_rank())
 
 
@@ -156,7 +155,7 @@ class _Ring:
     """Point-to-point hops to the next cp rank (receiving from the previous), overlapping compute."""
 
     def __init__(self, ring: str):
-        self.group = _RINGS[ring]
+        self.group = registered_group(ring)
         self.cp, self.rank = self.group.size(), self.group.rank()
         self.next = dist.get_global_rank(self.group, (self.rank + 1) % self.cp)
         self.prev = dist.get_global_rank(self.group, (self.rank - 1) % self.cp)

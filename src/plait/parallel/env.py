@@ -11,6 +11,19 @@ import torch.distributed as dist
 
 from plait.hardware import resolve_device
 
+_GROUPS: dict[str, dist.ProcessGroup] = {}
+
+
+def register_group(group: dist.ProcessGroup) -> str:
+    """The group's name, under which `registered_group` finds it again: plait's torch ops (the ring attention,
+    the experts' all-to-all) take a group by name, as a custom op's arguments must be plain values."""
+    _GROUPS[group.group_name] = group
+    return group.group_name
+
+
+def registered_group(name: str) -> dist.ProcessGroup:
+    return _GROUPS[name]
+
 
 @dataclass(frozen=True)
 class DistEnv:

@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from plait.model.llama import Experts, MoE, swiglu_experts
 from plait.parallel.dims import Meshes
+from plait.parallel.env import register_group, registered_group
 
 
 def apply_moe_layout(model: nn.Module, meshes: Meshes) -> None:
@@ -66,7 +67,7 @@ def _expert_parallel(
     experts: Experts, ep_mesh, grad_scale: float, x: torch.Tensor, counts: torch.Tensor
 ) -> torch.Tensor:
     ep, group = ep_mesh.size(), ep_mesh.get_group()
-    _GROUPS[group.group_name] = group
+    name = register_group(group)
     send = counts.view(ep, -1)  # tokens for each rank's experts
     # recv[s, e]: tokens from rank s for local expert e. (Filled with what is sent so that a fake process group,
     # which moves nothing, sizes a balanced exchange: plait.planner's memory checks run on one.)
@@ -74,7 +75,7 @@ def _expert_parallel(
     dist.all_to_all_single(recv, send, group=group)
     sent, got = send.tolist(), recv.tolist()  # the step's only host syncs: the split sizes
     sent_rows, got_rows = [sum(row) for row in sent], [sum(row) for row in got]
-    arrived = torch.ops.plait.expert_all_to_all(x, got_rows, sent_rows, group.group_name)
+    arrived = torch.ops.plait.expert_all_to_all(x, got_rows, sent_rows, name)
     local = len(got[0])
     by_source = arrived.split([n for row in got for n in row])  # (source, expert) order
     by_expert = torch.cat([by_source[s * local + e] for e in range(local) for s in range(ep)])
@@ -82,10 +83,7 @@ def _expert_parallel(
     out = swiglu_experts(by_expert, [sum(got[s][e] for s in range(ep)) for e in range(local)], *weights)
     done = out.split([got[s][e] for e in range(local) for s in range(ep)])  # (expert, source) order
     back = torch.cat([done[e * ep + s] for s in range(ep) for e in range(local)])
-    return torch.ops.plait.expert_all_to_all(back, sent_rows, got_rows, group.group_name)
-
-
-_GROUPS: dict[str, dist.ProcessGroup] = {}  # the ep groups by name: a custom op takes plain arguments
+    return torch.ops.plait.expert_all_to_all(back, sent_rows, got_rows, name)
 
 
 def all_to_all_forward(x: torch.Tensor, out_rows: list[int], in_rows: list[int], group: str) -> torch.Tensor:
@@ -93,7 +91,7 @@ def all_to_all_forward(x: torch.Tensor, out_rows: list[int], in_rows: list[int],
     order. A torch op (plait::expert_all_to_all) so that selective activation checkpointing can keep its
     output (parallelize.SAVED_OPS) instead of sending the tokens again in the recompute."""
     out = x.new_empty((sum(out_rows), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), out_rows, in_rows, group=_GROUPS[group])
+    dist.all_to_all_single(out, x.contiguous(), out_rows, in_rows, group=registered_group(group))
     return out
 
 
