@@ -81,6 +81,7 @@ def run_bench(cfg: Config, steps: int, warmup: int) -> dict:
     from plait.lifecycle.finetune import apply_finetune
     from plait.train import build_trainable, train_step
 
+    t_imports = time.perf_counter()
     device = resolve_device(cfg.run.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -92,6 +93,8 @@ def run_bench(cfg: Config, steps: int, warmup: int) -> dict:
     t_build = time.perf_counter()
     compiler = CompileMonitor.start(cfg, device, is_main=True)
     t = build_trainable(cfg, device, on_model=lambda parts: apply_finetune(cfg, parts))  # one process
+    _sync(device)
+    t_model = time.perf_counter()
     loader = TokenLoader(
         dataset,
         seq_len=cfg.data.seq_len,
@@ -173,11 +176,32 @@ def run_bench(cfg: Config, steps: int, warmup: int) -> dict:
             "from_process_start_s": first_step - _PROCESS_T0,
             **compiler.metrics(),
         },
+        "startup_s": _startup_phases(_PROCESS_T0, t_imports, t_build, t_model, built, first_step, compiler.metrics()),
+        "fused_head": cfg.train.fused_head,
         "final_loss": loss,
         "torch": torch.__version__,
         "commit": _git_commit(),
         "threads": torch.get_num_threads(),
         "load_avg_1m": os.getloadavg()[0],
+    }
+
+
+def _startup_phases(t0, imports, build, model, built, first_step, compiled: dict) -> dict:
+    """Process start to the end of the first step, phase by phase: imports (torch, plait), data (the prepared
+    corpus opened), model build (meta -> parallelize -> materialise -> optimizer), loader (its first batches
+    prefetched), then the first step split into Dynamo's compile time (autotuning included) and the rest
+    (the step's own work: kernels launched for the first time, the allocator growing, eager head and
+    optimizer)."""
+    compile_s = compiled.get("compile_time_s", 0.0) or 0.0
+    step = first_step - built
+    return {
+        "imports": imports - t0,
+        "data": build - imports,
+        "model_build": model - build,
+        "loader": built - model,
+        "first_step_compile": min(compile_s, step),
+        "first_step_other": max(step - compile_s, 0.0),
+        "total": first_step - t0,
     }
 
 
@@ -291,8 +315,12 @@ def print_report(r: dict) -> None:
         table.add_row(label, f"{b[name] * 1e3:,.1f} ms", f"{share:.1f}% of the synchronised step")
     mem = r["memory"]
     table.add_row("peak memory", f"{mem['mem_peak_gib']:.2f} GiB", r["memory_note"])
+    table.add_row("head", "fused" if r["fused_head"] else "plain", "output projection + loss (train.fused_head)")
     fs = r["first_step"]
     table.add_row("first step", f"{fs['from_build_s']:.1f} s", f"{fs['from_process_start_s']:.1f} s from process start")
+    for name, value in r["startup_s"].items():
+        if name != "total":
+            table.add_row(f"  start-up: {name.replace('_', ' ')}", f"{value:.2f} s", "")
     if comp:
         table.add_row(
             "  compile (first run)",

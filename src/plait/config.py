@@ -68,6 +68,15 @@ class TrainConfig:
     """Clip the global gradient norm to this value; 0 disables clipping."""
     mixed_precision: Literal["auto", "bf16", "fp32"] = "auto"
     """'auto' uses bf16 autocast where the device computes bf16 natively (CUDA), fp32 elsewhere."""
+    fused_head: bool = True
+    """Compute the output projection and the cross-entropy together, a chunk of tokens at a time, with the
+    gradients taken in the same pass (plait.model.head): the (B, T, vocab) logits and their fp32 copies never
+    exist (llama3-1b, 4 x 2,048 tokens: 6.3 GB less), no matmul is recomputed. Every layout (under tensor
+    parallelism the vocabulary stays split, as loss-parallel cross-entropy). false: logits, then cross-entropy.
+    Applies to plait's model and loss (a Trainer given model= or loss= computes its own)."""
+    loss_chunk_tokens: int = 0
+    """Tokens per chunk of the fused head; 0: as many as keep a chunk's fp32 logits near 128 MiB
+    (plait.model.head.LOGITS_PER_CHUNK; llama3-1b: 256)."""
 
 
 @dataclass
@@ -440,7 +449,7 @@ def validate(cfg: Config) -> Config:
     _positive("train", t, ["steps", "global_batch_size"])
     _positive("data", d, ["seq_len"])
     _positive("optim", o, ["lr", "eps"])
-    _non_negative("train", t, ["micro_batch_size", "grad_clip"])
+    _non_negative("train", t, ["micro_batch_size", "grad_clip", "loss_chunk_tokens"])
     _non_negative("optim", o, ["warmup_steps", "weight_decay", "min_lr_ratio"])
     _non_negative("model", m, ["ffn_hidden_dim", "rope_scaling_factor", "sliding_window"])
     _non_negative("eval", cfg.eval, ["every_steps", "num_batches"])

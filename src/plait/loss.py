@@ -10,9 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from plait.model.head import IGNORE_INDEX  # a target that is not scored: the loader writes it
 from plait.parallel.dims import Meshes
-
-IGNORE_INDEX = -100  # a target that is not scored (a fine-tuning prompt's tokens): the loader writes it
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
@@ -28,13 +27,17 @@ class TokenLoss:
     """The training loss of one micro-batch: its summed cross-entropy times `scale`, which each step sets
     (`for_step`) so that the step's gradient is that of the mean over every scored target token of the
     global batch: whatever the micro-batch size, the data-parallel degree or the pipeline, and however the
-    masked (unscored) tokens fall. A micro-batch with no scored token contributes 0, not NaN."""
+    masked (unscored) tokens fall. A micro-batch with no scored token contributes 0, not NaN.
 
-    def __init__(self):
-        self.scale = 1.0
+    fused: the model's output is already the summed loss (its fused head, plait.model.head, was given the
+    targets) instead of logits."""
 
-    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return cross_entropy(logits, targets, reduction="sum") * self.scale
+    def __init__(self, fused: bool = False):
+        self.scale, self.fused = 1.0, fused
+
+    def __call__(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        summed = output if self.fused else cross_entropy(output, targets, reduction="sum")
+        return summed * self.scale
 
     def for_step(self, targets: torch.Tensor, meshes: Meshes, num_micro: int, accumulated: int = 1) -> None:
         """scale = dp x cp x m / N: N scored tokens in the global batch (one all-reduce of a count over the

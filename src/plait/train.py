@@ -96,7 +96,7 @@ def _accumulate(t: Trainable, inputs: torch.Tensor, targets: torch.Tensor) -> to
     for i, (x, y) in enumerate(zip(inputs.chunk(num_micro), targets.chunk(num_micro), strict=True)):
         if t.fsdp:  # reduce-scatter once, after the last micro-batch (or after each: sharded accumulation)
             t.model.set_requires_gradient_sync(i == num_micro - 1 or t.cfg.parallel.fsdp_reduce_every_micro_batch)
-        loss = t.loss_fn(t.model(x), y)
+        loss = t.loss_fn(t.forward(x, y), y)
         loss.backward()
         total += local(loss.detach())
     return total

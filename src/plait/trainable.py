@@ -73,6 +73,13 @@ class Trainable:
     def parameters(self) -> list[nn.Parameter]:
         return [p for part in self.parts for p in part.parameters()]
 
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The model on a micro-batch: its summed loss through the fused head (given the targets), or its
+        output for the loss function."""
+        if getattr(self.loss_fn, "fused", False):
+            return self.model(inputs, targets=targets)
+        return self.model(inputs)
+
 
 def build_trainable(
     cfg: Config,
@@ -95,7 +102,7 @@ def build_trainable(
     if meshes is None:
         init_single_process(device, cfg.parallel.timeout_s)
         meshes = Meshes.build(ParallelDims.from_config(cfg.parallel, dist.get_world_size(), cfg.model), device.type)
-    loss_fn = TokenLoss() if loss is None else MeanLoss(loss)
+    loss_fn = TokenLoss(fused=cfg.train.fused_head and model is None) if loss is None else MeanLoss(loss)
     if model is not None:
         if meshes.dims.pp > 1:
             raise ConfigError(

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from plait.callbacks import Callback
-from plait.loss import MeanLoss, cross_entropy
+from plait.loss import IGNORE_INDEX, MeanLoss, cross_entropy
 from plait.parallel.context import context_shard
 from plait.parallel.norm import local
 
@@ -26,11 +26,15 @@ def evaluate(t, loader, batches: int) -> float:
             if t.pipeline is not None:
                 out: list[torch.Tensor] | None = [] if t.pipeline.has_last else None
                 kwargs = {"target": y, "losses": out} if t.pipeline.has_last else {}
+                if t.pipeline.fused and t.pipeline.has_last:
+                    kwargs["targets"] = y  # the last stage's fused head
                 t.pipeline.schedule.eval(*([x] if t.pipeline.has_first else []), **kwargs)
                 loss = torch.stack([local(v).float() for v in out]).mean() if out else torch.zeros((), device=x.device)
                 dist.all_reduce(loss, group=t.meshes.pp.get_group())
             elif isinstance(t.loss_fn, MeanLoss):
                 loss = local(t.loss_fn.loss_fn(t.model(x), y)).float()
+            elif t.loss_fn.fused:  # the summed loss of the fused head: no (B, T, vocab) logits here either
+                loss = t.forward(x, y) / (y != IGNORE_INDEX).sum().clamp(min=1)
             else:
                 loss = local(cross_entropy(t.model(x), y))
             losses.append(loss)

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.model.args import ModelArgs
+from plait.model.head import linear_cross_entropy
 from plait.torch_private import grouped_mm, grouped_mm_fits, in_backward
 
 
@@ -64,12 +65,36 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()  # one fp32 copy: autograd keeps it once, not once per use
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * self.weight
+        return RMSNormFunction.apply(x, self.weight, self.eps)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """x / rms(x) * weight with the statistics in fp32, keeping for backward only its input as it came (bf16
+    in a bf16 model) and the inverse RMS (one fp32 per row): backward recomputes the fp32 normalised value
+    instead of autograd keeping an fp32 copy of the input and the normalised value as well (per element
+    e + 4 + e bytes -> e; Megatron's fused norms keep the same)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        xf = x.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # (..., 1)
+        ctx.save_for_backward(x, weight, rstd)
+        return (xf * rstd).type_as(x) * weight
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        normed = x.float() * rstd
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            dims = tuple(range(grad.dim() - 1))
+            grad_weight = (grad * normed.type_as(x)).sum(dims).to(weight.dtype)
+        g = (grad * weight).float()  # d loss / d normed
+        grad_x = rstd * (g - normed * (g * normed).mean(-1, keepdim=True))
+        return grad_x.to(x.dtype), grad_weight, None
 
 
 class KVCache:
@@ -329,7 +354,8 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Token ids (B, T) -> logits (B, T, vocab). Build it under ``torch.device("meta")``, then
+    """Token ids (B, T) -> logits (B, T, vocab), or with targets (B, T) the summed next-token loss through the
+    fused head (plait.model.head: no (B, T, vocab) logits). Build it under ``torch.device("meta")``, then
     ``to_empty(device=...)`` and ``init_weights()``."""
 
     def __init__(self, args: ModelArgs):
@@ -342,6 +368,9 @@ class Transformer(nn.Module):
         self.norm: RMSNorm | None = RMSNorm(args.dim, args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie_weights()
+        # head_loss(h, output weight, targets) -> summed loss; tensor parallelism swaps in its vocabulary-split
+        # collectives (plait.parallel.head), the trainer its chunk size.
+        self.head_loss = linear_cross_entropy
         cos, sin = rope_tables(args)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -351,7 +380,9 @@ class Transformer(nn.Module):
         if self.args.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
             self.output.weight = self.tok_embeddings.weight
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, cache: KVCache | None = None, targets: torch.Tensor | None = None
+    ) -> torch.Tensor:
         # A pipeline stage without the embedding receives hidden states (B, T, dim) instead of ids.
         seqlen = tokens.shape[1]  # before the embedding: sequence parallelism may shard h on T
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
@@ -361,7 +392,13 @@ class Transformer(nn.Module):
         if cache is not None:
             cache.pos += seqlen
         h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
+        if self.output is None:
+            return h
+        if targets is not None:
+            if type(self.output).forward is not nn.Linear.forward:
+                raise TypeError(f"the fused head takes a plain nn.Linear output, not {type(self.output).__name__}")
+            return self.head_loss(h, self.output.weight, targets)
+        return self.output(h)
 
     def rope(self, start: int, seqlen: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The rotary tables (cos, sin) of positions start .. start + seqlen - 1. Context parallelism replaces

@@ -1,6 +1,7 @@
 """Parallelise a plain Transformer from outside, in a fixed order:
 
-1. tensor + sequence parallel (a plan: module name -> parallel style), loss-parallel output; context
+1. tensor + sequence parallel (a plan: module name -> parallel style), loss-parallel output (the fused head's
+   vocabulary-split collectives: plait.parallel.head); context
    parallel (ring attention over the cp axis, rotary tables at this rank's positions: plait.parallel.context);
    expert parallel (each MoE block's experts split over the ep axis: plait.parallel.experts);
 2. activation checkpointing per block (none / selective / full);
@@ -43,6 +44,7 @@ from plait.parallel.activations import track_sac_cache
 from plait.parallel.context import apply_cp
 from plait.parallel.dims import Meshes
 from plait.parallel.experts import apply_moe_layout
+from plait.parallel.head import apply_head
 from plait.torch_private import count_only_saved_ops, local_box
 
 
@@ -52,6 +54,10 @@ def parallelize(model: nn.Module, meshes: Meshes, cfg: Config, device: torch.dev
     dims = meshes.dims
     if dims.tp > 1:
         apply_tp(model, meshes.tp)
+    if isinstance(model, Transformer) and model.output is not None:
+        walks_twice = dims.pp > 1 and cfg.parallel.pp_schedule == "zero_bubble"
+        tp_mesh = meshes.tp if dims.tp > 1 else None
+        apply_head(model, tp_mesh, cfg.train.loss_chunk_tokens, cfg.compile.enabled, in_place=not walks_twice)
     if dims.cp > 1:
         apply_cp(model, meshes.cp)
     apply_moe_layout(model, meshes)

@@ -77,6 +77,7 @@ class Pipeline:
     has_first: bool
     has_last: bool
     num_microbatches: int
+    fused: bool = False  # the last stage's output is its micro-batch's summed loss (the fused head's)
 
 
 def build_pipeline(args: ModelArgs, meshes: Meshes, cfg: Config, device: torch.device, loss_fn) -> Pipeline:
@@ -108,7 +109,8 @@ def build_pipeline(args: ModelArgs, meshes: Meshes, cfg: Config, device: torch.d
     else:
         schedule = cls(stages, n_microbatches=micro, loss_fn=loss_fn)
     owned = list(range(pp_rank, num_stages, pp))
-    return Pipeline(schedule, parts, 0 in owned, num_stages - 1 in owned, micro)
+    fused = getattr(loss_fn, "fused", False)
+    return Pipeline(schedule, parts, 0 in owned, num_stages - 1 in owned, micro, fused)
 
 
 # torch >= 2.10: step(return_outputs=False) stops the last stage keeping each micro-batch's output (the
@@ -121,6 +123,8 @@ def pipeline_forward_backward(pipe: Pipeline, inputs: torch.Tensor, targets: tor
     (the last stage computes it; a sum-all-reduce over the pp axis hands it to the others)."""
     losses: list[torch.Tensor] | None = [] if pipe.has_last else None
     kwargs = {"target": targets, "losses": losses} if pipe.has_last else {}
+    if pipe.fused and pipe.has_last:  # the last stage's model takes them too: its fused head gives the loss
+        kwargs["targets"] = targets
     if _KEEPS_OUTPUTS_UNLESS_TOLD:  # else the last stage holds every micro-batch's logits until the step ends
         kwargs["return_outputs"] = False
     if pipe.has_first:

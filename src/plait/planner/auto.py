@@ -30,7 +30,9 @@ def auto_layout_overrides(cfg: Config, world_size: int) -> tuple[list[str], list
     from plait.planner.search import explain, layout_config, plan
 
     bf16 = uses_bf16(cfg.train.mixed_precision, resolve_device(cfg.run.device))
-    work = Workload(cfg.model, cfg.data.seq_len, cfg.train.global_batch_size, "bf16" if bf16 else "fp32")
+    work = Workload(
+        cfg.model, cfg.data.seq_len, cfg.train.global_batch_size, "bf16" if bf16 else "fp32", cfg.train.fused_head
+    )
     result = plan(work, cluster_for(world_size))
     chosen = layout_config(result, cfg)
     overrides = [

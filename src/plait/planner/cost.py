@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from plait.model.args import recompute_units_pay, split_layers
+from plait.model.head import LOGITS_PER_CHUNK
 from plait.model.llama import ModelArgs
 from plait.planner.cluster import Cluster, GiB
 
@@ -48,6 +49,9 @@ class Workload:
     """Sequences per optimizer step."""
     compute_dtype: str = "bf16"
     """'bf16' (FSDP2 mixed precision: bf16 compute copies, fp32 master weights) or 'fp32'."""
+    fused_head: bool = True
+    """train.fused_head: the output projection and loss chunk by chunk (plait.model.head), no (B, T, V)
+    logits kept; False: logits, then cross-entropy."""
 
     @property
     def act_bytes(self) -> int:
@@ -208,9 +212,9 @@ def train_flops_per_token(a: ModelArgs, seq_len: int) -> float:
 
 
 def _norm_bytes(e: int) -> int:
-    """Bytes per element an RMSNorm keeps for backward: its input in fp32 (x itself for fp32 models, one fp32
-    copy for bf16: the norm upcasts once) and the normalised value before the weight multiply (e bytes)."""
-    return 4 + e
+    """Bytes per element an RMSNorm keeps for backward: its input as it came (plait.model.llama.RMSNormFunction
+    recomputes the fp32 normalised value in backward; the inverse RMS, 4 bytes a row, is counted apart)."""
+    return e
 
 
 def layer_activation_bytes(a: ModelArgs, e: int, tp, ac, cp=1, ep=1) -> np.ndarray:
@@ -273,10 +277,27 @@ def moe_mlp_bytes(a: ModelArgs, e: int) -> tuple[float, float]:
     return none, kept
 
 
-def head_activation_bytes(a: ModelArgs, e: int, tp) -> np.ndarray:
-    """Per token, last stage: final norm, the output matmul's input (all-gathered: h e), the fp32
-    log-softmax of the vocab-sharded logits (4 V / tp) and the int64 target."""
-    return (_norm_bytes(e) * a.dim + 4) / tp + e * a.dim + 4 * a.vocab_size / tp + 8
+def head_activation_bytes(a: ModelArgs, e: int, tp, fused: bool = True) -> np.ndarray:
+    """Per token, last stage: the final norm's (a sequence shard), then with the fused head the gradient of
+    its output (e h / tp: computed in forward, plait.model.head; the output weight's gradient, also computed
+    in forward, is the gradient the model states count); with the plain head the output matmul's input
+    (all-gathered: h e), the fp32 log-softmax of the vocab-sharded logits (4 V / tp) and the int64 target."""
+    norm = (_norm_bytes(e) * a.dim + 4) / tp
+    if fused:
+        return norm + e * a.dim / tp
+    return norm + e * a.dim + 4 * a.vocab_size / tp + 8
+
+
+def head_transient_bytes(a: ModelArgs, e: int, tp, T, fused: bool = True) -> np.ndarray:
+    """The head's working memory at its peak: the plain head's logits and their fp32 copy (T V / tp (e + 4));
+    the fused head's one chunk of logits (plait.model.head.chunk_tokens) with its fp32 work (exponentials,
+    target mask, gradient: e + 12 bytes an entry, eager), the weight gradient's fp32 accumulator and the
+    gathered input gradient."""
+    vocab = a.vocab_size / tp
+    if not fused:
+        return T * vocab * (e + 4)
+    chunk = np.minimum(T * tp, np.ceil(LOGITS_PER_CHUNK / vocab))  # tokens: the whole (gathered) sequence
+    return chunk * vocab * (2 * e + 12) + 4 * vocab * a.dim + T * tp * a.dim * e
 
 
 EMBED_ACTIVATION_BYTES = 8
@@ -370,25 +391,25 @@ def peak_activations(schedule, pp, virtual, m, rank_is_last: bool, weight) -> np
     return out
 
 
-ZERO_BUBBLE_LAST_MARGIN = 1.25
+ZERO_BUBBLE_LAST_MARGIN = 1.15
 """Zero bubble's last pipeline rank keeps more than ``zero_bubble_residue`` accounts for (each micro-batch's
-loss graph lives in the schedule until the step ends): measured 3-20% above the model on the last rank
-(tests/test_plan_vs_runtime.py), so its activations are taken 25% larger: a zero-bubble layout the planner
+loss graph lives in the schedule until the step ends): measured 0-13% above the model on the last rank
+(tests/test_plan_vs_runtime.py), so its activations are taken 15% larger: a zero-bubble layout the planner
 calls fitting must fit. The first rank's prediction is exact."""
 
 
-def zero_bubble_residue(a: ModelArgs, e: int, tp, layers, has_head) -> np.ndarray:
+def zero_bubble_residue(a: ModelArgs, e: int, tp, layers, has_head, fused: bool = True) -> np.ndarray:
     """Bytes per token one micro-batch of a stage keeps after its zero-bubble weight gradient, until the step
     ends (measured: tests/test_plan_vs_runtime.py). torch's input-gradient pass runs with retain_graph=True
-    and the weight pass only visits the weight gradients, so what no weight gradient needs stays saved: per
-    layer the attention's q, k, v (h wide each after the GQA repeat), output and logsumexp, both norms' fp32
-    inputs and inverse RMS; for the final stage also the fp32 log-softmax, the logits, the final norm's input
-    and its output."""
+    and the weight pass only visits the nodes next to the weights, so what those do not need stays saved: per
+    layer the attention's q, k, v (h wide each after the GQA repeat), output and logsumexp; for the final
+    stage also the fused head's input gradient (e h / tp), or the plain head's fp32 log-softmax, logits and
+    the output matmul's input. Norms (plait.model.llama.RMSNormFunction: one node with the weight's gradient)
+    are visited by the weight pass, which frees what they keep."""
     h = a.dim
-    layer = (4 * e * h + 4 * a.n_heads + 8 + 8 * h) / tp
-    head = (4 * a.vocab_size + e * a.vocab_size + 4 * h + 4) / tp + e * h
-    received = np.where(e == 4, 4 * h / tp, 0)  # an fp32 stage's first norm input is the receive buffer
-    return layers * layer - received + np.where(has_head, head, 0)
+    layer = (4 * e * h + 4 * a.n_heads) / tp
+    head = e * h / tp if fused else (4 * a.vocab_size + e * a.vocab_size) / tp + e * h
+    return layers * layer + np.where(has_head, head, 0)
 
 
 # ---------------------------------------------------------------------------------------------- comm
@@ -446,7 +467,7 @@ def a2a_bytes(a: ModelArgs, e: int, T, ep) -> np.ndarray:
 
 def evaluate(work: Workload, cluster: Cluster, lay: Layouts) -> dict[str, np.ndarray]:
     """Memory (bytes, worst rank) and step time (s) with their parts, MFU and tokens/s for each layout."""
-    a, s, e = work.model, work.seq_len, work.act_bytes
+    a, s, e, fused = work.model, work.seq_len, work.act_bytes, work.fused_head
     tp, pp, v = lay.tp.astype(np.int64), lay.pp.astype(np.int64), lay.virtual.astype(np.int64)
     shard, rep = lay.dp_shard.astype(np.int64), lay.dp_replicate.astype(np.int64)
     cp, ep = lay.cp.astype(np.int64), lay.ep.astype(np.int64)
@@ -498,11 +519,15 @@ def evaluate(work: Workload, cluster: Cluster, lay: Layouts) -> dict[str, np.nda
         # in a receive buffer (counted below), one that sends keeps its output until the backward, and the
         # final stage keeps its logits (the schedule's stage output) and the loss's activations.
         chunk, hand_off = layers / v * a_layer * T, T * a.dim * e / tp
-        head = head_activation_bytes(a, e, tp) * T + T * a.vocab_size / tp * e
+        # the last stage's output: the logits (B, T, V / tp); with the fused head the micro-batch's loss, and the
+        # output weight's gradient it computed in forward (in the gathered weight's dtype), kept per micro-batch
+        # in flight until that micro-batch's backward
+        head_grad = a.vocab_size / tp * a.dim * np.where(fsdp, e, 4)
+        head = head_activation_bytes(a, e, tp, fused) * T + (head_grad if fused else T * a.vocab_size / tp * e)
         rank_last = not is_first
 
-        zb_layer = zero_bubble_residue(a, e, tp, layers / v, False)
-        zb_last = zero_bubble_residue(a, e, tp, layers / v, True)
+        zb_layer = zero_bubble_residue(a, e, tp, layers / v, False, fused)
+        zb_last = zero_bubble_residue(a, e, tp, layers / v, True, fused)
 
         def stage_bytes(s, idx, rank_last=rank_last, chunk=chunk, head=head, hand_off=hand_off, zb=(zb_layer, zb_last)):
             first_stage, last_stage = s == 0 and not rank_last, rank_last and s == int(v[idx][0]) - 1
@@ -513,14 +538,14 @@ def evaluate(work: Workload, cluster: Cluster, lay: Layouts) -> dict[str, np.nda
 
         acts = np.where(
             single,
-            chunk + np.where(has_head, head_activation_bytes(a, e, tp) * T, 0),
+            chunk + np.where(has_head, head_activation_bytes(a, e, tp, fused) * T, 0),
             peak_activations(lay.schedule, pp, v, m, rank_last, stage_bytes),
         )
         if rank_last:
             acts = np.where(lay.schedule == SCHEDULES.index("zero_bubble"), acts * ZERO_BUBBLE_LAST_MARGIN, acts)
         acts = acts + np.where(has_embed, m * T * EMBED_ACTIVATION_BYTES, 0)  # the token ids of all micro-batches
         transient = np.where(lay.ac > 0, a_none * T, 0.0)  # one block recomputed during its backward
-        transient = transient + np.where(has_head, T * a.vocab_size / tp * (e + 4), 0.0)  # logits + fp32 copy
+        transient = transient + np.where(has_head, head_transient_bytes(a, e, tp, T, fused), 0.0)
         # the ring's buffers in backward: k and v held and arriving, their fp32 gradients held and arriving
         transient = transient + np.where(cp > 1, T * kv_local * 2 * (2 * e + 2 * 4), 0.0)
         # expert parallelism: one MoE block's tokens on the move (received, regrouped, results going back)

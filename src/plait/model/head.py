@@ -1,0 +1,163 @@
+"""The output projection and the next-token cross-entropy computed together, a chunk of tokens at a time.
+
+The plain head materialises the logits (B, T, V), their fp32 copy and the fp32 log-softmax that autograd keeps
+for backward: for llama3-1b at 4 x 2,048 tokens (V = 128,256) that is 2.1 GB of bf16 logits and 4.2 GB kept
+in fp32, more than the whole model's bf16 weights. The fused head never holds more than one chunk's logits.
+For each chunk of tokens it computes the logits, their log-sum-exp and the loss, and at once the gradient of
+the loss with respect to the chunk's hidden states and (summed over chunks) the weight: the loss is a sum, so
+its gradient is one scalar for every term, and backward only scales what forward kept. The same three matmuls
+as the plain head (logits, input gradient, weight gradient), none recomputed; what stays alive from forward
+to backward is the input gradient (B, T, dim) and the weight gradient (V, dim), not (B, T, V).
+
+The math knows nothing about parallelism: a vocabulary split over ranks (tensor parallelism) plugs in as
+`Shards` (plait.parallel.head), whose collectives are identities here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+IGNORE_INDEX = -100  # a target that is not scored (a fine-tuning prompt's tokens)
+
+LOGITS_PER_CHUNK = 1 << 25
+"""Logits (tokens x vocabulary entries of this rank) per chunk when train.loss_chunk_tokens is 0: 32 M, so one
+chunk's fp32 logits are 128 MiB (llama3-1b: 256 tokens a chunk). Large enough for efficient matmuls, small
+beside the (B, T, V) logits it replaces. The planner sizes the head's transient memory with the same rule."""
+
+
+def chunk_tokens(num_tokens: int, vocab_local: int, requested: int = 0) -> int:
+    """Tokens per chunk of the fused head: `requested` (train.loss_chunk_tokens) if set, else as many as keep a
+    chunk's logits near LOGITS_PER_CHUNK, in equal chunks (the last one may be shorter)."""
+    if requested > 0:
+        return min(requested, num_tokens)
+    chunks = max(1, math.ceil(num_tokens * vocab_local / LOGITS_PER_CHUNK))
+    return math.ceil(num_tokens / chunks)
+
+
+class Shards:
+    """The vocabulary of this rank: all of it. A vocabulary split over ranks (plait.parallel.head.VocabShards)
+    overrides the collectives: gather / scatter the hidden states' sequence shards, reduce per-token
+    statistics over the ranks holding other parts of the vocabulary."""
+
+    vocab_start = 0
+
+    def gather(self, h: torch.Tensor) -> torch.Tensor:
+        return h
+
+    def scatter(self, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+    def max_(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def sum_(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def chunk_statistics(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int):
+    """Per token of a chunk (logits (n, V_local) in the compute dtype): the row max in fp32, and the target's
+    logit where this rank holds it (else 0)."""
+    local = targets - vocab_start
+    here = (local >= 0) & (local < logits.shape[1])
+    picked = logits.gather(1, local.clamp(0, logits.shape[1] - 1)[:, None]).squeeze(1).float()
+    return logits.float().amax(dim=1), torch.where(here, picked, 0.0)
+
+
+def chunk_sumexp(logits: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+    return (logits.float() - top[:, None]).exp().sum(dim=1)
+
+
+def chunk_gradient(logits, lse, targets, vocab_start: int, dtype: torch.dtype) -> torch.Tensor:
+    """d(sum of the chunk's losses)/d(logits) = softmax - one-hot of the target, on scored tokens (fp32 math,
+    `dtype` out); a mask, not an index, picks the target (no device sync)."""
+    local = targets - vocab_start
+    columns = torch.arange(logits.shape[1], device=logits.device)
+    hit = (columns[None, :] == local[:, None]).float()
+    scored = (targets != IGNORE_INDEX).float()[:, None]
+    return (((logits.float() - lse[:, None]).exp() - hit) * scored).to(dtype)
+
+
+ELEMENTWISE = (chunk_statistics, chunk_sumexp, chunk_gradient)
+"""The fused head's element-wise work per chunk, three passes over the chunk's logits; `compiled_elementwise()`
+fuses each into one kernel (compile.enabled) that reads the logits in their dtype and keeps fp32 in registers."""
+
+
+def compiled_elementwise():
+    global _COMPILED
+    if _COMPILED is None:
+        _COMPILED = tuple(torch.compile(f, dynamic=False, fullgraph=True) for f in ELEMENTWISE)
+    return _COMPILED
+
+
+_COMPILED = None
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """sum over scored tokens of cross_entropy(h @ weight.T, targets), chunk by chunk (see the module doc).
+    h: (B, T_local, dim) (a sequence shard under sequence parallelism, gathered here); weight (V_local, dim);
+    targets (B, T) with IGNORE_INDEX for unscored tokens. Returns a 0-d fp32 tensor."""
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, chunk: int, shards: Shards, ops=ELEMENTWISE, in_place: bool = True):
+        statistics, sumexp_of, gradient = ops
+        x = shards.gather(h)  # (B, T, dim)
+        flat, y = x.reshape(-1, x.shape[-1]), targets.reshape(-1)
+        grads = h.requires_grad or weight.requires_grad
+        grad_x = torch.empty_like(flat) if grads else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if grads else None
+        total = torch.zeros((), dtype=torch.float32, device=x.device)
+        for start in range(0, flat.shape[0], chunk):
+            xc, yc = flat[start : start + chunk], y[start : start + chunk]
+            logits = torch.mm(xc, weight.t())  # (n, V_local), in autocast's dtype where it is on
+            top, picked = statistics(logits, yc, shards.vocab_start)
+            top = shards.max_(top)
+            both = shards.sum_(torch.stack([sumexp_of(logits, top), picked]))
+            lse = top + both[0].log()
+            total += torch.where(yc != IGNORE_INDEX, lse - both[1], 0.0).sum()
+            if grads:
+                g = gradient(logits, lse, yc, shards.vocab_start, logits.dtype)
+                del logits
+                grad_x[start : start + chunk] = torch.mm(g, weight)
+                grad_w += torch.mm(g.t(), xc).float()
+        if grads:
+            ctx.save_for_backward(shards.scatter(grad_x.view(x.shape)).to(h.dtype), grad_w.to(weight.dtype))
+        ctx.in_place, ctx.used = in_place, False
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        """Scale what forward computed by the incoming gradient: in place (no second (V, dim) buffer at the
+        start of backward, when activations peak), or into new tensors where the graph is walked more than
+        once (zero-bubble pipelines: an input pass and a weight pass over one graph)."""
+        if ctx.in_place and ctx.used:
+            raise RuntimeError("the fused head was built for one backward pass (in_place=True) and ran a second")
+        ctx.used = True
+        grad_h, grad_w = ctx.saved_tensors
+        if ctx.in_place:
+            return grad_h.mul_(grad.to(grad_h.dtype)), grad_w.mul_(grad.to(grad_w.dtype)), None, None, None, None, None
+        return grad_h * grad.to(grad_h.dtype), grad_w * grad.to(grad_w.dtype), None, None, None, None, None
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+def linear_cross_entropy(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    chunk: int = 0,
+    shards: Shards | None = None,
+    compiled: bool = False,
+    in_place: bool = True,
+) -> torch.Tensor:
+    """Summed next-token loss of hidden states h (B, T, dim) under an output projection `weight` (V, dim),
+    without the (B, T, V) logits; chunk: tokens per chunk (0: chunk_tokens' rule); compiled: the element-wise
+    work as compiled kernels; in_place=False where backward walks the graph more than once (zero bubble)."""
+    chunk = chunk_tokens(targets.numel(), weight.shape[0], chunk)
+    ops = compiled_elementwise() if compiled else ELEMENTWISE
+    return LinearCrossEntropy.apply(h, weight, targets, chunk, shards or Shards(), ops, in_place)
