@@ -11,6 +11,7 @@ from plait.callbacks import Callback
 from plait.loss import IGNORE_INDEX, MeanLoss, cross_entropy
 from plait.parallel.context import context_shard
 from plait.parallel.norm import local
+from plait.parallel.pipeline import step_kwargs
 
 
 @torch.no_grad()
@@ -25,9 +26,7 @@ def evaluate(t, loader, batches: int) -> float:
             x, y = context_shard(t.meshes, x, y)
             if t.pipeline is not None:
                 out: list[torch.Tensor] | None = [] if t.pipeline.has_last else None
-                kwargs = {"target": y, "losses": out} if t.pipeline.has_last else {}
-                if t.pipeline.fused and t.pipeline.has_last:
-                    kwargs["targets"] = y  # the last stage's fused head
+                kwargs = step_kwargs(t.pipeline, y, out)
                 t.pipeline.schedule.eval(*([x] if t.pipeline.has_first else []), **kwargs)
                 loss = torch.stack([local(v).float() for v in out]).mean() if out else torch.zeros((), device=x.device)
                 dist.all_reduce(loss, group=t.meshes.pp.get_group())

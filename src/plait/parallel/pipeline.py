@@ -118,15 +118,23 @@ def build_pipeline(args: ModelArgs, meshes: Meshes, cfg: Config, device: torch.d
 _KEEPS_OUTPUTS_UNLESS_TOLD = "return_outputs" in inspect.signature(ScheduleGPipe.step).parameters
 
 
+def step_kwargs(pipe: Pipeline, targets: torch.Tensor, losses: list | None) -> dict:
+    """The keyword arguments of this rank's schedule.step / eval: the targets and the list that collects the
+    micro-batches' losses where the rank holds the last stage (whose model also takes the targets when its
+    head is fused: it returns the loss), and no merged outputs kept."""
+    kwargs = {"target": targets, "losses": losses} if pipe.has_last else {}
+    if pipe.fused and pipe.has_last:
+        kwargs["targets"] = targets
+    if _KEEPS_OUTPUTS_UNLESS_TOLD:  # else the last stage holds every micro-batch's output until the step ends
+        kwargs["return_outputs"] = False
+    return kwargs
+
+
 def pipeline_forward_backward(pipe: Pipeline, inputs: torch.Tensor, targets: torch.Tensor, pp_group):
     """Run one step's micro-batches through the schedule; returns the batch-mean loss on every pp rank
     (the last stage computes it; a sum-all-reduce over the pp axis hands it to the others)."""
     losses: list[torch.Tensor] | None = [] if pipe.has_last else None
-    kwargs = {"target": targets, "losses": losses} if pipe.has_last else {}
-    if pipe.fused and pipe.has_last:  # the last stage's model takes them too: its fused head gives the loss
-        kwargs["targets"] = targets
-    if _KEEPS_OUTPUTS_UNLESS_TOLD:  # else the last stage holds every micro-batch's logits until the step ends
-        kwargs["return_outputs"] = False
+    kwargs = step_kwargs(pipe, targets, losses)
     if pipe.has_first:
         pipe.schedule.step(inputs, **kwargs)
     else:
