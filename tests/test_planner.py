@@ -43,10 +43,12 @@ def test_flops_match_flop_counter(args, batch, seq):
 # ---------------------------------------------------------------------------------------------- activations
 
 
-def saved_activation_bytes(args: ModelArgs, batch: int, seq: int, dtype, full_ac: bool) -> int:
+def saved_activation_bytes(args: ModelArgs, batch: int, seq: int, dtype, full_ac: bool, fused: bool) -> int:
     """Bytes autograd keeps for backward in one forward of the real model, counted once per storage,
     parameters and buffers (rotary tables) excluded. With full AC each block runs under
-    torch.utils.checkpoint, which keeps only the block's input: that is counted instead of its insides."""
+    torch.utils.checkpoint, which keeps only the block's input: that is counted instead of its insides. The
+    fused head (fused=True) keeps the output weight's gradient too, computed in forward: the gradient the
+    model states count, so it is left out here."""
     model = build_model(args, torch.device("cpu"), 0).to(dtype)
     skip = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
     seen: dict[int, int] = {}
@@ -71,14 +73,18 @@ def saved_activation_bytes(args: ModelArgs, batch: int, seq: int, dtype, full_ac
             block.forward = checkpointed
     tokens = torch.randint(0, args.vocab_size, (batch, seq + 1))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        cross_entropy(model(tokens[:, :-1]), tokens[:, 1:].contiguous())
-    return sum(seen.values())
+        if fused:
+            model(tokens[:, :-1], targets=tokens[:, 1:].contiguous())
+        else:
+            cross_entropy(model(tokens[:, :-1]), tokens[:, 1:].contiguous())
+    weight_grad = model.output.weight.numel() * model.output.weight.element_size() if fused else 0
+    return sum(seen.values()) - weight_grad
 
 
-def predicted_activation_bytes(args: ModelArgs, batch: int, seq: int, e: int, ac: int) -> float:
+def predicted_activation_bytes(args: ModelArgs, batch: int, seq: int, e: int, ac: int, fused: bool) -> float:
     per_token = (
         args.n_layers * cost.layer_activation_bytes(args, e, 1, ac)
-        + cost.head_activation_bytes(args, e, 1)
+        + cost.head_activation_bytes(args, e, 1, fused)
         + cost.EMBED_ACTIVATION_BYTES
     )
     return float(per_token) * batch * seq
@@ -96,10 +102,11 @@ def predicted_activation_bytes(args: ModelArgs, batch: int, seq: int, e: int, ac
     ],
 )
 def test_activation_bytes_match_saved_tensors(args, batch, seq, dtype, full_ac):
-    measured = saved_activation_bytes(args, batch, seq, dtype, full_ac)
     e = 2 if dtype == torch.bfloat16 else 4
-    predicted = predicted_activation_bytes(args, batch, seq, e, 2 if full_ac else 0)
-    assert predicted == pytest.approx(measured, rel=0.05)
+    for fused in (True, False):  # the fused head (train.fused_head, the default) and the plain one
+        measured = saved_activation_bytes(args, batch, seq, dtype, full_ac, fused)
+        predicted = predicted_activation_bytes(args, batch, seq, e, 2 if full_ac else 0, fused)
+        assert predicted == pytest.approx(measured, rel=0.05), fused
 
 
 # ---------------------------------------------------------------------------------------------- state bytes

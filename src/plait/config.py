@@ -70,13 +70,13 @@ class TrainConfig:
     """'auto' uses bf16 autocast where the device computes bf16 natively (CUDA), fp32 elsewhere."""
     fused_head: bool = True
     """Compute the output projection and the cross-entropy together, a chunk of tokens at a time, with the
-    gradients taken in the same pass (plait.model.head): the (B, T, vocab) logits and their fp32 copies never
-    exist (llama3-1b, 4 x 2,048 tokens: 6.3 GB less), no matmul is recomputed. Every layout (under tensor
-    parallelism the vocabulary stays split, as loss-parallel cross-entropy). false: logits, then cross-entropy.
-    Applies to plait's model and loss (a Trainer given model= or loss= computes its own)."""
+    gradients taken in the same pass (plait.model.head): the (B, T, vocab) logits and their fp32 copies are
+    never kept for backward (llama3-1b, 4 x 2,048 tokens: 6.3 GB), no matmul is recomputed. Every layout (under
+    tensor parallelism the vocabulary stays split, as loss-parallel cross-entropy). false: logits, then
+    cross-entropy. Applies to plait's model and loss (a Trainer given model= or loss= computes its own)."""
     loss_chunk_tokens: int = 0
-    """Tokens per chunk of the fused head; 0: as many as keep a chunk's fp32 logits near 128 MiB
-    (plait.model.head.LOGITS_PER_CHUNK; llama3-1b: 256)."""
+    """Tokens per chunk of the fused head; 0: as many as keep a chunk near 268 M logits (512 MiB in bf16;
+    plait.model.head.LOGITS_PER_CHUNK; llama3-1b: 2,048)."""
 
 
 @dataclass

@@ -21,10 +21,13 @@ import torch
 
 IGNORE_INDEX = -100  # a target that is not scored (a fine-tuning prompt's tokens)
 
-LOGITS_PER_CHUNK = 1 << 25
-"""Logits (tokens x vocabulary entries of this rank) per chunk when train.loss_chunk_tokens is 0: 32 M, so one
-chunk's fp32 logits are 128 MiB (llama3-1b: 256 tokens a chunk). Large enough for efficient matmuls, small
-beside the (B, T, V) logits it replaces. The planner sizes the head's transient memory with the same rule."""
+LOGITS_PER_CHUNK = 1 << 28
+"""Logits (tokens x vocabulary entries of this rank) per chunk when train.loss_chunk_tokens is 0: 268 M, so one
+chunk's logits are 512 MiB in bf16 (1 GiB for each fp32 temporary of the eager path; the compiled kernels keep
+fp32 in registers); llama3-1b: 2,048 tokens a chunk, 4 chunks for 4 x 2,048 tokens. Not smaller: the weight
+gradient (V x dim, fp32) is read and written once per chunk, and with short chunks that traffic outweighs
+the weight-gradient matmul itself (at 256 tokens a chunk, 32 passes over 1 GiB for llama3-1b). The planner
+sizes the head's transient memory with the same rule."""
 
 
 def chunk_tokens(num_tokens: int, vocab_local: int, requested: int = 0) -> int:
@@ -120,7 +123,7 @@ class LinearCrossEntropy(torch.autograd.Function):
                 g = gradient(logits, lse, yc, shards.vocab_start, logits.dtype)
                 del logits
                 grad_x[start : start + chunk] = torch.mm(g, weight)
-                grad_w += torch.mm(g.t(), xc).float()
+                grad_w.add_(torch.mm(g.t(), xc))  # fp32 += the chunk's (compute dtype): no fp32 copy of it
         if grads:
             ctx.save_for_backward(shards.scatter(grad_x.view(x.shape)).to(h.dtype), grad_w.to(weight.dtype))
         ctx.in_place, ctx.used = in_place, False
