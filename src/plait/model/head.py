@@ -69,17 +69,22 @@ def chunk_statistics(logits: torch.Tensor, targets: torch.Tensor, vocab_start: i
 
 
 def chunk_sumexp(logits: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
-    return (logits.float() - top[:, None]).exp().sum(dim=1)
+    shifted = logits.float() - top[:, None]  # the one (n, V) fp32 temporary (in place from here: eager memory)
+    return shifted.exp_().sum(dim=1)
 
 
 def chunk_gradient(logits, lse, targets, vocab_start: int, dtype: torch.dtype) -> torch.Tensor:
     """d(sum of the chunk's losses)/d(logits) = softmax - one-hot of the target, on scored tokens (fp32 math,
-    `dtype` out); a mask, not an index, picks the target (no device sync)."""
+    `dtype` out). One (n, V) fp32 temporary, updated in place; the target is subtracted by a scatter whose
+    value is 0 where this rank does not hold it or the token is not scored (no index selection: no device
+    sync)."""
     local = targets - vocab_start
-    columns = torch.arange(logits.shape[1], device=logits.device)
-    hit = (columns[None, :] == local[:, None]).float()
-    scored = (targets != IGNORE_INDEX).float()[:, None]
-    return (((logits.float() - lse[:, None]).exp() - hit) * scored).to(dtype)
+    here = (local >= 0) & (local < logits.shape[1])
+    scored = targets != IGNORE_INDEX
+    grad = (logits.float() - lse[:, None]).exp_()
+    hit = (here & scored).to(grad.dtype)[:, None]
+    grad.scatter_add_(1, local.clamp(0, logits.shape[1] - 1)[:, None], -hit)
+    return grad.mul_(scored.to(grad.dtype)[:, None]).to(dtype)
 
 
 ELEMENTWISE = (chunk_statistics, chunk_sumexp, chunk_gradient)
