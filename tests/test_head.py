@@ -55,6 +55,21 @@ def test_no_scored_token_gives_zero_loss_and_gradient():
     assert got.item() == 0 and h.grad.abs().max() == 0 and w.grad.abs().max() == 0
 
 
+def test_a_frozen_output_gets_no_weight_gradient():
+    """LoRA fine-tuning freezes the output: no weight-gradient matmul, no (V, dim) buffer kept."""
+    h, w, y = _case()
+    ref = _plain(h, w, y)
+    ref.backward()
+    ref_h = h.grad
+    h.grad = w.grad = None
+    w.requires_grad_(False)
+    with SavedBytes() as kept:
+        got = linear_cross_entropy(h, w, y, 5)
+    got.backward()
+    torch.testing.assert_close(h.grad, ref_h, rtol=FP32_RTOL, atol=1e-7)
+    assert w.grad is None and kept.total == h.numel() * 4
+
+
 def test_bf16_autocast_stays_close_to_fp32():
     h, w, y = _case(masked=False)
     ref = _plain(h, w, y)

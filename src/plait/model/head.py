@@ -113,8 +113,9 @@ class LinearCrossEntropy(torch.autograd.Function):
         x = shards.gather(h)  # (B, T, dim)
         flat, y = x.reshape(-1, x.shape[-1]), targets.reshape(-1)
         grads = h.requires_grad or weight.requires_grad
-        grad_x = torch.empty_like(flat) if grads else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if grads else None
+        grad_x = torch.empty_like(flat) if h.requires_grad else None
+        # a frozen output (LoRA fine-tuning) gets no weight gradient: neither its matmul nor its (V, dim) buffer
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if weight.requires_grad else None
         total = torch.zeros((), dtype=torch.float32, device=x.device)
         for start in range(0, flat.shape[0], chunk):
             xc, yc = flat[start : start + chunk], y[start : start + chunk]
@@ -127,10 +128,15 @@ class LinearCrossEntropy(torch.autograd.Function):
             if grads:
                 g = gradient(logits, lse, yc, shards.vocab_start, logits.dtype)
                 del logits
-                grad_x[start : start + chunk] = torch.mm(g, weight)
-                grad_w.add_(torch.mm(g.t(), xc))  # fp32 += the chunk's (compute dtype): no fp32 copy of it
+                if grad_x is not None:
+                    grad_x[start : start + chunk] = torch.mm(g, weight)
+                if grad_w is not None:
+                    grad_w.add_(torch.mm(g.t(), xc))  # fp32 += the chunk's (compute dtype): no fp32 copy of it
         if grads:
-            ctx.save_for_backward(shards.scatter(grad_x.view(x.shape)).to(h.dtype), grad_w.to(weight.dtype))
+            ctx.save_for_backward(
+                None if grad_x is None else shards.scatter(grad_x.view(x.shape)).to(h.dtype),
+                None if grad_w is None else grad_w.to(weight.dtype),
+            )
         ctx.in_place, ctx.used = in_place, False
         return total
 
@@ -142,10 +148,11 @@ class LinearCrossEntropy(torch.autograd.Function):
         if ctx.in_place and ctx.used:
             raise RuntimeError("the fused head was built for one backward pass (in_place=True) and ran a second")
         ctx.used = True
-        grad_h, grad_w = ctx.saved_tensors
-        if ctx.in_place:
-            return grad_h.mul_(grad.to(grad_h.dtype)), grad_w.mul_(grad.to(grad_w.dtype)), None, None, None, None, None
-        return grad_h * grad.to(grad_h.dtype), grad_w * grad.to(grad_w.dtype), None, None, None, None, None
+        scaled = [
+            None if t is None else (t.mul_(grad.to(t.dtype)) if ctx.in_place else t * grad.to(t.dtype))
+            for t in ctx.saved_tensors
+        ]
+        return *scaled, None, None, None, None, None
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
