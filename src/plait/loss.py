@@ -56,6 +56,8 @@ class MeanLoss:
     parallelism (FSDP averages) and the pipeline schedule's (it averages over its m micro-batches) give the
     mean over the global batch."""
 
+    fused = False  # the model returns its output; loss_fn turns it into the loss
+
     def __init__(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
         self.loss_fn, self.scale = loss_fn, 1.0
 

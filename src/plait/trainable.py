@@ -76,7 +76,7 @@ class Trainable:
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The model on a micro-batch: its summed loss through the fused head (given the targets), or its
         output for the loss function."""
-        if getattr(self.loss_fn, "fused", False):
+        if self.loss_fn.fused:
             return self.model(inputs, targets=targets)
         return self.model(inputs)
 

@@ -155,12 +155,6 @@ class LinearCrossEntropy(torch.autograd.Function):
         return *scaled, None, None, None, None, None
 
 
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    if torch.is_autocast_enabled(x.device.type):
-        return torch.get_autocast_dtype(x.device.type)
-    return x.dtype
-
-
 def linear_cross_entropy(
     h: torch.Tensor,
     weight: torch.Tensor,

@@ -109,7 +109,7 @@ def build_pipeline(args: ModelArgs, meshes: Meshes, cfg: Config, device: torch.d
     else:
         schedule = cls(stages, n_microbatches=micro, loss_fn=loss_fn)
     owned = list(range(pp_rank, num_stages, pp))
-    fused = getattr(loss_fn, "fused", False)
+    fused = loss_fn.fused
     return Pipeline(schedule, parts, 0 in owned, num_stages - 1 in owned, micro, fused)
 
 

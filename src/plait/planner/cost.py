@@ -296,8 +296,8 @@ def head_transient_bytes(a: ModelArgs, e: int, tp, T, fused: bool = True) -> np.
     vocab = a.vocab_size / tp
     if not fused:
         return T * vocab * (e + 4)
-    chunk = np.minimum(T * tp, np.ceil(LOGITS_PER_CHUNK / vocab))  # tokens: the whole (gathered) sequence
-    return chunk * vocab * (2 * e + 12) + 4 * vocab * a.dim + T * tp * a.dim * e
+    chunk = np.minimum(T, np.ceil(LOGITS_PER_CHUNK / vocab))  # T: the micro-batch's tokens, gathered over tp
+    return chunk * vocab * (2 * e + 12) + 4 * vocab * a.dim + T * a.dim * e
 
 
 EMBED_ACTIVATION_BYTES = 8
