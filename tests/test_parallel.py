@@ -393,3 +393,59 @@ def test_reduce_every_micro_batch_under_a_pipeline_reduces_after_each_backward(t
         once = int((tmp_path / f"False-{rank}.json").read_text())
         each = int((tmp_path / f"True-{rank}.json").read_text())
         assert once > 0 and each == 4 * once, (rank, once, each)
+
+
+ROOT_UNITS = r"""
+import sys
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from plait.config import load_config
+from plait.parallel import Meshes, ParallelDims
+from plait.torch_private import init_fake_process_group
+from plait.train import build_trainable
+
+init_fake_process_group(4)
+cfg = load_config(None, ["model.preset=debug", "run.device=cpu", "data.seq_len=32", *sys.argv[1].split()])
+dims = ParallelDims.from_config(cfg.parallel, 4)
+t = build_trainable(cfg, torch.device("cpu"), Meshes.build(dims, "cpu"))
+model = t.parts[0]
+x = torch.randint(0, cfg.model.vocab_size, (2, 32))
+out = t.forward(x, x)  # the fused head's summed loss, or the plain head's logits
+loss = out.sum()
+
+def gathered(module):  # FSDP registers the unsharded weight while gathered (a DTensor over tp alone under TP)
+    w = module.weight
+    return not isinstance(w, DTensor) or w.device_mesh.mesh_dim_names == ("tp",)
+
+between = [gathered(model.tok_embeddings), gathered(model.output), gathered(model.norm)]
+loss.backward()
+grads = [m.weight.grad is not None for m in (model.tok_embeddings, model.output)]
+print(" ".join(str(int(b)) for b in between + grads))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize(
+    "overrides, between",
+    [
+        ("", "0 0 1"),  # fused head: neither the embedding nor the output is held from forward to backward
+        ("parallel.tp_degree=2", "0 0 1"),
+        ("train.fused_head=false", "0 1 1"),  # the plain head's backward needs the output weight at once
+        ("model.tie_embeddings=true", "1 1 1"),  # one parameter in both: the root keeps it
+        ("parallel.fsdp_reshard_after_forward=false", "1 1 1"),
+    ],
+)
+def test_embedding_and_output_are_not_kept_gathered_between_forward_and_backward(overrides, between):
+    """Under FSDP (4 ranks of a fake process group) the embedding, and the output under the fused head, are
+    units of their own, gathered for their forward only (parallelize._shard_embedding_and_head): after forward,
+    before backward, their weights are sharded again while the root (final norm) stays gathered; their
+    gradients still arrive. Parity with one process: test_layouts_match_single_process."""
+    import subprocess
+    import sys
+
+    shard = 2 if "tp_degree" in overrides else 4
+    cmd = [sys.executable, "-c", ROOT_UNITS, f"parallel.dp_shard_degree={shard} {overrides}"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-5:] == [*between.split(), "1", "1"]

@@ -275,6 +275,12 @@ PIPELINES = [  # fmt: skip
 # than ZERO_BUBBLE_LAST_RTOL.
 ZERO_BUBBLE_LAST_RTOL = 0.25
 
+# Pipeline receive buffers: the planner counts one buffer per direction a rank receives in (plus the previous
+# gradient buffer GPipe / 1F1B still hold), an upper bound: interleaved 1F1B's first rank (stages 0 and 2: three
+# directions) never has all three alive at once (two measured). The prediction may be above the measurement by
+# up to PP_BUFFERS_ABOVE_RTOL, never below it by more than MEMORY_RTOL.
+PP_BUFFERS_ABOVE_RTOL = 0.5
+
 PP_SCRIPT = r"""
 import json, os, sys
 import torch
@@ -289,7 +295,7 @@ jobs, args = json.loads(sys.argv[1]), json.loads(sys.argv[2])
 seq, batch, out_dir = int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
-saved, ignore, stages, peak = {}, set(), [], [0]
+saved, ignore, stages, peak, received, buffer_peak = {}, set(), [], [0], {}, [0]
 
 def storage_of(tensor):
     st = tensor.untyped_storage()
@@ -316,6 +322,20 @@ def sample():
                     key, st = storage_of(t)
                     live.setdefault(key, st.nbytes())
     peak[0] = max(peak[0], sum(live.values()))
+    # Receive buffers alive that autograd does not hold (a stage's received input is saved by its first
+    # block: an activation): posted receives, and received gradients until their backward is done.
+    waiting = {k: n for k, (ref, n) in received.items() if not ref.expired() and k not in live}
+    buffer_peak[0] = max(buffer_peak[0], sum(waiting.values()))
+
+def receiving(method):
+    def run(self, *a, **kw):
+        ops = method(self, *a, **kw)
+        for op in ops:
+            key, st = storage_of(op.tensor)
+            received[key] = (StorageWeakRef(st), st.nbytes())
+        sample()
+        return ops
+    return run
 
 def after(method):
     def run(self, *a, **kw):
@@ -332,6 +352,8 @@ def before(method):
 
 _PipelineStageBase.forward_one_chunk = after(_PipelineStageBase.forward_one_chunk)
 _PipelineStageBase.backward_one_chunk = before(_PipelineStageBase.backward_one_chunk)
+_PipelineStageBase.get_fwd_recv_ops = receiving(_PipelineStageBase.get_fwd_recv_ops)
+_PipelineStageBase.get_bwd_recv_ops = receiving(_PipelineStageBase.get_bwd_recv_ops)
 nbytes = lambda t: t.numel() * t.element_size()
 results = []
 for overrides in jobs:
@@ -344,25 +366,18 @@ for overrides in jobs:
     stages[:] = getattr(schedule, "_stages", None) or [schedule._stage]
     x = torch.randint(0, args["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(0))
     for _ in range(3):  # the first step also infers the stages' shapes: the third is the steady state
-        # Receive buffers (one per micro-batch and direction, made in the first step and kept) are the
-        # planner's pipeline buffers, not activations. Rotary tables are buffers too.
-        recv = {}
-        for stage in stages:
-            for infos in [*stage.args_recv_info.values(), *stage.grad_recv_info.values()]:
-                for info in infos:
-                    if isinstance(getattr(info, "buffer", None), torch.Tensor):
-                        key, st = storage_of(info.buffer)
-                        recv[key] = st.nbytes()
+        # Rotary tables are buffers, not activations.
         ignore.clear()
-        ignore.update(recv)
         ignore.update(storage_of(b)[0] for part in t.parts for b in part.buffers())
+        received.clear()
+        buffer_peak[0] = 0
         saved.clear()
         peak[0] = 0
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             train_step(t, x, x)
     params = sum(nbytes(p) for p in t.parameters())
     moments = sum(nbytes(v) for opt in t.optimizers for s in opt.state.values() for k, v in s.items() if k != "step")
-    results.append(dict(activations=peak[0], buffers=sum(recv.values()), states=2 * params + moments))
+    results.append(dict(activations=peak[0], buffers=buffer_peak[0], states=2 * params + moments))
     del t, schedule
     stages.clear()
 with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
@@ -406,6 +421,8 @@ def test_planner_pipeline_memory_matches_plait_runtime(tmp_path):
         err = float(line.rsplit(" ", 1)[1].rstrip("%")) / 100
         if line.startswith("zero bubble") and " last  activations" in line:
             return not -MEMORY_RTOL <= err <= ZERO_BUBBLE_LAST_RTOL
+        if " buffers " in line:
+            return not -MEMORY_RTOL <= err <= PP_BUFFERS_ABOVE_RTOL
         return abs(err) > MEMORY_RTOL
 
     bad = [line for line in report if wrong(line)]

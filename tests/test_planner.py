@@ -388,8 +388,8 @@ def test_written_layouts_pass_the_runtime_checks():
 
 
 def test_sharded_accumulation_when_unsharded_gradients_do_not_fit():
-    """405B on 512 H100 with 128 sequences per data-parallel group: a pipeline holds a receive buffer per
-    micro-batch and no-sync accumulation holds the stage's fp32 gradients unsharded; the planner reduces every
+    """405B on 512 H100 with 128 sequences per data-parallel group: no-sync accumulation holds the stage's fp32
+    gradients unsharded; the planner reduces every
     micro-batch instead (parallel.fsdp_reduce_every_micro_batch) and writes that into the config. (Without
     context parallelism, which the planner prefers here: it widens the FSDP shard group instead.)"""
     result = plan(Workload(preset_args("llama3-405b"), 8192, 1024), get_cluster("h100", nodes=64), pins={"cp": 1})

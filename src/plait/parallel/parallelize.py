@@ -253,10 +253,49 @@ def apply_fsdp(model: nn.Module, meshes: Meshes, cfg: Config, device: torch.devi
             if meshes.dims.tp > 1:  # each tp rank normalises its own heads with the whole weights
                 _shard_over_tp([attention.q_norm, attention.k_norm], meshes, kwargs, unit_reshard)
         fully_shard(block, reshard_after_forward=unit_reshard, **kwargs)
-    # The root (embedding, final norm, output) is needed first in backward (the output) and last (the
-    # embedding): keep it gathered through the step. (An explicit True re-gathers it in every backward,
-    # measured as 25% of FSDP's traffic by bench/comm.py.)
+    if reshard and isinstance(model, Transformer) and not model.args.tie_embeddings:
+        _shard_embedding_and_head(model, units, kwargs, cfg.train.fused_head)
+    # The root (final norm; and the embedding and output where they are not units of their own) is needed first
+    # in backward (the output) and last (the embedding): keep it gathered through the step. (An explicit True
+    # re-gathers it in every backward, measured as 25% of FSDP's traffic by bench/comm.py.)
     fully_shard(model, reshard_after_forward=False, **kwargs)
+
+
+def _shard_embedding_and_head(model: Transformer, blocks_: list[nn.Module], kwargs: dict, fused_head: bool) -> None:
+    """The embedding, and the output under the fused head, as FSDP units gathered for their forward and not
+    again in backward (FSDPModule.set_unshard_in_backward), where blocks reshard after forward and there is no
+    pipeline: the whole-vocabulary weights (V h e bytes each) are no longer held from the first block's forward
+    to the end of the step. Neither is needed in backward: the embedding's gradient is the incoming gradient
+    scattered to rows, the fused head takes its weight gradient in forward. The same all-gathers as when the
+    root kept them, one of each per micro-batch; the output's is prefetched by the last block's forward. Not
+    with tied weights (one parameter in both: the root keeps it), nor the plain head's output (its backward
+    multiplies by the weight right after forward: the root keeping it costs nothing more)."""
+    if model.tok_embeddings is not None:
+        fully_shard(model.tok_embeddings, reshard_after_forward=True, **kwargs)
+        model.tok_embeddings.set_unshard_in_backward(False)
+    if model.output is None or not fused_head:
+        return
+    output = fully_shard(model.output, reshard_after_forward=True, **kwargs)
+    output.set_unshard_in_backward(False)
+    if blocks_:
+        blocks_[-1].set_modules_to_forward_prefetch([output])
+    model.head_loss = gathered_head(model.head_loss, output)
+
+
+def gathered_head(head_loss: Callable, output) -> Callable:
+    """The model's fused head_loss with its FSDP-sharded output gathered around it: the model calls the head
+    with output.weight, not the module, so FSDP's forward hooks do not run; this gathers (FSDPModule.unshard,
+    waiting on the last block's prefetch) and frees it again (reshard). The weight gradient the head took in
+    forward reaches the unsharded parameter in backward and FSDP reduce-scatters it at the end of backward."""
+
+    def loss(h, weight, targets, *args, **kwargs):
+        output.unshard()
+        try:
+            return head_loss(h, output.weight, targets, *args, **kwargs)
+        finally:
+            output.reshard()
+
+    return loss
 
 
 def _shard_moe(moe: MoE, meshes: Meshes, kwargs: dict, reshard: bool) -> None:

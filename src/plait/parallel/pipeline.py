@@ -31,7 +31,7 @@ from plait.model.args import split_layers
 from plait.model.llama import ModelArgs, MoE, Transformer
 from plait.parallel.dims import Meshes, num_micro_batches
 from plait.parallel.parallelize import materialize, parallelize
-from plait.torch_private import quiet_shape_inference, reducing_pipeline_stage
+from plait.torch_private import bounded_receive_stage, quiet_shape_inference, reducing_pipeline_stage
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -94,7 +94,8 @@ def build_pipeline(args: ModelArgs, meshes: Meshes, cfg: Config, device: torch.d
     layout = split_layers(args, num_stages, cfg.parallel.pp_split, cfg.data.seq_len)
     stages, parts = [], []
     reduce_each = cfg.parallel.fsdp_reduce_every_micro_batch and meshes.dims.fsdp_enabled
-    stage_class = quiet_shape_inference(reducing_pipeline_stage() if reduce_each else PipelineStage, not_counting)
+    base = bounded_receive_stage(reducing_pipeline_stage() if reduce_each else PipelineStage)
+    stage_class = quiet_shape_inference(base, not_counting)
     for stage_id in range(pp_rank, num_stages, pp):
         part = stage_module(args, layout[stage_id], stage_id == 0, stage_id == num_stages - 1)
         parallelize(part, meshes, cfg, device)

@@ -392,8 +392,9 @@ def peak_activations(schedule, pp, virtual, m, rank_is_last: bool, weight) -> np
 
 
 ZERO_BUBBLE_LAST_MARGIN = 1.15
-"""Zero bubble's last pipeline rank keeps more than ``zero_bubble_residue`` accounts for (each micro-batch's
-loss graph lives in the schedule until the step ends): measured 0-13% above the model on the last rank
+"""Zero bubble's last pipeline rank keeps more than ``zero_bubble_residue`` accounts for: with one stage per
+rank the weight passes of the last stage wait, and each waiting micro-batch holds the fused head's output-weight
+gradient (V x dim) it computed in forward. Measured 0-14% above the model on the last rank
 (tests/test_plan_vs_runtime.py), so its activations are taken 15% larger: a zero-bubble layout the planner
 calls fitting must fit. The first rank's prediction is exact."""
 
@@ -500,6 +501,16 @@ def evaluate(work: Workload, cluster: Cluster, lay: Layouts) -> dict[str, np.nda
     fsdp = (dp * cp > 1) | (ep > 1) | (whole_tp > 1)  # ParallelDims.fsdp_enabled
     kv_local = a.n_kv_heads * a.head_dim / tp  # the keys (and values) one rank's attention holds per token
 
+    # Gathered parameters at the peak where blocks reshard after forward (no pipeline): the current and the
+    # prefetched block and the root. Untied, the embedding is a unit of its own gathered for its forward only,
+    # as the output is under the fused head (gathered with the last block, freed before backward):
+    # plait.parallel.parallelize._shard_embedding_and_head.
+    if a.tie_embeddings:
+        resharding_gathered = 2 * layer_u + emb_u + head_u
+    else:
+        out_u = local_numel([(a.vocab_size, a.dim, 0)], tp)
+        resharding_gathered = (np.maximum(2 * layer_u, layer_u + out_u) if fused else 2 * layer_u + out_u) + a.dim
+
     mem: dict[str, dict[str, np.ndarray]] = {}
     for name, (layers, root_s, root_u) in ranks.items():
         is_first = name == "first"
@@ -508,17 +519,22 @@ def evaluate(work: Workload, cluster: Cluster, lay: Layouts) -> dict[str, np.nda
         sharded = layers * layer_s + root_s
         unsharded = layers * layer_u + root_u
         states = np.where(lay.offload, 0.0, 16.0 * sharded)  # fp32 param + fp32 grad + AdamW (2 x fp32)
-        gathered = np.where(held, unsharded, 2 * layer_u + root_u)  # current + prefetched block, and root
+        gathered = np.where(held, unsharded, resharding_gathered)
         params_buf = np.where(fsdp, e * gathered, 0.0)
         grads_buf = np.where(fsdp, np.where(accumulate, 4.0 * unsharded, e * (2 * layer_u + root_u)), 0.0)
         tp_buf = np.where(tp > 1, 2 * T * a.dim * e, 0.0)
-        # torch's stages keep one receive buffer per micro-batch and direction: activations into every stage
-        # but the first, gradients into every stage but the last (2 v - 1 of the rank's v stages).
-        pp_buf = np.where(pp > 1, (2 * v - 1) * m * T * a.dim * e / tp, 0.0)  # sequence shards under TP
-        # One micro-batch of one of this rank's v stages: its layers. A stage that receives its input holds it
-        # in a receive buffer (counted below), one that sends keeps its output until the backward, and the
-        # final stage keeps its logits (the schedule's stage output) and the loss's activations.
-        chunk, hand_off = layers / v * a_layer * T, T * a.dim * e / tp
+        # Pipeline receive buffers live only while their micro-batch does (plait.torch_private.
+        # bounded_receive_stage): a received activation is the stage's input, saved by its first block (an
+        # activation, below); what is not saved is one buffer per direction the rank receives in (activations
+        # into every stage but the first, gradients into every stage but the last: 2 v - 1 of the rank's v
+        # stages), and with GPipe / 1F1B a second gradient buffer, the previous one, which the schedule holds
+        # until it posts the next receive.
+        chunk, hand_off = layers / v * a_layer * T, T * a.dim * e / tp  # sequence shards under TP
+        single_stage = (lay.schedule == SCHEDULES.index("gpipe")) | (lay.schedule == SCHEDULES.index("1f1b"))
+        pp_buf = np.where(pp > 1, (2 * v - 1 + (single_stage & is_first)) * hand_off, 0.0)
+        # One micro-batch of one of this rank's v stages: its layers, its input (received, except on the first
+        # stage), and its output until the backward: the stage that sends keeps it, the final stage keeps its
+        # logits (the schedule's stage output) and the loss's activations.
         # the last stage's output: the logits (B, T, V / tp); with the fused head the micro-batch's loss, and the
         # output weight's gradient it computed in forward (in the gathered weight's dtype), kept per micro-batch
         # in flight until that micro-batch's backward
@@ -531,8 +547,10 @@ def evaluate(work: Workload, cluster: Cluster, lay: Layouts) -> dict[str, np.nda
 
         def stage_bytes(s, idx, rank_last=rank_last, chunk=chunk, head=head, hand_off=hand_off, zb=(zb_layer, zb_last)):
             first_stage, last_stage = s == 0 and not rank_last, rank_last and s == int(v[idx][0]) - 1
-            held = chunk[idx] + (head[idx] if last_stage else hand_off[idx]) - (0 if first_stage else hand_off[idx])
-            residue = 0 * held if first_stage else zb[1 if last_stage else 0][idx] * T[idx]
+            # (the layers' bytes already count the stage input, which the first block's norm saves)
+            held = chunk[idx] + (head[idx] if last_stage else hand_off[idx])
+            # zero bubble: a stage that received its input keeps it as long as the rest of the residue
+            residue = 0 * held if first_stage else zb[1 if last_stage else 0][idx] * T[idx] + hand_off[idx]
             residue = np.where(lay.ac[idx] == 2, 0, residue)  # full AC: the residue is recomputed, not kept
             return held, residue
 
