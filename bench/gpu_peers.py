@@ -50,6 +50,7 @@ def sides(peers: Path, steps: int, warmup: int, float8: bool) -> dict[str, list[
     }
     if float8:
         out["plait-float8"] = [*bench, "--compile.float8=true"]
+        out["plait-float8-auto"] = [*bench, "--compile.float8=auto"]  # torchao's choice of layers
     return out
 
 

@@ -71,7 +71,9 @@ def _precision(cfg: Config, device: torch.device) -> str:
 
     bf16 = uses_bf16(cfg.train.mixed_precision, device)
     text = "bf16 autocast, fp32 master weights" if bf16 else "fp32"
-    return text + (" + float8 matmuls in blocks (torchao)" if cfg.compile.float8 else "")
+    from plait.compile import float8_plan
+
+    return text + (" + float8 matmuls in blocks (torchao)" if float8_plan(cfg, device)[0] else "")
 
 
 def run_bench(cfg: Config, steps: int, warmup: int) -> dict:

@@ -39,6 +39,8 @@ from torch import nn
 from plait.callbacks import Callback
 from plait.config import Config
 from plait.errors import ConfigError, PlaitError
+from plait.metrics import info
+from plait.model.llama import TransformerBlock
 from plait.trusted_dir import TrustedDir, private_dir
 
 MEGA_CACHE_FILE = "mega_cache.bin"
@@ -47,14 +49,15 @@ MEGA_CACHE_FILE = "mega_cache.bin"
 # ------------------------------------------------------------------------------------------ compilation
 
 
-def apply_compile(model: nn.Module, cfg: Config) -> nn.Module:
-    """Compile each block of `model` (a Transformer or a pipeline stage of one) in place; float8 first if
-    asked. Nothing happens with compile.enabled=false."""
+def apply_compile(model: nn.Module, cfg: Config, device: torch.device, fsdp: bool = False) -> nn.Module:
+    """Compile each block of `model` (a Transformer or a pipeline stage of one) in place; float8 first where
+    compile.float8 asks for it on this device (float8_plan), with float8 all-gathers when the blocks are then
+    FSDP-sharded (`fsdp`). Nothing happens with compile.enabled=false."""
     c = cfg.compile
     if not c.enabled:
         return model
-    if c.float8:
-        apply_float8(model)
+    if float8_plan(cfg, device)[0]:
+        apply_float8(model, c.float8, all_gather=fsdp)
     layers = getattr(model, "layers", None)
     if isinstance(layers, (nn.ModuleDict, nn.ModuleList)) and len(layers):
         for name, block in list(layers.items() if isinstance(layers, nn.ModuleDict) else enumerate(layers)):
@@ -64,44 +67,89 @@ def apply_compile(model: nn.Module, cfg: Config) -> nn.Module:
     return model
 
 
-def apply_float8(model: nn.Module) -> None:
-    """Swap the blocks' linear layers for torchao's Float8Linear (dynamic tensorwise scaling): matmuls in
-    float8 e4m3 forward / e5m2 gradients, master weights and everything else unchanged. The output
-    projection stays in bf16 (the vocabulary matmul is the most sensitive to precision), and so does any
-    layer whose sizes are not multiples of 16 (a float8 GEMM requirement)."""
+def float8_layers(choice: str):
+    """module_filter_fn(module, fqn) of the linear layers float8 converts: those in the blocks (fqn 'layers.')
+    whose sizes are multiples of 16 (a float8 GEMM requirement); with compile.float8=auto only those torchao's
+    own heuristic expects to gain (its H100 measurements: tensorwise scaling loses where K <= 4096 and
+    N <= 1024). The output projection always stays in bf16 (the vocabulary matmul is the most sensitive to
+    precision)."""
+    from torchao.float8 import _auto_filter_for_recipe
+
+    pays = _auto_filter_for_recipe("tensorwise", filter_fqns=[]) if choice == "auto" else None
+
+    def eligible(module: nn.Module, fqn: str) -> bool:
+        if not (isinstance(module, nn.Linear) and fqn.startswith("layers.")):
+            return False
+        if pays is not None:
+            return pays(module, fqn)
+        return module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+    return eligible
+
+
+def apply_float8(model: nn.Module, choice: str = "true", all_gather: bool = False) -> None:
+    """Swap the blocks' linear layers (float8_layers) for torchao's Float8Linear (dynamic tensorwise
+    scaling): matmuls in float8 e4m3 forward / e5m2 gradients, master weights and everything else unchanged.
+    all_gather: FSDP2 all-gathers those weights in float8 (half the bytes of bf16); each weight's scale then
+    comes from the amax of the whole weight, one all-reduce per weight in its pre-all-gather (torchao's
+    precompute_float8_dynamic_scale_for_fsdp, one all-reduce for all, would have to run after every change to
+    the weights, checkpoint loads and rollbacks included, or the next all-gather casts with a stale scale)."""
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError:
-        raise ConfigError("compile.float8=true needs torchao: pip install torchao") from None
-
-    def eligible(module: nn.Module, fqn: str) -> bool:
-        return (
-            isinstance(module, nn.Linear)
-            and fqn.startswith("layers.")
-            and module.in_features % 16 == 0
-            and module.out_features % 16 == 0
-        )
-
-    convert_to_float8_training(model, config=Float8LinearConfig(), module_filter_fn=eligible)
+        raise ConfigError("compile.float8 needs torchao: pip install torchao") from None
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=all_gather)
+    convert_to_float8_training(model, config=config, module_filter_fn=float8_layers(choice))
 
 
-def check_float8_support(device: torch.device) -> None:
-    """Refuse float8 before anything is built where it cannot run, naming every reason at once."""
+def _float8_problems(device: torch.device) -> list[str]:
+    import importlib.util
+
     problems = []
-    try:
-        import torchao  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("torchao") is None:
         problems.append("torchao is not installed (pip install torchao)")
     if device.type != "cuda":
         problems.append(f"this run is on {device.type}, not an NVIDIA GPU")
     elif torch.cuda.get_device_capability(device) < (8, 9):
         major, minor = torch.cuda.get_device_capability(device)
         problems.append(f"{torch.cuda.get_device_name(device)} is sm{major}{minor}")
+    return problems
+
+
+def check_float8_support(device: torch.device) -> None:
+    """Refuse float8 before anything is built where it cannot run, naming every reason at once."""
+    problems = _float8_problems(device)
     if problems:
         raise ConfigError(
             f"compile.float8=true cannot run here: {'; '.join(problems)}. Float8 training needs torchao and an "
-            f"NVIDIA GPU of compute capability 8.9+ (H100, H200, L4, L40S); set compile.float8=false"
+            f"NVIDIA GPU of compute capability 8.9+ (H100, H200, L4, L40S); set compile.float8=false or auto"
         )
+
+
+def float8_plan(cfg: Config, device: torch.device, block: nn.Module | None = None) -> tuple[bool, str]:
+    """Whether the blocks' matmuls run in float8 on this device, and why. compile.float8=true: yes, refused
+    (ConfigError) where it cannot run; auto: where compile is on, torchao is installed and the device is an
+    NVIDIA GPU of compute capability 8.9+, and (given one of the model's blocks, built on meta) where some of
+    its linear layers pass float8_layers('auto')."""
+    choice = cfg.compile.float8
+    if choice == "false" or not cfg.compile.enabled:
+        return False, "compile.float8=false" if choice == "false" else "compile.enabled=false"
+    if choice == "true":
+        check_float8_support(device)
+        return True, "compile.float8=true"
+    problems = _float8_problems(device)
+    if problems:
+        return False, "; ".join(problems)
+    import torchao
+
+    why = f"{torch.cuda.get_device_name(device)}, torchao {torchao.__version__}"
+    if block is not None:
+        keep = float8_layers("auto")
+        names = [name for name, m in block.named_modules() if keep(m, f"layers.0.{name}")]
+        if not names:
+            return False, "no block layer is large enough to gain (torchao: K <= 4096 and N <= 1024 loses)"
+        why += f"; per block: {', '.join(names)}"
+    return True, why
 
 
 # --------------------------------------------------------------------------------------------- cache
@@ -300,7 +348,7 @@ class CompileMonitor:
         with what verifies in compile.cache_dir, the mega-cache file."""
         if not cfg.compile.enabled:
             return cls()
-        if cfg.compile.float8:
+        if cfg.compile.float8 == "true":
             check_float8_support(device)
         store = TrustedDir(cache_dir(cfg))
         work = private_dir("plait-compile-")
@@ -402,6 +450,13 @@ class CompileWatch(Callback):
 
     def on_setup(self, run) -> None:
         run.compiler = CompileMonitor.start(run.cfg, run.env.device, run.env.is_main)
+        if run.env.is_main and run.cfg.compile.float8 == "auto":
+            block = None
+            if run.model_fn is None:  # plait's model: one of its blocks on meta
+                with torch.device("meta"):
+                    block = TransformerBlock(run.cfg.model, 0)
+            on, why = float8_plan(run.cfg, run.env.device, block)
+            info(f"float8 (compile.float8=auto): {'on' if on else 'off'}: {why}")
 
     def after_step(self, run, step: int, result) -> bool:
         run.compiler.check(step)  # static shapes: any compilation after the first step is a recompilation

@@ -258,9 +258,12 @@ class CompileConfig:
     cache_dir: str = ""
     """Persistent compile cache (Inductor and Triton caches plus one mega-cache file that a restarted or
     scaled-out job loads first); empty: <run.out_dir>/<run.name>/compile_cache."""
-    float8: bool = False
-    """Float8 matmuls in the transformer blocks through torchao (needs compile.enabled, torchao and an NVIDIA
-    GPU of compute capability 8.9+: H100, H200, L4, L40S)."""
+    float8: Literal["false", "true", "auto"] = "false"
+    """Float8 matmuls in the transformer blocks through torchao. 'true': every block linear layer whose sizes
+    are multiples of 16, refused where it cannot run (needs compile.enabled, torchao and an NVIDIA GPU of compute
+    capability 8.9+: H100, H200, L4, L40S); 'auto': on where it can run and pays (the layers torchao's own
+    heuristic expects to gain), off elsewhere, saying why at start-up. Under FSDP the float8 weights are
+    all-gathered in float8."""
 
 
 @dataclass
@@ -394,6 +397,8 @@ def _convert(key: str, raw: Any, typ: Any) -> Any:
     """Convert a TOML value or a command-line string to the field's type, or say what was expected."""
     choices = typing.get_args(typ) if typing.get_origin(typ) is Literal else None
     base = str if choices else typ
+    if choices and isinstance(raw, bool) and str(raw).lower() in choices:
+        raw = str(raw).lower()  # a TOML true / false for a setting whose choices include them (compile.float8)
     try:
         if isinstance(raw, str) and base is not str:
             raw = _parse_string(raw, base)
@@ -562,7 +567,7 @@ def _validate_moe(cfg: Config) -> None:
 
 def _validate_compile(cfg: Config) -> None:
     c, p = cfg.compile, cfg.parallel
-    if c.float8 and not c.enabled:
+    if c.float8 == "true" and not c.enabled:
         raise ConfigError("compile.float8=true needs compile.enabled=true (torchao's float8 casts are fast compiled)")
     if c.enabled and p.tp_degree > 1:
         # Seen with torch 2.13 (shared/TORCH-ON-CPU.md): per-block compile under FSDP2 + TP gives silently wrong

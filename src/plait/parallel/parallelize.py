@@ -63,7 +63,7 @@ def parallelize(model: nn.Module, meshes: Meshes, cfg: Config, device: torch.dev
     apply_moe_layout(model, meshes)
     if cfg.parallel.activation_checkpoint != "none":
         apply_ac(model, cfg.parallel.activation_checkpoint, dims.tp, nested_fsdp=dims.ep > 1 or dims.tp_whole)
-    apply_compile(model, cfg)
+    apply_compile(model, cfg, device, fsdp=dims.fsdp_enabled)
     if dims.fsdp_enabled:
         apply_fsdp(model, meshes, cfg, device)
     return model
