@@ -18,6 +18,7 @@ the single-process model would have (same seed, same names), so parallel runs ar
 from __future__ import annotations
 
 import hashlib
+import warnings
 from collections.abc import Callable
 from functools import partial
 
@@ -259,6 +260,12 @@ def apply_fsdp(model: nn.Module, meshes: Meshes, cfg: Config, device: torch.devi
     # in backward (the output) and last (the embedding): keep it gathered through the step. (An explicit True
     # re-gathers it in every backward, measured as 25% of FSDP's traffic by bench/comm.py.)
     fully_shard(model, reshard_after_forward=False, **kwargs)
+
+
+# Under tensor parallelism the embedding returns TP's to_local() view, and FSDP2 warns that an in-place op on a
+# unit's view output would drop the unit's pre-backward hook. The model adds to it out of place, and the
+# embedding's unit is not gathered again in backward (set_unshard_in_backward(False)).
+warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPEmbedding\) returned a view tensor")
 
 
 def _shard_embedding_and_head(model: Transformer, blocks_: list[nn.Module], kwargs: dict, fused_head: bool) -> None:
