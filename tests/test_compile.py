@@ -448,6 +448,7 @@ by the amax of the micro-batch it casts, and a data-parallel rank casts its own 
 quantisation differs (measured 8.5e-6 on the first loss, 1.3e-3 on its gradient norm)."""
 
 
+@pytest.mark.slow
 def test_float8_all_gather_under_fsdp_equals_gathering_in_high_precision(tmp_path):
     """compile.float8=true under FSDP 2 (gloo) all-gathers the blocks' weights in float8 (torchao's
     WeightWithDynamicFloat8CastTensor behind each shard) and trains exactly as FSDP 2 with float8 matmuls that
