@@ -498,7 +498,7 @@ def evaluate(work: Workload, cluster: Cluster, lay: Layouts) -> dict[str, np.nda
     # gradients stay unsharded across micro-batches (no-sync accumulation), unless reduced after each one
     accumulate = ((m > 1) | (pp > 1)) & ~lay.sync_each
     held = (pp > 1) | ~lay.reshard  # gathered parameters stay gathered through the step
-    fsdp = (dp * cp > 1) | (ep > 1) | (whole_tp > 1)  # ParallelDims.fsdp_enabled
+    fsdp = (dp * cp > 1) | (ep > 1) | (whole_tp > 1) | lay.offload  # ParallelDims.fsdp_enabled
     kv_local = a.n_kv_heads * a.head_dim / tp  # the keys (and values) one rank's attention holds per token
 
     # Gathered parameters at the peak where blocks reshard after forward (no pipeline): the current and the
