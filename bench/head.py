@@ -96,7 +96,11 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=128_256)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--json", type=Path)
+    p.add_argument("--dry-run", action="store_true", help="check the arguments and stop")
     a = p.parse_args()
+    if a.dry_run:
+        print(f"bench/head.py {vars(a)}")
+        return
     device = torch.device(a.device)
     torch.manual_seed(0)
     h = torch.randn(1, a.tokens, a.dim, device=device, requires_grad=True)

@@ -70,3 +70,31 @@ def test_bench_help_lists_its_flags(capsys):
     assert main(["bench", "--help"]) == 0
     out = capsys.readouterr().out
     assert "--steps N" in out and "--warmup W" in out and "--json PATH" in out and "--compile.enabled" in out
+
+
+def _gpu_session():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "gpu_session.py"
+    spec = importlib.util.spec_from_file_location("gpu_session", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_session_steps_would_start_on_the_device(tmp_path):
+    """The GPU sessions' runbook (bench/gpu_session.py) spends scarce device time: every plait step's settings
+    validate, every script accepts its arguments, the test selection selects something, and each part's
+    estimates fit one device call."""
+    session = _gpu_session()
+    parts = session.parts(tmp_path / "peers")
+    assert sorted(parts) == [1, 2, 3]
+    for number, steps in parts.items():
+        assert session.check(steps, tmp_path) == [], f"part {number}"
+        assert sum(s.estimate_s for s in steps) <= session.CALL_LIMIT_S, f"part {number}"
+    # the check can fail: a setting plait refuses is reported with the step's name
+    bad = session.plait_step("bad", "bench", ["--data.seq_len=32768"], [], 1)
+    assert "bad: data.seq_len=32768 is longer than the model supports" in session.check([bad], tmp_path)[0]

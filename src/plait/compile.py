@@ -97,9 +97,15 @@ def apply_float8(model: nn.Module, choice: str = "true", all_gather: bool = Fals
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError:
-        raise ConfigError("compile.float8 needs torchao: pip install torchao") from None
+        raise ConfigError(f"compile.float8 needs torchao: {TORCHAO_INSTALL}") from None
     config = Float8LinearConfig(enable_fsdp_float8_all_gather=all_gather)
     convert_to_float8_training(model, config=config, module_filter_fn=float8_layers(choice))
+
+
+# torchao releases follow torch's: 0.17 is the one built against torch 2.11, 0.18 against 2.12 and later.
+TORCHAO_INSTALL = (
+    "pip install 'torchao==0.17.*'" if torch.__version__ < "2.12" else "pip install 'torchao>=0.18'"
+)
 
 
 def _float8_problems(device: torch.device) -> list[str]:
@@ -107,7 +113,7 @@ def _float8_problems(device: torch.device) -> list[str]:
 
     problems = []
     if importlib.util.find_spec("torchao") is None:
-        problems.append("torchao is not installed (pip install torchao)")
+        problems.append(f"torchao is not installed ({TORCHAO_INSTALL})")
     if device.type != "cuda":
         problems.append(f"this run is on {device.type}, not an NVIDIA GPU")
     elif torch.cuda.get_device_capability(device) < (8, 9):

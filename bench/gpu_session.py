@@ -1,0 +1,277 @@
+"""Every GPU measurement the open issues ask for, in three parts that each fit one 10-minute device call.
+
+A session lent a GPU has 30 minutes of device time and 10 minutes a call; this script spends them in order of
+what the issues need most, so that three calls take every figure:
+
+    part 1  correctness on CUDA (the ring attention at cp 1 against SDPA; the fused head against the plain
+            one, bench/head.py), then the GPU-speed table's core: the hand-written whole-model-compile loop,
+            plait (fused head) and plait with the plain head, in one run (bench/gpu_peers.py)
+    part 2  cold and warm start (plait bench with its warm run), float8 (all block layers, and torchao's
+            choice), llama3-1b at seq 32,768 with full activation checkpointing
+    part 3  the other peers (per-block compile, HF transformers), full activation checkpointing's effect on
+            peak memory in one process, llama3-8b with CPU offload + full AC, an MoE model in bf16
+
+Each step runs in its own process with a time limit; a step that would not finish before the part's deadline
+is skipped and said so. Logs and JSON results go to --out (default $OUT on the device machine, else
+bench/results/gpu_session); a short table is printed last. Steps that fail do not stop the part.
+
+On the device machine plait is not installed and nothing can be fetched; the peers (../shared/gpu) and the
+torchao wheel travel with the call. Here, once:
+
+    echo /.whl/ >> .git/info/exclude && echo /.peers/ >> .git/info/exclude && cp -r ../shared/gpu .peers
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \\
+        --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl torchao==0.17.0
+
+then each call (carry [".whl", ".peers"]):
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \\
+        && export PYTHONPATH=/tmp/site || exit; python3 bench/gpu_session.py --part 1
+
+    python bench/gpu_session.py --part 2 --dry-run     # the commands, on any machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CALL_LIMIT_S = 560  # a device call's 600 s, less the start-up of the call and the copy of the results
+LLAMA3_1B_2048 = [
+    "--model.preset=llama3-1b",
+    "--data.seq_len=2048",
+    "--train.global_batch_size=16",
+    "--train.micro_batch_size=4",
+    "--train.mixed_precision=bf16",
+    "--compile.enabled=true",
+    "--run.device=cuda",
+]
+
+
+@dataclass
+class Step:
+    name: str
+    argv: list[str]  # after the interpreter
+    estimate_s: float  # on an H100; a step is skipped when less than this is left
+    result: str = ""  # the JSON file the step writes, relative to the output folder
+    settings: list[str] = field(default_factory=list)  # the --section.key=value it gives plait (checked in CI)
+
+
+def plait_step(name: str, command: str, settings: list[str], options: list[str], estimate_s: float) -> Step:
+    result = f"{name}.json" if command == "bench" else ""
+    argv = ["-m", "plait.cli", command, *settings, *options] + ([f"--json={{out}}/{result}"] if result else [])
+    return Step(name, argv, estimate_s, result, settings)
+
+
+def parts(peers: Path) -> dict[int, list[Step]]:
+    peers_cmd = ["bench/gpu_peers.py", f"--peers={peers}", "--steps=10", "--warmup=3", "--json={out}/gpu_peers.json"]
+    short = ["--steps=10", "--warmup=3", "--no-warm-run"]
+    ac_full = plait_step("ac-full", "bench", [*LLAMA3_1B_2048, "--parallel.activation_checkpoint=full"], short, 110)
+    return {
+        1: [
+            Step(
+                "ring-attention-cuda",
+                ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_context_parallel.py", "-k", "cuda"],
+                60,
+            ),
+            Step(
+                "head-cuda",
+                [
+                    "bench/head.py",
+                    "--device=cuda",
+                    "--dtype=bf16",
+                    "--tokens=8192",
+                    "--dim=2048",
+                    "--json={out}/head_cuda.json",
+                ],
+                60,
+                "head_cuda.json",
+            ),
+            Step("peers-core", [*peers_cmd, "--sides=bare-model,plait,plait-plain-head"], 390, "gpu_peers.json"),
+        ],
+        2: [
+            plait_step("cold-warm", "bench", LLAMA3_1B_2048, ["--steps=5", "--warmup=2"], 180),
+            Step(
+                "peers-float8",
+                [*peers_cmd, "--float8", "--sides=plait-float8,plait-float8-auto"],
+                250,
+                "gpu_peers.json",
+            ),
+            plait_step(
+                "seq32k",
+                "bench",
+                [
+                    "--model.preset=llama3-1b",
+                    "--model.max_seq_len=32768",
+                    "--data.seq_len=32768",
+                    "--train.global_batch_size=1",
+                    "--train.mixed_precision=bf16",
+                    "--parallel.activation_checkpoint=full",
+                    "--run.device=cuda",
+                ],
+                ["--steps=5", "--warmup=2", "--no-warm-run"],
+                100,
+            ),
+        ],
+        3: [
+            Step("peers-rest", [*peers_cmd, "--sides=bare-block,hf"], 240, "gpu_peers.json"),
+            ac_full,  # against part 1's plait side (no AC): what checkpointing saves in one process
+            plait_step(
+                "llama3-8b-offload",
+                "train",
+                [
+                    "--model.preset=llama3-8b",
+                    "--data.seq_len=2048",
+                    "--train.global_batch_size=4",
+                    "--train.micro_batch_size=1",
+                    "--train.mixed_precision=bf16",
+                    "--parallel.cpu_offload=true",
+                    "--parallel.activation_checkpoint=full",
+                    "--train.steps=6",
+                    "--log.every_steps=1",
+                    "--eval.every_steps=0",
+                    "--checkpoint.save_final=false",
+                    "--run.name=h100-8b-offload",
+                    "--run.out_dir={out}/runs",
+                    "--run.device=cuda",
+                ],
+                [],
+                150,
+            ),
+            plait_step(
+                "moe-bf16",
+                "bench",
+                ["--model.preset=moe-debug", "--data.seq_len=512", "--train.mixed_precision=bf16", "--run.device=cuda"],
+                ["--steps=10", "--warmup=3", "--no-warm-run"],
+                60,
+            ),
+        ],
+    }
+
+
+def run_step(step: Step, out: Path, limit_s: float, env: dict) -> dict:
+    argv = [a.replace("{out}", str(out)) for a in step.argv]
+    log = out / f"{step.name}.log"
+    started = time.perf_counter()
+    with log.open("w") as f:
+        # its own process group: a step that overruns goes with its children (gpu_peers' sides), and the GPU
+        # memory they hold with them, before the next step starts
+        proc = subprocess.Popen(
+            [sys.executable, *argv], cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            rc = proc.wait(timeout=limit_s)
+            status = "ok" if rc == 0 else f"exit {rc}"
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            status = f"timed out at {limit_s:.0f} s"
+    record = {"status": status, "wall_s": round(time.perf_counter() - started, 1), "log": log.name}
+    if step.result and (out / step.result).exists():
+        record["result"] = step.result
+    if status != "ok":
+        record["tail"] = log.read_text(errors="replace")[-1500:]
+    return record
+
+
+def summary(step: Step, out: Path) -> str:
+    """One line of what a step measured, from its JSON."""
+    if not step.result or not (out / step.result).exists():
+        return ""
+    r = json.loads((out / step.result).read_text())
+    if "sides" in r:
+        return "; ".join(
+            f"{name} {s['tokens_per_s']:,.0f} tok/s {s.get('peak_gib') or s.get('peak_mem_gib') or 0:.1f} GiB"
+            if "tokens_per_s" in s
+            else f"{name} failed"
+            for name, s in r["sides"].items()
+        )
+    if "tokens_per_s" in r:
+        text = f"{r['tokens_per_s']:,.0f} tok/s, MFU {100 * r['mfu']:.1f}%, peak {r['memory']['mem_peak_gib']:.1f} GiB"
+        text += f", first step {r['first_step']['from_process_start_s']:.1f} s"
+        if "warm_over_cold" in r:
+            text += f", warm/cold {r['warm_over_cold']:.2f}"
+        return text
+    return json.dumps(r)[:160]
+
+
+def check(steps: list[Step], out: Path) -> list[str]:
+    """What would fail at once on the device, found here: plait settings that do not validate, script arguments
+    the scripts refuse (each script step takes --dry-run), test selections that select nothing."""
+    from plait.config import load_config
+    from plait.errors import ConfigError
+
+    problems = []
+    for step in steps:
+        argv = [a.replace("{out}", str(out)) for a in step.argv]
+        if step.settings:
+            try:
+                load_config(None, [s.removeprefix("--").replace("{out}", str(out)) for s in step.settings])
+            except ConfigError as e:
+                problems.append(f"{step.name}: {e}")
+            continue
+        extra = ["--collect-only"] if argv[:2] == ["-m", "pytest"] else ["--dry-run"]
+        proc = subprocess.run([sys.executable, *argv, *extra], cwd=ROOT, capture_output=True, text=True)
+        if proc.returncode:
+            problems.append(f"{step.name}: exit {proc.returncode}: {(proc.stderr or proc.stdout).strip()[-500:]}")
+    return problems
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--part", type=int, choices=(1, 2, 3), required=True)
+    default_peers = next((d for d in (ROOT / ".peers", ROOT.parent / "shared" / "gpu") if d.exists()), ROOT / ".peers")
+    p.add_argument("--peers", type=Path, default=default_peers, help="the reference sides' folder")
+    default_out = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "bench" / "results" / "gpu_session"
+    p.add_argument("--out", type=Path, default=default_out)
+    p.add_argument("--budget", type=float, default=CALL_LIMIT_S, help="seconds this part may take")
+    p.add_argument("--dry-run", action="store_true", help="print the commands and stop")
+    p.add_argument("--check", action="store_true", help="check every step's arguments here (no GPU) and stop")
+    a = p.parse_args()
+    steps = parts(a.peers)[a.part]
+    if a.dry_run:
+        for s in steps:
+            print(f"{s.name} (~{s.estimate_s:.0f} s): python3 {' '.join(s.argv).replace('{out}', str(a.out))}")
+        return 0
+    if a.check:
+        problems = check(steps, a.out)
+        print("\n".join(problems) or f"part {a.part}: every step's arguments check out")
+        return 1 if problems else 0
+    import torch
+
+    if not torch.cuda.is_available():
+        print("bench/gpu_session.py needs a CUDA GPU; --dry-run prints the commands", file=sys.stderr)
+        return 2
+    a.out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH", "")]))
+    deadline = time.perf_counter() + a.budget
+    records = {}
+    for step in steps:
+        left = deadline - time.perf_counter()
+        if left < step.estimate_s:
+            records[step.name] = {"status": f"skipped: {left:.0f} s left, needs ~{step.estimate_s:.0f}"}
+            continue
+        print(f"[{time.strftime('%H:%M:%S')}] {step.name} (~{step.estimate_s:.0f} s)", flush=True)
+        records[step.name] = run_step(step, a.out, left, env)
+        records[step.name]["summary"] = summary(step, a.out)
+    record = {"part": a.part, "device": torch.cuda.get_device_name(), "torch": torch.__version__, "steps": records}
+    (a.out / f"gpu_session_part{a.part}.json").write_text(json.dumps(record, indent=1) + "\n")
+    for name, r in records.items():
+        if "tail" in r:
+            print(f"\n--- {name}: {r['status']}, last lines of {r['log']} ---\n{r['tail']}")
+    print(f"\npart {a.part} on {record['device']}, torch {record['torch']}")
+    for name, r in records.items():
+        print(f"{name:<20} {r['status']:<12} {r.get('wall_s', 0):>6.0f} s  {r.get('summary', '')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
