@@ -203,17 +203,22 @@ def summary(step: Step, out: Path) -> str:
 
 
 def check(steps: list[Step], out: Path) -> list[str]:
-    """What would fail at once on the device, found here: plait settings that do not validate, script arguments
+    """What would fail at once on the device, found here: plait settings that do not validate or that plait's
+    memory check would refuse on an H100 (plait.planner.preflight), script arguments
     the scripts refuse (each script step takes --dry-run), test selections that select nothing."""
     from plait.config import load_config
     from plait.errors import ConfigError
+    from plait.planner.preflight import Machine, check_memory
+
+    H100 = Machine(device_bytes=85_520_809_984, host_bytes=1800 * 2**30, name="H100 80GB", bf16_native=True)
 
     problems = []
     for step in steps:
         argv = [a.replace("{out}", str(out)) for a in step.argv]
         if step.settings:
-            try:
-                load_config(None, [s.removeprefix("--").replace("{out}", str(out)) for s in step.settings])
+            try:  # valid settings, and a memory prediction that the run's own check lets through on an H100
+                cfg = load_config(None, [s.removeprefix("--").replace("{out}", str(out)) for s in step.settings])
+                check_memory(cfg, 1, 1, H100)
             except ConfigError as e:
                 problems.append(f"{step.name}: {e}")
             continue

@@ -368,6 +368,11 @@ def cmd_bench(argv: list[str]) -> int:
     cfg = load_config(path, overrides)
     if cfg.parallel.pp_degree * cfg.parallel.tp_degree * cfg.parallel.dp_replicate_degree > 1:
         raise ConfigError("plait bench runs one process: leave the [parallel] degrees at 1")
+    from plait.planner.preflight import check_memory
+
+    note = check_memory(cfg, 1, 1)
+    if note and not quiet:
+        print(note, file=sys.stderr)
     tmp = None
     if cfg.compile.enabled and not cfg.compile.cache_dir:
         tmp = tempfile.TemporaryDirectory(prefix="plait-bench-cache-")  # a true cold start

@@ -39,6 +39,10 @@ class RunConfig:
     health_check_enabled: bool = True
     """Before training, check every device's arithmetic and the collectives of every mesh axis against known
     values (well under a second for one process); a failure stops the run naming the bad rank."""
+    memory_check: bool = True
+    """Before any worker starts, the planner's memory model (`plait plan`'s) for this layout against this
+    machine: a run predicted not to fit its devices (or, on the CPU, the memory available) is refused naming
+    what brings it down; one within 10% of the limit is warned about. false: start anyway."""
 
 
 @dataclass

@@ -67,7 +67,12 @@ def device_info(device: torch.device) -> DeviceInfo:
 def uses_bf16(mixed_precision: str, device: torch.device) -> bool:
     """train.mixed_precision resolved on a device: 'bf16' always, 'auto' where the device has native bf16,
     'fp32' never. The one place runtime, benchmark and planner decide the compute precision."""
-    return mixed_precision == "bf16" or (mixed_precision == "auto" and device_info(device).bf16_native)
+    return bf16_for(mixed_precision, device_info(device).bf16_native)
+
+
+def bf16_for(mixed_precision: str, bf16_native: bool) -> bool:
+    """uses_bf16's rule, for a device described rather than present (the memory check's machine)."""
+    return mixed_precision == "bf16" or (mixed_precision == "auto" and bf16_native)
 
 
 def _cpu_name() -> str:
@@ -100,6 +105,24 @@ def memory_stats(device: torch.device) -> dict[str, float]:
             "mem_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30,
         }
     return {"mem_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30}
+
+
+def host_memory_bytes(field: str = "MemAvailable") -> int | None:
+    """This machine's memory from /proc/meminfo: 'MemAvailable' (what new processes can take without swapping)
+    or 'MemTotal'; None where the kernel does not say (not Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(f"{field}:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def device_memory_bytes(device: torch.device) -> int | None:
+    """A GPU's total memory (the properties: no CUDA context is made for it); None for the CPU."""
+    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
 
 
 def local_rank() -> int:

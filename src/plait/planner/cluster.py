@@ -205,11 +205,7 @@ def _rate(fn, work: float, seconds: float, device) -> float:
 
 
 def _host_memory_gib() -> float:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024 / GiB
-    except OSError:
-        pass
-    return 16.0
+    from plait.hardware import host_memory_bytes
+
+    total = host_memory_bytes("MemTotal")
+    return total / GiB if total else 16.0

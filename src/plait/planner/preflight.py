@@ -1,0 +1,167 @@
+"""Will this run fit? Asked before any worker starts, of the planner's memory model.
+
+The model is the one `plait plan` ranks layouts with, checked against the runtime's measured memory
+(tests/test_plan_vs_runtime.py): parameters, gradients and AdamW states as sharded by this layout, gathered
+parameters and communication buffers, activations as the schedule keeps them, the head's transients, the
+allocator's slack and the device's reserve. A run predicted over its devices' memory (on the CPU: over what
+the machine has available for its processes) would end in an out-of-memory error or the kernel's OOM killer,
+minutes in on a large model and with no message; it is refused now (exit 2), with the settings that would
+bring it under, each with its own prediction. Within 10% of the limit, a warning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import numpy as np
+
+from plait.config import Config
+from plait.errors import ConfigError
+from plait.planner.cost import AC_MODES
+
+GiB = 2**30
+WARN_FRACTION = 0.9
+"""Predicted above this fraction of the limit: warned about (the model is within 5% of the measured
+activations; fragmentation beyond its allowance, and other processes, take the rest)."""
+CPU_PROCESS_GIB = 0.75
+"""A CPU worker before its model: the interpreter, torch, plait, the tokenizer and the data loader (measured:
+peak resident set 0.62 GiB for `plait train --model.preset=debug`, 2-core x86-64, torch 2.13). Stands in for
+the planner's device reserve (CUDA context, NCCL, cuBLAS workspaces), which a CPU process does not have."""
+
+
+def layout_of(cfg: Config, world_size: int):
+    """This config's parallel layout as the planner's one-row Layouts (degrees resolved, and the layout checked,
+    as the runtime does)."""
+    from plait.parallel.dims import ParallelDims, num_micro_batches, validate_layout
+    from plait.planner.cost import Layouts
+
+    p = cfg.parallel
+    dims = ParallelDims.from_config(p, world_size, cfg.model)
+    validate_layout(cfg, dims)
+    local_batch = cfg.train.global_batch_size // (dims.dp_replicate * dims.dp_shard)
+    virtual = p.pp_virtual_stages if dims.pp > 1 else 1
+    micro = num_micro_batches(cfg.train.micro_batch_size, local_batch, dims.pp * virtual)
+    return Layouts.single(
+        dp_replicate=dims.dp_replicate,
+        dp_shard=dims.dp_shard,
+        tp=dims.tp,
+        pp=dims.pp,
+        virtual=virtual,
+        schedule=p.pp_schedule if dims.pp > 1 else "none",
+        micro_batch=max(1, local_batch // micro),
+        ac=p.activation_checkpoint,
+        offload=p.cpu_offload,
+        reshard=p.fsdp_reshard_after_forward,
+        sync_each=p.fsdp_reduce_every_micro_batch,
+        cp=dims.cp,
+        ep=dims.ep,
+    )
+
+
+def predict(cfg: Config, world_size: int, local_size: int, bf16: bool, changes: dict | None = None) -> dict:
+    """Predicted bytes per device (worst rank) with its parts, and host bytes per process (CPU offload)."""
+    from plait.planner.cluster import get_cluster
+    from plait.planner.cost import Workload, evaluate
+
+    lay = layout_of(cfg, world_size)
+    for key, value in (changes or {}).items():
+        setattr(lay, key, np.asarray([value]))
+    work = Workload(
+        cfg.model, cfg.data.seq_len, cfg.train.global_batch_size, "bf16" if bf16 else "fp32", cfg.train.fused_head
+    )
+    nodes = max(1, world_size // local_size)
+    out = evaluate(work, get_cluster("h100", nodes=nodes, devices_per_node=world_size // nodes), lay)
+    return {k.removeprefix("mem_"): float(v[0]) for k, v in out.items() if k.startswith("mem_")}
+
+
+# the settings tried, alone and together, when a run does not fit: (what to write, the layout's change)
+REMEDIES = [
+    ("parallel.activation_checkpoint=full", {"ac": AC_MODES.index("full")}),
+    ("train.micro_batch_size=1", {"micro_batch": 1}),
+    ("parallel.cpu_offload=true", {"offload": True}),
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Machine:
+    """What the run's processes on this node have: per-GPU memory (None: they run on the CPU, which then
+    holds everything) and the host memory available (None: unknown)."""
+
+    device_bytes: int | None
+    host_bytes: int | None
+    name: str = "CPU"
+    bf16_native: bool = False
+
+    @classmethod
+    def here(cls, cfg: Config) -> Machine:
+        from plait.hardware import device_info, device_memory_bytes, host_memory_bytes, resolve_device
+
+        device = resolve_device(cfg.run.device)
+        info = device_info(device)
+        name = info.name if device.type == "cuda" else "CPU"
+        return cls(device_memory_bytes(device), host_memory_bytes("MemAvailable"), name, info.bf16_native)
+
+
+def check_memory(cfg: Config, world_size: int, local_size: int, machine: Machine | None = None) -> str | None:
+    """Refuse (ConfigError) a run predicted not to fit this machine; return a line to print for one that
+    nearly does (or that the model cannot judge), else None. run.memory_check=false skips it."""
+    if not cfg.run.memory_check:
+        return None
+    if cfg.finetune.lora_rank > 0:
+        return "memory: not predicted for LoRA fine-tuning (the planner counts AdamW states for every weight)"
+    from plait.hardware import bf16_for
+    from plait.planner.cost import RESERVED_GIB
+
+    machine = machine or Machine.here(cfg)
+    on_gpu, host = machine.device_bytes is not None, machine.host_bytes
+    if not on_gpu and host is None:
+        return "memory: not checked (this system does not say how much memory is available)"
+    bf16 = bf16_for(cfg.train.mixed_precision, machine.bf16_native)
+    procs = f"{local_size} process{'es' if local_size > 1 else ''}"
+
+    def over(changes=None) -> tuple[float, str, dict]:
+        """The largest share of a limit the run needs, what it needs against which limit, and the prediction."""
+        m = predict(cfg, world_size, local_size, bf16, changes)
+        if not on_gpu:  # device and host are one memory, shared by the local processes
+            need = local_size * (m["total"] - RESERVED_GIB * GiB + CPU_PROCESS_GIB * GiB + m["host"])
+            return need / host, f"{need / GiB:.1f} GiB for {procs}, {host / GiB:.1f} GiB available", m
+        said = f"{m['total'] / GiB:.1f} GiB per device, {machine.device_bytes / GiB:.1f} GiB on {machine.name}"
+        share = m["total"] / machine.device_bytes
+        if host is not None and m["host"] > 0:  # CPU offload: the states of every local process in host memory
+            need = local_size * m["host"]
+            said += f"; {need / GiB:.1f} GiB of host memory for {procs}, {host / GiB:.1f} GiB available"
+            share = max(share, need / host)
+        return share, said, m
+
+    share, said, m = over()
+    detail = ", ".join(f"{k} {m[k] / GiB:.1f}" for k in ("states", "buffers", "activations", "transient"))
+    said = f"predicted {said} (per process: {detail} GiB)"
+    if share > 1:
+        current = {k: v[0].item() for k, v in vars(layout_of(cfg, world_size)).items()}
+        remedies = [(s, c) for s, c in REMEDIES if any(current[k] != v for k, v in c.items())]
+        fits: list[tuple[set[str], str]] = []
+        for n in range(1, len(remedies) + 1):
+            for combo in itertools.combinations(remedies, n):
+                settings = {s for s, _ in combo}
+                if any(smaller <= settings for smaller, _ in fits):
+                    continue  # a part of it fits already
+                got, got_said, _ = over({k: v for _, c in combo for k, v in c.items()})
+                if got <= WARN_FRACTION:
+                    fits.append((settings, got_said.split(",")[0]))
+        if fits:
+            advice = "it fits with " + " or ".join(f"{' '.join(sorted(s))} ({need})" for s, need in fits[:3])
+        elif on_gpu:
+            advice = (
+                "neither full activation checkpointing, micro-batches of 1 nor CPU offload brings it under: "
+                "more GPUs with FSDP (`plait plan` chooses a layout)"
+            )
+        else:
+            advice = (
+                "neither full activation checkpointing nor micro-batches of 1 brings it under, and more processes "
+                "share the same memory: a smaller model, or GPUs (`plait plan` chooses a layout)"
+            )
+        raise ConfigError(f"this run will not fit: {said}; {advice}; or run.memory_check=false to start anyway")
+    if share > WARN_FRACTION:
+        return f"memory: {said}: close to the limit, an out-of-memory error is likely"
+    return None

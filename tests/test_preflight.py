@@ -1,0 +1,88 @@
+"""A run predicted not to fit is refused before any worker starts (plait.planner.preflight): on this machine
+through the command line, and on a described H100 node, where every remedy the refusal offers is checked to fit."""
+
+import subprocess
+import sys
+
+import pytest
+
+from plait.cli import main
+from plait.config import load_config
+from plait.errors import ConfigError
+from plait.planner.preflight import WARN_FRACTION, Machine, check_memory, predict
+
+H100_NODE = Machine(
+    device_bytes=85_520_809_984, host_bytes=1800 * 2**30, name="NVIDIA H100 80GB HBM3", bf16_native=True
+)
+LLAMA3_8B = ["model.preset=llama3-8b", "data.seq_len=2048", "train.global_batch_size=16", "train.micro_batch_size=2"]
+# llama3-70b at its defaults: over a terabyte of fp32 weights, gradients and AdamW states in one process (no
+# machine this test runs on has that much memory)
+TOO_BIG = ["--model.preset=llama3-70b", "--run.name=too-big"]
+
+
+def test_a_run_that_cannot_fit_is_refused_at_once_and_writes_nothing(tmp_path, capsys):
+    for argv in (["train", *TOO_BIG], ["train", "--nproc", "2", *TOO_BIG, "--parallel.dp_shard_degree=2"]):
+        assert main([*argv, f"--run.out_dir={tmp_path}"]) == 2
+        err = capsys.readouterr().err
+        assert "this run will not fit: predicted" in err and "GiB available" in err, err
+        assert "run.memory_check=false" in err and "more processes share the same memory" in err, err
+        assert len(err.strip().splitlines()) == 1, err
+    assert not any(tmp_path.iterdir()), "a refused run wrote files"
+    assert main(["bench", *TOO_BIG, "--steps=1"]) == 2
+    assert "this run will not fit" in capsys.readouterr().err
+
+
+def test_under_torchrun_each_node_checks_before_building(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert main(["train", *TOO_BIG, f"--run.out_dir={tmp_path}"]) == 2
+    assert "this run will not fit" in capsys.readouterr().err
+
+
+def test_every_remedy_offered_fits_and_the_check_can_be_turned_off():
+    """llama3-8b on one H100: the states alone (16 bytes a parameter) are 120 GiB. The refusal names the
+    settings that bring it under; each, applied, passes the check."""
+    cfg = load_config(None, LLAMA3_8B)
+    with pytest.raises(ConfigError) as refused:
+        check_memory(cfg, 1, 1, H100_NODE)
+    message = str(refused.value)
+    assert "per device, 79.6 GiB on NVIDIA H100 80GB HBM3" in message, message
+    offered = message.split("it fits with ")[1].split("; or run.memory_check")[0].split(" or ")
+    assert offered and all("parallel.cpu_offload=true" in o for o in offered), offered  # nothing else helps enough
+    for remedy in offered:
+        settings = [s for s in remedy.split(" (")[0].split()]
+        assert check_memory(load_config(None, [*LLAMA3_8B, *settings]), 1, 1, H100_NODE) is None, remedy
+    assert check_memory(load_config(None, [*LLAMA3_8B, "run.memory_check=false"]), 1, 1, H100_NODE) is None
+    # with 8 GPUs, FSDP shards the states: it fits as it is
+    assert check_memory(load_config(None, LLAMA3_8B), 8, 8, H100_NODE) is None
+
+
+def test_close_to_the_limit_is_a_warning_and_host_memory_counts_under_offload():
+    cfg = load_config(None, LLAMA3_8B)
+    eight = predict(cfg, 8, 8, bf16=True)["total"]
+    tight = Machine(int(eight / (WARN_FRACTION + 0.05)), H100_NODE.host_bytes, "a tight GPU", True)
+    assert "close to the limit" in check_memory(cfg, 8, 8, tight)
+    roomy = Machine(int(eight / (WARN_FRACTION - 0.05)), H100_NODE.host_bytes, "a roomy GPU", True)
+    assert check_memory(cfg, 8, 8, roomy) is None
+    # CPU offload puts 8 processes' states in host memory: 8 x 15 GiB does not go into 64 GiB
+    offload = load_config(None, [*LLAMA3_8B, "parallel.cpu_offload=true"])
+    small_host = Machine(H100_NODE.device_bytes, 64 * 2**30, H100_NODE.name, True)
+    with pytest.raises(ConfigError, match="GiB of host memory for 8 processes, 64.0 GiB available"):
+        check_memory(offload, 8, 8, small_host)
+
+
+def test_the_default_job_passes_and_lora_is_said_not_to_be_predicted():
+    assert check_memory(load_config(None, []), 1, 1) is None
+    note = check_memory(load_config(None, ["finetune.lora_rank=8", "finetune.init_from=runs/base"]), 1, 1, H100_NODE)
+    assert note.startswith("memory: not predicted for LoRA")
+
+
+def test_the_refusal_comes_before_torch_builds_anything():
+    """Seconds, not the minutes a 70B model's construction takes: the check is arithmetic on the config."""
+    done = subprocess.run(
+        [sys.executable, "-m", "plait.cli", "train", *TOO_BIG, "--run.out_dir=/nonexistent/never-made"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and "this run will not fit" in done.stderr, done.stderr
