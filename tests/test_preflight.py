@@ -86,3 +86,14 @@ def test_the_refusal_comes_before_torch_builds_anything():
         timeout=60,
     )
     assert done.returncode == 2 and "this run will not fit" in done.stderr, done.stderr
+
+
+def test_from_python_plaits_model_is_checked_and_a_model_of_your_own_is_not():
+    import torch
+
+    import plait
+
+    cfg = load_config(None, [a.removeprefix("--") for a in TOO_BIG])
+    with pytest.raises(ConfigError, match="this run will not fit"):
+        plait.Trainer(cfg)
+    plait.Trainer(cfg, model=lambda: torch.nn.Linear(4, 4))  # the planner does not know your model: no verdict

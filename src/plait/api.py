@@ -12,6 +12,8 @@ examples/custom_model.py for a model of your own under FSDP.
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -51,7 +53,24 @@ class Trainer(TrainingLoop):
         self, cfg: Config | str | Path | None = None, *, callbacks: Iterable[Callback] = (), standard: bool = True, **kw
     ):
         cfg = load_config(cfg) if cfg is None or isinstance(cfg, (str, Path)) else validate(cfg)
+        if kw.get("model") is None:  # plait's model, which the planner predicts
+            _check_memory(cfg, kw.get("env"))
         super().__init__(cfg, callbacks=[*(default_callbacks(cfg) if standard else []), *callbacks], **kw)
+
+
+def _check_memory(cfg: Config, env) -> None:
+    """Before anything is built: refused (ConfigError) if the planner predicts the run will not fit this
+    machine, a line on stderr if it nearly does (plait.planner.preflight). Not repeated in the workers of
+    `plait train --nproc`, whose launcher checked once for all of them."""
+    from plait.launch import RESTART_COUNT_ENV
+    from plait.planner.preflight import check_memory
+
+    if RESTART_COUNT_ENV in os.environ:
+        return
+    world = env.world_size if env is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    note = check_memory(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    if note and (env.rank if env is not None else int(os.environ.get("RANK", "0"))) == 0:
+        print(note, file=sys.stderr)
 
 
 def train(cfg: Config, *, callbacks: Iterable[Callback] = (), env=None) -> dict[str, float]:

@@ -53,28 +53,19 @@ def cmd_train(argv: list[str]) -> int:
             args += [f"--{o}" for o in overrides]
         elif a.layout is not None:
             raise ConfigError(f"--layout={a.layout!r}: only 'auto' is accepted (or set the [parallel] options)")
-        _check_memory(_validate_before_launch(args, nproc), nproc, nproc)
+        cfg = _validate_before_launch(args, nproc)
         if nproc > 1 or a.max_restarts:
+            from plait.planner.preflight import check_memory
+
+            note = check_memory(cfg, nproc, nproc)  # once, here; the workers do not repeat it
+            if note:
+                print(note, file=sys.stderr)
             return launch_local(nproc, args, a.max_restarts, train_worker)
     cfg = _load(args)
-    from plait.launch import RESTART_COUNT_ENV
-
-    if "WORLD_SIZE" in os.environ and RESTART_COUNT_ENV not in os.environ:  # under torchrun: checked per node here
-        _check_memory(cfg, int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     from plait.api import train
 
     train(cfg)
     return 0
-
-
-def _check_memory(cfg, world_size: int, local_size: int) -> None:
-    """The planner's memory prediction for this run against this machine: refused (exit 2) where it will not
-    fit, a line where it nearly does (plait.planner.preflight)."""
-    from plait.planner.preflight import check_memory
-
-    note = check_memory(cfg, world_size, local_size)
-    if note and os.environ.get("LOCAL_RANK", "0") == "0":
-        print(note, file=sys.stderr)
 
 
 def cmd_config(argv: list[str]) -> int:

@@ -24,10 +24,12 @@ GiB = 2**30
 WARN_FRACTION = 0.9
 """Predicted above this fraction of the limit: warned about (the model is within 5% of the measured
 activations; fragmentation beyond its allowance, and other processes, take the rest)."""
-CPU_PROCESS_GIB = 0.75
-"""A CPU worker before its model: the interpreter, torch, plait, the tokenizer and the data loader (measured:
-peak resident set 0.62 GiB for `plait train --model.preset=debug`, 2-core x86-64, torch 2.13). Stands in for
-the planner's device reserve (CUDA context, NCCL, cuBLAS workspaces), which a CPU process does not have."""
+CPU_PROCESS_GIB = 0.5
+"""A CPU worker's own memory before its model: the interpreter, torch, plait, the tokenizer, the data loader
+and collective buffers. Measured (2-core x86-64, torch 2.13): the memory available fell 0.92 GiB for 4
+processes that had imported plait's training modules (0.23 GiB each; the shared libraries count once), and
+`plait train --model.preset=debug` peaks at 0.62 GiB resident (those libraries included). Stands in for the
+planner's GPU reserve (CUDA context, NCCL, cuBLAS workspaces), which a CPU process does not have."""
 
 
 def layout_of(cfg: Config, world_size: int):
