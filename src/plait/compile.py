@@ -103,9 +103,7 @@ def apply_float8(model: nn.Module, choice: str = "true", all_gather: bool = Fals
 
 
 # torchao releases follow torch's: 0.17 is the one built against torch 2.11, 0.18 against 2.12 and later.
-TORCHAO_INSTALL = (
-    "pip install 'torchao==0.17.*'" if torch.__version__ < "2.12" else "pip install 'torchao>=0.18'"
-)
+TORCHAO_INSTALL = "pip install 'torchao==0.17.*'" if torch.__version__ < "2.12" else "pip install 'torchao>=0.18'"
 
 
 def _float8_problems(device: torch.device) -> list[str]:
