@@ -195,6 +195,8 @@ def summary(step: Step, out: Path) -> str:
         )
     if "tokens_per_s" in r:
         text = f"{r['tokens_per_s']:,.0f} tok/s, MFU {100 * r['mfu']:.1f}%, peak {r['memory']['mem_peak_gib']:.1f} GiB"
+        if "planner" in r["memory"]:
+            text += f" (planner {r['memory']['planner']['allocated_gib']:.1f})"
         text += f", first step {r['first_step']['from_process_start_s']:.1f} s"
         if "warm_over_cold" in r:
             text += f", warm/cold {r['warm_over_cold']:.2f}"

@@ -46,6 +46,8 @@ def test_bench_reports_throughput_mfu_breakdown_and_memory(data_dir, tmp_path, c
     b = r["breakdown_s"]
     assert b["communication_exposed"] == 0.0 and b["compute"] > 0 and b["optimizer"] > 0 and b["data"] >= 0
     assert r["memory"]["mem_peak_gib"] > 0
+    plan = r["memory"]["planner"]  # the planner's prediction beside the measured peak
+    assert 0 < plan["allocated_gib"] < plan["total_gib"]
     assert r["first_step"]["from_process_start_s"] >= r["first_step"]["from_build_s"] > 0
     assert r["compile"] is None and "warm_start" not in r
     assert r["precision"] == "fp32"

@@ -317,6 +317,13 @@ def print_report(r: dict) -> None:
         table.add_row(label, f"{b[name] * 1e3:,.1f} ms", f"{share:.1f}% of the synchronised step")
     mem = r["memory"]
     table.add_row("peak memory", f"{mem['mem_peak_gib']:.2f} GiB", r["memory_note"])
+    if "planner" in mem:
+        plan = mem["planner"]
+        table.add_row(
+            "  planner",
+            f"{plan['allocated_gib']:.2f} GiB",
+            f"predicted allocation (the CUDA peak's measure); {plan['total_gib']:.2f} GiB with slack and reserve",
+        )
     table.add_row("head", "fused" if r["fused_head"] else "plain", "output projection + loss (train.fused_head)")
     fs = r["first_step"]
     table.add_row("first step", f"{fs['from_build_s']:.1f} s", f"{fs['from_process_start_s']:.1f} s from process start")
@@ -368,7 +375,7 @@ def cmd_bench(argv: list[str]) -> int:
     cfg = load_config(path, overrides)
     if cfg.parallel.pp_degree * cfg.parallel.tp_degree * cfg.parallel.dp_replicate_degree > 1:
         raise ConfigError("plait bench runs one process: leave the [parallel] degrees at 1")
-    from plait.planner.preflight import check_memory
+    from plait.planner.preflight import check_memory, planned_gib
 
     note = check_memory(cfg, 1, 1)
     if note and not quiet:
@@ -379,6 +386,7 @@ def cmd_bench(argv: list[str]) -> int:
         cfg.compile.cache_dir = tmp.name
     try:
         results = run_bench(cfg, steps, warmup)
+        results["memory"]["planner"] = planned_gib(cfg)
         release_device()  # the warm run is another process: it must find the device as empty as this one did
         if cfg.compile.enabled and not no_warm:
             cfg_args = config_argv(path, [o for o in overrides if not o.startswith("compile.cache_dir")])

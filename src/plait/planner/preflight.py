@@ -77,6 +77,17 @@ def predict(cfg: Config, world_size: int, local_size: int, bf16: bool, changes: 
     return {k.removeprefix("mem_"): float(v[0]) for k, v in out.items() if k.startswith("mem_")}
 
 
+def planned_gib(cfg: Config, world_size: int = 1) -> dict[str, float]:
+    """The planner's memory for this run on this machine's device, in GiB: 'allocated' (states, buffers,
+    activations, transients: what the CUDA allocator's peak counts) and 'total' (with the allocator's slack
+    and the device reserve). `plait bench` prints it beside the measured peak."""
+    from plait.hardware import resolve_device, uses_bf16
+
+    m = predict(cfg, world_size, world_size, uses_bf16(cfg.train.mixed_precision, resolve_device(cfg.run.device)))
+    allocated = sum(m[k] for k in ("states", "buffers", "activations", "transient"))
+    return {"allocated_gib": allocated / GiB, "total_gib": m["total"] / GiB}
+
+
 # the settings tried, alone and together, when a run does not fit: (what to write, the layout's change)
 REMEDIES = [
     ("parallel.activation_checkpoint=full", {"ac": AC_MODES.index("full")}),
