@@ -61,14 +61,16 @@ def layout_of(cfg: Config, world_size: int):
     )
 
 
-def predict(cfg: Config, world_size: int, local_size: int, bf16: bool, changes: dict | None = None) -> dict:
-    """Predicted bytes per device (worst rank) with its parts, and host bytes per process (CPU offload)."""
+def predict(
+    cfg: Config, world_size: int, local_size: int, bf16: bool, changes: dict | None = None, layout=None
+) -> dict:
+    """Predicted bytes per device (worst rank) with its parts, and host bytes per process (CPU offload), for
+    this config's layout (or `layout`, its Layouts already made) with `changes` to its columns."""
     from plait.planner.cluster import get_cluster
     from plait.planner.cost import Workload, evaluate
 
-    lay = layout_of(cfg, world_size)
-    for key, value in (changes or {}).items():
-        setattr(lay, key, np.asarray([value]))
+    lay = layout if layout is not None else layout_of(cfg, world_size)
+    lay = dataclasses.replace(lay, **{k: np.asarray([v]) for k, v in (changes or {}).items()})
     work = Workload(
         cfg.model, cfg.data.seq_len, cfg.train.global_batch_size, "bf16" if bf16 else "fp32", cfg.train.fused_head
     )
@@ -84,9 +86,12 @@ def planned_gib(cfg: Config, world_size: int = 1) -> dict[str, float]:
     from plait.hardware import resolve_device, uses_bf16
 
     m = predict(cfg, world_size, world_size, uses_bf16(cfg.train.mixed_precision, resolve_device(cfg.run.device)))
-    allocated = sum(m[k] for k in ("states", "buffers", "activations", "transient"))
+    allocated = sum(m[k] for k in PARTS)
     return {"allocated_gib": allocated / GiB, "total_gib": m["total"] / GiB}
 
+
+PARTS = ("states", "buffers", "activations", "transient")
+"""The prediction's parts the allocator hands out (the rest: its slack and the device reserve)."""
 
 # the settings tried, alone and together, when a run does not fit: (what to write, the layout's change)
 REMEDIES = [
@@ -133,25 +138,28 @@ def check_memory(cfg: Config, world_size: int, local_size: int, machine: Machine
     bf16 = bf16_for(cfg.train.mixed_precision, machine.bf16_native)
     procs = f"{local_size} process{'es' if local_size > 1 else ''}"
 
-    def over(changes=None) -> tuple[float, str, dict]:
-        """The largest share of a limit the run needs, what it needs against which limit, and the prediction."""
-        m = predict(cfg, world_size, local_size, bf16, changes)
+    layout = layout_of(cfg, world_size)
+
+    def over(changes=None) -> tuple[float, str, str, dict]:
+        """The largest share of a limit the run needs, what it needs, of what, and the prediction."""
+        m = predict(cfg, world_size, local_size, bf16, changes, layout)
         if not on_gpu:  # device and host are one memory, shared by the local processes
             need = local_size * (m["total"] - RESERVED_GIB * GiB + CPU_PROCESS_GIB * GiB + m["host"])
-            return need / host, f"{need / GiB:.1f} GiB for {procs}, {host / GiB:.1f} GiB available", m
-        said = f"{m['total'] / GiB:.1f} GiB per device, {machine.device_bytes / GiB:.1f} GiB on {machine.name}"
+            return need / host, f"{need / GiB:.1f} GiB for {procs}", f"{host / GiB:.1f} GiB available", m
+        needs = f"{m['total'] / GiB:.1f} GiB per device"
+        limits = f"{machine.device_bytes / GiB:.1f} GiB on {machine.name}"
         share = m["total"] / machine.device_bytes
         if host is not None and m["host"] > 0:  # CPU offload: the states of every local process in host memory
             need = local_size * m["host"]
-            said += f"; {need / GiB:.1f} GiB of host memory for {procs}, {host / GiB:.1f} GiB available"
+            limits += f"; {need / GiB:.1f} GiB of host memory for {procs}, {host / GiB:.1f} GiB available"
             share = max(share, need / host)
-        return share, said, m
+        return share, needs, limits, m
 
-    share, said, m = over()
-    detail = ", ".join(f"{k} {m[k] / GiB:.1f}" for k in ("states", "buffers", "activations", "transient"))
-    said = f"predicted {said} (per process: {detail} GiB)"
+    share, needs, limits, m = over()
+    detail = ", ".join(f"{k} {m[k] / GiB:.1f}" for k in PARTS)
+    said = f"predicted {needs}, {limits} (per process: {detail} GiB)"
     if share > 1:
-        current = {k: v[0].item() for k, v in vars(layout_of(cfg, world_size)).items()}
+        current = {k: v[0].item() for k, v in vars(layout).items()}
         remedies = [(s, c) for s, c in REMEDIES if any(current[k] != v for k, v in c.items())]
         fits: list[tuple[set[str], str]] = []
         for n in range(1, len(remedies) + 1):
@@ -159,9 +167,9 @@ def check_memory(cfg: Config, world_size: int, local_size: int, machine: Machine
                 settings = {s for s, _ in combo}
                 if any(smaller <= settings for smaller, _ in fits):
                     continue  # a part of it fits already
-                got, got_said, _ = over({k: v for _, c in combo for k, v in c.items()})
+                got, got_needs, _, _ = over({k: v for _, c in combo for k, v in c.items()})
                 if got <= WARN_FRACTION:
-                    fits.append((settings, got_said.split(",")[0]))
+                    fits.append((settings, got_needs))
         if fits:
             advice = "it fits with " + " or ".join(f"{' '.join(sorted(s))} ({need})" for s, need in fits[:3])
         elif on_gpu:
