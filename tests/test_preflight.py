@@ -97,3 +97,32 @@ def test_from_python_plaits_model_is_checked_and_a_model_of_your_own_is_not():
     with pytest.raises(ConfigError, match="this run will not fit"):
         plait.Trainer(cfg)
     plait.Trainer(cfg, model=lambda: torch.nn.Linear(4, 4))  # the planner does not know your model: no verdict
+
+
+def test_remedies_reduce_each_micro_batch_where_accumulated_gradients_are_what_overflows():
+    """llama3-70b at seq 8,192 on two H100 nodes (FSDP 16): no activation checkpointing needs 880 GiB of
+    activations, and micro-batches of 1 alone would hold the whole model's fp32 gradients unsharded between
+    them (266 GiB). Only all four settings together fit; each offered remedy is a valid layout that passes."""
+    seventy = ["model.preset=llama3-70b", "train.global_batch_size=64", "data.seq_len=8192"]
+    with pytest.raises(ConfigError) as refused:
+        check_memory(load_config(None, seventy), 16, 8, H100_NODE)
+    offered = str(refused.value).split("it fits with ")[1].split("; or run.memory_check")[0].split(" or ")
+    assert any("parallel.fsdp_reduce_every_micro_batch=true" in o for o in offered), offered
+    for remedy in offered:
+        assert check_memory(load_config(None, [*seventy, *remedy.split(" (")[0].split()]), 16, 8, H100_NODE) is None
+
+
+def test_a_slurm_script_is_checked_against_the_gpu_it_names(tmp_path, capsys):
+    job = tmp_path / "job.sbatch"
+    slurm = ["launch", "slurm", "--nodes", "1", "--gpus-per-node", "8", "--out", str(job)]
+    assert main([*slurm, "--gpu", "h100", "--model.preset=llama3-70b"]) == 2
+    err = capsys.readouterr().err
+    assert "this run will not fit: predicted" in err and "79.6 GiB on H100" in err, err
+    assert not job.exists(), "a refused job's script was written"
+    assert main([*slurm, "--gpu", "b200"]) == 2
+    assert "--gpu='b200' is not a known GPU; choose one of a100, h100, h200" in capsys.readouterr().err
+    assert main([*slurm, "--gpu", "h100", "--model.preset=llama3-8b", "--train.global_batch_size=16"]) == 0
+    assert "memory: checked, the run fits on H100" in capsys.readouterr().err and job.exists()
+    job.unlink()
+    assert main(slurm) == 0  # the GPU unknown: said, and left to the workers
+    assert "memory: not checked before submitting" in capsys.readouterr().err

@@ -20,7 +20,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 CAP = ["--train.steps=2", "--eval.every_steps=2", "--eval.num_batches=1", "--sample.max_new_tokens=8"]
 
-SLURM = "plait launch slurm --nodes 4 --gpus-per-node 8 configs/seed_3d.toml --out job.sbatch"
+SLURM = "plait launch slurm --nodes 4 --gpus-per-node 8 --gpu h100 configs/seed_3d.toml --out job.sbatch"
 # README line -> (arguments appended, words its output must contain)
 RUN = {
     "plait train --help": ([], ["--train.steps"]),

@@ -19,6 +19,7 @@ from pathlib import Path
 from plait.argparsing import PlaitParser
 from plait.errors import ConfigError, PlaitError
 
+GiB = 2**30
 STOP_GRACE_S = 110  # seconds a stopping worker has for its last step and checkpoint; Slurm signals at 120
 
 
@@ -188,10 +189,17 @@ def cmd_launch(argv: list[str]) -> int:
     p.add_argument("--max-restarts", type=int, default=3)
     p.add_argument("--name", default="plait")
     p.add_argument("--out", help="Write the script here instead of printing it.")
+    p.add_argument(
+        "--gpu",
+        metavar="MODEL",
+        help="the nodes' GPU (a `plait plan` cluster preset: a100, h100, h200, trn1): the run's memory is checked "
+        "against it now, before the job waits in the queue",
+    )
     a, train_args = p.parse_known_args(argv[1:]) if argv[:1] == ["slurm"] else parser.parse_known_args(argv)
     if a.nodes < 1 or a.gpus_per_node < 1:
         raise ConfigError("--nodes and --gpus-per-node must be at least 1")
-    _validate_before_launch(train_args, a.nodes * a.gpus_per_node)
+    cfg = _validate_before_launch(train_args, a.nodes * a.gpus_per_node)
+    print(_check_memory_on(a.gpu, cfg, a.nodes, a.gpus_per_node), file=sys.stderr)
     script = SBATCH.format(
         name=a.name,
         nodes=a.nodes,
@@ -211,6 +219,26 @@ def cmd_launch(argv: list[str]) -> int:
     else:
         print(script, end="")
     return 0
+
+
+def _check_memory_on(gpu: str | None, cfg, nodes: int, gpus_per_node: int) -> str:
+    """Refuse (ConfigError) a Slurm run predicted not to fit the nodes' GPU; else the line to print."""
+    from plait.planner.cluster import PRESETS
+    from plait.planner.preflight import Machine, check_memory
+
+    if not cfg.run.memory_check:
+        return "memory: not checked (run.memory_check=false)"
+    if gpu is None:
+        return (
+            "memory: not checked before submitting (the GPU is unknown here; --gpu h100 checks it now); "
+            "each worker checks it when the job starts"
+        )
+    if gpu not in PRESETS:
+        raise ConfigError(f"--gpu={gpu!r} is not a known GPU; choose one of {', '.join(PRESETS)}")
+    spec = PRESETS[gpu]
+    machine = Machine(int(spec.memory_gib * GiB), int(spec.host_memory_gib * GiB), gpu.upper(), bf16_native=True)
+    note = check_memory(cfg, nodes * gpus_per_node, gpus_per_node, machine)
+    return note or f"memory: checked, the run fits on {gpu.upper()} ({spec.memory_gib:g} GiB per GPU)"
 
 
 def _validate_before_launch(train_args: list[str], world_size: int):

@@ -14,11 +14,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-import numpy as np
-
 from plait.config import Config
 from plait.errors import ConfigError
-from plait.planner.cost import AC_MODES
 
 GiB = 2**30
 WARN_FRACTION = 0.9
@@ -61,16 +58,13 @@ def layout_of(cfg: Config, world_size: int):
     )
 
 
-def predict(
-    cfg: Config, world_size: int, local_size: int, bf16: bool, changes: dict | None = None, layout=None
-) -> dict:
+def predict(cfg: Config, world_size: int, local_size: int, bf16: bool, layout=None) -> dict:
     """Predicted bytes per device (worst rank) with its parts, and host bytes per process (CPU offload), for
-    this config's layout (or `layout`, its Layouts already made) with `changes` to its columns."""
+    this config's layout (or `layout`, its Layouts already made)."""
     from plait.planner.cluster import get_cluster
     from plait.planner.cost import Workload, evaluate
 
     lay = layout if layout is not None else layout_of(cfg, world_size)
-    lay = dataclasses.replace(lay, **{k: np.asarray([v]) for k, v in (changes or {}).items()})
     work = Workload(
         cfg.model, cfg.data.seq_len, cfg.train.global_batch_size, "bf16" if bf16 else "fp32", cfg.train.fused_head
     )
@@ -93,12 +87,20 @@ def planned_gib(cfg: Config, world_size: int = 1) -> dict[str, float]:
 PARTS = ("states", "buffers", "activations", "transient")
 """The prediction's parts the allocator hands out (the rest: its slack and the device reserve)."""
 
-# the settings tried, alone and together, when a run does not fit: (what to write, the layout's change)
+# the settings tried, alone and together, when a run does not fit (each combination only where its layout is valid)
 REMEDIES = [
-    ("parallel.activation_checkpoint=full", {"ac": AC_MODES.index("full")}),
-    ("train.micro_batch_size=1", {"micro_batch": 1}),
-    ("parallel.cpu_offload=true", {"offload": True}),
+    ("parallel", "activation_checkpoint", "full"),
+    ("train", "micro_batch_size", 1),
+    ("parallel", "fsdp_reduce_every_micro_batch", True),  # no unsharded fp32 gradients held between micro-batches
+    ("parallel", "cpu_offload", True),
 ]
+
+
+def _with(cfg: Config, settings) -> Config:
+    """cfg with the (section, key, value) settings applied."""
+    for section, key, value in settings:
+        cfg = dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **{key: value})})
+    return cfg
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,11 +140,9 @@ def check_memory(cfg: Config, world_size: int, local_size: int, machine: Machine
     bf16 = bf16_for(cfg.train.mixed_precision, machine.bf16_native)
     procs = f"{local_size} process{'es' if local_size > 1 else ''}"
 
-    layout = layout_of(cfg, world_size)
-
-    def over(changes=None) -> tuple[float, str, str, dict]:
+    def over(cfg: Config, layout) -> tuple[float, str, str, dict]:
         """The largest share of a limit the run needs, what it needs, of what, and the prediction."""
-        m = predict(cfg, world_size, local_size, bf16, changes, layout)
+        m = predict(cfg, world_size, local_size, bf16, layout)
         if not on_gpu:  # device and host are one memory, shared by the local processes
             need = local_size * (m["total"] - RESERVED_GIB * GiB + CPU_PROCESS_GIB * GiB + m["host"])
             return need / host, f"{need / GiB:.1f} GiB for {procs}", f"{host / GiB:.1f} GiB available", m
@@ -155,31 +155,37 @@ def check_memory(cfg: Config, world_size: int, local_size: int, machine: Machine
             share = max(share, need / host)
         return share, needs, limits, m
 
-    share, needs, limits, m = over()
+    share, needs, limits, m = over(cfg, layout_of(cfg, world_size))
     detail = ", ".join(f"{k} {m[k] / GiB:.1f}" for k in PARTS)
     said = f"predicted {needs}, {limits} (per process: {detail} GiB)"
     if share > 1:
-        current = {k: v[0].item() for k, v in vars(layout).items()}
-        remedies = [(s, c) for s, c in REMEDIES if any(current[k] != v for k, v in c.items())]
+        remedies = [r for r in REMEDIES if getattr(getattr(cfg, r[0]), r[1]) != r[2]]
         fits: list[tuple[set[str], str]] = []
         for n in range(1, len(remedies) + 1):
             for combo in itertools.combinations(remedies, n):
-                settings = {s for s, _ in combo}
+                settings = {f"{section}.{key}={str(value).lower()}" for section, key, value in combo}
                 if any(smaller <= settings for smaller, _ in fits):
                     continue  # a part of it fits already
-                got, got_needs, _, _ = over({k: v for _, c in combo for k, v in c.items()})
+                changed = _with(cfg, combo)
+                try:
+                    layout = layout_of(changed, world_size)
+                except ConfigError:
+                    continue  # not a valid layout here (reducing every micro-batch without FSDP, say)
+                got, got_needs, _, _ = over(changed, layout)
                 if got <= WARN_FRACTION:
                     fits.append((settings, got_needs))
         if fits:
             advice = "it fits with " + " or ".join(f"{' '.join(sorted(s))} ({need})" for s, need in fits[:3])
         elif on_gpu:
             advice = (
-                "neither full activation checkpointing, micro-batches of 1 nor CPU offload brings it under: "
+                "neither full activation checkpointing, micro-batches of 1 (reduced after each) nor CPU offload, "
+                "alone or together, brings it under: "
                 "more GPUs with FSDP (`plait plan` chooses a layout)"
             )
         else:
             advice = (
-                "neither full activation checkpointing nor micro-batches of 1 brings it under, and more processes "
+                "neither full activation checkpointing nor micro-batches of 1, alone or together, brings it under, "
+                "and more processes "
                 "share the same memory: a smaller model, or GPUs (`plait plan` chooses a layout)"
             )
         raise ConfigError(f"this run will not fit: {said}; {advice}; or run.memory_check=false to start anyway")
