@@ -194,3 +194,95 @@ def test_the_checks_catch_a_cycle_and_an_upward_arrow():
     assert _layer("plait.cli") > _layer("plait.lifecycle.tracking") > _layer("plait.train")
     with pytest.raises(AssertionError, match="in no layer"):
         _layer("elsewhere.module")
+
+
+# ------------------------------------------------------------------- torch's private APIs: in one module
+
+PRIVATE_HOME = "torch_private.py"
+
+
+def _private_torch_uses(source: str) -> list[str]:
+    """Where this source reaches into torch's private API: an import of a `_module` or a `_name` from torch,
+    an attribute `_x` on a chain that starts at torch (or a name bound to a torch module), a `getattr` of a
+    `_x` name, or a call with a `_keyword` (torch's experimental arguments)."""
+    tree, found, bound = ast.parse(source), [], {"torch"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "torch":
+                    bound.add(alias.asname or "torch")
+                    if any(part.startswith("_") for part in alias.name.split(".")):
+                        found.append(f"line {node.lineno}: import {alias.name}")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+            if any(part.startswith("_") for part in node.module.split(".")):
+                found.append(f"line {node.lineno}: from {node.module} import ...")
+            for alias in node.names:
+                bound.add(alias.asname or alias.name)
+                if alias.name.startswith("_"):
+                    found.append(f"line {node.lineno}: from {node.module} import {alias.name}")
+    private = lambda name: name.startswith("_") and not name.endswith("__")  # noqa: E731
+
+    def root(node) -> str | None:
+        while isinstance(node, (ast.Attribute, ast.Call)):
+            node = node.value if isinstance(node, ast.Attribute) else node.func
+        return node.id if isinstance(node, ast.Name) else None
+
+    torch_classes: set[str] = set()  # classes of this source built on torch's (their calls take torch's keywords)
+    while len(torch_classes) < len(
+        torch_classes := torch_classes
+        | {
+            c.name
+            for c in ast.walk(tree)
+            if isinstance(c, ast.ClassDef) and {root(b) for b in c.bases} & (bound | torch_classes)
+        }
+    ):
+        pass
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and private(node.attr) and root(node) in bound:
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Call):
+            name = getattr(node.func, "id", None)
+            if (
+                name in ("getattr", "hasattr", "setattr")
+                and len(node.args) > 1
+                and root(node.args[0]) not in ("self", "cls")
+            ):
+                key = node.args[1]
+                if isinstance(key, ast.Constant) and isinstance(key.value, str) and private(key.value):
+                    found.append(f"line {node.lineno}: {name}(..., {key.value!r})")
+            if root(node.func) in bound | torch_classes:
+                found += [f"line {node.lineno}: {k.arg}=" for k in node.keywords if k.arg and private(k.arg)]
+    return found
+
+
+def test_torch_private_apis_are_reached_only_through_one_module():
+    """A torch upgrade that moves a private API breaks plait.torch_private (and its test), not its callers."""
+    uses = {
+        str(path.relative_to(ROOT)): where
+        for path in sorted(ROOT.rglob("*.py"))
+        if path.name != PRIVATE_HOME and (where := _private_torch_uses(path.read_text()))
+    }
+    assert not uses, f"torch's private API outside plait/{PRIVATE_HOME}: {uses}"
+
+
+def test_the_private_api_check_finds_each_kind_of_use():
+    planted = """
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint._extension import ExtensionRegistry
+from torch.distributed.checkpoint.filesystem import _StorageReaderTransforms
+from torch.utils.checkpoint import checkpoint
+torch.ops.aten._grouped_mm(x)
+dist._functional_collectives
+getattr(t, "_local_tensor", t)
+from torch.distributed.checkpoint import FileSystemWriter
+class Writer(FileSystemWriter): pass
+class Retrying(Writer): pass
+Retrying(path, _extensions=[])
+torch.nn.functional.silu(x)
+x.__class__
+"""
+    uses = _private_torch_uses(planted)
+    assert len(uses) == 6, uses
+    own = "import torch\nself._cache = torch.zeros(1)\nhasattr(self, '_thread')\nLoaded(_hash=1)\nx.shape\n"
+    assert _private_torch_uses(own) == []

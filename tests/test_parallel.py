@@ -4,7 +4,11 @@ Tolerances (relative, fp32), both 1e-5: a layout computes the same sums as one p
 (data parallelism averages per-rank means, tensor parallelism splits matmul reductions, FSDP reduce-scatters
 gradients), so results move by fp32 rounding only. The oracle is run at lr 1e-3: at 3e-3 this tiny model has
 loss spikes where the gradient norm is so sensitive that plain gradient accumulation in one process (a pure
-reordering) already moves it by 1.5e-4; at 1e-3 that reordering moves loss and norm by <= 3e-7.
+reordering) already moves it by 1.5e-4. And with run.seed=1 (SEED): under seed 0 the tenth batch makes the
+gradient norm hang on the order of fp32 sums. Measured on an Intel Xeon, one process with one intra-op thread
+against two (the same weights: steps 1-9 bitwise equal) differs there by 3.3e-5, every multi-process layout by
+1.6e-5 to 2.9e-5, which fails 1e-5 on that CPU and passed on AMD EPYC by chance. Under seed 1 one and two
+threads agree bitwise at every step and the worst layout is 2.2e-7 off (the same Xeon): 45x inside 1e-5.
 """
 
 from pathlib import Path
@@ -22,12 +26,8 @@ LOSS_RTOL = 1e-5
 GRAD_NORM_RTOL = 1e-5
 STEPS = 10
 
-TWO_REORDERINGS_GRAD_NORM_RTOL = 5e-5
-"""TP 2 x CP 2's gradient norm at step 10 (measured 3.5e-5 off; its loss stays within LOSS_RTOL). It reorders
-two sums at once (TP splits the matmuls, CP the sequences); step 10 is where this model's gradient norm
-jumps (1.75 -> 2.10) and amplifies nine steps of fp32 rounding x100. The step itself is exact: from the same
-step-9 state TP x CP's step-10 gradient norm equals one process's to 1e-7 (test_context_parallel:
-test_a_step_from_the_same_state_is_exact), as TP alone and CP alone are within GRAD_NORM_RTOL."""
+SEED = 1
+"""The oracle's seed (weights and data order): see the module's docstring."""
 
 
 def base(data_dir: Path) -> list[str]:
@@ -40,6 +40,7 @@ def base(data_dir: Path) -> list[str]:
         f"train.steps={STEPS}",
         "optim.warmup_steps=2",
         "optim.lr=1e-3",
+        f"run.seed={SEED}",
         "eval.every_steps=5",
         "eval.num_batches=2",
         "log.every_steps=1",
@@ -60,12 +61,12 @@ def reference(data_dir, tmp_path_factory):
     return read_metrics(out / "ref")
 
 
-def check(name: str, got: dict, ref: dict, grad_norm_rtol: float = GRAD_NORM_RTOL) -> None:
+def check(name: str, got: dict, ref: dict) -> None:
     assert "error" not in got, got.get("error")
     assert sorted(got["loss"]) == list(range(1, STEPS + 1)), name
     for step in ref["loss"]:
         assert got["loss"][step] == pytest.approx(ref["loss"][step], rel=LOSS_RTOL), f"{name} loss @ {step}"
-        assert got["grad_norm"][step] == pytest.approx(ref["grad_norm"][step], rel=grad_norm_rtol), (
+        assert got["grad_norm"][step] == pytest.approx(ref["grad_norm"][step], rel=GRAD_NORM_RTOL), (
             f"{name} grad norm @ {step}"
         )
     for step in ref["val_loss"]:
@@ -160,8 +161,7 @@ def test_layouts_match_single_process(world, data_dir, reference):
     jobs = {name: [*base(data_dir), *extra] for name, extra in LAYOUTS[world].items()}
     results = run_layouts(world, list(jobs.values()))
     for name, got in zip(jobs, results, strict=True):
-        rtol = TWO_REORDERINGS_GRAD_NORM_RTOL if name.startswith("TP 2 x CP 2") else GRAD_NORM_RTOL
-        check(f"{name} (world {world})", got, reference, rtol)
+        check(f"{name} (world {world})", got, reference)
 
 
 WINDOW_AND_BIAS = ["model.sliding_window=8", "model.qkv_bias=true"]  # a window of 8 over data.seq_len=32

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from plait import torch_private
 from plait.callbacks import Callback
 from plait.config import Config
 from plait.errors import ConfigError, PlaitError
@@ -185,35 +186,23 @@ _KNOWN_ISAS: dict[str, bool] = {}
 def _vec_isa_key() -> dict:
     import platform
 
-    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
-
     return {
         "torch": torch.__version__,
         "machine": platform.machine(),
         "cxx": os.environ.get("CXX", ""),
-        "isas": [type(isa).__name__ for isa in valid_vec_isa_list()],
+        "isas": [type(isa).__name__ for isa in torch_private.cpu_vec_isas()],
     }
 
 
 def _reuse_vec_isa_verdict(path: Path) -> None:
     import json
 
-    from torch._inductor import cpu_vec_isa
-
-    probe = getattr(cpu_vec_isa.VecISA, "_probe_load", None)
-    if probe is None:
-        return
     with contextlib.suppress(OSError, ValueError):
         saved = json.loads(path.read_text())
         if saved.get("key") == _vec_isa_key():
             _KNOWN_ISAS.update({k: v for k, v in saved.get("passed", {}).items() if v is True})
-    if _KNOWN_ISAS and not getattr(probe, "_plait", False):
-
-        def known_or_probe(self, output_path: str, _probe=probe) -> bool:
-            return _KNOWN_ISAS.get(type(self).__name__, False) or _probe(self, output_path)
-
-        known_or_probe._plait = True
-        cpu_vec_isa.VecISA._probe_load = known_or_probe
+    if _KNOWN_ISAS:
+        torch_private.answer_vec_isa_probes(_KNOWN_ISAS)
 
 
 def remember_vec_isa_verdict(directory: Path) -> None:
@@ -221,13 +210,11 @@ def remember_vec_isa_verdict(directory: Path) -> None:
     process), for the next process on this cache."""
     import json
 
-    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
-
     path = directory / VEC_ISA_FILE
     if path.exists():
         return
     with contextlib.suppress(OSError):
-        passed = {type(isa).__name__: bool(isa) for isa in valid_vec_isa_list()}
+        passed = {type(isa).__name__: bool(isa) for isa in torch_private.cpu_vec_isas()}
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"key": _vec_isa_key(), "passed": passed}))
         tmp.replace(path)
@@ -301,24 +288,6 @@ def _keys(info) -> set[str]:
 # ------------------------------------------------------------------------------------ recompile guard
 
 
-def _cache_counters() -> dict[str, int]:
-    from torch._dynamo.utils import counters
-
-    return {
-        "fxgraph_cache_hit": counters["inductor"]["fxgraph_cache_hit"],
-        "fxgraph_cache_miss": counters["inductor"]["fxgraph_cache_miss"],
-        "aotautograd_cache_hit": counters["aot_autograd"]["autograd_cache_hit"],
-        "aotautograd_cache_miss": counters["aot_autograd"]["autograd_cache_miss"],
-    }
-
-
-def _compilations() -> list:
-    """Dynamo's record of recent compilations (frames and lazily compiled backward graphs), oldest first."""
-    from torch._dynamo.utils import get_compilation_metrics
-
-    return get_compilation_metrics()
-
-
 def _key(m) -> tuple:
     return (m.compile_id, m.start_time_us, m.co_name)
 
@@ -368,14 +337,14 @@ class CompileMonitor:
         point_caches_at(work)
         mega_cache = MegaCache(work / MEGA_CACHE_FILE)
         monitor = cls(enabled=True, strict=cfg.compile.strict, is_writer=is_main, mega_cache=mega_cache, store=store)
-        monitor._seen = {_key(m) for m in _compilations()}
-        monitor._counters0 = _cache_counters()
+        monitor._seen = {_key(m) for m in torch_private.compilation_metrics()}
+        monitor._counters0 = torch_private.compile_cache_counters()
         monitor._start = time.perf_counter()
         monitor.loaded_artifacts = mega_cache.load()
         return monitor
 
     def _new(self) -> list:
-        new = [m for m in _compilations() if _key(m) not in self._seen]
+        new = [m for m in torch_private.compilation_metrics() if _key(m) not in self._seen]
         self._seen.update(_key(m) for m in new)
         self.compile_time_s += sum((m.duration_us or 0) for m in new) / 1e6
         return new
@@ -431,7 +400,7 @@ class CompileMonitor:
                 self.store.publish(self.mega_cache.path.parent)
 
     def cache_hits(self) -> dict[str, int]:
-        now = _cache_counters()
+        now = torch_private.compile_cache_counters()
         return {k: now[k] - self._counters0.get(k, 0) for k in now}
 
     def metrics(self) -> dict[str, float]:

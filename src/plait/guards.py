@@ -26,7 +26,6 @@ import contextlib
 import faulthandler
 import math
 import os
-import pickle
 import signal
 import socket
 import statistics
@@ -39,6 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from plait import torch_private
 from plait.callbacks import Callback
 from plait.checkpoint import TrainState, list_checkpoints, step_of
 from plait.errors import PlaitError
@@ -169,7 +169,7 @@ def last_collective(thread_id: int) -> str | None:
     recorded. (Other threads, such as an asynchronous checkpoint's, run collectives of their own; if no
     entry carries the thread's id, the newest of any thread is given, and marked so.)"""
     try:
-        entries = pickle.loads(torch._C._distributed_c10d._dump_fr_trace(True, False, False)).get("entries") or []
+        entries = torch_private.flight_recorder_entries()
     except Exception:  # an older torch, or no recorder: the stack still tells
         return None
     mine = [e for e in entries if str(e.get("thread_id")) == str(thread_id)]

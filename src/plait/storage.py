@@ -32,10 +32,9 @@ from typing import IO, Any, TypeVar
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
-from torch.distributed.checkpoint.filesystem import _StorageReaderTransforms
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
+from plait import torch_private
 from plait.errors import PlaitError
 
 META_FILE = "plait.json"
@@ -245,7 +244,7 @@ def retry(fn: Callable[[], T], what: str, attempts: int = WRITE_ATTEMPTS) -> T:
 # ------------------------------------------------------------------------------- record checksums (CRC32)
 
 
-class RecordChecksum(StreamTransformExtension):
+class RecordChecksum(torch_private.dcp_stream_extension()):
     """A DCP stream extension that appends (payload length, CRC32, magic) to every record on save and checks
     them on load. DCP stores the descriptor in its metadata, so records written without it load as before."""
 
@@ -310,12 +309,6 @@ class _ChecksumWriter(io.RawIOBase):
         super().close()
 
 
-def _registry() -> ExtensionRegistry:
-    registry = ExtensionRegistry()
-    registry.register(RecordChecksum)
-    return registry
-
-
 # --------------------------------------------------------------------------------- metadata without pickle
 
 _METADATA_CLASSES = {
@@ -361,22 +354,17 @@ def parse_metadata(data: bytes) -> Metadata:
     return md
 
 
-class _SafeReading:
+class _SafeReading(torch_private.LabelledRecords):
     """Mixed into DCP's readers: metadata through the restricted unpickler (and only the global metadata
-    file: no fall-back to per-rank files), record locations attached for checksum messages."""
+    file: no fall-back to per-rank files), record locations attached for checksum messages (LabelledRecords)."""
 
     def read_metadata(self) -> Metadata:
-        with self.fs.create_stream(self._get_metadata_path(), "rb") as f:
+        with self.fs.create_stream(torch_private.dcp_metadata_path(self), "rb") as f:
             md = parse_metadata(f.read())
         if getattr(md, "storage_meta", None) is None:
             md.storage_meta = StorageMeta()
         md.storage_meta.load_id = self.load_id
         return md
-
-    def _slice_file(self, file, sinfo):
-        view = super()._slice_file(file, sinfo)
-        view.plait_where = f"{sinfo.relative_path} at byte {sinfo.offset}"
-        return view
 
 
 class _LocalReader(_SafeReading, FileSystemReader):
@@ -417,27 +405,28 @@ def dcp_writer(loc: Location, *, single_file_per_rank: bool = True):
     ``plait.interop.streaming``) holds two at most (the one written, the one before), not all, only this
     way. Readers take either layout."""
     if isinstance(loc, RemotePath):
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
-        class _S3Writer(_RetryingWrites, FsspecWriter):
+        class _S3Writer(_RetryingWrites, torch_private.fsspec_storage()[0]):
             pass
 
         # No fsync on S3 (an upload is durable once it completes; DCP would os.sync() the local machine).
-        writer = _S3Writer(
+        writer = torch_private.dcp_storage_writer(
+            _S3Writer,
             loc.url,
+            [RecordChecksum()],
             sync_files=False,
             overwrite=True,
             single_file_per_rank=single_file_per_rank,
-            _extensions=[RecordChecksum()],
         )
         writer.fs.fs = loc.fs
     else:
-        writer = _LocalWriter(
+        writer = torch_private.dcp_storage_writer(
+            _LocalWriter,
             loc,
+            [RecordChecksum()],
             sync_files=True,
             overwrite=True,
             single_file_per_rank=single_file_per_rank,
-            _extensions=[RecordChecksum()],
         )
     writer.plait_target = loc
     return writer
@@ -446,13 +435,11 @@ def dcp_writer(loc: Location, *, single_file_per_rank: bool = True):
 def dcp_reader(loc: Location):
     """A DCP StorageReader that never unpickles and checks record checksums."""
     if isinstance(loc, RemotePath):
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
-        class _S3Reader(_SafeReading, FsspecReader):
+        class _S3Reader(_SafeReading, torch_private.fsspec_storage()[1]):
             pass
 
-        reader = _S3Reader(loc.url)
+        reader = torch_private.dcp_storage_reader(_S3Reader, loc.url, [RecordChecksum])
         reader.fs.fs = loc.fs
-        reader.transforms = _StorageReaderTransforms(_registry())
         return reader
-    return _LocalReader(loc, _extension_registry=_registry())
+    return torch_private.dcp_storage_reader(_LocalReader, loc, [RecordChecksum])

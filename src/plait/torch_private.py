@@ -1,5 +1,6 @@
 """torch APIs that are not public, each behind a function here, so a torch upgrade that moves one breaks one
-place (and its test), not the callers. (Older uses elsewhere are being moved here.)"""
+place (and its test), not the callers. Nothing else in plait imports a private torch module or name, reads a
+`_`-attribute of torch, or passes torch a `_`-keyword: tests/test_layers.py reads the source to hold that."""
 
 from __future__ import annotations
 
@@ -249,3 +250,170 @@ def quiet_shape_inference(stage_class, quiet):
     members = {name: wrapped(name) for name in names if hasattr(stage_class, name)}
     Stage = type(f"Quiet{stage_class.__name__}", (stage_class,), members)
     return Stage
+
+
+# ------------------------------------------------------------------ distributed checkpoint (DCP) internals
+
+
+def dcp_stream_extension() -> type:
+    """DCP's base class for a transform of every record's byte stream on save and load
+    (torch.distributed.checkpoint._extension, EXPERIMENTAL in torch)."""
+    from torch.distributed.checkpoint._extension import StreamTransformExtension
+
+    return StreamTransformExtension
+
+
+def dcp_storage_writer(cls, path, extensions: list, **kwargs):
+    """A DCP writer of class `cls` (FileSystemWriter, FsspecWriter or a subclass) that passes every record
+    through `extensions` (the writers' private `_extensions` argument)."""
+    return cls(path, _extensions=extensions, **kwargs)
+
+
+def dcp_storage_reader(cls, path, extensions: list[type]):
+    """A DCP reader of class `cls` that undoes the `extensions` classes' transforms on load (as
+    FileSystemReader's private `_extension_registry` argument does; FsspecReader does not take it)."""
+    from torch.distributed.checkpoint._extension import ExtensionRegistry
+    from torch.distributed.checkpoint.filesystem import _StorageReaderTransforms
+
+    registry = ExtensionRegistry()
+    for extension in extensions:
+        registry.register(extension)
+    reader = cls(path)
+    reader.transforms = _StorageReaderTransforms(registry)
+    return reader
+
+
+def fsspec_storage() -> tuple[type, type]:
+    """DCP's (FsspecWriter, FsspecReader): checkpoints on any fsspec filesystem (S3 here)."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+    return FsspecWriter, FsspecReader
+
+
+def dcp_metadata_path(reader) -> str:
+    """Where a DCP filesystem reader finds the checkpoint's global metadata file."""
+    return reader._get_metadata_path()
+
+
+class LabelledRecords:
+    """Mixed into a DCP filesystem reader: each record's stream it opens names where it comes from
+    (`plait_where`: '<file> at byte <offset>'), for the messages of a record that fails its checksum."""
+
+    def _slice_file(self, file, sinfo):
+        view = super()._slice_file(file, sinfo)
+        view.plait_where = f"{sinfo.relative_path} at byte {sinfo.offset}"
+        return view
+
+
+# -------------------------------------------------------------------------------- kernels and autograd
+
+
+def checkpoint_wrapper(module, **kwargs):
+    """torch's activation-checkpoint wrapper module (torch.distributed.algorithms._checkpoint)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper as wrap
+
+    return wrap(module, **kwargs)
+
+
+def attention_kernel_ops() -> list:
+    """The ATen kernels scaled_dot_product_attention dispatches to (flash, memory-efficient and cuDNN on CUDA,
+    flash on the CPU) and grouped matmul, where this torch has them: the ops whose outputs selective activation
+    checkpointing keeps."""
+    import torch
+
+    aten = torch.ops.aten
+    names = (
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_grouped_mm",
+    )
+    return [getattr(aten, name).default for name in names if hasattr(aten, name)]
+
+
+def cpu_flash_attention(q, k, v, causal: bool):
+    """torch's CPU flash attention kernel: (output, log-sum-exp of each query row) for (B, H, T, hd) inputs."""
+    import torch
+
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+
+
+def cpu_flash_attention_backward(dout, q, k, v, out, lse, causal: bool):
+    """(dq, dk, dv) of cpu_flash_attention, given its output and log-sum-exp."""
+    import torch
+
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal)
+
+
+def foreach_norm(tensors: list, dtype) -> list:
+    """The 2-norm of each tensor, accumulated in `dtype`, in one call per device and dtype group."""
+    import torch
+
+    return torch._foreach_norm(tensors, 2, dtype=dtype)
+
+
+def local_tensor(t):
+    """A DTensor's local shard as a plain tensor, outside autograd (a saved-tensor hook's view); else `t`."""
+    return getattr(t, "_local_tensor", t)
+
+
+# ------------------------------------------------------------------------------ collectives' recorder
+
+
+def flight_recorder_entries() -> list[dict]:
+    """torch.distributed's flight recorder: the collectives this process entered, oldest first (empty where
+    it records none)."""
+    import pickle
+
+    import torch
+
+    # the recorder's own dump, made by torch in this process from its ring buffer (not a file from elsewhere)
+    return pickle.loads(torch._C._distributed_c10d._dump_fr_trace(True, False, False)).get("entries") or []
+
+
+# ------------------------------------------------------------------------------------ Dynamo and Inductor
+
+
+def compile_cache_counters() -> dict[str, int]:
+    """Inductor's FX-graph cache and AOTAutograd's cache hits and misses in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return {
+        "fxgraph_cache_hit": counters["inductor"]["fxgraph_cache_hit"],
+        "fxgraph_cache_miss": counters["inductor"]["fxgraph_cache_miss"],
+        "aotautograd_cache_hit": counters["aot_autograd"]["autograd_cache_hit"],
+        "aotautograd_cache_miss": counters["aot_autograd"]["autograd_cache_miss"],
+    }
+
+
+def compilation_metrics() -> list:
+    """Dynamo's record of recent compilations (frames and lazily compiled backward graphs), oldest first."""
+    from torch._dynamo.utils import get_compilation_metrics
+
+    return get_compilation_metrics()
+
+
+def cpu_vec_isas() -> list:
+    """Inductor's candidate SIMD instruction sets for this CPU (each true where it passed Inductor's probe)."""
+    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+
+    return valid_vec_isa_list()
+
+
+def answer_vec_isa_probes(known: dict[str, bool]) -> bool:
+    """Inductor's dlopen probe of a candidate ISA (`VecISA._probe_load`) answered from `known` (ISA class name ->
+    passed) where it says True, else probed as before. False where this torch has no such probe."""
+    from torch._inductor import cpu_vec_isa
+
+    probe = getattr(cpu_vec_isa.VecISA, "_probe_load", None)
+    if probe is None:
+        return False
+    probe = getattr(probe, "plait_probe", probe)  # answered already: wrap torch's own probe, once
+
+    def known_or_probe(self, output_path: str) -> bool:
+        return known.get(type(self).__name__, False) or probe(self, output_path)
+
+    known_or_probe.plait_probe = probe
+    cpu_vec_isa.VecISA._probe_load = known_or_probe
+    return True

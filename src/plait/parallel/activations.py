@@ -16,7 +16,7 @@ from contextlib import ExitStack
 import torch
 from torch import nn
 
-from plait.torch_private import sac_cached_tensors
+from plait.torch_private import local_tensor, sac_cached_tensors
 
 _active: list[SavedBytes] = []  # the measurements running now (selective AC reports its caches to them)
 
@@ -28,7 +28,7 @@ def track_sac_cache(caching_mode) -> None:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    t = getattr(t, "_local_tensor", t)  # a DTensor's shard
+    t = local_tensor(t)  # a DTensor's shard
     return getattr(t, "elem", t)  # an AsyncCollectiveTensor wraps the collective's output
 
 

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from plait import torch_private
 from plait.parallel.env import register_group, registered_group
 
 
@@ -109,7 +110,7 @@ def _flash(x: Tensor) -> bool:
 def _block_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> tuple[Tensor, Tensor]:
     k, v = _repeat(k, q.shape[1]), _repeat(v, q.shape[1])
     if _flash(q):
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+        out, lse = torch_private.cpu_flash_attention(q, k, v, causal)
         return out, lse.float()
     scores = _scores(q, k, causal)
     lse = scores.logsumexp(-1)
@@ -121,9 +122,7 @@ def _block_backward(dout, q, k, v, out, lse, causal: bool) -> tuple[Tensor, Tens
     kv_heads = k.shape[1]
     k, v = _repeat(k, q.shape[1]), _repeat(v, q.shape[1])
     if _flash(q):
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, causal
-        )
+        dq, dk, dv = torch_private.cpu_flash_attention_backward(dout, q, k, v, out, lse, causal)
     else:
         p = (_scores(q, k, causal) - lse[..., None]).exp()
         dout32 = dout.float()

@@ -7,6 +7,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from plait import torch_private
 from plait.parallel.dims import Meshes
 
 
@@ -44,7 +45,7 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, meshes: Meshes) 
     squared = torch.zeros((), device=device, dtype=torch.float64)
     for (mesh, axes), tensors in groups.items():
         # fp64 accumulation: torch's fp32 CPU norm of a 4096 x 64 gradient was seen 4e-5 off.
-        part = torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float64)).square().sum()
+        part = torch.stack(torch_private.foreach_norm(tensors, torch.float64)).square().sum()
         for axis in axes:
             dist.all_reduce(part, group=mesh.get_group(axis))
         squared = squared + part

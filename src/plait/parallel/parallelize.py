@@ -24,7 +24,6 @@ from functools import partial
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -36,6 +35,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from plait import torch_private
 from plait.compile import apply_compile
 from plait.config import Config
 from plait.errors import ConfigError
@@ -152,12 +152,9 @@ SAVED_OPS = frozenset(
     {
         torch.ops.aten.mm.default,
         torch.ops.aten.addmm.default,
-        torch.ops.aten._scaled_dot_product_efficient_attention.default,
-        torch.ops.aten._scaled_dot_product_flash_attention.default,
-        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+        *torch_private.attention_kernel_ops(),  # scaled_dot_product_attention's kernels, grouped matmul
         torch.ops.plait.ring_attention.default,  # context parallel attention: keeping it saves a ring pass
         torch.ops.plait.expert_all_to_all.default,  # tokens sent to their experts and back: not sent again
-        *([torch.ops.aten._grouped_mm.default] if hasattr(torch.ops.aten, "_grouped_mm") else []),  # experts
     }
 )
 """What selective recompute keeps: the outputs of matmuls and attention (expensive to recompute, cheap to keep
@@ -195,12 +192,12 @@ def apply_ac(model: nn.Module, mode: str, tp: int = 1, nested_fsdp: bool = False
     contexts = partial(_selective_contexts, count_all=not nested_fsdp)
     for name, block in blocks(model):
         if mode == "full":
-            model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
+            model.layers[name] = torch_private.checkpoint_wrapper(block, preserve_rng_state=False)
         elif _units_pay(block, tp):
             for unit in RECOMPUTE_UNITS:
                 setattr(block, unit, partial(_recomputed, getattr(block, unit), contexts))  # shadows the method
         else:
-            model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False, context_fn=contexts)
+            model.layers[name] = torch_private.checkpoint_wrapper(block, preserve_rng_state=False, context_fn=contexts)
 
 
 RECOMPUTE_UNITS = ("attend", "gated")
