@@ -114,7 +114,7 @@ def test_async_saves_publish_retain_and_resume_exactly(data_dir, straight, tmp_p
     assert sorted(p.name for p in ckpt_dir.iterdir()) == [f"step_{s:08d}" for s in (3, 6, 7, 8)]  # no leftovers
     saved = [r for r in got["checkpoint"] if "saved_step" in r]
     assert [r["saved_step"] for r in saved] == list(range(1, STEPS + 1))
-    assert all(r["blocked_s"] >= 0 and r["size_mb"] > 1 and r["failed_saves"] == 0 for r in saved)
+    assert all(r["blocked_s"] >= 0 and r["size_mb"] > 1 and r["failed_saves"] == 0 for r in saved), saved
     assert same(weights(ckpt_dir / "step_00000008"), weights(ref_ckpt))  # async == synchronous save
     meta = read_meta(ckpt_dir / "step_00000008")
     assert meta["train_state"]["step"] == STEPS and len(meta["dcp_metadata_sha256"]) == 64

@@ -144,6 +144,8 @@ def test_vec_isa_verdict_answers_the_probe(tmp_path, monkeypatch):
     isas = cpu_vec_isa.valid_vec_isa_list()
     if not isas:
         pytest.skip("no SIMD ISA candidates on this CPU")
+    if not hasattr(cpu_vec_isa.VecISA, "_probe_load"):
+        pytest.skip("this torch has no VecISA._probe_load to answer (torch 2.11): its probe runs as it is")
     monkeypatch.setattr(pc, "_KNOWN_ISAS", {})
     monkeypatch.setattr(cpu_vec_isa.VecISA, "_probe_load", lambda self, path: False)  # "the child failed"
     path = tmp_path / pc.VEC_ISA_FILE

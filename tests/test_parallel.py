@@ -259,6 +259,18 @@ def test_impossible_layouts_are_refused(overrides, world, message):
         layout(*overrides, world=world)
 
 
+def test_zero_bubble_with_the_fused_head_is_refused_where_torch_cannot_run_it(monkeypatch):
+    """torch 2.11's zero-bubble weight pass fails inside autograd on the fused head's custom Function (measured:
+    RuntimeError "Attribute '_input_metadata' is invalid"); there the layout is refused before anything starts."""
+    import plait.parallel.dims as dims
+
+    zero_bubble = ("parallel.pp_degree=2", "parallel.pp_schedule=zero_bubble", "parallel.pp_virtual_stages=2")
+    monkeypatch.setattr(dims, "weight_pass_takes_custom_functions", lambda: False)
+    with pytest.raises(ConfigError, match="set train.fused_head=false, use pp_schedule='interleaved_1f1b'"):
+        layout(*zero_bubble, world=2)
+    layout(*zero_bubble, "train.fused_head=false", world=2)  # the plain head runs there
+
+
 def test_dp_shard_is_inferred():
     dims = layout("parallel.pp_degree=2", "parallel.tp_degree=2", world=16)
     assert (dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp) == (2, 1, 4, 2)

@@ -392,7 +392,11 @@ def test_planner_pipeline_memory_matches_plait_runtime(tmp_path):
     script = tmp_path / "measure_pp.py"
     script.write_text(PP_SCRIPT)
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    jobs = json.dumps([overrides for _, overrides, _ in PIPELINES])
+    from plait.torch_private import weight_pass_takes_custom_functions
+
+    # torch 2.11 refuses the zero-bubble schedule with the fused head (plait.parallel.dims): measured on newer torch
+    pipelines = [p for p in PIPELINES if weight_pass_takes_custom_functions() or "zero_bubble" not in str(p[1])]
+    jobs = json.dumps([overrides for _, overrides, _ in pipelines])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
     proc = subprocess.run(
         [*cmd, jobs, json.dumps(ARGS), str(SEQ), str(BATCH), str(tmp_path)],
@@ -404,7 +408,7 @@ def test_planner_pipeline_memory_matches_plait_runtime(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     measured = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     report = []
-    for i, (name, _, layout) in enumerate(PIPELINES):
+    for i, (name, _, layout) in enumerate(pipelines):
         lay = Layouts.single(pp=2, **layout)
         out = evaluate(Workload(ModelArgs(**ARGS), SEQ, BATCH, compute_dtype="fp32"), get_cluster("h100"), lay)
         for rank, which in ((0, "first"), (1, "last")):

@@ -123,6 +123,7 @@ FAKE_PG_SCRIPT = textwrap.dedent(
         ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module)
     from plait.model import ModelArgs, Transformer
     from plait.model.llama import rope_tables
+    from plait.parallel.parallelize import gather_norm_outputs, tp_plan_block
 
     WORLD = 12
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
@@ -147,21 +148,9 @@ FAKE_PG_SCRIPT = textwrap.dedent(
                 parallelize_module(model.layers[next(iter(model.layers))], mesh["tp"], PrepareModuleInput(
                     input_layouts=(Replicate(), None, None), desired_input_layouts=(Shard(1), None, None),
                     use_local_output=True))
-            for block in model.layers.values():
-                parallelize_module(block, mesh["tp"], {
-                    "attention_norm": SequenceParallel(),
-                    "attention": PrepareModuleInput(
-                        input_layouts=(Shard(1), None, None),
-                        desired_input_layouts=(Replicate(), None, None)),
-                    "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
-                    "attention.wv": ColwiseParallel(),
-                    "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-                    "ffn_norm": SequenceParallel(),
-                    "feed_forward": PrepareModuleInput(
-                        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-                    "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
-                    "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-                })
+            for block in model.layers.values():  # plait's own block plan (SP norms whose outputs are gathered)
+                parallelize_module(block, mesh["tp"], tp_plan_block())
+                gather_norm_outputs(block)
         dp = mesh["dp_replicate", "dp_shard"] if rep > 1 else mesh["dp_shard"]
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for block in model.layers.values():

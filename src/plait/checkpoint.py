@@ -47,7 +47,6 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -56,7 +55,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from plait import storage
+from plait import storage, torch_private
 from plait.callbacks import Callback
 from plait.config import CheckpointConfig, Config
 from plait.errors import ConfigError, PlaitError
@@ -297,7 +296,7 @@ class CheckpointManager:
         self._rank = dist.get_rank() if dist.is_initialized() else 0
         self._control = dist.new_group(backend="gloo") if self._distributed else None
         self._save_group = dist.new_group(backend="gloo") if self._distributed and cfg.async_enabled else None
-        self._stager: DefaultStager | None = None
+        self._stager = None  # torch_private.reusable_stager, made at the first asynchronous save
         self._executor: ThreadPoolExecutor | None = None
         self._pending: Future | None = None
         self._last_save_time = time.monotonic()
@@ -427,11 +426,11 @@ class CheckpointManager:
             if self._stager is None:
                 # CPU buffers kept between saves; pinned where there is a GPU to copy from.
                 pinned = torch.cuda.is_available()
-                self._stager = DefaultStager(StagingOptions(pinned, False, False, False))
+                self._stager = torch_private.reusable_stager(pinned)
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plait-checkpoint")
             written = dcp.async_save(tensors, process_group=self._save_group, async_stager=self._stager, **common)
             staged = time.perf_counter()
-            self._pending = self._executor.submit(self._finish, step, written, meta, target, start, staged)
+            self._pending = self._executor.submit(self._finish, step, written, meta, target, start, staged, writer)
         else:
             written = Future()
             try:
@@ -441,7 +440,7 @@ class CheckpointManager:
                     raise
                 written.set_exception(e)
             self._pending = Future()
-            self._pending.set_result(self._finish(step, written, meta, target, start, start))
+            self._pending.set_result(self._finish(step, written, meta, target, start, start, writer))
             report.update(self._collect(wait=True))
         return report
 
@@ -493,7 +492,7 @@ class CheckpointManager:
         return self.dir / name if storage.is_remote(self.dir) else self.dir / f"{name}.tmp"
 
     def _finish(
-        self, step: int, written: Future, meta: dict, target: Location, start: float, staged: float
+        self, step: int, written: Future, meta: dict, target: Location, start: float, staged: float, writer
     ) -> _Outcome:
         """Wait for every rank's shards (DCP's coordinator gathers all write results before it writes
         .metadata, and a failure anywhere fails the future on every rank), then publish on the main rank."""
@@ -505,7 +504,8 @@ class CheckpointManager:
             if isinstance(e, KeyboardInterrupt | SystemExit):
                 raise
             return _Outcome(step, False, self._failed_save(e, target), blocked_s=staged - start)
-        num_bytes = sum(getattr(info, "length", 0) for info in (md.storage_data or {}).values())
+        # (torch 2.11's asynchronous save returns the metadata without its storage data: the writer counted them)
+        num_bytes = sum(getattr(info, "length", 0) for info in (md.storage_data or {}).values()) or writer.plait_bytes
         self._last_size = num_bytes
         # Synchronous: the loop waited for all of it. Asynchronous: only for the staging.
         end = time.perf_counter()

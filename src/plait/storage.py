@@ -389,7 +389,11 @@ class _RetryingWrites:
     def write_data(self, plan, planner):
         return retry(lambda: super(_RetryingWrites, self).write_data(plan, planner), "write")
 
+    plait_bytes = 0
+    """Bytes of the records written (counted by the coordinator, which finishes the checkpoint)."""
+
     def finish(self, metadata, results) -> None:
+        self.plait_bytes = sum(getattr(r.storage_data, "length", 0) for rank in results for r in rank)
         return retry(lambda: super(_RetryingWrites, self).finish(metadata, results), "finish")
 
 

@@ -29,7 +29,8 @@ def sac_cached_tensors(caching_mode) -> list:
     import torch
     from torch.utils._pytree import tree_leaves
 
-    entries = [list(by_index.values()) for by_index in caching_mode.storage.values()]
+    # per op: outputs by invocation (torch >= 2.12: a dict of them; torch 2.11: a list)
+    entries = [list(v.values()) if isinstance(v, dict) else list(v) for v in caching_mode.storage.values()]
     return [leaf.val for leaf in tree_leaves(entries) if isinstance(getattr(leaf, "val", None), torch.Tensor)]
 
 
@@ -417,3 +418,40 @@ def answer_vec_isa_probes(known: dict[str, bool]) -> bool:
     known_or_probe.plait_probe = probe
     cpu_vec_isa.VecISA._probe_load = known_or_probe
     return True
+
+
+def reusable_stager(pinned: bool):
+    """DCP's DefaultStager for every asynchronous save of a run: tensors copied to CPU buffers that are kept and
+    reused from save to save (pinned where a GPU copies into them). torch 2.11 closes the stager's inner
+    state-dict copier after every stage (DefaultStager._stage), which empties its table of copy functions: the
+    next save fails in DCP with `KeyError: <class 'type'>`, and the buffers are dropped each time. Here that
+    per-save close does nothing, and the stager's own close() (at the end of the run) closes it for real."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    stager = DefaultStager(StagingOptions(pinned, False, False, False))
+    inner = getattr(stager, "_state_dict_stager", None)
+    if inner is not None:
+        inner_close, outer_close = inner.close, stager.close
+
+        def close() -> None:
+            inner.close = inner_close
+            outer_close()
+
+        inner.close = lambda: None
+        stager.close = close
+    return stager
+
+
+def torch_version() -> str:
+    """The installed torch's version, without importing torch."""
+    from importlib.metadata import version
+
+    return version("torch")
+
+
+def weight_pass_takes_custom_functions() -> bool:
+    """Whether torch's zero-bubble weight pass (pipelining's stage_backward_weight) can start from the node of a
+    custom autograd Function, such as plait's fused head. torch 2.11 cannot: autograd.grad reads
+    `node._input_metadata`, which a custom Function's node refuses ("legacy access pattern"); torch 2.13 can."""
+    major, minor = (int(x) for x in torch_version().split(".")[:2])
+    return (major, minor) >= (2, 12)

@@ -27,7 +27,13 @@ from typing import TYPE_CHECKING
 
 from plait.config import Config, ParallelConfig
 from plait.errors import ConfigError
-from plait.torch_private import flatten_mesh, merge_inner_axes, unflatten_mesh
+from plait.torch_private import (
+    flatten_mesh,
+    merge_inner_axes,
+    torch_version,
+    unflatten_mesh,
+    weight_pass_takes_custom_functions,
+)
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -378,4 +384,10 @@ def validate_layout(cfg: Config, dims: ParallelDims) -> None:
                 "parallel.fsdp_reduce_every_micro_batch=true with pp_schedule='zero_bubble' is refused: that "
                 "schedule computes weight gradients apart from their backward, so they accumulate unsharded; "
                 "use pp_schedule='interleaved_1f1b' or set it false"
+            )
+        if p.pp_schedule == "zero_bubble" and cfg.train.fused_head and not weight_pass_takes_custom_functions():
+            raise ConfigError(
+                f"pp_schedule='zero_bubble' with train.fused_head=true does not run on torch {torch_version()}: its "
+                "weight pass cannot differentiate through the fused head (a custom autograd Function); set "
+                "train.fused_head=false, use pp_schedule='interleaved_1f1b', or upgrade torch to 2.12 or newer"
             )
