@@ -450,7 +450,9 @@ class CheckpointManager:
         the same answer on every rank (one flag, max over the control group). A save of usual length is
         waited for, as always."""
         busy = self._pending is not None and not self._pending.done()
-        overdue = time.monotonic() - self._started_at > max(1.0, 2 * self._last_write_s)
+        # overdue only against a good save's time: a first save of unknown length (4 ranks fsyncing on a busy
+        # machine took over a second) is waited for unless its writes are failing
+        overdue = self._last_write_s > 0 and time.monotonic() - self._started_at > max(1.0, 2 * self._last_write_s)
         busy = busy and (storage.FAILED_ATTEMPTS[0] > self._failed_attempts_at_start or overdue)
         if self._control is not None:
             flag = torch.tensor([int(busy)])
