@@ -19,7 +19,6 @@ from pathlib import Path
 from plait.argparsing import PlaitParser
 from plait.errors import ConfigError, PlaitError
 
-GiB = 2**30
 STOP_GRACE_S = 110  # seconds a stopping worker has for its last step and checkpoint; Slurm signals at 120
 
 
@@ -224,7 +223,7 @@ def cmd_launch(argv: list[str]) -> int:
 def _check_memory_on(gpu: str | None, cfg, nodes: int, gpus_per_node: int) -> str:
     """Refuse (ConfigError) a Slurm run predicted not to fit the nodes' GPU; else the line to print."""
     from plait.planner.cluster import PRESETS
-    from plait.planner.preflight import Machine, check_memory
+    from plait.planner.preflight import GiB, Machine, check_memory
 
     if not cfg.run.memory_check:
         return "memory: not checked (run.memory_check=false)"
