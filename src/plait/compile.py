@@ -197,6 +197,8 @@ def _vec_isa_key() -> dict:
 def _reuse_vec_isa_verdict(path: Path) -> None:
     import json
 
+    if not torch_private.vec_isa_probes_answerable():
+        return  # nothing to answer: not even the verdict file is read
     with contextlib.suppress(OSError, ValueError):
         saved = json.loads(path.read_text())
         if saved.get("key") == _vec_isa_key():

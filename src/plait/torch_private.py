@@ -402,6 +402,13 @@ def cpu_vec_isas() -> list:
     return valid_vec_isa_list()
 
 
+def vec_isa_probes_answerable() -> bool:
+    """Whether this torch's Inductor has the dlopen probe answer_vec_isa_probes answers (torch 2.11 does not)."""
+    from torch._inductor import cpu_vec_isa
+
+    return hasattr(cpu_vec_isa.VecISA, "_probe_load")
+
+
 def answer_vec_isa_probes(known: dict[str, bool]) -> bool:
     """Inductor's dlopen probe of a candidate ISA (`VecISA._probe_load`) answered from `known` (ISA class name ->
     passed) where it says True, else probed as before. False where this torch has no such probe."""
