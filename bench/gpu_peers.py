@@ -37,15 +37,18 @@ PLAIT_JOB = [
 ]
 
 
-def sides(peers: Path, steps: int, warmup: int, float8: bool) -> dict[str, list[str]]:
+def sides(
+    peers: Path, steps: int, warmup: int, float8: bool, warm_run: bool = False, profile: Path | None = None
+) -> dict[str, list[str]]:
     common = [f"--steps={steps}", f"--warmup={warmup}"]
     shape = [f"--seq={SHAPE['seq']}", f"--mb={SHAPE['mb']}", f"--accum={SHAPE['accum']}"]
     bench = [sys.executable, "-m", "plait.cli", "bench", *PLAIT_JOB, *common, "--no-warm-run", "--quiet"]
+    plait = [a for a in bench if a != "--no-warm-run" or not warm_run] + ([f"--profile={profile}"] if profile else [])
     out = {
         "bare-model": [sys.executable, str(peers / "bare_llama.py"), "--compile=model", *shape, *common],
         "bare-block": [sys.executable, str(peers / "bare_llama.py"), "--compile=block", *shape, *common],
         "hf": [sys.executable, str(peers / "hf_llama.py"), *shape, *common],
-        "plait": bench,
+        "plait": plait,
         "plait-plain-head": [*bench, "--train.fused_head=false"],
     }
     if float8:
@@ -71,8 +74,10 @@ def run_side(cmd: list[str], is_plait: bool) -> dict:
             "peak_gib": r["memory"]["mem_peak_gib"],
             "first_step_s": r["first_step"]["from_process_start_s"],
             "startup_s": r["startup_s"],
+            "breakdown_s": r["breakdown_s"],
             "device": r["device"],
             "wall_s": wall,
+            **{k: r[k] for k in ("warm_start", "warm_over_cold", "profile") if k in r},
         }
     return {**r, "wall_s": wall}
 
@@ -91,10 +96,12 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--float8", action="store_true", help="also plait with compile.float8 (needs torchao)")
+    p.add_argument("--plait-warm-run", action="store_true", help="plait's side also times a warm start (cache)")
+    p.add_argument("--plait-profile", type=Path, help="plait's side also profiles 3 steps into this folder")
     p.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "gpu_peers.json")
     p.add_argument("--dry-run", action="store_true", help="print the commands and stop")
     a = p.parse_args()
-    table = sides(a.peers, a.steps, a.warmup, a.float8)
+    table = sides(a.peers, a.steps, a.warmup, a.float8, a.plait_warm_run, a.plait_profile)
     chosen = [s.strip() for s in a.sides.split(",") if s.strip()] or list(table)
     unknown = [s for s in chosen if s not in table]
     if unknown:
@@ -130,6 +137,25 @@ def main() -> int:
             f"{name:<18} {tps:>10,.0f} {mfu_text:>7} {peak if peak is None else round(peak, 1)!s:>9} "
             f"{first if first is None else round(first, 1)!s:>13} {ratio:>14}"
         )
+    for name, r in results.items():
+        if "warm_over_cold" in r:
+            print(
+                f"{name}: first step cold {r['first_step_s']:.1f} s, warm "
+                f"{r['warm_start']['from_process_start_s']:.1f} s (warm/cold {r['warm_over_cold']:.2f}); "
+                f"start-up {', '.join(f'{k} {v:.1f}' for k, v in r['startup_s'].items())}"
+            )
+        prof = r.get("profile", {})
+        if "device_s_per_step_by_kind" in prof:
+            kinds = ", ".join(f"{k} {1e3 * v:,.0f}" for k, v in prof["device_s_per_step_by_kind"].items())
+            print(
+                f"{name}: profile, ms a step: wall {1e3 * prof['wall_per_step_s']:,.0f}, device busy "
+                f"{1e3 * prof['device_busy_per_step_s']:,.0f} ({kinds}); {prof['kernels_per_step']:,.0f} kernels"
+            )
+            if "first_step" in prof:
+                print(
+                    f"{name}: first step's host time, s: "
+                    + ", ".join(f"{k} {v:.1f}" for k, v in prof["first_step"].items())
+                )
     a.json.parent.mkdir(parents=True, exist_ok=True)
     record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": SHAPE, "sides": results}
     a.json.write_text(json.dumps(record, indent=1) + "\n")

@@ -1,13 +1,13 @@
 """Every GPU measurement the open issues ask for, in three parts that each fit one 10-minute device call.
 
-A session lent a GPU has 30 minutes of device time and 10 minutes a call; this script spends them in order of
-what the issues need most, so that three calls take every figure:
+A session lent a GPU has 15 minutes of device time (one call, after the machine's start) and 10 minutes a
+call; the parts are in order of what the issues need most, one part per lent session:
 
     part 1  correctness on CUDA (the ring attention at cp 1 against SDPA; the fused head against the plain
-            one, bench/head.py), then the GPU-speed table's core: the hand-written whole-model-compile loop,
-            plait (fused head) and plait with the plain head, in one run (bench/gpu_peers.py)
-    part 2  cold and warm start (plait bench with its warm run), float8 (all block layers, and torchao's
-            choice), llama3-1b at seq 32,768 with full activation checkpointing
+            one, bench/head.py), llama3-1b at seq 32,768 with full activation checkpointing, then the
+            GPU-speed table's core: the hand-written whole-model-compile loop and plait in one run
+            (bench/gpu_peers.py), plait's side with its warm start and a profile of three steps
+    part 2  float8 (all block layers, and torchao's choice) against the hand-written loop; plait's plain head
     part 3  the other peers (per-block compile, HF transformers), full activation checkpointing's effect on
             peak memory in one process, llama3-8b with CPU offload + full AC, an MoE model in bf16
 
@@ -59,7 +59,7 @@ LLAMA3_1B_2048 = [
 class Step:
     name: str
     argv: list[str]  # after the interpreter
-    estimate_s: float  # on an H100; a step is skipped when less than this is left
+    estimate_s: float  # seconds on an H100 or H200; a step is skipped when less than this is left
     result: str = ""  # the JSON file the step writes, relative to the output folder
     settings: list[str] = field(default_factory=list)  # the --section.key=value it gives plait (checked in CI)
 
@@ -74,12 +74,29 @@ def parts(peers: Path) -> dict[int, list[Step]]:
     peers_cmd = ["bench/gpu_peers.py", f"--peers={peers}", "--steps=10", "--warmup=3", "--json={out}/gpu_peers.json"]
     short = ["--steps=10", "--warmup=3", "--no-warm-run"]
     ac_full = plait_step("ac-full", "bench", [*LLAMA3_1B_2048, "--parallel.activation_checkpoint=full"], short, 110)
+    seq32k = plait_step(
+        "seq32k",
+        "bench",
+        [
+            "--model.preset=llama3-1b",
+            "--model.max_seq_len=32768",
+            "--data.seq_len=32768",
+            "--train.global_batch_size=1",
+            "--train.mixed_precision=bf16",
+            "--parallel.activation_checkpoint=full",
+            "--run.device=cuda",
+        ],
+        ["--steps=5", "--warmup=2", "--no-warm-run"],
+        60,  # measured 41 s on an H200 (2026-11-26)
+    )
     return {
+        # what the open issues need most, in one call of a 15-minute lease: correctness on CUDA first (short),
+        # the long-context run, then the speed table's core with cold/warm start and a profile of plait's step
         1: [
             Step(
                 "ring-attention-cuda",
                 ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_context_parallel.py", "-k", "cuda"],
-                60,
+                25,  # measured 13 s
             ),
             Step(
                 "head-cuda",
@@ -89,39 +106,49 @@ def parts(peers: Path) -> dict[int, list[Step]]:
                     "--dtype=bf16",
                     "--tokens=8192",
                     "--dim=2048",
+                    "--compiled",
                     "--json={out}/head_cuda.json",
                 ],
-                60,
+                60,  # measured 5 s before the compiled side
                 "head_cuda.json",
             ),
-            Step("peers-core", [*peers_cmd, "--sides=bare-model,plait,plait-plain-head"], 390, "gpu_peers.json"),
-        ],
-        2: [
-            plait_step("cold-warm", "bench", LLAMA3_1B_2048, ["--steps=5", "--warmup=2"], 180),
+            seq32k,
             Step(
-                "peers-float8",
-                [*peers_cmd, "--float8", "--sides=plait-float8,plait-float8-auto"],
-                250,
+                "peers-core",
+                [
+                    *peers_cmd,
+                    "--sides=bare-model,plait",
+                    "--plait-warm-run",
+                    "--plait-profile={out}/profile",
+                ],
+                230,  # measured 192 s
                 "gpu_peers.json",
             ),
-            plait_step(
-                "seq32k",
-                "bench",
-                [
-                    "--model.preset=llama3-1b",
-                    "--model.max_seq_len=32768",
-                    "--data.seq_len=32768",
-                    "--train.global_batch_size=1",
-                    "--train.mixed_precision=bf16",
-                    "--parallel.activation_checkpoint=full",
-                    "--run.device=cuda",
-                ],
-                ["--steps=5", "--warmup=2", "--no-warm-run"],
-                100,
+            # only where time is left: the same warm machine, so against peers-core's bare-model side
+            Step(
+                "float8",
+                [*peers_cmd[:-1], "--json={out}/gpu_peers_float8.json", "--float8", "--sides=plait-float8"],
+                120,  # measured 99 s
+                "gpu_peers_float8.json",
+            ),
+        ],
+        2: [
+            Step(
+                "peers-float8",
+                [*peers_cmd, "--float8", "--sides=bare-model,plait-float8,plait-float8-auto"],
+                330,
+                "gpu_peers.json",
+            ),
+            Step(
+                "peers-plain-head",
+                [*peers_cmd[:-1], "--json={out}/gpu_peers_plain.json", "--sides=plait-plain-head"],
+                150,
+                "gpu_peers_plain.json",
             ),
         ],
         3: [
-            Step("peers-rest", [*peers_cmd, "--sides=bare-block,hf"], 240, "gpu_peers.json"),
+            # three peer sides at about 60 s each (bare-model measured 54 s on an H200)
+            Step("peers-rest", [*peers_cmd, "--sides=bare-model,bare-block,hf"], 220, "gpu_peers.json"),
             ac_full,  # against part 1's plait side (no AC): what checkpointing saves in one process
             plait_step(
                 "llama3-8b-offload",
@@ -239,10 +266,17 @@ def main() -> int:
     default_out = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "bench" / "results" / "gpu_session"
     p.add_argument("--out", type=Path, default=default_out)
     p.add_argument("--budget", type=float, default=CALL_LIMIT_S, help="seconds this part may take")
+    p.add_argument("--only", default="", help="comma-separated step names of the part to run (default: all)")
     p.add_argument("--dry-run", action="store_true", help="print the commands and stop")
     p.add_argument("--check", action="store_true", help="check every step's arguments here (no GPU) and stop")
     a = p.parse_args()
     steps = parts(a.peers)[a.part]
+    only = [n for n in a.only.split(",") if n]
+    if only:
+        unknown = sorted(set(only) - {s.name for s in steps})
+        if unknown:
+            p.error(f"--only: no step {unknown} in part {a.part}; its steps: {[s.name for s in steps]}")
+        steps = [s for s in steps if s.name in only]
     if a.dry_run:
         for s in steps:
             print(f"{s.name} (~{s.estimate_s:.0f} s): python3 {' '.join(s.argv).replace('{out}', str(a.out))}")

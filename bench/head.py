@@ -25,6 +25,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from plait.model import head
 from plait.model.head import IGNORE_INDEX, chunk_tokens, linear_cross_entropy
 from plait.parallel.activations import SavedBytes
 
@@ -51,6 +52,23 @@ class PeakAlive(TorchDispatchMode):
 
 def plain(h, w, y):
     return F.cross_entropy((h @ w.t()).flatten(0, 1).float(), y.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def compiled(h, w, y):
+    return linear_cross_entropy(h, w, y, compiled=True)
+
+
+def gradients(fn, h, w, y, autocast_dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    h.grad = w.grad = None
+    with torch.autocast(h.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        loss = fn(h, w, y)
+    loss.backward()
+    return h.grad.clone(), w.grad.clone()
+
+
+def relative_error(got, ref) -> float:
+    """The larger of the two gradients' max-abs differences, each relative to the reference's max-abs."""
+    return max(float((g - r).abs().max() / r.abs().max()) for g, r in zip(got, ref, strict=True))
 
 
 def measure(fn, h, w, y, device, steps: int, autocast_dtype) -> dict:
@@ -80,6 +98,8 @@ def measure(fn, h, w, y, device, steps: int, autocast_dtype) -> dict:
         base = torch.cuda.memory_allocated()
         step()
         peak = torch.cuda.max_memory_allocated() - base
+    elif fn is compiled:  # torch.compile refuses to trace under a dispatch mode: no CPU peak for it
+        peak = float("nan")
     else:
         with PeakAlive() as alive:
             step()
@@ -95,6 +115,7 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=512)
     p.add_argument("--vocab", type=int, default=128_256)
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--compiled", action="store_true", help="also the fused head with its compiled element-wise work")
     p.add_argument("--json", type=Path)
     p.add_argument("--dry-run", action="store_true", help="check the arguments and stop")
     a = p.parse_args()
@@ -111,16 +132,16 @@ def main() -> None:
         "plain": measure(plain, h, w, y, device, a.steps, dtype),
         "fused": measure(linear_cross_entropy, h, w, y, device, a.steps, dtype),
     }
-    # Same loss and gradients (the oracle): fp32 within 1e-5 here (larger shapes sum more terms than the test's).
-    h.grad = w.grad = None
-    plain(h, w, y).backward()
-    ref = h.grad.clone(), w.grad.clone()
-    h.grad = w.grad = None
-    linear_cross_entropy(h, w, y).backward()
-    err = max(
-        float((h.grad - ref[0]).abs().max() / ref[0].abs().max()),
-        float((w.grad - ref[1]).abs().max() / ref[1].abs().max()),
-    )
+    if a.compiled:  # as training runs it with compile.enabled
+        results["fused-compiled"] = measure(compiled, h, w, y, device, a.steps, dtype)
+    # Same loss and gradients (the oracle): fp32 within 1e-5 here (larger shapes sum more terms than the test's);
+    # under bf16 autocast each head's gradients against the fp32 plain head's (the fused ones must be no worse).
+    ref = gradients(plain, h, w, y, None)
+    err = relative_error(gradients(linear_cross_entropy, h, w, y, None), ref)
+    bf16_err = {}
+    if dtype is not None:
+        heads = {"plain": plain, "fused": linear_cross_entropy} | ({"fused-compiled": compiled} if a.compiled else {})
+        bf16_err = {name: relative_error(gradients(fn, h, w, y, dtype), ref) for name, fn in heads.items()}
     chunk = chunk_tokens(a.tokens, a.vocab)
     print(
         f"head: {a.tokens} tokens x dim {a.dim} -> vocab {a.vocab:,}, {a.dtype} on {device}; "
@@ -133,9 +154,13 @@ def main() -> None:
     ratios = {k: f[k] / pl[k] for k in ("time_s", "saved_bytes", "peak_bytes")}
     print(f"{'fused/plain':8} {ratios['time_s']:>9.2f} {ratios['saved_bytes']:>9.3f} {ratios['peak_bytes']:>9.3f}")
     print(f"loss {pl['loss']:.6f} vs {f['loss']:.6f}; max relative gradient difference {err:.1e}")
+    for name, e in bf16_err.items():
+        print(f"{a.dtype} {name}: gradients {e:.1e} off the fp32 plain head's")
+    print(f"weight gradient accumulated inside the matmul: {head.FUSED_ACCUMULATION}")
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         record = dict(vars(a), json=str(a.json), chunk=chunk, results=results, ratios=ratios, grad_rel_err=err)
+        record |= {"bf16_grad_rel_err": bf16_err, "fused_accumulation": head.FUSED_ACCUMULATION}
         a.json.write_text(json.dumps(record, indent=1) + "\n")
 
 

@@ -149,3 +149,21 @@ def test_compiled_elementwise_equals_eager():
     assert got.item() == pytest.approx(ref.item(), rel=FP32_RTOL)
     torch.testing.assert_close(h.grad, ref_h, rtol=FP32_RTOL, atol=1e-6)
     torch.testing.assert_close(w.grad, ref_w, rtol=FP32_RTOL, atol=1e-6)
+
+
+@pytest.mark.parametrize("vocab_start", [0, 40])
+def test_the_fusable_gradient_equals_the_scatter_one(vocab_start):
+    """The compiled path's gradient (one-hot by comparison, one kernel) against the eager one (scatter), on a
+    vocabulary shard: targets below, inside and above it, and unscored ones."""
+    from plait.model.head import chunk_gradient, chunk_gradient_fusable
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(9, 50, generator=g)
+    targets = torch.randint(0, 130, (9,), generator=g)
+    targets[[1, 4]] = IGNORE_INDEX
+    targets[2], targets[3] = vocab_start, vocab_start + 49  # the shard's first and last entries
+    lse = torch.logsumexp(logits, dim=1) + 0.3  # another rank's share of the softmax
+    want = chunk_gradient(logits, lse, targets, vocab_start, torch.float32)
+    got = chunk_gradient_fusable(logits, lse, targets, vocab_start, torch.float32)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-7)
+    assert (want[[1, 4]] == 0).all() and (want[2, 0] < 0) and (want[3, 49] < 0)

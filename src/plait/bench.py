@@ -1,6 +1,7 @@
 """`plait bench`: measure one configuration in one process.
 
     plait bench [CONFIG.toml] [--section.key=value ...] [--steps N] [--warmup W] [--json PATH] [--no-warm-run]
+                [--profile DIR]
 
 The job is built exactly as `plait train` builds it (`build_trainable`, the prefetching loader, `train_step`),
 then timed in three parts:
@@ -19,6 +20,11 @@ would be the step time minus this single-process compute estimate; `plait bench`
 With compile.enabled, the compile cache is a fresh temporary directory (unless compile.cache_dir is set), so
 the first step is a true cold start; a second process then builds the same job on that cache and reports its
 first step: the warm start a restarted job sees.
+
+With --profile DIR, three more steps run under torch's profiler (plait.profiling): its table and Chrome trace
+go to DIR, and the results gain where the device's time went by kind of kernel and how long it sat idle; the
+first step's host time is sampled too (DIR/first_step_stacks.json: seconds per area, Dynamo, AOTAutograd,
+Inductor, Triton, ..., and per stack).
 """
 
 from __future__ import annotations
@@ -46,6 +52,9 @@ Measure a configuration in one process: the first step (with compilation when co
 warm-up steps and timed steps, reported as tokens/s, MFU against the device's dense peak, a step-time
 breakdown (data wait / forward+backward / exposed communication / optimizer), peak memory, and, with
 compile.enabled, the first step cold vs warm (a second process on the compile cache)."""
+
+
+PROFILED_STEPS = 3
 
 
 def _sync(device: torch.device) -> None:
@@ -76,7 +85,7 @@ def _precision(cfg: Config, device: torch.device) -> str:
     return text + (" + float8 matmuls in blocks (torchao)" if float8_plan(cfg, device)[0] else "")
 
 
-def run_bench(cfg: Config, steps: int, warmup: int) -> dict:
+def run_bench(cfg: Config, steps: int, warmup: int, profile_dir: Path | None = None) -> dict:
     """Build and time the job in this process; returns the results (see the module docstring)."""
     from plait.data import TokenDataset, TokenLoader, ensure_prepared
     from plait.hardware import device_info, memory_stats, resolve_device
@@ -87,7 +96,8 @@ def run_bench(cfg: Config, steps: int, warmup: int) -> dict:
     device = resolve_device(cfg.run.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    cfg.train.steps = 1 + warmup + 2 * steps  # the LR schedule spans exactly the measured steps
+    # the LR schedule spans exactly the measured steps (and the profiled ones)
+    cfg.train.steps = 1 + warmup + 2 * steps + (PROFILED_STEPS if profile_dir is not None else 0)
     data_dir = ensure_prepared(cfg.data.source, Path(cfg.data.cache_dir).expanduser(), cfg.model.vocab_size)
     dataset = TokenDataset(data_dir, "train")
     torch.manual_seed(cfg.run.seed)
@@ -109,8 +119,18 @@ def run_bench(cfg: Config, steps: int, warmup: int) -> dict:
     built = time.perf_counter()
     try:
         x, y = next(loader)
-        train_step(t, x, y)
-        _sync(device)
+        if profile_dir is not None:  # where the first step's host time goes (compilation and set-up)
+            from plait.profiling import StackSampler
+
+            with StackSampler() as sampler:
+                train_step(t, x, y)
+                _sync(device)
+            first_step_stacks = {"areas_s": sampler.areas(), "top_stacks_s": sampler.top(25)}
+            profile_dir.mkdir(parents=True, exist_ok=True)
+            (profile_dir / "first_step_stacks.json").write_text(json.dumps(first_step_stacks, indent=1) + "\n")
+        else:
+            train_step(t, x, y)
+            _sync(device)
         compiler.check(1)
         first_step = time.perf_counter()
         for step in range(warmup):
@@ -135,6 +155,12 @@ def run_bench(cfg: Config, steps: int, warmup: int) -> dict:
 
         # Pass 3: the same steps phase by phase.
         phases = _phase_breakdown(t, loader, device, steps, compiler, first_check=2 + warmup + steps)
+        profile = None
+        if profile_dir is not None:  # after every timed pass: the profiler's overhead touches no figure above
+            from plait.profiling import profile_steps
+
+            profile = profile_steps(lambda: train_step(t, *next(loader)), PROFILED_STEPS, device, profile_dir)
+            profile["first_step"] = first_step_stacks["areas_s"]
     finally:
         loader.close()
 
@@ -180,6 +206,7 @@ def run_bench(cfg: Config, steps: int, warmup: int) -> dict:
         },
         "startup_s": _startup_phases(_PROCESS_T0, t_imports, t_build, t_model, built, first_step, compiler.metrics()),
         "fused_head": cfg.train.fused_head,
+        **({"profile": profile} if profile else {}),
         "final_loss": loss,
         "torch": torch.__version__,
         "commit": _git_commit(),
@@ -348,6 +375,15 @@ def print_report(r: dict) -> None:
             )
             table.add_row("  warm / cold", f"{r['warm_over_cold']:.2f}", "first step from process start (goal <= 0.2)")
     console.print(table)
+    prof = r.get("profile")
+    if prof and "device_s_per_step_by_kind" in prof:
+        wall = prof["wall_per_step_s"]
+        console.print(
+            f"profile ({prof['steps']} steps, {prof['kernels_per_step']:,.0f} kernels a step): device busy "
+            f"{prof['device_busy_per_step_s'] * 1e3:,.1f} of {wall * 1e3:,.1f} ms a step, idle "
+            f"{100 * prof['device_idle_share']:.1f}%; "
+            + ", ".join(f"{k} {v * 1e3:,.1f} ms" for k, v in prof["device_s_per_step_by_kind"].items())
+        )
 
 
 def cmd_bench(argv: list[str]) -> int:
@@ -360,6 +396,9 @@ def cmd_bench(argv: list[str]) -> int:
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     parser.add_argument("--no-warm-run", action="store_true", help="skip the warm-start process (compile cache)")
     parser.add_argument("--quiet", action="store_true", help="print nothing (with --json)")
+    parser.add_argument(
+        "--profile", metavar="DIR", help="also profile 3 steps: table, Chrome trace and device time by kernel kind"
+    )
     a, settings = parse_config_args(parser, argv)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ConfigError("plait bench runs one process; start it without torchrun")
@@ -385,7 +424,7 @@ def cmd_bench(argv: list[str]) -> int:
         tmp = tempfile.TemporaryDirectory(prefix="plait-bench-cache-")  # a true cold start
         cfg.compile.cache_dir = tmp.name
     try:
-        results = run_bench(cfg, steps, warmup)
+        results = run_bench(cfg, steps, warmup, Path(a.profile) if a.profile else None)
         results["memory"]["planner"] = planned_gib(cfg)
         release_device()  # the warm run is another process: it must find the device as empty as this one did
         if cfg.compile.enabled and not no_warm:

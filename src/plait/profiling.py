@@ -1,0 +1,159 @@
+"""Where a step's time goes: a few steps under torch's profiler, summarised by kind of kernel.
+
+`profile_steps(step, n, device, out_dir)` runs `step()` n times under `torch.profiler`, writes the profiler's
+own table (`profile_table.txt`, sorted by self device time on an accelerator, else by self CPU time) and its
+Chrome trace (`trace.json.gz`, open in https://ui.perfetto.dev), and returns a summary: device-busy time per
+step against the wall time (what is left is the device waiting for the host: launches, synchronisations,
+Python), kernels launched per step, and the device time by kind of kernel (matrix products, attention,
+compiled Triton code, the optimizer's multi-tensor kernels, collectives, copies, other eager kernels).
+"""
+
+from __future__ import annotations
+
+import gzip
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity
+
+# The first pattern found in a kernel's (lower-cased) name decides its kind: compiled code first (Inductor names
+# its kernels after the ops they fuse, "_to_copy" and "mm" included).
+KINDS = (
+    ("triton (compiled)", ("triton",)),
+    ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
+    ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "wgmma", "matmul")),
+    ("multi-tensor (optimizer, clipping)", ("multi_tensor", "foreach", "adam")),
+    ("collectives", ("nccl",)),
+    ("copies and casts", ("memcpy", "memset", "copy_kernel")),
+)
+
+
+def kind_of(kernel: str) -> str:
+    name = kernel.lower()
+    return next((kind for kind, patterns in KINDS if any(p in name for p in patterns)), "other eager")
+
+
+def _self_device_us(evt) -> float:
+    return float(getattr(evt, "self_device_time_total", None) or getattr(evt, "self_cuda_time_total", 0) or 0)
+
+
+def profile_steps(step: Callable[[], object], n: int, device: torch.device, out_dir: Path) -> dict:
+    on_device = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_device else [])
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    def sync():
+        if on_device:
+            torch.cuda.synchronize(device)
+
+    sync()
+    with torch.profiler.profile(activities=activities) as prof:
+        started = time.perf_counter()
+        for _ in range(n):
+            step()
+        sync()
+        wall = time.perf_counter() - started
+    averages = prof.key_averages()
+    sort = "self_device_time_total" if on_device else "self_cpu_time_total"
+    (out_dir / "profile_table.txt").write_text(averages.table(sort_by=sort, row_limit=60, max_name_column_width=90))
+    trace = out_dir / "trace.json"
+    prof.export_chrome_trace(str(trace))
+    with trace.open("rb") as src, gzip.open(out_dir / "trace.json.gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    trace.unlink()
+
+    summary = {"steps": n, "wall_per_step_s": wall / n, "files": ["profile_table.txt", "trace.json.gz"]}
+    if not on_device:
+        top = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[:10]
+        summary["top_cpu_ops_s_per_step"] = {e.key: e.self_cpu_time_total / 1e6 / n for e in top}
+        return summary
+    kernels = [  # the device's own work; a user annotation's range (the optimizer's step) spans kernels counted here
+        e
+        for e in averages
+        if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+    ]
+    by_kind: dict[str, float] = {}
+    for e in kernels:
+        by_kind[kind_of(e.key)] = by_kind.get(kind_of(e.key), 0.0) + _self_device_us(e) / 1e6 / n
+    busy = sum(by_kind.values())
+    summary |= {
+        "device_busy_per_step_s": busy,
+        "device_idle_share": max(0.0, 1 - busy / (wall / n)) if wall else 0.0,
+        "kernels_per_step": sum(e.count for e in kernels) / n,
+        "device_s_per_step_by_kind": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
+        "top_kernels_s_per_step": {
+            e.key[:120]: _self_device_us(e) / 1e6 / n for e in sorted(kernels, key=_self_device_us, reverse=True)[:15]
+        },
+    }
+    return summary
+
+
+AREAS = (  # (name, a part of the source path): what a sampled stack passes through
+    ("dynamo", "torch/_dynamo/"),
+    ("aot_autograd", "torch/_functorch/"),
+    ("inductor", "torch/_inductor/"),
+    ("inductor: autotune", "select_algorithm"),
+    ("inductor: async compile wait", "async_compile"),
+    ("triton", "triton/"),
+    ("autograd engine", "torch/autograd/"),
+    ("cuda", "torch/cuda/"),
+    ("distributed", "torch/distributed/"),
+    ("plait", "plait/"),
+)
+
+
+class StackSampler:
+    """Where a long stretch of host time goes (the first step's compilation and set-up): a thread samples the
+    calling thread's Python stack every `interval_s` and counts each sample under its innermost `depth`
+    frames (file:function) and under every AREA its whole stack passes through (a sample in Inductor's code
+    generation called from AOTAutograd counts for both). Cheap enough to leave on around a cold start;
+    `top()` gives seconds per stack, `areas()` seconds per area."""
+
+    def __init__(self, interval_s: float = 0.1, depth: int = 4):
+        import threading
+
+        self.interval_s, self.depth = interval_s, depth
+        self.counts: dict[str, int] = {}
+        self.area_counts: dict[str, int] = {}
+        self.samples = 0
+        self._target = threading.get_ident()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="plait-stack-sampler", daemon=True)
+
+    def _run(self) -> None:
+        import sys
+
+        while not self._stop.wait(self.interval_s):
+            frame = sys._current_frames().get(self._target)
+            names, areas = [], set()
+            while frame is not None:
+                code = frame.f_code
+                if len(names) < self.depth:
+                    names.append(f"{Path(code.co_filename).name}:{code.co_name}")
+                path = code.co_filename.replace("\\", "/")
+                areas.update(area for area, part in AREAS if part in path)
+                frame = frame.f_back
+            key = " <- ".join(names)
+            self.counts[key] = self.counts.get(key, 0) + 1
+            for area in areas:
+                self.area_counts[area] = self.area_counts.get(area, 0) + 1
+            self.samples += 1
+
+    def __enter__(self) -> StackSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def areas(self) -> dict[str, float]:
+        ranked = sorted(self.area_counts.items(), key=lambda kv: -kv[1])
+        return {"sampled": self.samples * self.interval_s} | {a: c * self.interval_s for a, c in ranked}
+
+    def top(self, n: int = 15) -> dict[str, float]:
+        ranked = sorted(self.counts.items(), key=lambda kv: -kv[1])[:n]
+        return {stack: count * self.interval_s for stack, count in ranked}
