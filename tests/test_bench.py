@@ -36,6 +36,7 @@ def test_bench_reports_throughput_mfu_breakdown_and_memory(data_dir, tmp_path, c
         "3",
         "--warmup=1",
         f"--json={out}",
+        f"--profile={tmp_path / 'profile'}",
     ]
     assert main(args) == 0
     r = json.loads(out.read_text())
@@ -51,6 +52,14 @@ def test_bench_reports_throughput_mfu_breakdown_and_memory(data_dir, tmp_path, c
     assert r["first_step"]["from_process_start_s"] >= r["first_step"]["from_build_s"] > 0
     assert r["compile"] is None and "warm_start" not in r
     assert r["precision"] == "fp32"
+    prof = r["profile"]  # three more steps under torch's profiler, after every timed pass
+    assert prof["steps"] == 3 and prof["wall_per_step_s"] > 0 and "aten::mm" in prof["top_cpu_ops_s_per_step"]
+    assert {p.name for p in (tmp_path / "profile").iterdir()} == {
+        "profile_table.txt",
+        "trace.json.gz",
+        "first_step_stacks.json",
+    }
+    assert prof["first_step"]["sampled"] >= 0 and "aten::mm" in (tmp_path / "profile" / "profile_table.txt").read_text()
     printed = capsys.readouterr().err
     assert "tokens/s" in printed and "MFU" in printed and "exposed communication" in printed
 
