@@ -320,7 +320,8 @@ class CompileMonitor:
     @classmethod
     def start(cls, cfg: Config, device: torch.device, is_main: bool) -> CompileMonitor:
         """Set up before the model is built: float8 support, this process's private cache directory filled
-        with what verifies in compile.cache_dir, the mega-cache file."""
+        with what verifies in compile.cache_dir, Inductor's compile workers (on CUDA: started now, not at the
+        first compilation), the mega-cache file."""
         if not cfg.compile.enabled:
             return cls()
         if cfg.compile.float8 == "true":
@@ -337,6 +338,8 @@ class CompileMonitor:
                 stacklevel=2,
             )
         point_caches_at(work)
+        if device.type == "cuda":  # Triton's compile workers come up while the model builds (torch_private)
+            torch_private.warm_compile_workers()
         mega_cache = MegaCache(work / MEGA_CACHE_FILE)
         monitor = cls(enabled=True, strict=cfg.compile.strict, is_writer=is_main, mega_cache=mega_cache, store=store)
         monitor._seen = {_key(m) for m in torch_private.compilation_metrics()}

@@ -388,6 +388,17 @@ def compile_cache_counters() -> dict[str, int]:
     }
 
 
+def warm_compile_workers() -> None:
+    """Start Inductor's pool of Triton compile workers now. torch starts it at the first compilation, and until
+    its workers are up (a process that imports torch, then its workers) every kernel compiles in the main
+    process, one after another (`AsyncCompile.use_process_pool` is false while the pool is not ready). Called
+    before the model is built, the pool comes up while the model builds. torch's own guard applies: nothing
+    where Triton is not installed or TORCH_WARM_POOL=0."""
+    from torch._inductor.async_compile import maybe_warm_pool
+
+    maybe_warm_pool()
+
+
 def compilation_metrics() -> list:
     """Dynamo's record of recent compilations (frames and lazily compiled backward graphs), oldest first."""
     from torch._dynamo.utils import get_compilation_metrics
