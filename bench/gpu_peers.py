@@ -151,11 +151,8 @@ def main() -> int:
                 f"{name}: profile, ms a step: wall {1e3 * prof['wall_per_step_s']:,.0f}, device busy "
                 f"{1e3 * prof['device_busy_per_step_s']:,.0f} ({kinds}); {prof['kernels_per_step']:,.0f} kernels"
             )
-            if "first_step" in prof:
-                print(
-                    f"{name}: first step's host time, s: "
-                    + ", ".join(f"{k} {v:.1f}" for k, v in prof["first_step"].items())
-                )
+            for phase, areas in prof.get("startup", {}).items():
+                print(f"{name}: {phase} host time, s: " + ", ".join(f"{k} {v:.1f}" for k, v in areas.items()))
     a.json.parent.mkdir(parents=True, exist_ok=True)
     record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": SHAPE, "sides": results}
     a.json.write_text(json.dumps(record, indent=1) + "\n")

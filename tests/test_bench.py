@@ -57,9 +57,12 @@ def test_bench_reports_throughput_mfu_breakdown_and_memory(data_dir, tmp_path, c
     assert {p.name for p in (tmp_path / "profile").iterdir()} == {
         "profile_table.txt",
         "trace.json.gz",
-        "first_step_stacks.json",
+        "startup_stacks.json",
     }
-    assert prof["first_step"]["sampled"] >= 0 and "aten::mm" in (tmp_path / "profile" / "profile_table.txt").read_text()
+    assert (
+        set(prof["startup"]) == {"model_build", "first_step"}
+        and "aten::mm" in (tmp_path / "profile" / "profile_table.txt").read_text()
+    )
     printed = capsys.readouterr().err
     assert "tokens/s" in printed and "MFU" in printed and "exposed communication" in printed
 

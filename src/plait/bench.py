@@ -23,8 +23,8 @@ first step: the warm start a restarted job sees.
 
 With --profile DIR, three more steps run under torch's profiler (plait.profiling): its table and Chrome trace
 go to DIR, and the results gain where the device's time went by kind of kernel and how long it sat idle; the
-first step's host time is sampled too (DIR/first_step_stacks.json: seconds per area, Dynamo, AOTAutograd,
-Inductor, Triton, ..., and per stack).
+model build's and the first step's host time are sampled too (DIR/startup_stacks.json: seconds per area,
+Dynamo, AOTAutograd, Inductor, Triton, ..., and per stack).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import time
 
 _PROCESS_T0 = time.perf_counter()  # before torch is imported: time-to-first-step includes the imports
 
+import contextlib  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import statistics  # noqa: E402
@@ -102,10 +103,15 @@ def run_bench(cfg: Config, steps: int, warmup: int, profile_dir: Path | None = N
     dataset = TokenDataset(data_dir, "train")
     torch.manual_seed(cfg.run.seed)
 
+    # with --profile, where the start-up's host time goes, phase by phase (plait.profiling.StackSampler)
+    stacks: dict[str, dict] = {}
+    sampled = _sampler(stacks) if profile_dir is not None else lambda name: contextlib.nullcontext()
+
     t_build = time.perf_counter()
-    compiler = CompileMonitor.start(cfg, device, is_main=True)
-    t = build_trainable(cfg, device, on_model=lambda parts: apply_finetune(cfg, parts))  # one process
-    _sync(device)
+    with sampled("model_build"):
+        compiler = CompileMonitor.start(cfg, device, is_main=True)
+        t = build_trainable(cfg, device, on_model=lambda parts: apply_finetune(cfg, parts))  # one process
+        _sync(device)
     t_model = time.perf_counter()
     loader = TokenLoader(
         dataset,
@@ -119,16 +125,7 @@ def run_bench(cfg: Config, steps: int, warmup: int, profile_dir: Path | None = N
     built = time.perf_counter()
     try:
         x, y = next(loader)
-        if profile_dir is not None:  # where the first step's host time goes (compilation and set-up)
-            from plait.profiling import StackSampler
-
-            with StackSampler() as sampler:
-                train_step(t, x, y)
-                _sync(device)
-            first_step_stacks = {"areas_s": sampler.areas(), "top_stacks_s": sampler.top(25)}
-            profile_dir.mkdir(parents=True, exist_ok=True)
-            (profile_dir / "first_step_stacks.json").write_text(json.dumps(first_step_stacks, indent=1) + "\n")
-        else:
+        with sampled("first_step"):
             train_step(t, x, y)
             _sync(device)
         compiler.check(1)
@@ -160,7 +157,9 @@ def run_bench(cfg: Config, steps: int, warmup: int, profile_dir: Path | None = N
             from plait.profiling import profile_steps
 
             profile = profile_steps(lambda: train_step(t, *next(loader)), PROFILED_STEPS, device, profile_dir)
-            profile["first_step"] = first_step_stacks["areas_s"]
+            (profile_dir / "startup_stacks.json").write_text(json.dumps(stacks, indent=1) + "\n")
+            profile["startup"] = {phase: sampled_phase["areas_s"] for phase, sampled_phase in stacks.items()}
+            profile["files"].append("startup_stacks.json")
     finally:
         loader.close()
 
@@ -213,6 +212,19 @@ def run_bench(cfg: Config, steps: int, warmup: int, profile_dir: Path | None = N
         "threads": torch.get_num_threads(),
         "load_avg_1m": os.getloadavg()[0],
     }
+
+
+@contextlib.contextmanager
+def _sampled_into(stacks: dict, name: str):
+    from plait.profiling import StackSampler
+
+    with StackSampler() as sampler:
+        yield
+    stacks[name] = {"areas_s": sampler.areas(), "top_stacks_s": sampler.top(25)}
+
+
+def _sampler(stacks: dict):
+    return lambda name: _sampled_into(stacks, name)
 
 
 def _startup_phases(t0, imports, build, model, built, first_step, compiled: dict) -> dict:

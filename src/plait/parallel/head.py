@@ -2,8 +2,9 @@
 vocabulary (the output weight column-split, Shard(0)) and, with sequence parallelism, a slice of the sequence.
 
 Communication plan, over the tp axis, per micro-batch: one all-gather of the final norm's sequence shards
-(B, T/tp, dim) before the first chunk; per chunk two all-reduces of per-token statistics (the logits' max, then
-the sum of exponentials with the target's logit, which one rank holds): 3 x 4 bytes per token; one
+(B, T/tp, dim) before the first chunk; per chunk two all-reduces of per-token statistics (the max of the ranks'
+log-sum-exps, then the sum of their exponentials with the target's logit, which one rank holds): 3 x 4 bytes
+per token; one
 reduce-scatter of the input gradient (B, T, dim) back to sequence shards after the last chunk (each rank's
 gradient covers only its vocabulary: the sum over ranks is the gradient). The (B, T, V) logits are never
 gathered, as with loss-parallel cross-entropy; the weight gradient stays a vocabulary shard.
@@ -23,6 +24,8 @@ from plait.model.head import Shards, linear_cross_entropy
 class VocabShards(Shards):
     """Collectives of the fused head over the tp ranks: vocabulary rows vocab_start .. + V/tp here, the
     sequence split evenly (Shard(1), as sequence parallelism lays it out)."""
+
+    split = True
 
     def __init__(self, group: dist.ProcessGroup, vocab_start: int):
         self.group, self.vocab_start, self.size = group, vocab_start, dist.get_world_size(group)
