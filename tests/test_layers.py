@@ -22,6 +22,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "plait.data",
             "plait.storage",
             "plait.hardware",
+            "plait.profiling",
             "plait.torch_private",
             "plait.digest",
             "plait.trusted_dir",
