@@ -65,6 +65,7 @@ def test_bench_reports_throughput_mfu_breakdown_and_memory(data_dir, tmp_path, c
     )
     printed = capsys.readouterr().err
     assert "tokens/s" in printed and "MFU" in printed and "exposed communication" in printed
+    assert "profile (3 steps" in printed and "most CPU time: aten::" in printed
 
 
 @pytest.mark.parametrize(
@@ -73,6 +74,7 @@ def test_bench_reports_throughput_mfu_breakdown_and_memory(data_dir, tmp_path, c
         (["--parallel.tp_degree=2"], "plait bench runs one process"),
         (["--steps", "many"], "argument --steps: invalid int value: 'many'"),
         (["--steps=0"], "need --steps >= 1"),
+        ([f"--profile={__file__}"], "test_bench.py is a file; give a directory for the profile's files"),
     ],
 )
 def test_bench_refusals(args, message, capsys):

@@ -388,6 +388,11 @@ def print_report(r: dict) -> None:
             table.add_row("  warm / cold", f"{r['warm_over_cold']:.2f}", "first step from process start (goal <= 0.2)")
     console.print(table)
     prof = r.get("profile")
+    if prof and "top_cpu_ops_s_per_step" in prof:
+        console.print(
+            f"profile ({prof['steps']} steps, {prof['wall_per_step_s'] * 1e3:,.1f} ms a step), most CPU time: "
+            + ", ".join(f"{k} {v * 1e3:,.1f} ms" for k, v in list(prof["top_cpu_ops_s_per_step"].items())[:5])
+        )
     if prof and "device_s_per_step_by_kind" in prof:
         wall = prof["wall_per_step_s"]
         console.print(
@@ -417,6 +422,8 @@ def cmd_bench(argv: list[str]) -> int:
     steps, warmup, json_path, no_warm, quiet = a.steps, a.warmup, a.json, a.no_warm_run, a.quiet
     if steps < 1 or warmup < 0:
         raise ConfigError(f"need --steps >= 1 and --warmup >= 0 (got {steps}, {warmup})")
+    if a.profile and Path(a.profile).exists() and not Path(a.profile).is_dir():
+        raise ConfigError(f"--profile {a.profile} is a file; give a directory for the profile's files, e.g. prof/")
     if json_path and Path(json_path).is_dir():
         raise ConfigError(f"--json {json_path} is a directory; give a file path, e.g. {Path(json_path) / 'bench.json'}")
 
