@@ -271,6 +271,27 @@ def test_zero_bubble_with_the_fused_head_is_refused_where_torch_cannot_run_it(mo
     layout(*zero_bubble, "train.fused_head=false", world=2)  # the plain head runs there
 
 
+def test_the_planner_never_picks_a_schedule_this_torch_refuses(monkeypatch):
+    """The same rule in the planner's search: where zero bubble cannot run with the fused head, `--layout auto`
+    (plait.planner.search) does not offer it; with the plain head, or where torch runs it, it does."""
+    import plait.parallel.dims as dims
+    from plait.planner.cluster import get_cluster
+    from plait.planner.cost import SCHEDULES, Workload
+    from plait.planner.search import enumerate_layouts
+
+    cluster = get_cluster("h100", nodes=1, devices_per_node=8)
+
+    def schedules(fused_head: bool) -> set[str]:
+        work = Workload(preset_args("llama3-8b"), 4096, 32, "bf16", fused_head)
+        return {SCHEDULES[code] for code in set(enumerate_layouts(work, cluster).schedule.tolist())}
+
+    monkeypatch.setattr(dims, "weight_pass_takes_custom_functions", lambda: True)
+    assert "zero_bubble" in schedules(True)
+    monkeypatch.setattr(dims, "weight_pass_takes_custom_functions", lambda: False)
+    assert "zero_bubble" not in schedules(True) and "interleaved_1f1b" in schedules(True)
+    assert "zero_bubble" in schedules(False)
+
+
 def test_dp_shard_is_inferred():
     dims = layout("parallel.pp_degree=2", "parallel.tp_degree=2", world=16)
     assert (dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp) == (2, 1, 4, 2)

@@ -320,6 +320,18 @@ def pp_problem(m: ModelArgs, pp: int) -> str | None:
     return None
 
 
+def schedule_problem(schedule: str, fused_head: bool) -> str | None:
+    """Why this torch cannot run a pipeline schedule with this head (None: it can); shared by the runtime's
+    check and the planner's search, so `--layout auto` never picks what the run would refuse."""
+    if schedule == "zero_bubble" and fused_head and not weight_pass_takes_custom_functions():
+        return (
+            f"pp_schedule='zero_bubble' with train.fused_head=true does not run on torch {torch_version()}: its "
+            "weight pass cannot differentiate through the fused head (a custom autograd Function); set "
+            "train.fused_head=false, use pp_schedule='interleaved_1f1b', or upgrade torch to 2.12 or newer"
+        )
+    return None
+
+
 def validate_layout(cfg: Config, dims: ParallelDims) -> None:
     """Refuse layouts that cannot work, before any worker starts; each message names the setting to change."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
@@ -385,9 +397,6 @@ def validate_layout(cfg: Config, dims: ParallelDims) -> None:
                 "schedule computes weight gradients apart from their backward, so they accumulate unsharded; "
                 "use pp_schedule='interleaved_1f1b' or set it false"
             )
-        if p.pp_schedule == "zero_bubble" and cfg.train.fused_head and not weight_pass_takes_custom_functions():
-            raise ConfigError(
-                f"pp_schedule='zero_bubble' with train.fused_head=true does not run on torch {torch_version()}: its "
-                "weight pass cannot differentiate through the fused head (a custom autograd Function); set "
-                "train.fused_head=false, use pp_schedule='interleaved_1f1b', or upgrade torch to 2.12 or newer"
-            )
+        problem = schedule_problem(p.pp_schedule, cfg.train.fused_head)
+        if problem:
+            raise ConfigError(problem)

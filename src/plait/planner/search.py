@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from plait.errors import ConfigError
-from plait.parallel.dims import ParallelDims, cp_problem, ep_problem, pp_problem, tp_problem
+from plait.parallel.dims import ParallelDims, cp_problem, ep_problem, pp_problem, schedule_problem, tp_problem
 from plait.planner.cluster import Cluster, GiB
 from plait.planner.cost import AC_MODES, SCHEDULES, Layouts, Workload, evaluate
 
@@ -98,7 +98,7 @@ def enumerate_layouts(work: Workload, cluster: Cluster) -> Layouts:
             if batch % dp:
                 continue
             local = batch // dp
-            options = [(0, 1)] if pp == 1 else _schedules(pp, a.n_layers)
+            options = [(0, 1)] if pp == 1 else _schedules(pp, a.n_layers, work.fused_head)
             for shard, mb in itertools.product(divisors(dp), divisors(local)):
                 m = local // mb
                 for ep in _ep_degrees(a, shard, cp, tp):
@@ -157,11 +157,12 @@ def _cp_degrees(work: Workload, world: int) -> list[int]:
     return [c for c in divisors(world) if c == 1 or work.seq_len // c >= CP_MIN_LOCAL_TOKENS]
 
 
-def _schedules(pp: int, n_layers: int) -> list[tuple[int, int]]:
+def _schedules(pp: int, n_layers: int, fused_head: bool = True) -> list[tuple[int, int]]:
+    """(schedule code, virtual stages) worth searching; none that this torch refuses (schedule_problem)."""
     out = [(1, 1), (2, 1)]
     for v in VIRTUAL_STAGES:
         if pp * v <= n_layers:
-            out += [(3, v), (4, v)]
+            out += [(code, v) for code in (3, 4) if schedule_problem(SCHEDULES[code], fused_head) is None]
     return out
 
 
