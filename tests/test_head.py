@@ -167,3 +167,31 @@ def test_the_fusable_gradient_equals_the_scatter_one(vocab_start):
     got = chunk_gradient_fusable(logits, lse, targets, vocab_start, torch.float32)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-7)
     assert (want[[1, 4]] == 0).all() and (want[2, 0] < 0) and (want[3, 49] < 0)
+
+
+PATTERN_PROBE = """
+import torch, torch._inductor.config as config, torch._inductor.fx_passes.post_grad as post_grad
+from plait.model.head import chunk_statistics
+config.fx_graph_cache = False  # a cached graph skips the passes
+seen = []
+post_grad.prepare_softmax_extra_check = lambda match: seen.append(1) or False  # before the lazy registration
+logits = torch.randn(8, 300, dtype=torch.bfloat16)
+torch.compile(chunk_statistics, dynamic=False, fullgraph=True)(logits, torch.randint(0, 300, (8,)), 0)
+print(len(seen))
+"""
+
+
+def test_the_log_sum_exp_is_written_as_inductors_online_softmax_pattern():
+    """The compiled statistics must be one pass over the logits on a GPU: Inductor rewrites amax / sub / exp /
+    sum into its online softmax when they match its pattern (keepdim reductions). The CPU has no such kernel,
+    so the device check refuses it here, but only after the pattern matched: that call is what is counted."""
+    import subprocess
+    import sys
+
+    import torch._inductor.fx_passes.post_grad as post_grad
+
+    if not hasattr(post_grad, "prepare_softmax_extra_check"):
+        pytest.skip("this torch has no online-softmax rewrite")
+    proc = subprocess.run([sys.executable, "-c", PATTERN_PROBE], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split()[-1] == "1", proc.stdout

@@ -65,14 +65,18 @@ def chunk_statistics(logits: torch.Tensor, targets: torch.Tensor, vocab_start: i
     """Per token of a chunk (logits (n, V_local) in the compute dtype): the log-sum-exp of this rank's logits and
     the target's logit where this rank holds it (else 0), both fp32. One pass over the logits once compiled
     (Inductor's online softmax keeps the running max and sum together; measured on an H200 the max and the sum
-    as two functions were two passes, 0.16 + 0.19 ms a 2,048-token chunk of llama3-1b). Eager: one (n, V) fp32
-    temporary, updated in place."""
+    as two functions were two passes, 0.16 + 0.19 ms a 2,048-token chunk of llama3-1b). Eager: two (n, V) fp32
+    temporaries at once (the fp32 copy of bf16 logits, its shifted exponentials), as before."""
     local = targets - vocab_start
     here = (local >= 0) & (local < logits.shape[1])
     picked = logits.gather(1, local.clamp(0, logits.shape[1] - 1)[:, None]).squeeze(1).float()
-    top = logits.float().amax(dim=1)
-    shifted = logits.float() - top[:, None]
-    return top + shifted.exp_().sum(dim=1).log(), torch.where(here, picked, 0.0)
+    x = logits.float()
+    # written as Inductor's softmax pattern (amax and sum with keepdim) so that its online-softmax rewrite
+    # (torch/_inductor/fx_passes/post_grad.py, prepare_softmax_pattern; Triton only) finds it: checked on the
+    # CPU (the pattern matches; only its device check refuses there), while without keepdim it does not match
+    top = x.amax(dim=1, keepdim=True)
+    total = (x - top).exp_().sum(dim=1, keepdim=True)  # in place: at most two (n, V) fp32 temporaries
+    return (top + total.log()).squeeze(1), torch.where(here, picked, 0.0)
 
 
 def combine_statistics(lse: torch.Tensor, picked: torch.Tensor, shards: Shards):
