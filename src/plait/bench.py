@@ -34,6 +34,7 @@ import time
 _PROCESS_T0 = time.perf_counter()  # before torch is imported: time-to-first-step includes the imports
 
 import contextlib  # noqa: E402
+import functools  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import statistics  # noqa: E402
@@ -105,7 +106,9 @@ def run_bench(cfg: Config, steps: int, warmup: int, profile_dir: Path | None = N
 
     # with --profile, where the start-up's host time goes, phase by phase (plait.profiling.StackSampler)
     stacks: dict[str, dict] = {}
-    sampled = _sampler(stacks) if profile_dir is not None else lambda name: contextlib.nullcontext()
+    sampled = (
+        functools.partial(_sampled_into, stacks) if profile_dir is not None else lambda name: contextlib.nullcontext()
+    )
 
     t_build = time.perf_counter()
     with sampled("model_build"):
@@ -221,10 +224,6 @@ def _sampled_into(stacks: dict, name: str):
     with StackSampler() as sampler:
         yield
     stacks[name] = {"areas_s": sampler.areas(), "top_stacks_s": sampler.top(25)}
-
-
-def _sampler(stacks: dict):
-    return lambda name: _sampled_into(stacks, name)
 
 
 def _startup_phases(t0, imports, build, model, built, first_step, compiled: dict) -> dict:
