@@ -42,8 +42,9 @@ def sides(
 ) -> dict[str, list[str]]:
     common = [f"--steps={steps}", f"--warmup={warmup}"]
     shape = [f"--seq={SHAPE['seq']}", f"--mb={SHAPE['mb']}", f"--accum={SHAPE['accum']}"]
-    bench = [sys.executable, "-m", "plait.cli", "bench", *PLAIT_JOB, *common, "--no-warm-run", "--quiet"]
-    plait = [a for a in bench if a != "--no-warm-run" or not warm_run] + ([f"--profile={profile}"] if profile else [])
+    bench = [sys.executable, "-m", "plait.cli", "bench", *PLAIT_JOB, *common, "--quiet"]
+    plait = [*bench, *([] if warm_run else ["--no-warm-run"]), *([f"--profile={profile}"] if profile else [])]
+    bench.append("--no-warm-run")
     out = {
         "bare-model": [sys.executable, str(peers / "bare_llama.py"), "--compile=model", *shape, *common],
         "bare-block": [sys.executable, str(peers / "bare_llama.py"), "--compile=block", *shape, *common],
@@ -113,6 +114,8 @@ def main() -> int:
         return 0
     import torch
 
+    from plait.profiling import describe
+
     if not torch.cuda.is_available():
         print("bench/gpu_peers.py needs a CUDA GPU (the peers are GPU programs); --dry-run prints the commands")
         return 2
@@ -145,12 +148,8 @@ def main() -> int:
                 f"start-up {', '.join(f'{k} {v:.1f}' for k, v in r['startup_s'].items())}"
             )
         prof = r.get("profile", {})
-        if "device_s_per_step_by_kind" in prof:
-            kinds = ", ".join(f"{k} {1e3 * v:,.0f}" for k, v in prof["device_s_per_step_by_kind"].items())
-            print(
-                f"{name}: profile, ms a step: wall {1e3 * prof['wall_per_step_s']:,.0f}, device busy "
-                f"{1e3 * prof['device_busy_per_step_s']:,.0f} ({kinds}); {prof['kernels_per_step']:,.0f} kernels"
-            )
+        if prof:
+            print(f"{name}: {describe(prof)}")
             for phase, areas in prof.get("startup", {}).items():
                 print(f"{name}: {phase} host time, s: " + ", ".join(f"{k} {v:.1f}" for k, v in areas.items()))
     a.json.parent.mkdir(parents=True, exist_ok=True)

@@ -69,3 +69,20 @@ Current thread 0x00007f0000000001 (most recent call first):
     sampler = StackSampler(interval_s=0.5)
     sampler._count(_thread_frames(dump, "0x00007f0000000001"))
     assert sampler.areas() == {"sampled": 0.5, "inductor": 0.5, "plait": 0.5}
+
+
+def test_a_device_profile_is_described_in_one_line():
+    from plait.profiling import describe
+
+    summary = {
+        "steps": 3,
+        "wall_per_step_s": 0.5,
+        "kernels_per_step": 6059.0,
+        "device_busy_per_step_s": 0.49,
+        "device_idle_share": 0.02,
+        "device_s_per_step_by_kind": {"matmul": 0.322, "attention": 0.052},
+    }
+    assert describe(summary) == (
+        "profile (3 steps, 6,059 kernels a step): device busy 490.0 of 500.0 ms a step, idle 2.0%; "
+        "matmul 322.0 ms, attention 52.0 ms"
+    )

@@ -386,20 +386,10 @@ def print_report(r: dict) -> None:
             )
             table.add_row("  warm / cold", f"{r['warm_over_cold']:.2f}", "first step from process start (goal <= 0.2)")
     console.print(table)
-    prof = r.get("profile")
-    if prof and "top_cpu_ops_s_per_step" in prof:
-        console.print(
-            f"profile ({prof['steps']} steps, {prof['wall_per_step_s'] * 1e3:,.1f} ms a step), most CPU time: "
-            + ", ".join(f"{k} {v * 1e3:,.1f} ms" for k, v in list(prof["top_cpu_ops_s_per_step"].items())[:5])
-        )
-    if prof and "device_s_per_step_by_kind" in prof:
-        wall = prof["wall_per_step_s"]
-        console.print(
-            f"profile ({prof['steps']} steps, {prof['kernels_per_step']:,.0f} kernels a step): device busy "
-            f"{prof['device_busy_per_step_s'] * 1e3:,.1f} of {wall * 1e3:,.1f} ms a step, idle "
-            f"{100 * prof['device_idle_share']:.1f}%; "
-            + ", ".join(f"{k} {v * 1e3:,.1f} ms" for k, v in prof["device_s_per_step_by_kind"].items())
-        )
+    if r.get("profile"):
+        from plait.profiling import describe
+
+        console.print(describe(r["profile"]))
 
 
 def cmd_bench(argv: list[str]) -> int:

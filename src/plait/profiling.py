@@ -91,6 +91,23 @@ def profile_steps(step: Callable[[], object], n: int, device: torch.device, out_
     return summary
 
 
+def describe(summary: dict) -> str:
+    """One line of what profile_steps found: on a device, busy vs wall, idle share and time by kind of kernel;
+    on a CPU, the ops that took the time."""
+    wall, n = summary["wall_per_step_s"], summary["steps"]
+    if "device_s_per_step_by_kind" not in summary:
+        ops = list(summary["top_cpu_ops_s_per_step"].items())[:5]
+        return f"profile ({n} steps, {wall * 1e3:,.1f} ms a step), most CPU time: " + ", ".join(
+            f"{k} {v * 1e3:,.1f} ms" for k, v in ops
+        )
+    return (
+        f"profile ({n} steps, {summary['kernels_per_step']:,.0f} kernels a step): device busy "
+        f"{summary['device_busy_per_step_s'] * 1e3:,.1f} of {wall * 1e3:,.1f} ms a step, idle "
+        f"{100 * summary['device_idle_share']:.1f}%; "
+        + ", ".join(f"{k} {v * 1e3:,.1f} ms" for k, v in summary["device_s_per_step_by_kind"].items())
+    )
+
+
 AREAS = (  # (name, a part of the source path): what a sampled stack passes through
     ("dynamo", "torch/_dynamo/"),
     ("aot_autograd", "torch/_functorch/"),
