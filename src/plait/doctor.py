@@ -108,7 +108,7 @@ def print_report(report: HealthReport, dims: ParallelDims, iters: int) -> None:
         "host",
         "device",
         "time (ms)",
-        "best",
+        "slowed",
         "TFLOP/s",
         "max rel err",
         "checksum err",
@@ -122,7 +122,7 @@ def print_report(report: HealthReport, dims: ParallelDims, iters: int) -> None:
             status = ("" if status == "ok" else status + ", ") + f"SHARED {contended[c.rank]:.1f}x"
         bits = c.fingerprint + (" (differs)" if c.rank in differ else "")
         table.add_row(
-            str(c.rank), c.host, c.device, f"{1e3 * c.seconds:.2f}", f"{1e3 * c.best_seconds:.2f}", f"{c.tflops:.3f}",
+            str(c.rank), c.host, c.device, f"{1e3 * c.seconds:.2f}", f"{c.contention:.2f}x", f"{c.tflops:.3f}",
             f"{c.matmul_err:.1e}", f"{c.checksum_err:.1e}", bits, status,
         )  # fmt: skip
     console.print(table)

@@ -67,11 +67,16 @@ class ComputeResult:
     matmul_err: float  # max |C - C_fp64| / max |C_fp64|
     checksum_err: float  # column sums of C against (column sums of A) @ B, relative
     fingerprint: str  # hash of C's bytes: equal devices should agree bit for bit
-    best_seconds: float = 0.0  # the fastest repetition: far below the median when the device is shared
+    best_seconds: float = 0.0  # the fastest repetition: far below the median when a GPU is shared
+    cpu_contention: float | None = None  # CPU ranks on Linux: see run_queue_contention
 
     @property
-    def unsteady(self) -> float:
-        """median / best time: about 1 on a device of its own, ~2 when another process takes turns on it."""
+    def contention(self) -> float:
+        """How much slower than on a device of its own: about 1 alone, ~2 when another process takes turns.
+        A CPU rank: the scheduler's own account of its threads (run_queue_contention). Otherwise median / best
+        time, a weaker sign: a matmul shorter than a time slice often runs whole between turns."""
+        if self.cpu_contention is not None:
+            return self.cpu_contention
         return self.seconds / self.best_seconds if self.best_seconds > 0 else 1.0
 
     @property
@@ -89,7 +94,44 @@ class ComputeResult:
 
 TIMING_WINDOW_S = 0.1  # long enough that a task sharing the core shows (see check_compute)
 MAX_REPS = 2000
-UNSTEADY_RATIO = 1.5  # median / best time of one rank's matmuls above this: something shares its device
+# contention above this: something shares the rank's device. On a CPU the measure is exact (alone 1.00, beside a
+# busy loop on its core 1.96-2.04, 2-core VM); a GPU's median / best swings more (1.2 alone is common).
+SHARED_CPU = 1.3
+SHARED_GPU = 1.5
+BUSY_THREAD = 0.1  # threads that ran less than this share of the window (idle helpers) are not judged
+
+
+def _schedstat() -> dict[str, tuple[int, int]]:
+    """This process's threads: tid -> (ns on a CPU, ns waiting on a run queue), from Linux's schedstat;
+    empty where the kernel does not expose it."""
+    out = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                run, wait = f.read().split()[:2]
+            out[tid] = (int(run), int(wait))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def run_queue_contention(before: dict, after: dict, wall_s: float) -> float | None:
+    """(time on a CPU + time ready but waiting for one) / time on a CPU, for the busiest-hit thread that ran
+    at least BUSY_THREAD of the window: 1.0 on cores of its own, 2.0 beside one busy loop. Sleeping is not
+    waiting, so a rank that blocks (a barrier, an injected delay) is not counted as shared. Measured on a
+    2-core VM, 512x512 matmuls over 0.1 s: alone 1.00-1.04 (1 and 2 threads); pinned beside a busy loop
+    1.98-2.07; 2 threads with a busy loop on one core 1.99-2.11 for the thread that shares it."""
+    worst = None
+    for tid, (run1, wait1) in after.items():
+        run0, wait0 = before.get(tid, (run1, wait1))
+        ran = run1 - run0
+        if ran > 0 and ran >= BUSY_THREAD * wall_s * 1e9:
+            worst = max(worst or 0.0, (ran + wait1 - wait0) / ran)
+    return worst
 
 
 def check_compute(
@@ -103,11 +145,11 @@ def check_compute(
     """A seeded fp32 matmul on this device, timed and compared with an fp64 reference and an ABFT checksum
     (the column sums of C must equal the column sums of A times B).
 
-    Timing: at least `reps` matmuls and at least `min_seconds` of them back to back, reported as the median.
-    Not the best: a process that shares its core with a CPU hog runs its first few matmuls at full speed
-    (the scheduler favours a task that just woke from a barrier) and half speed after; measured on a 2-core
-    VM, a 512x512 matmul pinned to a core beside a busy loop: best of 5 3.0-3.5 ms as without the hog,
-    median over 0.1 s 7.0 ms (over 1 s, the same).
+    Timing: at least `reps` matmuls and at least `min_seconds` of them back to back, reported as the median
+    (not the best: beside a CPU hog the first matmuls after a barrier run at full speed). Whether another
+    process shares a CPU rank's cores is read from the scheduler (run_queue_contention), not guessed from the
+    spread of times: a 512x512 matmul (1.6-3 ms) often fits inside one time slice, and on a 2-core VM beside
+    a busy loop its median / best was anywhere from 1.04 to 6.3.
 
     turns=(local_rank, local_world_size): processes that share the CPU time their matmul one at a time
     (a barrier over the world between turns), or the timings would measure each other."""
@@ -117,10 +159,11 @@ def check_compute(
     a = torch.randn(size, size, generator=gen).to(device)
     b = torch.randn(size, size, generator=gen).to(device)
     with _highest_precision():
-        times, c = [], None
+        times, c, contention = [], None, None
         for turn in range(turns[1] if turns else 1):
             if turns is None or turn == turns[0]:
-                end = time.perf_counter() + min_seconds
+                begin, sched = time.perf_counter(), _schedstat()
+                end = begin + min_seconds
                 while len(times) < reps or (time.perf_counter() < end and len(times) < MAX_REPS):
                     _sync(device)
                     start = time.perf_counter()
@@ -129,6 +172,8 @@ def check_compute(
                         time.sleep(slow[1] or 1.0)
                     _sync(device)
                     times.append(time.perf_counter() - start)
+                if device.type == "cpu" and sched:
+                    contention = run_queue_contention(sched, _schedstat(), time.perf_counter() - begin)
             if turns is not None:
                 dist.barrier()
         if bad is not None and bad[0] == rank:
@@ -144,7 +189,9 @@ def check_compute(
     fingerprint = hashlib.sha1(c.cpu().numpy().tobytes()).hexdigest()[:10]
     name = device_info(device).name
     median, best = statistics.median(times), min(times)
-    return ComputeResult(rank, socket.gethostname(), name, size, median, errs[0], errs[1], fingerprint, best)
+    return ComputeResult(
+        rank, socket.gethostname(), name, size, median, errs[0], errs[1], fingerprint, best, contention
+    )
 
 
 @contextlib.contextmanager
@@ -318,18 +365,25 @@ class HealthReport:
         return out
 
     def contended(self) -> dict[int, float]:
-        """Ranks whose matmul time swings (median over UNSTEADY_RATIO x best): rank -> median / best."""
-        return {c.rank: c.unsteady for c in self.compute if c.unsteady > UNSTEADY_RATIO}
+        """Ranks that share their device with another process: rank -> contention (see ComputeResult)."""
+        return {
+            c.rank: c.contention
+            for c in self.compute
+            if c.contention > (SHARED_CPU if c.cpu_contention is not None else SHARED_GPU)
+        }
 
     def problems(self) -> list[str]:
         by_rank = {c.rank: c for c in self.compute}
         lines = [f"rank {r} ({_where(by_rank.get(r))}): {'; '.join(why)}" for r, why in sorted(self.wrong().items())]
         for r, ratio in sorted(self.contended().items()):
             c = by_rank[r]
+            if c.cpu_contention is not None:
+                seen = f"its threads waited for a core {100 * (1 - 1 / ratio):.0f}% of the matmul window"
+            else:
+                seen = f"its matmul takes {1e3 * c.best_seconds:.1f} ms at best but {1e3 * c.seconds:.1f} ms typically"
             lines.append(
-                f"rank {r} ({_where(c)}) shares its device: its matmul takes {1e3 * c.best_seconds:.1f} ms at best "
-                f"but {1e3 * c.seconds:.1f} ms typically ({ratio:.1f}x); another process is using its cores or GPU "
-                f"(see top / nvidia-smi)"
+                f"rank {r} ({_where(c)}) shares its device: {seen} ({ratio:.1f}x slower); another process is using "
+                f"its cores or GPU (see top / nvidia-smi)"
             )
         for r, ratio in sorted(self.slow().items()):
             c = by_rank[r]
