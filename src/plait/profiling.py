@@ -126,64 +126,62 @@ class StackSampler:
     """Where a long stretch of host time goes (the first step's compilation and set-up): the calling thread's
     Python stack every `interval_s`, counted under its innermost `depth` frames (file:function) and under every
     AREA its whole stack passes through (a sample in Inductor's code generation called from AOTAutograd counts
-    for both). The samples are taken by faulthandler's watchdog, a C thread that needs no GIL: native code that
-    holds the GIL (measured on an H200: a sampler thread in Python saw 13 s of a 67 s first step) is sampled
-    too, under its innermost Python frame. `top()` gives seconds per stack, `areas()` seconds per area."""
+    for both). Each sample is weighted by the wall time since the one before: native code that holds the GIL
+    keeps the sampler thread waiting, and the stack it then sees is the one that made that native call, so
+    those seconds land where they were spent (counting samples instead saw 13 s of a 67 s first step on an
+    H200). Not faulthandler's GIL-free watchdog: it reads frames that the running thread frees (Dynamo makes
+    and drops code objects) and crashed every compiled first step on a CPU. `top()` gives seconds per stack,
+    `areas()` seconds per area."""
 
     def __init__(self, interval_s: float = 0.25, depth: int = 4):
         import threading
 
         self.interval_s, self.depth = interval_s, depth
-        self.counts: dict[str, int] = {}
-        self.area_counts: dict[str, int] = {}
+        self.seconds: dict[str, float] = {}
+        self.area_seconds: dict[str, float] = {}
+        self.sampled_s = 0.0
         self.samples = 0
-        self._thread = f"0x{threading.get_ident():016x}"
+        self._target = threading.get_ident()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="plait-stack-sampler", daemon=True)
 
     def __enter__(self) -> StackSampler:
-        import faulthandler
-        import tempfile
-
-        self._file = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed in __exit__)
-        faulthandler.dump_traceback_later(self.interval_s, repeat=True, file=self._file)
+        self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
-        import faulthandler
+        self._stop.set()
+        self._thread.join()
 
-        faulthandler.cancel_dump_traceback_later()
-        self._file.seek(0)
-        for sample in self._file.read().split("Timeout (")[1:]:
-            self._count(_thread_frames(sample, self._thread))
-        self._file.close()
+    def _run(self) -> None:
+        import sys
+        import time
 
-    def _count(self, frames: list[tuple[str, str]]) -> None:
-        """frames: (path, function), innermost first."""
+        last = time.perf_counter()
+        while not self._stop.wait(self.interval_s):
+            frame = sys._current_frames().get(self._target)
+            now = time.perf_counter()
+            frames = []
+            while frame is not None:
+                frames.append((frame.f_code.co_filename, frame.f_code.co_name))
+                frame = frame.f_back
+            self._count(frames, now - last)
+            last = now
+
+    def _count(self, frames: list[tuple[str, str]], seconds: float) -> None:
+        """frames: (path, function), innermost first, standing for `seconds` of wall time."""
         if not frames:
             return
         key = " <- ".join(f"{Path(path).name}:{func}" for path, func in frames[: self.depth])
-        self.counts[key] = self.counts.get(key, 0) + 1
+        self.seconds[key] = self.seconds.get(key, 0.0) + seconds
         for area in {area for area, part in AREAS for path, _ in frames if part in path.replace("\\", "/")}:
-            self.area_counts[area] = self.area_counts.get(area, 0) + 1
+            self.area_seconds[area] = self.area_seconds.get(area, 0.0) + seconds
+        self.sampled_s += seconds
         self.samples += 1
 
     def areas(self) -> dict[str, float]:
-        ranked = sorted(self.area_counts.items(), key=lambda kv: -kv[1])
-        return {"sampled": self.samples * self.interval_s} | {a: c * self.interval_s for a, c in ranked}
+        ranked = sorted(self.area_seconds.items(), key=lambda kv: -kv[1])
+        return {"sampled": self.sampled_s} | dict(ranked)
 
     def top(self, n: int = 15) -> dict[str, float]:
-        ranked = sorted(self.counts.items(), key=lambda kv: -kv[1])[:n]
-        return {stack: count * self.interval_s for stack, count in ranked}
-
-
-def _thread_frames(dump: str, thread: str) -> list[tuple[str, str]]:
-    """One faulthandler dump's frames of `thread` ("0x..." as it prints thread ids): (path, function) pairs,
-    innermost first."""
-    frames, inside = [], False
-    for line in dump.splitlines():
-        if line.startswith(("Thread 0x", "Current thread 0x")):
-            inside = thread in line
-            continue
-        if inside and line.startswith('  File "'):
-            path, _, rest = line[len('  File "') :].partition('"')
-            frames.append((path, rest.rsplit(" in ", 1)[-1].strip()))
-    return frames
+        return dict(sorted(self.seconds.items(), key=lambda kv: -kv[1])[:n])
