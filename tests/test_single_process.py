@@ -156,6 +156,24 @@ print(checked)
 """
 
 
+def test_initial_values_do_not_depend_on_the_threads_that_draw_them(monkeypatch):
+    """init_rows draws its blocks on several threads at once: the values are those of one thread, bitwise,
+    for a whole parameter and for rows that start and stop inside blocks."""
+    import plait.model.llama as llama
+
+    monkeypatch.setattr(llama, "INIT_BLOCK_ELEMENTS", 640)  # 10 rows of 64 a block: 13 blocks
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        serial = llama.init_rows((128, 64), 0.02, 7, 0, 128)
+        torch.set_num_threads(4)
+        assert torch.equal(llama.init_rows((128, 64), 0.02, 7, 0, 128), serial)
+        assert torch.equal(llama.init_rows((128, 64), 0.02, 7, 15, 93), serial[15:93])
+    finally:
+        torch.set_num_threads(threads)
+    assert serial.abs().max() <= 0.06 and 0.015 < serial.std() < 0.02  # N(0, 0.02) cut at 3 sigma
+
+
 @pytest.mark.parametrize(
     "layout",
     [

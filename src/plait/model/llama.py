@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import torch
@@ -447,15 +448,31 @@ draws little beyond it, large enough that the per-block generator set-up costs n
 
 def init_rows(shape: tuple[int, ...], std: float, seed: int, start: int, stop: int) -> torch.Tensor:
     """Rows start:stop of a parameter's initial value. Block b covers rows [b*R, (b+1)*R) with R fixed by the
-    global shape, and is drawn from its own generator, so the result is the same whichever rows are asked."""
+    global shape, and is drawn from its own generator, so the result is the same whichever rows are asked.
+    The blocks are drawn on torch's intra-op thread count of threads at once (each its own generator, so the
+    values do not depend on the order): a CPU generator draws on one core, and drawing a 1B model's weights
+    one block after another took 22 s of a 36 s build on a 2-core VM (2 threads: 1.7x faster there)."""
     row = math.prod(shape[1:])
     per_block = max(1, INIT_BLOCK_ELEMENTS // max(1, row))
     out = torch.empty((stop - start, *shape[1:]), dtype=torch.float32)
-    for b in range(start // per_block, -(-stop // per_block)):
+
+    def draw(b: int) -> None:
         lo, hi = b * per_block, min((b + 1) * per_block, shape[0])
-        block = _trunc_normal((hi - lo, *shape[1:]), std, _name_seed(seed, f"block{b}"))
         a, z = max(lo, start), min(hi, stop)
-        out[a - start : z - start] = block[a - lo : z - lo]
+        if (a, z) == (lo, hi):  # the whole block: drawn in place
+            _trunc_normal_(out[a - start : z - start], std, _name_seed(seed, f"block{b}"))
+        else:
+            block = _trunc_normal_(torch.empty((hi - lo, *shape[1:])), std, _name_seed(seed, f"block{b}"))
+            out[a - start : z - start] = block[a - lo : z - lo]
+
+    blocks = range(start // per_block, -(-stop // per_block))
+    workers = min(len(blocks), torch.get_num_threads())
+    if workers > 1:
+        with ThreadPoolExecutor(workers, thread_name_prefix="plait-init") as pool:
+            list(pool.map(draw, blocks))
+    else:
+        for b in blocks:
+            draw(b)
     return out
 
 
@@ -476,7 +493,6 @@ def _name_seed(seed: int, name: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") >> 1
 
 
-def _trunc_normal(shape, std: float, seed: int) -> torch.Tensor:
+def _trunc_normal_(out: torch.Tensor, std: float, seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
-    out = torch.empty(shape, dtype=torch.float32)
     return nn.init.trunc_normal_(out, std=std, a=-3 * std, b=3 * std, generator=gen)
