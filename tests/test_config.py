@@ -29,7 +29,9 @@ def test_resolution_order_preset_then_file_then_overrides(tmp_path):
 @pytest.mark.parametrize(
     "override,message",
     [
-        ("optim.lrr=1", r"unknown setting 'optim.lrr'; did you mean 'lr'\?"),
+        ("optim.lrr=1", r"unknown setting 'optim.lrr'; did you mean 'optim.lr'\?"),
+        ("log.every=5", r"unknown setting 'log.every'; did you mean 'log.every_steps'\?"),
+        ("train.lr=1", r"unknown setting 'train.lr'; did you mean 'optim.lr'\?"),
         ("optimizer.lr=1", r"unknown config section 'optimizer'; did you mean 'optim'\?"),
         ("optim.lr=fast", r"optim.lr expects a number, got 'fast'"),
         ("optim.lr=-1", r"optim.lr=-1.0 must be positive"),

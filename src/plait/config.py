@@ -368,6 +368,18 @@ def _check_section(section: str) -> None:
         raise ConfigError(f"unknown config section {section!r}{_suggest(section, SECTIONS)}")
 
 
+def _suggest_setting(section: str, name: str, valid: list[str]) -> str:
+    """A close name in the same section, else the same name in another section (train.lr -> optim.lr),
+    always spelt in full as it is typed: section.key."""
+    close = difflib.get_close_matches(name, valid, n=1)
+    if close:
+        return f"; did you mean '{section}.{close[0]}'?"
+    elsewhere = [f"{other}.{name}" for other, kind in SECTIONS.items() if name in _hints(kind)]
+    if elsewhere:
+        return f"; did you mean {' or '.join(repr(e) for e in elsewhere)}?"
+    return f"; valid: {', '.join(f'{section}.{v}' for v in sorted(valid))}"
+
+
 def _suggest(word: str, options) -> str:
     close = difflib.get_close_matches(word, list(options), n=1)
     return f"; did you mean {close[0]!r}?" if close else f"; valid: {', '.join(sorted(options))}"
@@ -387,7 +399,7 @@ def _build(values: dict[str, dict[str, Any]]) -> Config:
         for name, raw in body.items():
             if name not in hints:
                 valid = list(hints) + (["preset"] if section == "model" else [])
-                raise ConfigError(f"unknown setting '{section}.{name}'{_suggest(name, valid)}")
+                raise ConfigError(f"unknown setting '{section}.{name}'{_suggest_setting(section, name, valid)}")
             setattr(target, name, _convert(f"{section}.{name}", raw, hints[name]))
     return cfg
 
