@@ -88,3 +88,18 @@ def test_option_surface_snapshot():
     snapshot = Path(__file__).with_name("options.txt")
     current = "\n".join(sorted(re.findall(r"--(\w+\.\w+) ", options_help()))) + "\n"
     assert current == snapshot.read_text(), "the option list changed: update tests/options.txt"
+
+
+def test_a_warmup_as_long_as_the_run_is_warned_about():
+    """The defaults' 30 warm-up steps on a 20-step run: the LR never reaches optim.lr nor decays. Said at
+    start-up (a warning, not a refusal: a deliberately short probe is legitimate), with a value that works."""
+    from plait.config import OptimConfig
+    from plait.optim import lr_factor, schedule_problem
+
+    cfg = OptimConfig(lr=3e-3, warmup_steps=30)
+    problem = schedule_problem(cfg, 20)
+    top = lr_factor(19, cfg=cfg, total_steps=20) * 3e-3
+    assert top < 3e-3 and f"(to {top:.2e} at the last step, below optim.lr=0.003)" in problem
+    assert "optim.warmup_steps=30 is not below train.steps=20" in problem and "(e.g. 2)" in problem
+    assert schedule_problem(OptimConfig(warmup_steps=2), 20) is None
+    assert schedule_problem(OptimConfig(warmup_steps=0), 1) is None

@@ -53,5 +53,17 @@ def lr_factor(step: int, *, cfg: OptimConfig, total_steps: int) -> float:
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def schedule_problem(cfg: OptimConfig, total_steps: int) -> str | None:
+    """A schedule that never reaches its peak: warm-up as long as the run (a short fine-tune on the defaults)."""
+    if cfg.warmup_steps >= total_steps:
+        top = lr_factor(total_steps - 1, cfg=cfg, total_steps=total_steps) * cfg.lr
+        return (
+            f"optim.warmup_steps={cfg.warmup_steps} is not below train.steps={total_steps}: the learning rate only "
+            f"warms up (to {top:.2e} at the last step, below optim.lr={cfg.lr:g}) and never decays; set "
+            f"optim.warmup_steps below train.steps (e.g. {min(total_steps - 1, max(1, total_steps // 10))})"
+        )
+    return None
+
+
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int) -> LambdaLR:
     return LambdaLR(optimizer, partial(lr_factor, cfg=cfg, total_steps=total_steps))

@@ -12,7 +12,8 @@ from typing import Any
 
 from plait.callbacks import Callback
 from plait.hardware import device_info, memory_stats
-from plait.metrics import info
+from plait.metrics import info, warn
+from plait.optim import schedule_problem
 from plait.plot import write_run_plot
 
 
@@ -31,6 +32,8 @@ class StepMetrics(Callback):
                 f"plait: {params / 1e6:.2f}M parameters, {env.world_size} x {dev.name} ({env.device}) as "
                 f"{layout}, {cfg.train.steps} steps x {self.tokens_per_step:,} tokens, {source}"
             )
+            if problem := schedule_problem(cfg.optim, cfg.train.steps):
+                warn(problem)
         self._mark(run.state.step)
         run.metrics.advance(run.state.step)
 
