@@ -195,3 +195,26 @@ def test_the_log_sum_exp_is_written_as_inductors_online_softmax_pattern():
     proc = subprocess.run([sys.executable, "-c", PATTERN_PROBE], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split()[-1] == "1", proc.stdout
+
+
+def test_the_one_pass_eager_path_equals_statistics_then_gradient():
+    """Where one rank holds the whole vocabulary, eager, the loss and its gradient come from one log-softmax;
+    they equal the two-pass path that a split vocabulary uses (statistics, then the gradient), unscored tokens
+    included, and a target far below the top logit (exp underflows in fp32) still has its finite loss."""
+    from plait.model.head import chunk_gradient, chunk_loss_and_gradient, chunk_statistics
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(40, 97, generator=g) * 4
+    y = torch.randint(0, 97, (40,), generator=g)
+    y[:5] = IGNORE_INDEX
+    logits[7, y[7]] = -200.0  # softmax gives 0 here; log-softmax gives about -200
+    lse, picked = chunk_statistics(logits, y, 0)
+    want_loss = torch.where(y != IGNORE_INDEX, lse - picked, 0.0).sum()
+    want_grad = chunk_gradient(logits, lse, y, 0, torch.float32)
+    loss, grad = chunk_loss_and_gradient(logits, y, grads=True)
+    assert torch.isfinite(loss) and loss.item() > 200
+    torch.testing.assert_close(loss, want_loss, rtol=FP32_RTOL, atol=0)
+    torch.testing.assert_close(grad, want_grad, rtol=FP32_RTOL, atol=1e-7)
+    assert (grad[:5] == 0).all()
+    no_grad_loss, none = chunk_loss_and_gradient(logits, y, grads=False)
+    assert none is None and torch.equal(no_grad_loss, loss)

