@@ -126,7 +126,7 @@ def chunk_loss_and_gradient(logits: torch.Tensor, targets: torch.Tensor, grads: 
     exponential, in place. Measured on a 2-core VM at 4,096 tokens x 4,096 entries: 34 ms against 61."""
     scored = targets != IGNORE_INDEX
     index = targets.clamp(0, logits.shape[1] - 1)[:, None]
-    logp = torch.log_softmax(logits.float(), dim=1)
+    logp = torch.log_softmax(logits, dim=1, dtype=torch.float32)  # bf16 on CUDA: read as is, no fp32 copy
     loss = torch.where(scored, -logp.gather(1, index).squeeze(1), 0.0).sum()
     if not grads:
         return loss, None
