@@ -102,17 +102,19 @@ def _cpu_peak_fp32() -> tuple[float, str]:
     current 'cpu MHz'). Counting AVX2's 32 on an AVX-512 Xeon put the default job's MFU at 106% on a 2-core VM
     (now 53%). A VM without cpufreq shows its base clock, so a turbo clock can beat the figure: there a
     2048^2 matmul ran at 301-331 GFLOP/s against 294; a training step's smaller matmuls stay far below it."""
-    mhz, flags = 2500.0, set()
+    first: dict[str, str] = {}  # the first core's lines
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 key, _, value = line.partition(":")
-                if key.strip() == "cpu MHz" and mhz == 2500.0:
-                    mhz = float(value)
-                elif key.strip() in ("flags", "Features") and not flags:
-                    flags = set(value.split())
-    except (OSError, ValueError):
+                first.setdefault(key.strip(), value)
+    except OSError:
         pass
+    flags = set((first.get("flags") or first.get("Features") or "").split())
+    try:
+        mhz = float(first.get("cpu MHz", 2500.0))
+    except ValueError:
+        mhz = 2500.0
     try:
         with open("/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq") as f:
             mhz = max(mhz, int(f.read()) / 1000)
