@@ -130,9 +130,9 @@ def chunk_loss_and_gradient(logits: torch.Tensor, targets: torch.Tensor, grads: 
     loss = torch.where(scored, -logp.gather(1, index).squeeze(1), 0.0).sum()
     if not grads:
         return loss, None
-    grad = logp.exp_()
-    grad.scatter_add_(1, index, -scored.to(grad.dtype)[:, None])
-    return loss, grad.mul_(scored.to(grad.dtype)[:, None]).to(logits.dtype)
+    grad, weight = logp.exp_(), scored.to(logp.dtype)[:, None]  # an unscored token: no one-hot, no gradient
+    grad.scatter_add_(1, index, -weight)
+    return loss, grad.mul_(weight).to(logits.dtype)
 
 
 ELEMENTWISE = (chunk_statistics, chunk_gradient)
