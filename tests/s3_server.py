@@ -13,6 +13,7 @@ probing an instance-metadata address).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -144,3 +145,28 @@ class SeaweedS3:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def available() -> bool:
+    """s3fs (plait's S3 client) and the weed binary are installed."""
+    try:
+        import s3fs  # noqa: F401
+    except ImportError:
+        return False
+    return weed_binary() is not None
+
+
+@contextlib.contextmanager
+def serving(root: Path):
+    """A started server, with its identity in this process's AWS_* variables (inherited by the workers it
+    spawns; AWS_PROFILE and AWS_ENDPOINT_URL unset), all undone afterwards."""
+    import pytest
+
+    server = SeaweedS3(root)
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in server.env().items():
+            mp.setenv(key, value)
+        mp.delenv("AWS_PROFILE", raising=False)
+        mp.delenv("AWS_ENDPOINT_URL", raising=False)
+        with server:
+            yield server

@@ -219,3 +219,79 @@ def test_import_plait_is_light_and_hands_out_the_api():
     code = "import sys, plait; assert 'torch' not in sys.modules; print(plait.Trainer.__module__, plait.Config)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["plait.api", "<class", "'plait.config.Config'>"]
+
+
+def _edited(**fields):
+    """A default Config with fields set as a Python user would (no validation on the way)."""
+    cfg = plait.Config()
+    for key, value in fields.items():
+        section, name = key.split("__")
+        if name:
+            setattr(getattr(cfg, section), name, value)
+        else:
+            setattr(cfg, section, value)
+    return cfg
+
+
+class _Mine(plait.Callback):
+    pass
+
+
+# (id, the call, the words its one error must contain): each raises ConfigError (or ArgumentError, which is a
+# ConfigError and a TypeError) at once, before a process group, a health check, a model or a directory.
+API_MISUSES = [
+    ("config: an int", lambda: plait.Trainer(5), "the config given is an int"),
+    ("config: the class", lambda: plait.Trainer(plait.Config), "the class Config itself: give an instance"),
+    ("config: a list", lambda: plait.Trainer(["train.steps=3"]), "not a plait.Config"),
+    ("config: a dict, unknown key", lambda: plait.Trainer({"train": {"stepz": 3}}), "unknown setting 'train.stepz'"),
+    ("config: a dict, unknown section", lambda: plait.Trainer({"trian": {"steps": 3}}), "did you mean 'train'"),
+    ("config: a dict, not a table", lambda: plait.Trainer({"train": 3}), "'train' must be a table"),
+    ("config: missing file", lambda: plait.Trainer("missing.toml"), "'missing.toml' does not exist"),
+    ("section: a dict", lambda: plait.Trainer(_edited(train__={"steps": 3})), "section 'train' is a dict"),
+    ("section: None", lambda: plait.Trainer(_edited(model__=None)), "section 'model' is a NoneType"),
+    ("steps: a word", lambda: plait.Trainer(_edited(train__steps="abc")), "train.steps expects an integer"),
+    ("steps: a float", lambda: plait.Trainer(_edited(train__steps=2.5)), "train.steps expects an integer"),
+    ("lr: a word", lambda: plait.Trainer(_edited(optim__lr="fast")), "optim.lr expects a number"),
+    ("lr: not finite", lambda: plait.Trainer(_edited(optim__lr=float("nan"))), "optim.lr must be a finite"),
+    ("shuffle: a number", lambda: plait.Trainer(_edited(data__shuffle=3)), "data.shuffle expects a boolean"),
+    ("precision: unknown", lambda: plait.Trainer(_edited(train__mixed_precision="fp8")), "'fp8' is not allowed"),
+    ("run name: a number", lambda: plait.Trainer(_edited(run__name=5)), "run.name expects a string"),
+    ("steps: zero", lambda: plait.Trainer(_edited(train__steps=0)), "train.steps"),
+    ("callbacks: an int", lambda: plait.Trainer(callbacks=5), "callbacks= takes a list of plait.Callback"),
+    ("callbacks: a string", lambda: plait.Trainer(callbacks="guards"), "callbacks= takes a list"),
+    ("callbacks: one, not a list", lambda: plait.Trainer(callbacks=_Mine()), "callbacks=[_Mine()]"),
+    ("callbacks: a class", lambda: plait.Trainer(callbacks=[_Mine]), "callbacks[0] is the class _Mine"),
+    ("callbacks: not a Callback", lambda: plait.Trainer(callbacks=[object()]), "callbacks[0] is object"),
+    ("model: a name", lambda: plait.Trainer(model="llama"), "model= takes a function (or class), got str"),
+    ("model: a built module", lambda: plait.Trainer(model=TinyLM()), "got a built TinyLM: pass TinyLM"),
+    ("model: not a module class", lambda: plait.Trainer(model=dict), "model=dict is not an nn.Module class"),
+    ("parallelize: not callable", lambda: plait.Trainer(model=TinyLM, parallelize=5), "parallelize= takes"),
+    ("parallelize: without model", lambda: plait.Trainer(parallelize=lambda *a: None), "give model= too"),
+    ("loss: a name", lambda: plait.Trainer(model=TinyLM, loss="ce"), "loss= takes a function"),
+    ("data: an int", lambda: plait.Trainer(model=TinyLM, data=5), "data= takes a sequence or iterable"),
+    ("data: a path", lambda: plait.Trainer(model=TinyLM, data="corpus/"), "set cfg.data.source instead"),
+    ("data: empty", lambda: plait.Trainer(model=TinyLM, data=[]), "data= is empty"),
+    ("data: one sample dict", lambda: plait.Trainer(model=TinyLM, data={"input_ids": [1]}), "data= takes"),
+    ("val_data: without data", lambda: plait.Trainer(val_data=_samples(4)), "val_data= goes with your own data="),
+    ("val_data: an int", lambda: plait.Trainer(model=TinyLM, data=_samples(), val_data=3), "val_data= takes"),
+    ("env: a device name", lambda: plait.Trainer(env="cpu"), "env= takes a plait.parallel.DistEnv"),
+    ("standard: a word", lambda: plait.Trainer(standard="yes"), "standard= takes True"),
+    ("api.train(): an int", lambda: plait.api.train(7), "the config given is an int"),
+]
+
+
+@pytest.mark.parametrize("case", API_MISUSES, ids=[c[0] for c in API_MISUSES])
+def test_python_api_misuse_is_one_clear_error_and_writes_nothing(case, tmp_path, monkeypatch):
+    name, call, words = case
+    monkeypatch.chdir(tmp_path)  # the default run directory (./runs) would appear here
+    with pytest.raises(ConfigError) as e:
+        call()
+    text = str(e.value)
+    assert words in text and "\n" not in text and len(text) < 400, (name, text)
+    if "takes" in words or "callbacks" in words:  # the arguments' kind: a TypeError too, as Python callers expect
+        assert isinstance(e.value, TypeError), name
+    assert list(tmp_path.iterdir()) == [], f"{name}: something was written"
+
+
+def test_there_are_at_least_25_api_misuses():
+    assert len(API_MISUSES) >= 25

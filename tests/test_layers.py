@@ -44,6 +44,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "plait.callbacks",
             "plait.loss",
             "plait.rundir",
+            "plait.runlock",
             "plait.step_metrics",
             "plait.validation",
             "plait.moe",

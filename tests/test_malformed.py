@@ -81,6 +81,25 @@ class Ctx:
         (self.ckpt() / name).write_bytes(data.encode() if isinstance(data, str) else data)
         return self.run()
 
+    def config(self) -> dict:
+        return json.loads((self.ckpt() / "plait.json").read_text())["config"]
+
+    def in_run(self) -> list[str]:
+        """The settings that train in the copy of the trained run (the same model and data)."""
+        run = self.run()
+        return [f"--data.source={self.data}", f"--run.out_dir={run.parent}", f"--run.name={run.name}"]
+
+    def held(self, *extra: str, lock: Path | None = None) -> list[str]:
+        """Settings of a run whose lock (beside the trained run, or `lock`) a live run on another machine holds."""
+        from plait.runlock import identity
+
+        settings = [*self.in_run(), *extra]
+        lock = lock or self.run().with_name(self.run().name + ".lock")
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        holder = {**identity(), "host": "node-7", "boot": "b", "pid": 4242, "command": "plait train"}
+        lock.write_text(json.dumps(holder))
+        return settings
+
     def file(self, name: str, data: bytes | str) -> str:
         path = self.d / name
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -220,6 +239,26 @@ CASES = [
         ".metadata",
     ),
     ("generate: bad temperature", lambda c: ["generate", str(c.run()), "--temperature", "-1"], "--temperature"),
+    ("generate: negative samples", lambda c: ["generate", str(c.run()), "--num-samples", "-3"], "--num-samples -3"),
+    ("generate: negative top-k", lambda c: ["generate", str(c.run()), "--top-k", "-1"], "--top-k -1"),
+    (
+        "generate: tensors of another shape",
+        lambda c: ["generate", str(c.meta(config={**c.config(), "model": {**c.config()["model"], "dim": 128}}))],
+        "shapes differ, e.g. model.",
+    ),
+    # ------------------------------------------------------------------------------------ the run directory
+    ("train: run directory held by another run", lambda c: t(*c.held()), "is in use by another run: host node-7"),
+    (
+        "train: checkpoint.dir held by another run",
+        lambda c: t(*c.held(f"--checkpoint.dir={c.d / 'ckpts'}", lock=c.d / "ckpts" / "run.lock")),
+        "checkpoint directory",
+    ),
+    (
+        "train: overwrite with missing data moves nothing",
+        lambda c: t(*c.in_run(), "--run.overwrite=true", "--data.source=/nonexistent/data"),
+        "plait data prepare",
+    ),
+    ("train: --nproc on a held directory", lambda c: t("--nproc", "2", *c.held()), "in use by another run"),
     ("generate: zero tokens", lambda c: ["generate", str(c.run()), "--max-new-tokens", "0"], "--max-new-tokens"),
     ("inspect: no config", lambda c: ["ckpt", "inspect", str(c.meta(config=None))], "config"),
     ("inspect: step not an integer", lambda c: ["ckpt", "inspect", str(c.meta(step="ten"))], "step"),

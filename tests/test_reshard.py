@@ -22,7 +22,7 @@ import pytest
 from parallel_harness import read_metrics, run_layouts
 from plait.checkpoint import list_checkpoints
 from plait.config import load_config
-from s3_server import SeaweedS3, weed_binary
+from s3_server import available, serving
 from test_parallel import GRAD_NORM_RTOL, LOSS_RTOL, STEPS, base
 
 SAVE_STEP = 6
@@ -104,21 +104,11 @@ def reference(data_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory):
     """A SeaweedFS S3 server, or None where s3fs or the weed binary is missing (the S3 case is skipped)."""
-    try:
-        import s3fs  # noqa: F401
-    except ImportError:
+    if not available():
         yield None
         return
-    if weed_binary() is None:
-        yield None
-        return
-    server = SeaweedS3(tmp_path_factory.mktemp("s3"))
-    with pytest.MonkeyPatch.context() as mp:  # spawned workers inherit the environment
-        for key, value in server.env().items():
-            mp.setenv(key, value)
-        mp.delenv("AWS_PROFILE", raising=False)
-        with server:
-            yield server
+    with serving(tmp_path_factory.mktemp("s3")) as server:  # spawned workers inherit the environment
+        yield server
 
 
 @pytest.fixture(scope="module")

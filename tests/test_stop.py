@@ -120,3 +120,34 @@ def test_the_default_job_writes_periodic_checkpoints():
     c = cfg.checkpoint
     assert c.every_steps == 100 and c.every_minutes == 30 and c.keep_last == 2 and c.save_final
     assert cfg.train.steps // c.every_steps >= 3
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+@pytest.mark.slow
+def test_a_stop_while_the_workers_start_says_no_checkpoint_was_written(data_dir, tmp_path):
+    """SIGTERM to `plait train --nproc 2` while its workers are still starting (spawned, importing): exit 75
+    with a line that says no checkpoint was written by this stop and what the same command will do, not that
+    "the workers' checkpoint is said above"."""
+    if not Path("/proc/self/task").is_dir():
+        pytest.skip("needs /proc to see the launcher's workers")
+    proc = subprocess.Popen(
+        command(data_dir, tmp_path, "early", 2), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 120
+    while len(_children(proc.pid)) < 2 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == EXIT_STOPPED, err[-3000:]
+    line = " ".join(err.split())
+    assert "stopped by SIGTERM before the workers wrote a checkpoint" in line, err[-3000:]
+    # (a worker still reading its start-up data from the agent when the agent stops it may print Python's
+    # EOFError from multiprocessing's spawn, torch's process start, after this line)
+    assert "said above" not in line, err[-3000:]
+    assert not list_checkpoints(tmp_path / "early" / "checkpoints")

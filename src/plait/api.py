@@ -19,13 +19,15 @@ from pathlib import Path
 
 from plait import faults
 from plait.callbacks import Callback
-from plait.config import Config, load_config, validate
+from plait.config import Config, from_dict, load_config, validate
+from plait.errors import ArgumentError
 from plait.guards import Guards
 from plait.health import HealthCheck
 from plait.lifecycle.finetune import Finetune
 from plait.lifecycle.tracking import Lineage
 from plait.report import EndReport
 from plait.train import Trainer as TrainingLoop
+from plait.train import check_arguments
 
 __all__ = ["Callback", "Config", "Trainer", "default_callbacks", "load_config", "train"]
 
@@ -47,15 +49,20 @@ def default_callbacks(cfg: Config) -> list[Callback]:
 
 class Trainer(TrainingLoop):
     """plait.train.Trainer with default_callbacks(cfg) before yours (standard=False: yours only).
-    cfg: a Config, a TOML path, or None for the defaults."""
+    cfg: a Config, a TOML path, a {section: {key: value}} dict, or None for the defaults."""
 
     def __init__(
         self, cfg: Config | str | Path | None = None, *, callbacks: Iterable[Callback] = (), standard: bool = True, **kw
     ):
-        cfg = load_config(cfg) if cfg is None or isinstance(cfg, (str, Path)) else validate(cfg)
-        if kw.get("model") is None:  # plait's model, which the planner predicts
-            _check_memory(cfg, kw.get("env"))
+        if isinstance(cfg, str | Path) or cfg is None:
+            cfg = load_config(cfg)
+        cfg = from_dict(cfg) if isinstance(cfg, dict) else validate(cfg)
+        if not isinstance(standard, bool):
+            raise ArgumentError(f"standard= takes True (plait's standard callbacks first) or False, got {standard!r}")
+        callbacks = check_arguments(kw.get("model"), None, None, None, None, callbacks, kw.get("env"))
         super().__init__(cfg, callbacks=[*(default_callbacks(cfg) if standard else []), *callbacks], **kw)
+        if self.model_fn is None:  # plait's model, which the planner predicts
+            _check_memory(cfg, self.env)
 
 
 def _check_memory(cfg: Config, env) -> None:

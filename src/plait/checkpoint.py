@@ -26,8 +26,10 @@ already hold checkpoint values, so a failed load must end the run (as it does: n
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -68,6 +70,13 @@ FORMAT = "plait-checkpoint-v1"
 
 # A run that fails with a save in flight waits this long for it before giving up on it (see close()).
 ABANDON_AFTER_S = 30.0
+# A due save waits for the one in flight while that one is on time: no failed write, and not yet longer than
+# twice the last good save or this (whichever is longer); then it is deferred. The loop's longest wait for
+# storage is this, or twice a good save's time (bench/s3_outage.py).
+ON_TIME_MIN_S = 0.5
+# The final save and a stop's save (and the save in flight before them) are waited for at most this long:
+# a preempted worker has 110 s (plait.launch.STOP_GRACE_S) for its last step and checkpoint.
+FINAL_WAIT_S = 90.0
 
 # DCP warns on every save/load without a process group that it "assumes" one process: that is intended.
 _NO_DIST_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
@@ -206,15 +215,19 @@ def resolve_checkpoint(ref: str | os.PathLike | Location, endpoint: str = "") ->
         raise PlaitError(f"cannot read {loc}: {_one_line(e)}") from None
     if not found:
         raise PlaitError(f"{loc} does not exist: give a checkpoint directory or a run directory")
-    ckpts = list_checkpoints(loc / "checkpoints") or list_checkpoints(loc)
-    if not ckpts:
+    ckpts, broken = scan_checkpoints(loc / "checkpoints")
+    if not ckpts and not broken:
+        ckpts, broken = scan_checkpoints(loc)
+    if not ckpts and not broken:
         raise PlaitError(f"{loc} holds no complete checkpoint (looked for step_*/{META})")
     usable, damaged = newest_first(ckpts)
+    newest = step_of(usable[0]) if usable else -1
+    damaged = sorted([*damaged, *(d for d in broken if step_of(d[0]) > newest)], key=lambda d: step_of(d[0]))
     problems = "; ".join(f"{p.name}: {why}" for p, why in damaged)
     if not usable:
         raise PlaitError(f"{loc} holds only damaged checkpoints: {problems}")
     if damaged:
-        _warn(f"skipped damaged checkpoints ({problems}); using {usable[0]}")
+        _warn(f"the newer checkpoints are damaged and skipped ({problems}); using {usable[0]}")
     return usable[0]
 
 
@@ -288,7 +301,12 @@ class CheckpointManager:
         self.config = config or {}
         self.tokenizer_path = tokenizer_path
         self.failed_saves = 0
-        self.skipped_saves = 0
+        self.deferred_saves = 0
+        self._deferred = 0  # a step whose save waits for the one in flight to end (0: none)
+        self._in_flight_step = 0  # the step of the save in flight
+        self._deadline = 0.0  # until when a final or stop save (and the one before it) is waited for
+        self._abandoned: Future | None = None  # a save given up on past the deadline (its thread may still run)
+        self._abandoned_why = ""
         self._failed_attempts_at_start = 0  # storage.FAILED_ATTEMPTS when the save in flight began
         self._started_at = 0.0  # when the save in flight began
         self._last_write_s = 0.0  # how long the last good save took from staged to published
@@ -301,6 +319,7 @@ class CheckpointManager:
         self._pending: Future | None = None
         self._last_save_time = time.monotonic()
         self._last_size = 0  # bytes of the last complete save: the free space the next one needs
+        self._estimate = 0  # bytes a save takes, estimated from the tensors before the first one
         self.final_lost = ""  # why the run's final checkpoint could not be written, if it could not
         # Called on every rank when a save begins, with (step, trainable): entries for that checkpoint's
         # plait.json (the lineage's weights hash, from the weights as they are saved; it may use collectives).
@@ -314,38 +333,129 @@ class CheckpointManager:
 
     # ---------------------------------------------------------------------------------------- cadence
 
-    def should_save(self, step: int, stop_requested: bool = False) -> tuple[bool, bool]:
-        """(save now, stop now), the same on every rank. A save is due every checkpoint.every_steps, every
-        checkpoint.every_minutes (rank 0's clock decides for all ranks), at the last step if
-        checkpoint.save_final, and when any rank was asked to stop (a signal). One small all-reduce over the
-        control group per step when distributed (none in one process)."""
+    def should_save(self, step: int, stop_requested: bool = False) -> tuple[bool, bool, bool]:
+        """(save due, stop now, a save still in flight), the same on every rank. A save is due every
+        checkpoint.every_steps, every checkpoint.every_minutes (rank 0's clock decides for all ranks), at the
+        last step if checkpoint.save_final, and when any rank was asked to stop (a signal). In flight: the
+        previous save has not ended on some rank. One small all-reduce over the control group per step when
+        distributed (none in one process)."""
         every = self.cfg.every_steps
         due = (every > 0 and step % every == 0) or (step == self.total_steps and self.cfg.save_final)
         late = self.cfg.every_minutes > 0 and time.monotonic() - self._last_save_time >= 60 * self.cfg.every_minutes
+        busy = self._pending is not None and not self._pending.done()
         if self._control is not None:
-            flags = torch.tensor([int(late and self._rank == 0), int(stop_requested)])
+            flags = torch.tensor([int(late and self._rank == 0), int(stop_requested), int(busy)])
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._control)
-            late, stop_requested = bool(flags[0]), bool(flags[1])
-        return due or late or stop_requested, stop_requested
+            late, stop_requested, busy = bool(flags[0]), bool(flags[1]), bool(flags[2])
+        return due or late or stop_requested, stop_requested, busy
 
     def maybe_save(self, step: int, t, *, loader, state: TrainState, stop_requested: bool = False) -> dict[str, float]:
         """Publish a save that has finished; start one if due. Returns metrics of a save that ended in this
         call (else nothing): saved_step or failed_step, blocked_s (how long the save held up the loop),
-        write_s (from staged to published), size_mb, and failed_saves (saves lost so far in this run).
+        write_s (from staged to published), size_mb, and failed_saves (saves lost so far in this run); or
+        deferred_step when a due save had to wait for the previous one.
 
-        When a stop was requested on any rank (`plait.stop`), this step's save is waited for (published
-        before returning) and `stopped` is set: the loop ends here on every rank."""
+        The loop never waits for slow or failing storage: a save due while the previous one is still being
+        written waits for it only while that one is on time (no failed write, not yet twice as long as the last
+        good save, or ON_TIME_MIN_S); after that it is deferred, not waited for, to the first step at which the
+        previous one has ended (a backlog of one: later save points meanwhile are folded into it). The final
+        save and a stop's save wait, at most FINAL_WAIT_S and saying so. When a stop was requested on any rank
+        (`plait.stop`), this step's save is waited for (published before returning) and `stopped` is set: the
+        loop ends here on every rank."""
         report = self._collect(wait=False)
-        due, stop = self.should_save(step, stop_requested)
+        due, stop, busy = self.should_save(step, stop_requested)
         must = stop or (step == self.total_steps and self.cfg.save_final)
-        if due and not must and self._in_flight_and_failing():
-            report.update(self._skip(step))  # storage is slow or down: the loop does not wait for it
-        elif due:
+        if must:
+            self._deadline = time.monotonic() + self._final_wait_s()
+            report.update(self._wait_for_storage(f"the save of step {self._in_flight_step}", before=step))
+            if not self._any_rank(self._abandoned is not None):  # its staging buffers are free: save this step
+                self._deferred = 0
+                report.update(self.save(step, t, loader=loader, state=state))
+            elif not self.final_lost:
+                self.final_lost = f"the checkpoint of step {step} was not attempted: {self._abandoned_why}"
+        elif due and busy and self._still_in_flight_after_its_usual_time():
+            report.update(self._defer(step))
+        elif due or (self._deferred and not busy):
+            self._deferred = 0
             report.update(self.save(step, t, loader=loader, state=state))
         if stop:
             report.update(self.wait())
             self.stopped_at = step
         return report
+
+    def _still_in_flight_after_its_usual_time(self) -> bool:
+        """Wait for the save in flight while it is on time (no failed write, and no longer yet than
+        max(ON_TIME_MIN_S, 2 x the last good save's time)); then whether it is still in flight on any rank."""
+        limit = max(ON_TIME_MIN_S, 2 * self._last_write_s)
+        while self._pending is not None and not self._pending.done():
+            left = limit - (time.monotonic() - self._started_at)
+            if left <= 0 or storage.FAILED_ATTEMPTS[0] > self._failed_attempts_at_start:
+                break
+            with contextlib.suppress(TimeoutError):
+                self._pending.result(timeout=min(left, 0.05))
+        return self._any_rank(self._pending is not None and not self._pending.done())
+
+    def _defer(self, step: int) -> dict[str, float]:
+        """A save due while the previous one is still being written: taken at the first step after that one
+        ends; said once per deferral (a further save point meanwhile is folded into it)."""
+        first = not self._deferred
+        self._deferred = step
+        self.deferred_saves += 1
+        if first and self.is_writer:
+            _warn(
+                f"checkpoint of step {step} deferred: the save of step {self._in_flight_step} is still being written "
+                f"to {self.dir} ({self._storage_state()}); training goes on, and the next step after that save "
+                f"ends is saved"
+            )
+        return {"deferred_step": step, "deferred_saves": self.deferred_saves}
+
+    def _storage_state(self) -> str:
+        """Why the save in flight has not ended, from this rank's view: 'storage failing' only where writes
+        have failed (and are being retried), else 'slow', with its time so far against the last good save's."""
+        failures = storage.FAILED_ATTEMPTS[0] - self._failed_attempts_at_start
+        if failures:
+            return f"storage failing: {failures} failed attempt{'s' if failures > 1 else ''} so far, retrying"
+        if self._pending is None or self._pending.done():
+            return "another rank's write has not ended yet"
+        elapsed = time.monotonic() - self._started_at
+        last = f", the last save took {self._last_write_s:.1f} s" if self._last_write_s else ""
+        return f"slow: {elapsed:.1f} s so far{last}"
+
+    def _wait_for_storage(self, what: str, *, before: int | None = None) -> dict[str, float]:
+        """Wait for the save in flight until self._deadline, saying so when it is not over within a second.
+        Past the deadline it is abandoned (the process still ends only once its retries do) and the run's
+        final checkpoint is reported lost."""
+        if self._pending is None:
+            return {}
+        try:
+            self._pending.result(timeout=1.0)
+        except TimeoutError:
+            left = max(0.0, self._deadline - time.monotonic())
+            if self.is_writer:
+                after = f" before the checkpoint of step {before}" if before is not None else ""
+                _warn(f"waiting up to {left:.0f} s for {what} to {self.dir}{after} ({self._storage_state()})")
+            try:
+                self._pending.result(timeout=left)
+            except TimeoutError:
+                self.failed_saves += 1
+                waited = time.monotonic() - self._started_at
+                self._abandoned_why = f"{what} was still not written after {waited:.0f} s ({self._storage_state()})"
+                self.final_lost = self.final_lost or self._abandoned_why
+                self._abandoned, self._pending = self._pending, None  # its thread still holds the staging buffers
+                return {"failed_step": self._in_flight_step, "failed_saves": self.failed_saves}
+        return self._collect(wait=True)
+
+    def _final_wait_s(self) -> float:
+        """How long a final or stop save (and the one in flight before it) is waited for: FINAL_WAIT_S, longer
+        where a good save took long (a large model on slow storage is not abandoned for being large)."""
+        return FINAL_WAIT_S + 2 * self._last_write_s
+
+    def _any_rank(self, flag: bool) -> bool:
+        if self._control is None:
+            return flag
+        box = torch.tensor([int(flag)])
+        dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self._control)
+        return bool(box.item())
 
     def latest(self) -> Location | None:
         """The newest published checkpoint, the same on every rank. (Rank 0 publishes from a background
@@ -358,8 +468,10 @@ class CheckpointManager:
         return self.dir / box[0] if box[0] else None
 
     def wait(self) -> dict[str, float]:
-        """Wait for the save in flight (if any) to be published or to fail; its report."""
-        return self._collect(wait=True)
+        """Wait for the save in flight (if any) to be published or to fail, at most FINAL_WAIT_S; its report."""
+        if self._pending is not None and self._deadline <= time.monotonic():
+            self._deadline = time.monotonic() + self._final_wait_s()
+        return self._wait_for_storage(f"the checkpoint of step {self._in_flight_step}")
 
     def close(self) -> dict[str, float]:
         """Wait for the save in flight and publish it; release threads, buffers and groups. Returns on
@@ -375,15 +487,15 @@ class CheckpointManager:
                 _warn(f"run failed with a checkpoint save in flight; abandoned after {ABANDON_AFTER_S} s")
                 self._pending = None
                 return {}
-        report = self._collect(wait=True)
+        report = self.wait()
         if self._control is not None and not failing:
             dist.barrier(group=self._control)
         if self._executor is not None:
-            self._executor.shutdown(wait=True)
+            self._executor.shutdown(wait=self._abandoned is None)
             self._executor = None
-        if self._stager is not None:
+        if self._stager is not None and self._abandoned is None:  # an abandoned save still reads its buffers
             self._stager.close()
-            self._stager = None
+        self._stager = None
         for group in (self._save_group, self._control):
             if group is not None:
                 dist.destroy_process_group(group)
@@ -397,16 +509,17 @@ class CheckpointManager:
         Returns the report of a save that ended meanwhile: the previous one, or this one if synchronous."""
         start = time.perf_counter()
         report = self._collect(wait=True)  # one save in flight at a time: its staging buffers are reused
+        self._in_flight_step = step
         described = self.describe(step, t) if self.describe else {}  # every rank, before anything can differ
         self._last_save_time = time.monotonic()
         self._failed_attempts_at_start, self._started_at = storage.FAILED_ATTEMPTS[0], time.monotonic()
-        short = self._short_of_space()
+        model_sd, optim_sd, groups = _state_dicts(t)
+        short = self._short_of_space(model_sd, optim_sd)
         if short:  # refused before writing a byte: a save that cannot fit would only fill the disk
             self._pending = Future()
             self._pending.set_result(_Outcome(step, False, short))
             report.update(self._collect(wait=True))
             return report
-        model_sd, optim_sd, groups = _state_dicts(t)
         tensors = {"model": model_sd, "optim": optim_sd, "rng": {f"rank_{self._rank}": _rng_state()}}
         meta = {
             "format": FORMAT,
@@ -444,44 +557,23 @@ class CheckpointManager:
             report.update(self._collect(wait=True))
         return report
 
-    def _in_flight_and_failing(self) -> bool:
-        """Whether the previous save is still being written while storage fails under it (its writes are
-        being retried, or it has taken more than twice as long as the last good save, and over a second),
-        the same answer on every rank (one flag, max over the control group). A save of usual length is
-        waited for, as always."""
-        busy = self._pending is not None and not self._pending.done()
-        # overdue only against a good save's time: a first save of unknown length (4 ranks fsyncing on a busy
-        # machine took over a second) is waited for unless its writes are failing
-        overdue = self._last_write_s > 0 and time.monotonic() - self._started_at > max(1.0, 2 * self._last_write_s)
-        busy = busy and (storage.FAILED_ATTEMPTS[0] > self._failed_attempts_at_start or overdue)
-        if self._control is not None:
-            flag = torch.tensor([int(busy)])
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._control)
-            busy = bool(flag.item())
-        return busy
-
-    def _skip(self, step: int) -> dict[str, float]:
-        """A periodic save due while the previous one is still being retried against failing storage:
-        skipped, not queued (a backlog of one), so an unreachable store never holds up training; the final
-        save and a stop save wait instead."""
-        self.skipped_saves += 1
-        if self.is_writer:
-            _warn(
-                f"checkpoint of step {step} skipped: the previous save is still being retried against {self.dir} "
-                f"(storage failing); training continues, the next save tries again"
-            )
-        return {"skipped_step": step, "skipped_saves": self.skipped_saves}
-
-    def _short_of_space(self) -> str:
-        """Why the next save cannot fit on the checkpoint disk (the main rank measures, all ranks agree),
-        or "". Known only after a first save (its size) and only on a local disk."""
+    def _short_of_space(self, model_sd: dict, optim_sd: dict) -> str:
+        """Why the next save cannot fit on the checkpoint disk (the main rank measures, all ranks agree), or
+        "". Only on a local disk. Its size is the last save's; before the first save of this process, the
+        tensors' bytes (each tensor once, at its full size, over all ranks: one all-gather of their sizes)."""
+        if storage.is_remote(self.dir):
+            return ""
+        if not self._estimate:  # the same on every rank: the first save of this process
+            self._estimate = _estimated_bytes(model_sd, optim_sd, self._control)
+        need = self._last_size or self._estimate
         why = ""
-        if self.is_writer and self._last_size and not storage.is_remote(self.dir):
+        if self.is_writer:
             free = _free_bytes(Path(self.dir))
-            if free is not None and free < self._last_size:
+            if free is not None and free < need:
+                takes = "takes" if self._last_size else "will take about"
                 why = (
-                    f"not enough free space on the checkpoint disk ({_mb(free)} free, a checkpoint takes "
-                    f"{_mb(self._last_size)}); free space or lower checkpoint.keep_last"
+                    f"not enough free space on the checkpoint disk ({_mb(free)} free on {self.dir}, a checkpoint "
+                    f"{takes} {_mb(need)}); free space or lower checkpoint.keep_last"
                 )
         if self._control is not None:
             box = [why]
@@ -547,12 +639,17 @@ class CheckpointManager:
             return
         storage.write_bytes(target / META, text)
         if final.exists():  # an older save of the same step (a rerun): replace it only now ...
-            if (final / DCP_METADATA).exists() and not checkpoint_problems(final):
+            damage = self._verified.get(final.name) or checkpoint_problems(final)
+            if (final / DCP_METADATA).exists() and not damage:
                 storage.remove_tree(final)
-            else:  # ... unless it is damaged: that one is the user's to inspect
+            else:  # ... unless it is damaged (also if only its tensors failed to load): the user's to inspect
                 aside = final.with_name(f"{final.name}.damaged-{time.strftime('%Y%m%d-%H%M%S')}")
                 storage.rename(final, aside)
-                _warn(f"damaged checkpoint {final} moved to {aside} to make room for the new save of its step")
+                self._verified.pop(final.name, None)
+                _warn(
+                    f"damaged checkpoint {final} ({damage or 'its metadata is missing'}) moved to {aside} to make "
+                    f"room for the new save of its step"
+                )
         storage.rename(target, final)
 
     def _collect(self, *, wait: bool) -> dict[str, float]:
@@ -594,9 +691,7 @@ class CheckpointManager:
         damaged += [(c, self._verified[c.name]) for c in complete if self._verified[c.name]]
         complete = [c for c in complete if not self._verified[c.name]]
         steps = [step_of(c) for c in complete]
-        keep = set(steps[-max(1, self.cfg.keep_last) :])
-        if self.cfg.keep_every > 0:
-            keep |= {s for s in steps if s % self.cfg.keep_every == 0}
+        keep = set(steps[-max(1, self.cfg.keep_last) :]) | kept_forever(steps, self.cfg.keep_every)
         for c in complete:
             if step_of(c) not in keep:
                 storage.remove_tree(c)
@@ -609,6 +704,11 @@ class CheckpointManager:
                 storage.remove_tree(self.dir / name)
 
     # ------------------------------------------------------------------------------------------- load
+
+    def mark_damaged(self, path: Location, why: str) -> None:
+        """A checkpoint that failed to load (a CRC32 mismatch, a truncated record): from now on neither counted,
+        loaded nor deleted by retention, and set aside, not replaced, by a new save of its step."""
+        self._verified[path.name] = why or "it failed to load"
 
     def load(self, path: Location, t, *, loader, state: TrainState) -> None:
         """Restore into this rank's (possibly differently sharded) model parts and optimizers. Every rank
@@ -623,6 +723,8 @@ class CheckpointManager:
         wanted = {"model": model_sd, "optim": optim_sd}
         everyone = _union({f"model.{k}" for k in model_sd}, self._control)  # all pipeline stages' tensors
         problems, md = _check(path, meta, wanted, expect_model=everyone)
+        if problems and (other := _model_settings_differ(meta.get("config"), self.config)):
+            problems.insert(0, f"it is of another model ({other})")
         # RNG state of this rank, where the saving run had this rank (and this kind of device)
         saved = md.state_dict_metadata if md is not None else {}
         rng = {k: v for k, v in _rng_state().items() if f"rng.rank_{self._rank}.{k}" in saved}
@@ -660,6 +762,45 @@ def _state_dicts(t) -> tuple[dict, dict, list]:
         optim_sd.update(osd["state"])
         groups.extend(osd["param_groups"])
     return model_sd, optim_sd, groups
+
+
+def kept_forever(steps: list[int], every: int) -> set[int]:
+    """checkpoint.keep_every: the first checkpoint at or after each multiple of `every` (the multiple itself
+    unless its save was deferred), from the steps saved (ascending). Once saved, it stays the first."""
+    if every <= 0:
+        return set()
+    first: dict[int, int] = {}
+    for s in steps:
+        if s >= every:
+            first.setdefault(s // every, s)
+    return set(first.values())
+
+
+def _estimated_bytes(model_sd: dict, optim_sd: dict, group) -> int:
+    """Bytes a checkpoint of these state dicts takes: every tensor once, at its global size (a DTensor's whole
+    shape; replicas written once, as DCP does), summed over all ranks' tensors (pipeline stages hold different
+    ones), plus 1% and 1 MiB for metadata and record checksums."""
+    sizes = {}
+    for name, value in _flatten({"model": model_sd, "optim": optim_sd}).items():
+        if isinstance(value, torch.Tensor):
+            sizes[name] = math.prod(value.shape) * value.element_size()
+    if group is not None:
+        everyone: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, sizes, group=group)
+        for rank_sizes in everyone:
+            sizes.update(rank_sizes)
+    total = sum(sizes.values())
+    return total + total // 100 + (1 << 20)
+
+
+def _model_settings_differ(saved, current: dict) -> str:
+    """'model.dim 64 in the checkpoint, 128 here; ...' for the model settings that differ (at most 3)."""
+    before = saved.get("model") if isinstance(saved, dict) else None
+    now = current.get("model") if isinstance(current, dict) else None
+    if not isinstance(before, dict) or not isinstance(now, dict):
+        return ""
+    diff = [f"model.{k}: {before[k]!r} in the checkpoint, {v!r} here" for k, v in now.items() if before.get(k, v) != v]
+    return "; ".join(diff[:3]) + (f" and {len(diff) - 3} more" if len(diff) > 3 else "")
 
 
 def _names(part: nn.Module) -> set[str]:
@@ -751,16 +892,16 @@ def _check(
     if expect_model is not None:
         unexpected = sorted(k for k in saved if k.startswith("model.") and k not in expect_model)
         if unexpected:
-            problems.append(f"{len(unexpected)} tensors not in this model: {_some(unexpected)}")
+            problems.append(f"{len(unexpected)} tensors not in this model: {_some(unexpected, 2)}")
     if missing:
         kinds = {"model": "of the model", "optim": "of the optimizer state"}
         parts = []
         for kind in sorted({k.split(".", 1)[0] for k in missing}):
             names = sorted(k for k in missing if k.split(".", 1)[0] == kind)
-            parts.append(f"{len(names)} {kinds.get(kind, kind)} ({_some(names, 3)})")
+            parts.append(f"{len(names)} {kinds.get(kind, kind)} ({_some(names, 1)})")
         problems.append("tensors missing from the checkpoint: " + ", ".join(parts))
-    if shapes:
-        problems.append(f"{len(shapes)} shapes differ: {_some(shapes)}")
+    if shapes:  # one example: the settings that differ (said first, where known) are the cause
+        problems.append(f"{len(shapes)} shape{'s differ' if len(shapes) > 1 else ' differs'}, e.g. {shapes[0]}")
     if not_tensor:
         problems.append(f"not tensors (pickled objects, which plait never loads): {_some(sorted(not_tensor))}")
     problems.extend(_check_files(path, md))

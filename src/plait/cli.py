@@ -10,6 +10,7 @@ import sys
 
 from plait.argparsing import PlaitParser, config_argv, config_parser, parse_config_args, split_config_args
 from plait.errors import ConfigError, PlaitError
+from plait.stop import EXIT_STOPPED
 
 TRAIN_DESCRIPTION = """\
 Train a model. With no arguments: the 'tiny' model on the bundled Shakespeare corpus, on CUDA if present,
@@ -60,7 +61,11 @@ def cmd_train(argv: list[str]) -> int:
             note = check_memory(cfg, nproc, nproc)  # once, here; the workers do not repeat it
             if note:
                 print(note, file=sys.stderr)
-            return launch_local(nproc, args, a.max_restarts, train_worker)
+            from plait.runlock import RunLock
+
+            # The launcher holds the run directory's lock across the group's restarts; its workers run under it.
+            with RunLock.for_run(cfg).acquire(break_lock=cfg.run.break_lock).held() as lock:
+                return launch_local(nproc, args, a.max_restarts, train_worker, env=lock.handed_env())
     cfg = _load(args)
     from plait.api import train
 
@@ -130,8 +135,15 @@ def cmd_generate(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0, help="Sampling seed (the same seed, the same text).")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (a GPU if there is one).")
     a = parser.parse_args(argv)
-    if a.temperature < 0 or a.top_k < 0 or not 0 < a.top_p <= 1 or a.max_new_tokens < 1 or a.num_samples < 1:
-        raise ConfigError("need --temperature >= 0, --top-k >= 0, 0 < --top-p <= 1, --max-new-tokens >= 1")
+    for flag, value, ok, valid in (
+        ("--temperature", a.temperature, a.temperature >= 0, "0 or more (0: greedy), e.g. 0.8"),
+        ("--top-k", a.top_k, a.top_k >= 0, "0 or more (0: off), e.g. 50"),
+        ("--top-p", a.top_p, 0 < a.top_p <= 1, "in (0, 1] (1: off), e.g. 0.95"),
+        ("--max-new-tokens", a.max_new_tokens, a.max_new_tokens >= 1, "at least 1, e.g. 200"),
+        ("--num-samples", a.num_samples, a.num_samples >= 1, "at least 1"),
+    ):
+        if not ok:
+            raise ConfigError(f"{flag} {value} is out of range: {flag} must be {valid}")
     from plait.generate import generate, load_for_generation
 
     model, tok, eos = load_for_generation(a.checkpoint, a.device)
@@ -256,13 +268,13 @@ commands:
 `plait COMMAND --help` for details."""
 
 
-def _told_launcher(message: str) -> bool:
+def _told_launcher(message: str, code: int) -> bool:
     """In a worker of `plait train --nproc`: the launcher prints the error, once for all ranks."""
     if "PLAIT_WORKER_ERRORS" not in os.environ:
         return False
     from plait.launch import report_to_launcher
 
-    return report_to_launcher(message)
+    return report_to_launcher(message, code)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -278,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         return command(argv[1:])
     except PlaitError as e:
         code = getattr(e, "exit_code", 2)
-        told = code == 2 and _told_launcher(str(e))
+        told = code in (2, EXIT_STOPPED) and _told_launcher(str(e), code)
         if str(e) and not told:  # a rank may end silently: the main one says it
             print(f"plait {argv[0]}: {'error: ' if code == 2 else ''}{e}", file=sys.stderr)
         return code

@@ -35,7 +35,13 @@ class RunConfig:
     device: str = "auto"
     """'auto' (CUDA if present, else CPU), 'cpu', 'cuda' or 'cuda:N'."""
     overwrite: bool = False
-    """Start afresh where a run already exists (the old one is moved to <name>.old-<time>)."""
+    """Start afresh where a run already exists (the old one is moved to <name>.old-<time>, once every check
+    has passed)."""
+    break_lock: bool = False
+    """Take over the run directory's lock (<out_dir>/<name>.lock, and checkpoint.dir's) even from a holder
+    that still looks alive: for a holder you know is gone where plait cannot tell yet (on another machine,
+    its heartbeat not yet expired). A holder whose process has ended, or whose heartbeat is older than 60 s,
+    is taken over without it."""
     health_check_enabled: bool = True
     """Before training, check every device's arithmetic and the collectives of every mesh axis against known
     values (well under a second for one process); a failure stops the run naming the bad rank."""
@@ -147,7 +153,8 @@ class CheckpointConfig:
     every_minutes: float = 30.0
     """Also save when this many minutes have passed since the last save (0: off); rank 0's clock decides."""
     keep_every: int = 0
-    """Also keep, forever, every checkpoint whose step is a multiple of this (0: off)."""
+    """Also keep, forever, the first checkpoint at or after each multiple of this step (the multiple itself,
+    unless its save was deferred behind a slow one) (0: off)."""
     async_enabled: bool = True
     """Write checkpoints in the background: the loop waits only while the state is copied to CPU memory."""
     dir: str = ""
@@ -388,6 +395,9 @@ def _suggest(word: str, options) -> str:
 def _build(values: dict[str, dict[str, Any]]) -> Config:
     cfg = Config()
     for section, body in values.items():
+        _check_section(section)
+        if not isinstance(body, dict):
+            raise ConfigError(f"config section '{section}' must be a table of settings, not {body!r:.40}")
         body = dict(body)
         if section == "model" and "preset" in body:
             preset = str(body.pop("preset"))
@@ -465,6 +475,7 @@ def _check_trackers(log: LogConfig) -> None:
 
 def validate(cfg: Config) -> Config:
     """Check every setting that can be checked without data or devices; raise ConfigError on the first."""
+    _check_types(cfg)
     m, t, o, d = cfg.model, cfg.train, cfg.optim, cfg.data
     _positive("model", m, ["dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "max_seq_len"])
     _positive("train", t, ["steps", "global_batch_size"])
@@ -546,6 +557,36 @@ def validate(cfg: Config) -> Config:
     _validate_finetune(cfg)
     _validate_compile(cfg)
     return cfg
+
+
+def _check_types(cfg: Config) -> None:
+    """A Config whose every section is its dataclass and every field its type (a Config built or edited in
+    Python is checked as the command line's strings are): ConfigError naming the setting and what it expects."""
+    if isinstance(cfg, type):
+        raise ConfigError(f"the config given is the class {cfg.__name__} itself: give an instance, plait.Config()")
+    if isinstance(cfg, dict):
+        raise ConfigError(
+            "the config given is a dict: turn it into one with plait.config.from_dict({'train': {'steps': 100}}), "
+            "or use plait.load_config(None, ['train.steps=100'])"
+        )
+    if not isinstance(cfg, Config):
+        raise ConfigError(
+            f"the config given is {_a(type(cfg).__name__)} ({cfg!r:.60}), not a plait.Config: give plait.Config() "
+            f"(then set its fields), a TOML path, or plait.load_config(path, ['train.steps=100'])"
+        )
+    for section, cls in SECTIONS.items():
+        body = getattr(cfg, section, None)
+        if not isinstance(body, cls):
+            raise ConfigError(
+                f"config section '{section}' is {_a(type(body).__name__)}, not a {cls.__name__}: set its fields "
+                f"(cfg.{section}.key = value), or build the config with plait.config.from_dict"
+            )
+        for name, typ in _hints(cls).items():
+            setattr(body, name, _convert(f"{section}.{name}", getattr(body, name), typ))
+
+
+def _a(noun: str) -> str:
+    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
 
 
 def _validate_moe(cfg: Config) -> None:
@@ -706,5 +747,8 @@ def _toml_value(value: Any) -> str:
 
 
 def from_dict(data: dict[str, dict[str, Any]]) -> Config:
-    """Rebuild a config saved with to_dict/to_toml (e.g. from a checkpoint), validated."""
+    """A validated config from {section: {key: value}} (as to_dict gives it, or a checkpoint holds it); keys
+    not given keep their defaults."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"from_dict takes {{section: {{key: value}}}}, not {_a(type(data).__name__)}")
     return validate(_build(data))

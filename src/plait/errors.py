@@ -7,3 +7,8 @@ class PlaitError(Exception):
 
 class ConfigError(PlaitError):
     """A setting or input is invalid; the message names it and a valid value."""
+
+
+class ArgumentError(ConfigError, TypeError):
+    """A Python API argument of the wrong kind (a ConfigError, and a TypeError as Python callers expect); the
+    message names the argument and what it takes."""

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from plait.argparsing import PlaitParser
 from plait.errors import ConfigError, PlaitError
+from plait.stop import EXIT_STOPPED
 
 STOP_GRACE_S = 110  # seconds a stopping worker has for its last step and checkpoint; Slurm signals at 120
 
@@ -37,15 +38,15 @@ INPUT_ERROR_EXIT = 2  # a restart cannot help: the same config, data and storage
 REPORT_WAIT_S = 60
 
 
-def report_to_launcher(message: str) -> bool:
-    """Leave a worker's error line for launch_local, which prints it once for all ranks; False when this
-    process was not started by it (then the caller prints the line itself)."""
+def report_to_launcher(message: str, code: int = INPUT_ERROR_EXIT) -> bool:
+    """Leave a worker's last line (an error, exit 2, or a stop, exit 75) for launch_local, which prints it once
+    for all ranks; False when this process was not started by it (then the caller prints the line itself)."""
     folder = os.environ.get(ERROR_DIR_ENV)
     if not folder or not os.path.isdir(folder):
         return False
     path = os.path.join(folder, f"rank{os.environ.get('RANK', '0')}")
     with open(path + ".tmp", "w") as f:
-        f.write(message)
+        f.write(f"{code}\n{message}")
     os.replace(path + ".tmp", path)
     # A rank that ends silently (the main rank says why) gives the main rank time to say it: the agent
     # stops the whole group as soon as one worker exits.
@@ -94,17 +95,29 @@ def _quiet_elastic_logs() -> None:
             logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
-def launch_local(nproc: int, argv: list[str], max_restarts: int, worker) -> int:
+def launch_local(nproc: int, argv: list[str], max_restarts: int, worker, env: dict[str, str] | None = None) -> int:
     """Run worker(argv) (`plait train` in the worker: given by the command line, which sits above this
-    module) in nproc local workers; restart the whole group up to max_restarts times
-    when a worker dies (training then resumes from the newest checkpoint), but not after an input or
-    storage error (exit 2), which a restart would only repeat: that error is printed once."""
+    module) in nproc local workers, with `env` added to their environment (the run lock the launcher holds);
+    restart the whole group up to max_restarts times when a worker dies (training then resumes from the
+    newest checkpoint), but not after an input or storage error (exit 2), which a restart would only repeat:
+    that error is printed once."""
+    saved = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
+    try:
+        return _launch_local(nproc, argv, max_restarts, worker)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _launch_local(nproc: int, argv: list[str], max_restarts: int, worker) -> int:
     import tempfile
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-    from plait.stop import Stopped
 
     for attempt in range(max_restarts + 1):
         os.environ[RESTART_COUNT_ENV] = str(attempt)
@@ -114,12 +127,13 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int, worker) -> int:
                 elastic_run(worker, argv, nproc)
                 return 0
             except SignalException as e:  # the agent forwarded it to the workers, which saved and exited
-                raise Stopped(
-                    f"stopped by {e.sigval.name}; the workers' checkpoint and how to resume are said above"
-                ) from None
+                raise _stopped(e.sigval.name, _reports(folder)) from None
             except ChildFailedError as e:
                 rank, failure = e.get_first_failure()
-                told = {int(p.name[4:]): p.read_text() for p in Path(folder).glob("rank*") if p.name[4:].isdigit()}
+                reports = _reports(folder)
+                if reports and {code for code, text in reports.values() if text} == {EXIT_STOPPED}:
+                    raise _stopped("a signal", reports) from None  # the workers alone were signalled
+                told = {rank: text for rank, (_, text) in reports.items()}
             finally:
                 os.environ.pop(ERROR_DIR_ENV, None)
         why = f"worker rank {rank} {_ended(failure.exitcode)}"
@@ -128,6 +142,32 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int, worker) -> int:
         if attempt < max_restarts:
             print(f"plait train: {why}; restarting the group ({attempt + 1}/{max_restarts})", file=sys.stderr)
     raise PlaitError(f"{why} after {max_restarts} restart(s); see its error above")
+
+
+def _reports(folder: str) -> dict[int, tuple[int, str]]:
+    """{rank: (exit code, its last line)} that workers left with report_to_launcher."""
+    out = {}
+    for p in Path(folder).glob("rank*"):
+        if p.name[4:].isdigit():
+            code, _, message = p.read_text().partition("\n")
+            out[int(p.name[4:])] = (int(code) if code.isdigit() else INPUT_ERROR_EXIT, message)
+    return out
+
+
+def _stopped(signal_name: str, reports: dict[int, tuple[int, str]]) -> PlaitError:
+    """What a stopped group says: the workers' own line (their checkpoint and how to resume, or why it could not
+    be written), or, where none said anything, that no checkpoint was written by this stop."""
+    from plait.stop import Stopped
+
+    said = {rank: message for rank, (_, message) in reports.items()}
+    if line := _one_report(said):
+        codes = {code for code, message in reports.values() if message}
+        return Stopped(line) if codes == {EXIT_STOPPED} else PlaitError(line)
+    return Stopped(
+        f"stopped by {signal_name} before the workers wrote a checkpoint (they were starting up, or did not reach "
+        f"the end of a step in time); run the same command to start again (it resumes from the newest complete "
+        f"checkpoint, if there is one)"
+    )
 
 
 def _one_report(told: dict[int, str]) -> str:

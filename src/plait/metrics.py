@@ -66,8 +66,10 @@ class MetricsLogger:
         enabled: bool = True,
         name: str = "",
         config: dict[str, Any] | None = None,
+        run_id: str = "",
     ):
         self.cfg = cfg
+        self.run_id = run_id  # in every record: a file appended by two runs (or by a resumed one) can be told apart
         self.enabled = enabled
         self._jsonl = None
         self._trackers: list = []
@@ -98,7 +100,8 @@ class MetricsLogger:
         """Record metrics of `step`; the progress bar shows the latest loss."""
         if not self.enabled:
             return
-        record = {"step": step, "time": time.time(), **{f"{prefix}/{k}": v for k, v in metrics.items()}}
+        record = {"step": step, "time": time.time(), **({"run_id": self.run_id} if self.run_id else {})}
+        record.update({f"{prefix}/{k}": v for k, v in metrics.items()})
         self._jsonl.write(json.dumps(record) + "\n")
         scalars = {f"{prefix}/{k}": v for k, v in metrics.items() if isinstance(v, int | float)}
         for tracker in self._trackers:

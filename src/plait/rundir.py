@@ -1,9 +1,11 @@
 """A run's directory at start: resume it (the newest checkpoint that loads, same model, same data and seed),
-start fresh (earlier metrics set aside), or move it aside on run.overwrite. Nothing is deleted."""
+start fresh (earlier metrics set aside), or move it aside on run.overwrite. Decided before anything is written
+(inspect_run_dir), done once every check has passed (RunDirPlan.apply). Nothing is deleted."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from plait.checkpoint import (
@@ -22,12 +24,35 @@ from plait.stop import Stopped
 from plait.storage import Location, is_remote
 
 
-def prepare_run_dir(cfg: Config, is_main: bool = True) -> list[Location]:
-    """Refuse to mix runs: a run directory with checkpoints is resumed only by the same model shape.
+@dataclass
+class RunDirPlan:
+    """What starting a run will do to its directory, decided before anything is written (inspect_run_dir)
+    and done once every check has passed (apply)."""
 
-    Returns the checkpoints to resume from, newest first (empty for a fresh start): the first is the newest
-    that looks loadable; damaged newer ones are reported and left on disk. With run.overwrite the old
-    outputs are moved aside to <run>.old-<time>, never deleted.
+    run_dir: Path
+    candidates: list[Location] = field(default_factory=list)  # checkpoints to resume from, newest first
+    move_aside: bool = False  # run.overwrite: the old run goes to <run>.old-<time>
+    fresh: bool = False  # no checkpoint: earlier metrics (a run that saved none) are set aside
+
+    def apply(self, is_main: bool) -> None:
+        """Move what the plan says (main rank only; the caller makes the other ranks wait for it)."""
+        if not is_main:
+            return
+        if self.move_aside and self.run_dir.exists():
+            backup = self.run_dir.with_name(f"{self.run_dir.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
+            self.run_dir.rename(backup)
+            info(f"run.overwrite: previous outputs moved to {backup}")
+        elif self.fresh:
+            _set_aside_old_metrics(self.run_dir)
+
+
+def inspect_run_dir(cfg: Config, is_main: bool = True) -> RunDirPlan:
+    """Refuse to mix runs: a run directory with checkpoints is resumed only by the same model shape. Reads
+    only: the moves it decides (run.overwrite, a fresh start's old metrics) are the plan's `apply`.
+
+    The plan's candidates are the checkpoints to resume from, newest first (empty for a fresh start): the first
+    is the newest that looks loadable; damaged newer ones are reported and left on disk. With run.overwrite the
+    old outputs will be moved aside to <run>.old-<time>, never deleted.
     """
     run_dir = cfg.run_dir
     complete, damaged = scan_checkpoints(checkpoint_dir(cfg))
@@ -37,11 +62,7 @@ def prepare_run_dir(cfg: Config, is_main: bool = True) -> list[Location]:
                 f"run.overwrite=true moves {run_dir} aside, but the checkpoints in checkpoint.dir="
                 f"{cfg.checkpoint.dir} would stay and be resumed; delete them or choose another checkpoint.dir"
             )
-        if is_main:
-            backup = run_dir.with_name(f"{run_dir.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
-            run_dir.rename(backup)
-            info(f"run.overwrite: previous outputs moved to {backup}")
-        return []
+        return RunDirPlan(run_dir, move_aside=True)
     candidates, passed_over = newest_first(complete)
     damaged += passed_over
     newest = step_of(candidates[0]) if candidates else -1
@@ -57,9 +78,7 @@ def prepare_run_dir(cfg: Config, is_main: bool = True) -> list[Location]:
             f"they are left as they are: repair or move them, or pass --run.overwrite=true to move the run aside"
         )
     if not candidates:
-        if is_main:
-            _set_aside_old_metrics(run_dir)
-        return []
+        return RunDirPlan(run_dir, fresh=True)
     meta = read_meta(candidates[0])
     changed = _changed_settings(meta.get("config", {}), to_dict(cfg))
     if meta.get("weights_only"):  # `plait ckpt import`: weights only, no data consumed, nothing else to keep
@@ -79,13 +98,15 @@ def prepare_run_dir(cfg: Config, is_main: bool = True) -> list[Location]:
     safe = [c for c in changed if not c.startswith(RESUME_QUIET)]
     if safe and is_main:
         warn(f"resuming {candidates[0].name} with changed settings: {'; '.join(safe)}")
-    return candidates
+    return RunDirPlan(run_dir, candidates)
 
 
 RESUME_UNSAFE = ("data.source", "data.seq_len", "data.shuffle", "run.seed", "finetune.")
 """Settings a resumed run must keep: with another corpus, sequence length, order or adapter set, the restored
 data position and optimizer state would belong to a different run. (model.* is refused on its own.)"""
-RESUME_QUIET = ("run.overwrite", "data.cache_dir", "data.prefetch", "log.", "parallel.", "compile.cache_dir")
+RESUME_QUIET = (
+    "run.overwrite", "run.break_lock", "data.cache_dir", "data.prefetch", "log.", "parallel.", "compile.cache_dir",
+)  # fmt: skip
 """Changes that do not touch the numbers (or, for parallel.*, are what resharding is for): not reported."""
 
 
@@ -124,6 +145,7 @@ def resume(checkpointer: CheckpointManager, candidates: list[Location], t, loade
             checkpointer.load(path, t, loader=loader, state=state)
             return path
         except PlaitError as e:
+            checkpointer.mark_damaged(path, str(e))  # never deleted, not even by a new save of its step
             if i + 1 == len(candidates):
                 raise
             if is_main:
@@ -152,13 +174,15 @@ def raise_stopped(cfg: Config, why: str, step: int, is_main: bool) -> None:
 def final_checkpoint_lost(cfg: Config, why: str, step: int) -> PlaitError:
     """The error of a run that trained to the end but could not save its last checkpoint: a restart would redo
     work, so it is not a success. It names the newest complete checkpoint and what to fix."""
+    then = "to resume from it"
     try:
         newest = list_checkpoints(checkpoint_dir(cfg))
         where = str(newest[-1]) if newest else "none"
+        then = then if newest else "(with none, it starts again from step 0)"
     except PlaitError:
         where = f"unknown ({checkpoint_dir(cfg)} cannot be listed now)"
     fix = "Fix the storage (is the server up?)" if is_remote(checkpoint_dir(cfg)) else "Free space"
     return PlaitError(
         f"{why}. Training reached step {step}; the newest complete checkpoint is {where}. {fix} and rerun the "
-        f"same command to resume from it"
+        f"same command {then}"
     )

@@ -19,10 +19,10 @@ from torch import nn
 from plait.callbacks import Callback, Callbacks
 from plait.checkpoint import Checkpointing, CheckpointManager, TrainState, checkpoint_dir
 from plait.compile import CompileMonitor, CompileWatch
-from plait.config import Config, to_dict, to_toml
+from plait.config import Config, to_dict, to_toml, validate
 from plait.data import TokenDataset, TokenLoader, ensure_prepared
 from plait.data.samples import SampleLoader
-from plait.errors import ConfigError, PlaitError
+from plait.errors import ArgumentError, ConfigError, PlaitError
 from plait.loss import IGNORE_INDEX, TokenLoss, cross_entropy
 from plait.metrics import MetricsLogger, info
 from plait.moe import ExpertBalance, set_aux_scale
@@ -33,7 +33,8 @@ from plait.parallel.env import restart_count, shutdown
 from plait.parallel.norm import clip_grad_norm, local
 from plait.parallel.pipeline import pipeline_forward_backward
 from plait.plot import write_run_plot
-from plait.rundir import final_checkpoint_lost, prepare_run_dir, raise_stopped, resume
+from plait.rundir import final_checkpoint_lost, inspect_run_dir, raise_stopped, resume
+from plait.runlock import LockWatch, RunLock, RunLocked
 from plait.step_metrics import StepMetrics
 from plait.stop import StopRequest
 from plait.trainable import Trainable, autocast_context, build_model, build_trainable
@@ -102,6 +103,55 @@ def _accumulate(t: Trainable, inputs: torch.Tensor, targets: torch.Tensor) -> to
     return total
 
 
+def check_arguments(model, parallelize, loss, data, val_data, callbacks, env) -> list[Callback]:
+    """The Trainer's arguments, each of the kind it takes (ArgumentError naming it and what it takes); the
+    callbacks as a list. Checked when the Trainer is made: before any health check, model or directory."""
+    if isinstance(model, nn.Module):
+        raise ArgumentError(
+            f"model= takes what builds the model (its class, or a function returning it): plait builds it on the "
+            f"meta device and materialises each rank's shard; got a built {type(model).__name__}: pass "
+            f"{type(model).__name__} (or lambda: {type(model).__name__}(...))"
+        )
+    if isinstance(model, type) and not issubclass(model, nn.Module):
+        raise ArgumentError(f"model={model.__name__} is not an nn.Module class; give a class or function building one")
+    for name, value in (("model", model), ("parallelize", parallelize), ("loss", loss)):
+        if value is not None and not callable(value):
+            raise ArgumentError(f"{name}= takes a function (or class), got {_kind(value)}")
+    if parallelize is not None and model is None:
+        raise ConfigError("parallelize= is the plan for your own model: give model= too")
+    if val_data is not None and data is None:
+        raise ConfigError("val_data= goes with your own data=; plait's data has its own validation split")
+    for name, value in (("data", data), ("val_data", val_data)):
+        if value is None:
+            continue
+        if isinstance(value, str | bytes | dict) or not (hasattr(value, "__iter__") or hasattr(value, "__getitem__")):
+            hint = "; for a prepared corpus set cfg.data.source instead" if isinstance(value, str) else ""
+            raise ArgumentError(
+                f"{name}= takes a sequence or iterable of samples (token lists, 1-D tensors, or dicts with "
+                f"'input_ids'), got {_kind(value)}{hint}"
+            )
+        if hasattr(value, "__len__") and len(value) == 0:
+            raise ArgumentError(f"{name}= is empty; give at least one global batch of samples")
+    if isinstance(callbacks, str | bytes | Callback) or not hasattr(callbacks, "__iter__"):
+        one = isinstance(callbacks, Callback)
+        hint = f"; put it in a list: callbacks=[{type(callbacks).__name__}()]" if one else ""
+        raise ArgumentError(f"callbacks= takes a list of plait.Callback instances, got {_kind(callbacks)}{hint}")
+    callbacks = list(callbacks)
+    for i, c in enumerate(callbacks):
+        if isinstance(c, type) and issubclass(c, Callback):
+            raise ArgumentError(f"callbacks[{i}] is the class {c.__name__}: give an instance, {c.__name__}()")
+        if not isinstance(c, Callback):
+            raise ArgumentError(f"callbacks[{i}] is {_kind(c)}, not a plait.Callback: subclass plait.Callback")
+    if env is not None and not isinstance(env, DistEnv):
+        raise ArgumentError(f"env= takes a plait.parallel.DistEnv (a process group set up) or None, got {_kind(env)}")
+    return callbacks
+
+
+def _kind(value) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text[:40] + '...' if len(text) > 40 else text}"
+
+
 class Trainer:
     """One training run on this process's share of the mesh (a lone process is a mesh of size 1).
 
@@ -127,14 +177,37 @@ class Trainer:
         callbacks: Iterable[Callback] = (),
         env: DistEnv | None = None,
     ):
-        if parallelize is not None and model is None:
-            raise ConfigError("parallelize= is the plan for your own model: give model= too")
-        if val_data is not None and data is None:
-            raise ConfigError("val_data= goes with your own data=; plait's data has its own validation split")
-        self.cfg, self.model_fn, self.parallelize_fn, self.loss = cfg, model, parallelize, loss
+        callbacks = check_arguments(model, parallelize, loss, data, val_data, callbacks, env)
+        self.cfg, self.model_fn, self.parallelize_fn, self.loss = validate(cfg), model, parallelize, loss
         first, last = self.core_callbacks()
         self.data, self.val_data, self.env = data, val_data, env
         self.callbacks = Callbacks([*first, *callbacks, *last])
+        self._reset()
+
+    @staticmethod
+    def core_callbacks() -> tuple[list[Callback], list[Callback]]:
+        """The trainer's own features as (before yours, after yours): the run-lock check, the compile monitor
+        and the experts' balancing (MoE models) see every step; logging, validation and checkpointing, in that
+        order, only the steps that count."""
+        return [LockWatch(), CompileWatch(), ExpertBalance()], [StepMetrics(), Validation(), Checkpointing()]
+
+    def fit(self) -> dict[str, float]:
+        """Train to cfg.train.steps, resuming the run directory's newest checkpoint. Called again (after
+        raising cfg.train.steps, say), it continues from the checkpoint the last call wrote."""
+        own = self._own_env = self.env is None or getattr(self, "_own_env", False)
+        if own:
+            self.env = init_distributed(self.cfg.run.device, self.cfg.parallel.timeout_s)
+        try:
+            validate(self.cfg)  # again: the settings may have been changed since the Trainer was made
+            self._reset()
+            with self._run_lock():
+                return self._run()
+        finally:
+            if own:
+                shutdown()
+
+    def _reset(self) -> None:
+        """What a run fills in, empty: at the start of each fit() (nothing of an earlier call is reused)."""
         self.meshes: Meshes | None = None
         self.t: Trainable | None = None
         self.loader = self.checkpointer = self.metrics = self.data_dir = self.resumed_from = None
@@ -142,23 +215,30 @@ class Trainer:
         self.stop: StopRequest | None = None
         self.state = TrainState()
         self.final: dict[str, float] = {}
+        self.lock: RunLock | None = None  # the run directory's lock, on the main rank while fit() runs
 
-    @staticmethod
-    def core_callbacks() -> tuple[list[Callback], list[Callback]]:
-        """The trainer's own features as (before yours, after yours): the compile monitor and the experts'
-        balancing (MoE models) see every step; logging, validation and checkpointing, in that order, only the
-        steps that count."""
-        return [CompileWatch(), ExpertBalance()], [StepMetrics(), Validation(), Checkpointing()]
-
-    def fit(self) -> dict[str, float]:
-        own = self.env is None
-        if own:
-            self.env = init_distributed(self.cfg.run.device, self.cfg.parallel.timeout_s)
+    @contextlib.contextmanager
+    def _run_lock(self):
+        """One run per run directory (plait.runlock): the main rank takes the lock or every rank refuses with
+        its holder named, before anything is written; released when the run ends, however it ends."""
+        cfg, env = self.cfg, self.env
+        lock, refused = RunLock.for_run(cfg), ""
+        if env.is_main:
+            try:
+                lock.acquire(break_lock=cfg.run.break_lock)
+            except PlaitError as e:
+                refused = str(e)
+        if env.world_size > 1:
+            box = [refused]
+            dist.broadcast_object_list(box, src=0)
+            refused = box[0]
+        if refused:
+            raise RunLocked(refused if env.is_main else "")  # the main rank says it; the others end silently
+        self.lock = lock if env.is_main else None
         try:
-            return self._run()
+            yield lock
         finally:
-            if own:
-                shutdown()
+            lock.release()
 
     def _prepare_data(self) -> None:
         cfg, env = self.cfg, self.env
@@ -197,7 +277,7 @@ class Trainer:
         dims = ParallelDims.from_config(cfg.parallel, env.world_size, cfg.model)
         validate_layout(cfg, dims)
         torch.manual_seed(cfg.run.seed)
-        candidates = prepare_run_dir(cfg, env.is_main)
+        plan = inspect_run_dir(cfg, env.is_main)  # resume, start fresh or move aside: decided, nothing moved yet
         self._prepare_data()
         self.meshes = Meshes.build(dims, env.device.type)  # one process: a mesh of size 1
         cb.on_setup(self)  # compile caches set up; health checks refuse a rank that computes or communicates wrongly
@@ -205,6 +285,10 @@ class Trainer:
             cfg, env.device, self.meshes, model=self.model_fn, parallelize_fn=self.parallelize_fn,
             loss=self.loss, on_model=lambda parts: cb.on_model(self, parts),
         )  # fmt: skip
+        plan.apply(env.is_main)  # every check has passed: now run.overwrite moves the old run aside
+        if env.world_size > 1:
+            dist.barrier()  # no rank writes into the run directory before it is in place
+        candidates = plan.candidates
         self.loader = self._loader(self.train_data)
         self.checkpointer = CheckpointManager(
             checkpoint_dir(cfg), cfg.checkpoint, total_steps=cfg.train.steps, is_writer=env.is_main,
@@ -212,8 +296,9 @@ class Trainer:
         )  # fmt: skip
         self._resume(candidates)
         self.metrics = MetricsLogger(
-            cfg.run_dir, cfg.log, cfg.train.steps, enabled=env.is_main, name=cfg.run.name, config=to_dict(cfg)
-        )
+            cfg.run_dir, cfg.log, cfg.train.steps, enabled=env.is_main, name=cfg.run.name, config=to_dict(cfg),
+            run_id=self.lock.token[:12] if self.lock else "",
+        )  # fmt: skip
         stop = self.stop = StopRequest(announce=env.is_main)
         try:
             cb.on_start(self)
