@@ -295,7 +295,7 @@ def test_disk_full_saves_clean_up_and_a_lost_final_checkpoint_fails_the_run(data
     assert "checkpoint of step 2 was not saved" in text and "a checkpoint will take about 9." in text, text[-3000:]
     assert "not enough free space on the checkpoint disk (6.0 MiB free" in text and "unexpected pos" not in text
     assert "the newest complete checkpoint is none" in text
-    assert list(ckpts.iterdir()) == []  # nothing written
+    assert not ckpts.exists() or list(ckpts.iterdir()) == []  # nothing written (an empty directory: removed)
 
     from plait.data import TokenDataset, TokenLoader
     from plait.train import build_trainable

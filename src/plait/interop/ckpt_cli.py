@@ -54,6 +54,7 @@ from plait.interop.hf import (
 from plait.interop.shards import DEFAULT_MAX_SHARD_SIZE, parse_shard_size
 from plait.interop.streaming import CheckpointTensors, StreamedHash, checkpoint_sources, save_streamed
 from plait.model import ModelArgs, Transformer
+from plait.runlock import RunLock
 from plait.storage import Location, dcp_writer, file_sizes
 
 CHECKPOINT_FORMAT = "plait-checkpoint-v1"
@@ -510,6 +511,17 @@ def _import(a: argparse.Namespace) -> int:
     if run_dir is not None:
         cfg.run.name, cfg.run.out_dir = run_dir.name, str(run_dir.parent)
     validate(cfg)
+    # A run directory written while a run trains in it would lose that run's work: its lock is taken first.
+    lock = RunLock.for_run(cfg).acquire() if run_dir is not None else None
+    try:
+        return _write_import(a, hf, hf_dir, out, ckpt_dir, run_dir, cfg)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _write_import(a, hf, hf_dir: Path, out: Path, ckpt_dir: Path, run_dir: Path | None, cfg: Config) -> int:
+    args = hf.args
     if _occupied(out):
         backup = out.with_name(f"{out.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
         out.rename(backup)
