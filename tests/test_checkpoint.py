@@ -643,3 +643,40 @@ def test_s3_outage_at_start_and_end_is_reported_once_without_restarts(s3, data_d
     assert len(final) == 1 and "step 30" in final[0], err[-3000:]
     assert steps(list_checkpoints(location(f"s3://{s3.bucket}/runs/e", s3.endpoint))) == [10, 20]
     print(err)
+
+
+def test_a_save_in_flight_is_called_slow_until_a_write_fails(tmp_path):
+    """The deferral message tells a slow save (no write failed: its time so far against the last good save's)
+    from failing storage (writes failed and are being retried)."""
+    from concurrent.futures import Future
+
+    from plait import storage
+
+    manager = CheckpointManager(tmp_path, load_config(None, []).checkpoint)
+    manager._pending, manager._in_flight_step, manager._last_write_s = Future(), 20, 0.4
+    manager._failed_attempts_at_start, manager._started_at = storage.FAILED_ATTEMPTS[0], time.monotonic() - 3.0
+    assert manager._storage_state().startswith("slow: 3.0 s so far, the last save took 0.4 s")
+    storage.FAILED_ATTEMPTS[0] += 2
+    assert manager._storage_state() == "storage failing: 2 failed attempts so far, retrying"
+    said = _Said()
+    logging.getLogger("plait").addHandler(said)
+    try:
+        assert manager._defer(25) == {"deferred_step": 25, "deferred_saves": 1}
+        assert manager._defer(30) == {"deferred_step": 30, "deferred_saves": 2}  # folded into the first: said once
+    finally:
+        logging.getLogger("plait").removeHandler(said)
+    assert said.lines == [
+        f"checkpoint of step 25 deferred: the save of step 20 is still being written to {tmp_path} (storage "
+        f"failing: 2 failed attempts so far, retrying); training goes on, and the next step after that save ends "
+        f"is saved"
+    ]
+    manager._pending = None
+    manager.close()
+
+
+def test_keep_every_keeps_the_first_checkpoint_at_or_after_each_multiple():
+    from plait.checkpoint import kept_forever
+
+    assert kept_forever([2, 4, 6, 8, 10, 12], 4) == {4, 8, 12}
+    assert kept_forever([3, 5, 7, 9, 13], 4) == {5, 9, 13}  # 4, 8 and 12 deferred: the next ones stand in
+    assert kept_forever([1, 2, 3], 4) == set() and kept_forever([4, 8], 0) == set()
