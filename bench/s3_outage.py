@@ -30,6 +30,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
+import torch  # noqa: E402
+
+from plait.hardware import device_info  # noqa: E402
 from s3_server import SeaweedS3  # noqa: E402  (the tests' loopback server)
 
 
@@ -137,7 +140,7 @@ def main() -> int:
         steps=a.steps,
         every=a.every,
         down_s=a.down,
-        machine=f"{platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+        machine=f"{device_info(torch.device('cpu')).name}, {os.cpu_count()} cores, {platform.machine()}",
         date=time.strftime("%Y-%m-%d"),
     )
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
