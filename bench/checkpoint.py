@@ -28,9 +28,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from plait.checkpoint import CheckpointManager, TrainState, list_checkpoints
 from plait.config import load_config, to_dict
-from plait.train import build_trainable, train_step
+from plait.engine.checkpoint import CheckpointManager, TrainState, list_checkpoints
+from plait.engine.trainer import build_trainable, train_step
 
 
 class _Position:

@@ -54,9 +54,9 @@ def _worker(rank: int, a: argparse.Namespace, port: int, out: str) -> None:
 
     from plait.config import load_config
     from plait.data import TokenDataset, TokenLoader, ensure_prepared
-    from plait.optim import build_optimizer, build_scheduler
+    from plait.engine.optim import build_optimizer, build_scheduler
+    from plait.engine.trainer import autocast_context, build_model, build_trainable, cross_entropy, train_step
     from plait.parallel import Meshes, ParallelDims, init_distributed
-    from plait.train import autocast_context, build_model, build_trainable, cross_entropy, train_step
 
     cuda = torch.cuda.is_available() and a.device != "cpu"
     if not cuda:

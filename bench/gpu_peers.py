@@ -114,7 +114,7 @@ def main() -> int:
         return 0
     import torch
 
-    from plait.profiling import describe
+    from plait.core.profiling import describe
 
     if not torch.cuda.is_available():
         print("bench/gpu_peers.py needs a CUDA GPU (the peers are GPU programs); --dry-run prints the commands")

@@ -237,7 +237,7 @@ def check(steps: list[Step], out: Path) -> list[str]:
     memory check would refuse on an H100 (plait.planner.preflight), script arguments
     the scripts refuse (each script step takes --dry-run), test selections that select nothing."""
     from plait.config import load_config
-    from plait.errors import ConfigError
+    from plait.core.errors import ConfigError
     from plait.planner.preflight import Machine, check_memory
 
     H100 = Machine(device_bytes=85_520_809_984, host_bytes=1800 * 2**30, name="H100 80GB", bf16_native=True)

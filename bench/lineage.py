@@ -2,7 +2,7 @@
 off, checkpoints every few steps (asynchronous, as by default), in one process each, alternating.
 
 The weights hash of a save is taken from the weights as the save begins (each rank digests its own shards:
-`plait.digest`), so no checkpoint is read back and nothing is gathered; this measures what that costs the loop.
+`plait.core.digest`), so no checkpoint is read back and nothing is gathered; this measures what that costs the loop.
 Reported: mean wall time per step over the run (saves included), the slowest step (a save step) and the ratio
 on/off. Numbers go to bench/results/lineage.json.
 

@@ -46,10 +46,10 @@ def one_tp(tp: int, dim: int, heads: int, kv_heads: int, ffn: int, seq: int, lay
     plan = importlib.import_module("plait.parallel.parallelize")  # the module (the package exports a function)
 
     from plait.config import load_config
+    from plait.core.torch_private import init_fake_process_group
+    from plait.engine.trainable import build_trainable
     from plait.parallel import Meshes, ParallelDims
     from plait.parallel.activations import SavedBytes
-    from plait.torch_private import init_fake_process_group
-    from plait.trainable import build_trainable
 
     init_fake_process_group(tp)
     rows = []

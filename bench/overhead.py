@@ -32,10 +32,10 @@ import torch
 import torch.nn.functional as F
 
 from plait.config import load_config
+from plait.core.hardware import device_info, resolve_device
 from plait.data import TokenDataset, TokenLoader, ensure_prepared
-from plait.hardware import device_info, resolve_device
-from plait.optim import lr_factor
-from plait.train import autocast_context, build_model, build_trainable, train_step
+from plait.engine.optim import lr_factor
+from plait.engine.trainer import autocast_context, build_model, build_trainable, train_step
 
 
 def quartiles(xs: list[float]) -> tuple[float, float, float]:
@@ -95,7 +95,7 @@ def main() -> None:
             matrices = [p for n, p in model.named_parameters() if p.ndim >= 2 and "tok_embeddings" not in n]
             others = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "tok_embeddings" not in n)]
             groups = [{"params": matrices, "weight_decay": o.weight_decay}, {"params": others, "weight_decay": 0.0}]
-        fused = device.type in ("cuda", "cpu")  # as plait.optim does: the same optimizer on both sides
+        fused = device.type in ("cuda", "cpu")  # as plait.engine.optim does: the same optimizer on both sides
         opt = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=fused, foreach=not fused)
         gen = torch.Generator().manual_seed(0)
         offsets = torch.arange(a.seq_len + 1, device=device)

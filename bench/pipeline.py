@@ -74,9 +74,9 @@ def _run(schedule: str, v: int, m: int, pp: int, a, world: int) -> dict:
     import torch.distributed.pipelining.schedules as sched_mod
 
     from plait.config import load_config
+    from plait.engine.trainer import build_trainable
     from plait.parallel import Meshes, ParallelDims, validate_layout
     from plait.parallel.pipeline import bubble_fraction, pipeline_forward_backward
-    from plait.train import build_trainable
 
     cfg = load_config(
         None,

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from plait.errors import ConfigError
+from plait.core.errors import ConfigError
 from plait.model import ModelArgs, preset_args
 from plait.planner import Workload, get_cluster, plan
 from plait.planner.search import layout_name

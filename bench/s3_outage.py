@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import torch  # noqa: E402
 
-from plait.hardware import device_info  # noqa: E402
+from plait.core.hardware import device_info  # noqa: E402
 from s3_server import SeaweedS3  # noqa: E402  (the tests' loopback server)
 
 

@@ -33,10 +33,10 @@ def one_case(preset: str, world: int, method: str) -> dict:
     import torch
 
     from plait.config import load_config
+    from plait.core.torch_private import init_fake_process_group
     from plait.model import Transformer
     from plait.parallel import Meshes, ParallelDims
     from plait.parallel.parallelize import init_local_shard, parallelize
-    from plait.torch_private import init_fake_process_group
 
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     t0 = time.perf_counter()

@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import plait
-from plait.callbacks import Callbacks
+from plait.core.errors import ConfigError
 from plait.data.samples import SampleLoader
-from plait.errors import ConfigError
+from plait.engine.callbacks import Callbacks
 from plait.parallel import ParallelDims
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -218,7 +218,7 @@ def test_sample_loader_reads_dicts_labels_and_resumes_an_iterable():
 def test_import_plait_is_light_and_hands_out_the_api():
     code = "import sys, plait; assert 'torch' not in sys.modules; print(plait.Trainer.__module__, plait.Config)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["plait.api", "<class", "'plait.config.Config'>"]
+    assert out.split() == ["plait.api", "<class", "'plait.config.sections.Config'>"]
 
 
 def _edited(**fields):

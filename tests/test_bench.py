@@ -1,5 +1,5 @@
 """`plait bench` on a tiny eager model: the JSON it writes, the table it prints, and its refusals.
-(Its compile path, cold vs warm start, shares plait.compile with tests/test_compile.py.)"""
+(Its compile path, cold vs warm start, shares plait.engine.compile_cache with tests/test_compile.py.)"""
 
 import json
 
@@ -77,7 +77,7 @@ def test_cpu_peak_counts_the_widest_vector_unit():
 
     import torch
 
-    from plait.hardware import _cpu_peak_fp32, cpu_peak
+    from plait.core.hardware import _cpu_peak_fp32, cpu_peak
 
     assert cpu_peak({"sse2", "avx", "avx2", "fma", "avx512f"}, 2000.0, 4)[0] == 4 * 2e9 * 64
     assert cpu_peak({"avx", "avx2", "fma"}, 2000.0, 4)[0] == 4 * 2e9 * 32

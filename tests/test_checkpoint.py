@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from plait.checkpoint import CheckpointManager, TrainState, list_checkpoints, load_model_weights, read_meta
 from plait.config import load_config, to_dict
-from plait.errors import ConfigError, PlaitError
-from plait.storage import location, parse_metadata, remove_tree
+from plait.core.errors import ConfigError, PlaitError
+from plait.core.storage import location, parse_metadata, remove_tree
+from plait.engine.checkpoint import CheckpointManager, TrainState, list_checkpoints, load_model_weights, read_meta
 from runs import debug_run
 from s3_server import SeaweedS3, weed_binary
 
@@ -65,8 +65,8 @@ def steps(ckpts) -> list[int]:
 
 
 def weights(path) -> dict[str, torch.Tensor]:
+    from plait.engine.trainer import build_model
     from plait.model import preset_args
-    from plait.train import build_model
 
     model = build_model(preset_args("debug"), torch.device("cpu"), seed=1)
     load_model_weights(model, path)
@@ -193,7 +193,7 @@ def test_a_checkpoint_whose_tensors_fail_their_crc_is_set_aside_not_replaced(dat
 
 
 def test_generate_and_inspect_say_when_the_newest_checkpoint_is_damaged(data_dir, tmp_path):
-    from plait.checkpoint import resolve_checkpoint
+    from plait.engine.checkpoint import resolve_checkpoint
 
     run(data_dir, tmp_path, "g", "checkpoint.every_steps=4", "checkpoint.async_enabled=false")
     (tmp_path / "g" / "checkpoints" / "step_00000008" / ".metadata").unlink()
@@ -282,7 +282,7 @@ def test_disk_full_saves_clean_up_and_a_lost_final_checkpoint_fails_the_run(data
     assert not ckpts.exists() or list(ckpts.iterdir()) == []  # nothing written (an empty directory: removed)
 
     from plait.data import TokenDataset, TokenLoader
-    from plait.train import build_trainable
+    from plait.engine.trainer import build_trainable
 
     cfg = load_config(None, base(data_dir, tmp_path, "enospc", "checkpoint.async_enabled=false"))
     t = build_trainable(cfg, torch.device("cpu"))
@@ -311,7 +311,7 @@ def test_disk_full_saves_clean_up_and_a_lost_final_checkpoint_fails_the_run(data
 
 def test_rng_state_is_restored(data_dir, tmp_path):
     from plait.data import TokenDataset, TokenLoader
-    from plait.train import build_trainable
+    from plait.engine.trainer import build_trainable
 
     cfg = load_config(None, base(data_dir, tmp_path, "r"))
     t = build_trainable(cfg, torch.device("cpu"))
@@ -400,8 +400,8 @@ class _Exploit:
     ],
 )
 def test_damaged_checkpoints_are_refused(good, tmp_path, how, message):
+    from plait.engine.trainer import build_model
     from plait.model import preset_args
-    from plait.train import build_model
 
     path = damaged(good, tmp_path, how)
     model = build_model(preset_args("debug"), torch.device("cpu"), seed=1)
@@ -417,7 +417,7 @@ def test_damaged_checkpoints_are_refused(good, tmp_path, how, message):
 
 def test_wrong_shapes_missing_and_unexpected_tensors_are_listed(good, data_dir, tmp_path):
     from plait.data import TokenDataset, TokenLoader
-    from plait.train import build_trainable
+    from plait.engine.trainer import build_trainable
 
     loader = TokenLoader(TokenDataset(data_dir, "train"), seq_len=32, global_batch_size=8, prefetch=0)
 
@@ -448,8 +448,8 @@ def test_pickled_objects_are_never_loaded(tmp_path):
     """A DCP checkpoint holding a non-tensor under a tensor's name: refused by name, never unpickled."""
     import torch.distributed.checkpoint as dcp
 
+    from plait.engine.trainer import build_model
     from plait.model import preset_args
-    from plait.train import build_model
 
     model = build_model(preset_args("debug"), torch.device("cpu"), seed=1)
     sd = {f"model.{k}": v for k, v in model.state_dict().items()}
@@ -650,7 +650,7 @@ def test_a_save_in_flight_is_called_slow_until_a_write_fails(tmp_path):
     from failing storage (writes failed and are being retried)."""
     from concurrent.futures import Future
 
-    from plait import storage
+    from plait.core import storage
 
     manager = CheckpointManager(tmp_path, load_config(None, []).checkpoint)
     manager._pending, manager._in_flight_step, manager._last_write_s = Future(), 20, 0.4
@@ -675,7 +675,7 @@ def test_a_save_in_flight_is_called_slow_until_a_write_fails(tmp_path):
 
 
 def test_keep_every_keeps_the_first_checkpoint_at_or_after_each_multiple():
-    from plait.checkpoint import kept_forever
+    from plait.engine.checkpoint import kept_forever
 
     assert kept_forever([2, 4, 6, 8, 10, 12], 4) == {4, 8, 12}
     assert kept_forever([3, 5, 7, 9, 13], 4) == {5, 9, 13}  # 4, 8 and 12 deferred: the next ones stand in

@@ -3,7 +3,7 @@ refusals (compile + tensor parallel, zero-bubble, float8 where it cannot run).
 
 Compiling is slow on two CPU cores (~30 s cold for the debug model), so the whole file compiles three times:
 one cold single-process run, one restart on its cache, and one two-process launch (FSDP, FSDP + activation
-checkpointing, pipeline). The single-process runs are fresh processes (`python -m plait.train`), so the
+checkpointing, pipeline). The single-process runs are fresh processes (`python -m plait.engine.trainer`), so the
 restart measures what a restarted job sees and nothing leaks into the other tests' process.
 
 Tolerances (relative, fp32), both 1e-5: Inductor fuses the element-wise work of a block (RMSNorm, rotary
@@ -23,7 +23,7 @@ import pytest
 
 from parallel_harness import run_layouts
 from plait.config import load_config
-from plait.errors import ConfigError
+from plait.core.errors import ConfigError
 
 LOSS_RTOL = 1e-5
 GRAD_NORM_RTOL = 1e-5
@@ -139,7 +139,7 @@ def test_vec_isa_verdict_answers_the_probe(tmp_path, monkeypatch):
     a verdict for another torch or machine is ignored."""
     from torch._inductor import cpu_vec_isa
 
-    import plait.compile as pc
+    import plait.engine.compile_cache as pc
 
     isas = cpu_vec_isa.valid_vec_isa_list()
     if not isas:
@@ -166,8 +166,8 @@ def test_mega_cache_file_alone_fills_an_empty_cache(runs, tmp_path):
     for name in ("mega_cache.bin", "plait-manifest.json"):
         shutil.copy(runs["out"] / "cold" / "compile_cache" / name, tmp_path / name)
     code = (
-        "import sys; from pathlib import Path; from plait.compile import MegaCache, point_caches_at\n"
-        "from plait.trusted_dir import TrustedDir\n"
+        "import sys; from pathlib import Path; from plait.engine.compile_cache import MegaCache, point_caches_at\n"
+        "from plait.core.trusted_dir import TrustedDir\n"
         "d = Path(sys.argv[1]); w = d / 'work'; assert TrustedDir(d).checkout(w).loaded == 1\n"
         "point_caches_at(w); print(MegaCache(w / 'mega_cache.bin').load())"
     )
@@ -200,7 +200,7 @@ def plant_exploits(cache: Path, marker: Path) -> int:
     plait's framing so that only the pickle inside could stop it. Returns the number of files planted."""
     import pickle
 
-    from plait.compile import MegaCache
+    from plait.engine.compile_cache import MegaCache
 
     payload = pickle.dumps(_Exploit(marker))
     files = [p for p in cache.rglob("*") if p.is_file() and p.name != "plait-manifest.json"]
@@ -238,7 +238,7 @@ def test_tampered_shared_cache_runs_no_code(runs, data_dir, tmp_path):
 def test_copied_run_with_a_foreign_cache_resumes_without_running_it(data_dir, tmp_path):
     """A run directory copied from someone else: its compile cache is signed with their key and every file
     is a crafted pickle. Resuming it with compile on runs none of them."""
-    from plait.trusted_dir import TrustedDir
+    from plait.core.trusted_dir import TrustedDir
 
     train_in_subprocess(tmp_path, "copied", [*base(data_dir), "train.steps=2", "checkpoint.save_final=true"])
     cache = tmp_path / "copied" / "compile_cache"
@@ -253,7 +253,7 @@ def test_copied_run_with_a_foreign_cache_resumes_without_running_it(data_dir, tm
         [
             sys.executable,
             "-c",
-            f"from plait.trusted_dir import TrustedDir; TrustedDir({str(cache)!r}).publish("
+            f"from plait.core.trusted_dir import TrustedDir; TrustedDir({str(cache)!r}).publish("
             f"__import__('pathlib').Path({str(cache)!r}))",
         ],
         env=attacker,
@@ -270,7 +270,7 @@ def test_copied_run_with_a_foreign_cache_resumes_without_running_it(data_dir, tm
 def test_trusted_dir_checks_every_file_before_copying_it(tmp_path, monkeypatch):
     """Unit rules of the signed store: only files whose bytes match the signed manifest are copied; paths
     outside the store, links, unsigned files and a key others can read are refused."""
-    from plait.trusted_dir import MANIFEST, TrustedDir, user_key
+    from plait.core.trusted_dir import MANIFEST, TrustedDir, user_key
 
     monkeypatch.setenv("PLAIT_KEY_FILE", str(tmp_path / "keys" / "k"))
     work, store = tmp_path / "work", TrustedDir(tmp_path / "store")
@@ -355,7 +355,7 @@ def test_unsupported_compile_combinations_are_refused(overrides, message):
 def test_float8_is_refused_where_it_cannot_run(tmp_path):
     import torch
 
-    from plait.compile import CompileMonitor
+    from plait.engine.compile_cache import CompileMonitor
 
     with pytest.raises(ConfigError, match=r"compile.float8=true needs compile.enabled=true"):
         load_config(None, ["compile.float8=true"])
@@ -372,9 +372,9 @@ def test_float8_is_refused_where_it_cannot_run(tmp_path):
 def test_float8_auto_is_off_where_it_cannot_run_or_does_not_pay_and_says_why(monkeypatch):
     import torch
 
-    import plait.compile
-    from plait.compile import float8_plan
+    import plait.parallel.compile
     from plait.model.llama import TransformerBlock
+    from plait.parallel.compile import float8_plan
 
     on = ["compile.enabled=true", "compile.float8=auto"]
     cpu = torch.device("cpu")
@@ -385,7 +385,7 @@ def test_float8_auto_is_off_where_it_cannot_run_or_does_not_pay_and_says_why(mon
     # torchao's heuristic on the shapes: the tiny preset gains nowhere, llama3-1b in its wide layers. (The
     # device check is lifted: the layers chosen are the same on any device.)
     pytest.importorskip("torchao", reason="the test extra installs torchao")
-    monkeypatch.setattr(plait.compile, "_float8_problems", lambda device: [])
+    monkeypatch.setattr(plait.parallel.compile, "_float8_problems", lambda device: [])
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a GPU")
     wide = "attention.wq, attention.wo, feed_forward.w1, feed_forward.w2, feed_forward.w3"
     for preset, want in (("tiny", "no block layer is large enough to gain"), ("llama3-1b", wide)):
@@ -410,17 +410,17 @@ import torch
 import torch.distributed as dist
 
 torch.compile = lambda fn, **kwargs: fn  # eager: float8 itself is under test here, not Inductor on a CPU
-import plait.compile
+import plait.parallel.compile as pc
 
-plait.compile._float8_problems = lambda device: []  # torchao's float8 runs (emulated) on a CPU; users are refused
+pc._float8_problems = lambda device: []  # torchao's float8 runs (emulated) on a CPU; users are refused
 if sys.argv[1] == "bf16-all-gather":  # float8 matmuls, the weights all-gathered in their own dtype
-    apply_float8 = plait.compile.apply_float8
-    plait.compile.apply_float8 = lambda model, choice, all_gather: apply_float8(model, choice, all_gather=False)
+    apply_float8 = pc.apply_float8
+    pc.apply_float8 = lambda model, choice, all_gather: apply_float8(model, choice, all_gather=False)
 from torch.distributed.tensor import DTensor
 from torchao.float8.float8_linear import Float8Linear
 from plait.config import load_config
 from plait.parallel import Meshes, ParallelDims
-from plait.train import build_trainable, train_step
+from plait.engine.trainer import build_trainable, train_step
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -486,11 +486,11 @@ def test_triton_compile_workers_start_before_the_model_is_built_on_cuda(tmp_path
     is built, on CUDA only (the pool compiles Triton kernels; a CPU run would only pay its processes)."""
     import torch
 
-    import plait.torch_private
-    from plait.compile import CompileMonitor
+    import plait.core.torch_private
+    from plait.engine.compile_cache import CompileMonitor
 
     calls = []
-    monkeypatch.setattr(plait.torch_private, "warm_compile_workers", lambda: calls.append(1))
+    monkeypatch.setattr(plait.core.torch_private, "warm_compile_workers", lambda: calls.append(1))
     cfg = load_config(None, ["compile.enabled=true", f"run.out_dir={tmp_path}"])
     CompileMonitor.start(cfg, torch.device(device), is_main=True)
     assert len(calls) == warmed
@@ -500,9 +500,9 @@ def test_the_compile_worker_warm_up_reaches_torch(monkeypatch):
     """The one private call behind it exists in this torch and is what plait calls."""
     import torch._inductor.async_compile as async_compile
 
-    import plait.torch_private
+    import plait.core.torch_private
 
     calls = []
     monkeypatch.setattr(async_compile, "maybe_warm_pool", lambda: calls.append(1))
-    plait.torch_private.warm_compile_workers()
+    plait.core.torch_private.warm_compile_workers()
     assert calls == [1]

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from plait.cli import main
+from plait.engine.trainer import build_model
 from plait.lifecycle.compress import QuantLinear, quantize_model
 from plait.lifecycle.lineage import Registry
 from plait.lifecycle.models import load_model
 from plait.model import ModelArgs
-from plait.train import build_model
 
 transformers = pytest.importorskip("transformers")
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from plait.config import Config, load_config, options_help, to_toml
-from plait.errors import ConfigError
+from plait.core.errors import ConfigError
 from plait.model import preset_args
 
 
@@ -94,7 +94,7 @@ def test_a_warmup_as_long_as_the_run_is_warned_about():
     """The defaults' 30 warm-up steps on a 20-step run: the LR never reaches optim.lr nor decays. Said at
     start-up (a warning, not a refusal: a deliberately short probe is legitimate), with a value that works."""
     from plait.config import OptimConfig
-    from plait.optim import lr_factor, schedule_problem
+    from plait.engine.optim import lr_factor, schedule_problem
 
     cfg = OptimConfig(lr=3e-3, warmup_steps=30)
     problem = schedule_problem(cfg, 20)

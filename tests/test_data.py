@@ -16,6 +16,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models
 
+from plait.core.errors import ConfigError
 from plait.data import (
     EOS,
     PAD,
@@ -29,7 +30,6 @@ from plait.data import (
     train_bpe,
     unigram_entropy,
 )
-from plait.errors import ConfigError
 
 VOCAB = 320
 SEQ = 16

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from plait.cli import main
+from plait.core.errors import PlaitError
 from plait.data import load_tokenizer
-from plait.errors import PlaitError
+from plait.engine.trainer import build_model
 from plait.lifecycle.evaluate import complete, parse_suite, perplexity, run_suite, text_perplexity
 from plait.lifecycle.lineage import Registry
 from plait.model import ModelArgs
-from plait.train import build_model
 
 TEXT = "First Citizen: Before we proceed any further, hear me speak.\nAll: Speak, speak.\n"
 
@@ -21,8 +21,8 @@ TEXT = "First Citizen: Before we proceed any further, hear me speak.\nAll: Speak
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     """Prepared data, a tiny model and its weights-only checkpoint (whose config names the data)."""
+    from plait.cli.ckpt import write_weights_checkpoint
     from plait.config import Config, to_dict
-    from plait.interop.ckpt_cli import write_weights_checkpoint
 
     root = tmp_path_factory.mktemp("eval")
     docs = root / "docs"

@@ -20,12 +20,12 @@ import torch
 import torch.multiprocessing as mp
 
 from parallel_harness import free_port, join_as_rank, start_ranks
-from plait.checkpoint import TrainState
 from plait.config import load_config
-from plait.errors import ConfigError, PlaitError
-from plait.faults import Faults
-from plait.guards import Guard, SpikeDetector, describe_stack, find_straggler
-from plait.metrics import MetricsLogger
+from plait.core.errors import ConfigError, PlaitError
+from plait.engine.checkpoint import TrainState
+from plait.engine.metrics import MetricsLogger
+from plait.features.faults import Faults
+from plait.features.guards import Guard, SpikeDetector, describe_stack, find_straggler
 from plait.parallel.env import DistEnv
 
 
@@ -94,10 +94,10 @@ def test_fault_variables(monkeypatch):
 @pytest.mark.parametrize(
     "path, function, phase",
     [
-        ("plait/train.py", "_accumulate", "forward/backward"),
-        ("plait/validation.py", "evaluate", "eval"),
-        ("plait/checkpoint.py", "save", "checkpoint"),
-        ("plait/train.py", "_loop", "between steps"),
+        ("plait/engine/trainer.py", "_accumulate", "forward/backward"),
+        ("plait/engine/validation.py", "evaluate", "eval"),
+        ("plait/engine/checkpoint.py", "save", "checkpoint"),
+        ("plait/engine/trainer.py", "_loop", "between steps"),
     ],
 )
 def test_describe_stack_names_the_phase(path, function, phase):
@@ -127,7 +127,7 @@ def test_watchdog_culprits_from_heartbeats():
     others' step or outside a collective is named as a live culprit the reporting rank waits for."""
     import torch.distributed as dist
 
-    from plait.guards import Watchdog
+    from plait.features.guards import Watchdog
 
     store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
     dog = Watchdog(rank=0, timeout_s=3600, world_size=1)
@@ -143,7 +143,7 @@ def test_watchdog_culprits_from_heartbeats():
 
         beater = threading.Thread(target=beat, daemon=True)
         beater.start()
-        rows[:] = [(30, 7, dc10d), (30, 7, "plait/train.py:10 in _accumulate")]  # both old: only rank 1 named
+        rows[:] = [(30, 7, dc10d), (30, 7, "plait/engine/trainer.py:10 in _accumulate")]  # both old: only rank 1 named
         time.sleep(0.3)
         text, silent, stalled = dog.culprits()
         assert silent == [(1, 1001, "host1")] and stalled == [] and "rank 1 (host1, pid 1001)" in text, text
@@ -151,7 +151,7 @@ def test_watchdog_culprits_from_heartbeats():
         time.sleep(0.3)
         text, silent, stalled = dog.culprits()
         assert (silent, stalled) == ([], [1]) and "behind the others (step 7): rank 1 at step 6" in text, text
-        rows[:] = [(0, 7, dc10d), (0, 7, "plait/train.py:10 in _accumulate")]
+        rows[:] = [(0, 7, dc10d), (0, 7, "plait/engine/trainer.py:10 in _accumulate")]
         time.sleep(0.3)
         text, silent, stalled = dog.culprits()
         assert (silent, stalled) == ([], [1]) and "not in a collective" in text and "rank 1 at plait/train" in text
@@ -333,12 +333,14 @@ def test_hang_watchdog_reports_exits_and_the_group_restarts(data_dir, tmp_path):
     reports = [line for line in err.splitlines() if "hang watchdog: rank" in line]
     report = next((line for line in reports if "hang watchdog: rank 1" in line), None)
     assert report is not None, reports  # the waiting rank 0 lets rank 1 report its own stack before exiting
-    assert "in step 3, phase forward/backward, at plait/faults.py" in report and "exiting with code 124" in report
+    assert (
+        "in step 3, phase forward/backward, at plait/features/faults.py" in report and "exiting with code 124" in report
+    )
     assert "last collective entered: gloo:" in report  # from the flight recorder
     peer = next((line for line in err.splitlines() if "hang watchdog: rank 0" in line), None)
     if peer is not None:  # unless the agent stopped it first: rank 0 waits in a collective for rank 1
         assert "in step 3, phase" in peer and "last collective entered: gloo:" in peer, peer
-        assert "not in a collective while the others wait in one: rank 1 at plait/faults.py" in peer, peer
+        assert "not in a collective while the others wait in one: rank 1 at plait/features/faults.py" in peer, peer
     assert "Most recent call first" in err or "most recent call first" in err  # faulthandler's stacks
     assert "resumed from" in err and "step_00000002" in err
     metrics = rows(tmp_path / "runs" / "default")

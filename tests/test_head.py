@@ -101,8 +101,8 @@ def test_what_autograd_keeps_is_the_gradients_not_the_logits():
 
 
 def _steps(extra: list[str], steps: int = 4) -> list[tuple[float, float]]:
+    from plait.engine.trainer import build_trainable, train_step
     from plait.parallel.env import shutdown
-    from plait.train import build_trainable, train_step
 
     cfg = load_config(
         None, ["model.preset=debug", "model.n_layers=2", "data.seq_len=16", "train.global_batch_size=4", *extra]
@@ -131,7 +131,7 @@ def test_training_with_the_fused_head_equals_the_plain_head():
 
 
 def test_settings_are_checked():
-    from plait.errors import ConfigError
+    from plait.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="loss_chunk_tokens"):
         load_config(None, ["train.loss_chunk_tokens=-1"])

@@ -11,10 +11,17 @@ import pytest
 import torch
 
 from plait.cli import main as cli_main
+from plait.cli.doctor import parse_sizes
 from plait.config import load_config
-from plait.doctor import parse_sizes
-from plait.errors import PlaitError
-from plait.health import CollectiveRow, ComputeResult, HealthReport, bus_factor, check_compute, run_queue_contention
+from plait.core.errors import PlaitError
+from plait.features.health import (
+    CollectiveRow,
+    ComputeResult,
+    HealthReport,
+    bus_factor,
+    check_compute,
+    run_queue_contention,
+)
 
 
 def test_bus_bandwidth_factors_and_sizes():

@@ -13,13 +13,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from plait.checkpoint import list_checkpoints
-from plait.errors import PlaitError
+from plait.cli.ckpt import cmd_ckpt, load_checkpoint_model
+from plait.core.errors import PlaitError
+from plait.engine.checkpoint import list_checkpoints
+from plait.engine.trainer import build_model
 from plait.interop import export_hf, export_safetensors, import_hf, load_hf_model, load_safetensors
-from plait.interop.ckpt_cli import cmd_ckpt, load_checkpoint_model
 from plait.model import ModelArgs
 from plait.model.llama import rope_tables
-from plait.train import build_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -246,7 +246,7 @@ def test_transformers_model_imports_with_the_same_logits(case, tmp_path):
 def test_greedy_generation_matches_transformers(case, tmp_path):
     """plait's KV-cache decoding against transformers' generate, from the original directory and from
     plait's export: a 12-token prompt (longer than the window of 8) and 24 new tokens."""
-    from plait.generate import generate
+    from plait.engine.generate import generate
 
     kind, overrides, _, _ = HF_CASES[case]
     path = save_hf_model(kind, tmp_path / kind, **overrides)
@@ -522,7 +522,7 @@ def test_ckpt_export_safetensors(trained_run, tmp_path):
 
 
 def test_ckpt_import_makes_a_checkpoint_plait_loads(trained_run, tmp_path, capsys):
-    from plait.generate import load_for_generation
+    from plait.engine.generate import load_for_generation
 
     hf_dir = tmp_path / "hf"
     assert cmd_ckpt(["export", str(trained_run), "--out", str(hf_dir)]) == 0

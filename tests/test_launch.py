@@ -141,9 +141,9 @@ def test_random_lost_ranks_restart_and_end_bitwise_equal(tmp_path):
         assert 0 <= redone <= every, f"{why}: killed before step {step}, resumed from step {at}"
 
     def weights(run: str) -> dict:
-        from plait.checkpoint import list_checkpoints, load_model_weights
         from plait.config import load_config
-        from plait.train import build_model
+        from plait.engine.checkpoint import list_checkpoints, load_model_weights
+        from plait.engine.trainer import build_model
 
         cfg = load_config(None, ["model.preset=debug"])
         model = build_model(cfg.model, torch.device("cpu"), seed=1)

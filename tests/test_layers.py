@@ -1,5 +1,6 @@
-"""The layered house: every import in plait (at top level or inside a function) points to the same layer or
-a lower one, and no modules import each other in a circle. Read from the source with `ast`, nothing imported."""
+"""The layered house: src/plait's folders are its floors (FLOORS, lowest first); every import in plait (at top
+level or inside a function) points to its own floor or a lower one, no modules import each other in a circle,
+and the command line lives in plait/cli alone. Read from the source with `ast`, nothing imported."""
 
 from __future__ import annotations
 
@@ -10,75 +11,32 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "src" / "plait"
 
-LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    # (name, module prefixes), lowest first. A module belongs to the layer of its longest matching prefix.
-    (
-        "foundation",
-        (
-            "plait.errors",
-            "plait.config",
-            "plait.argparsing",
-            "plait.model",
-            "plait.data",
-            "plait.storage",
-            "plait.hardware",
-            "plait.profiling",
-            "plait.torch_private",
-            "plait.digest",
-            "plait.trusted_dir",
-            "plait.stop",
-            "plait.plot",
-            "plait.publish",
-        ),
-    ),
-    (
-        "engine",
-        (
-            "plait.parallel",
-            "plait.checkpoint",
-            "plait.optim",
-            "plait.compile",
-            "plait.metrics",
-            "plait.trackers",
-            "plait.generate",
-            "plait.callbacks",
-            "plait.loss",
-            "plait.rundir",
-            "plait.runlock",
-            "plait.step_metrics",
-            "plait.validation",
-            "plait.moe",
-        ),
-    ),
-    ("trainer", ("plait.train", "plait.trainable")),
-    (
-        "features",
-        (
-            "plait.guards",
-            "plait.health",
-            "plait.faults",
-            "plait.report",
-            "plait.lifecycle",
-            "plait.planner",
-            "plait.interop",
-        ),
-    ),
-    (
-        "commands",
-        (
-            "plait.cli",
-            "plait.launch",
-            "plait.bench",
-            "plait.interop.ckpt_cli",
-            "plait.lifecycle.cli",
-            "plait.planner.cli",
-            "plait.doctor",
-            "plait.api",
-            "plait.__main__",
-            "plait",  # the package itself only: its __init__ hands out plait.api's names on first use
-        ),
-    ),
+FLOORS: list[tuple[str, ...]] = [
+    # the folders of src/plait, lowest floor first: a module may import its own floor's and lower floors'
+    ("core",),  # errors, storage, hardware, torch's private API, digests, signed directories, signals
+    ("model", "data"),  # the Transformer and its parts; corpora, tokenizers, loaders
+    ("config",),  # the settings' sections, loading and validation (the model's arguments are a section)
+    ("parallel",),  # meshes, layout rules, parallelize, pipelines, context parallel, experts, compile
+    ("engine",),  # the trainer, step, loss, optimizer, callbacks, checkpoints, metrics, run directory
+    ("planner", "interop", "features"),  # libraries over the engine: the cost model, HF formats, run features
+    ("lifecycle",),  # lineage, fine-tuning, LoRA, compression, evaluation, serving
+    ("cli", "api.py", "__main__.py"),  # the commands and the Python API: nothing imports them
 ]
+TOP_FILES = {"__init__.py", "api.py", "__main__.py"}  # src/plait's only modules outside a floor's folder
+
+
+def _floor_of(module: str) -> int:
+    """A module's floor, from the folder it lives in (plait.<folder>.…), or its own file at the top."""
+    parts = module.split(".")
+    if parts[0] != "plait":
+        raise AssertionError(f"{module} is in no floor: not a plait module")
+    if len(parts) == 1:
+        return len(FLOORS) - 1  # the package's face hands out plait.api's names
+    top = parts[1] if (ROOT / parts[1]).is_dir() else parts[1] + ".py"
+    for i, folders in enumerate(FLOORS):
+        if top in folders:
+            return i
+    raise AssertionError(f"{module} is in no floor: put it in one of the folders of FLOORS in {__file__}")
 
 
 def _modules() -> dict[str, Path]:
@@ -89,18 +47,42 @@ def _modules() -> dict[str, Path]:
     return mods
 
 
-def _layer(module: str) -> int:
-    best, level = -1, None
-    for i, (_, prefixes) in enumerate(LAYERS):
-        for p in prefixes:
-            if (module == p or (p != "plait" and module.startswith(p + "."))) and len(p) > best:
-                best, level = len(p), i
-    assert level is not None, f"{module} is in no layer: add it to LAYERS in {__file__}"
-    return level
+def test_the_folders_are_the_floors():
+    """`ls src/plait` shows the layers: a folder per floor, and no module at the top but the API's."""
+    entries = {p.name for p in ROOT.iterdir() if p.name != "__pycache__" and not p.name.endswith(".egg-info")}
+    known = {name for floor in FLOORS for name in floor} | TOP_FILES
+    assert entries <= known, f"src/plait holds {sorted(entries - known)}: put each in the folder of its floor"
+    assert {n for n in entries if n.endswith(".py")} <= TOP_FILES
+    assert all((ROOT / n).is_dir() for floor in FLOORS for n in floor if not n.endswith(".py"))
+
+
+def test_no_command_line_inside_a_library():
+    """Commands (argument parsing, `cmd_*`) live in plait.cli alone: the libraries below are called, not run."""
+    found = [
+        f"{m}: {why}"
+        for m, f in sorted(_modules().items())
+        if not m.startswith("plait.cli") and m != "plait.__main__"  # `python -m plait`: the entry point
+        for why in _command_line_in(f.read_text())
+    ]
+    assert not found, "command-line code outside plait/cli:\n" + "\n".join(found)
+
+
+def _command_line_in(source: str) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef) and node.name.startswith("cmd_"):
+            found.append(f"defines {node.name}")
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            names = [a.name for a in node.names] + ([node.module] if isinstance(node, ast.ImportFrom) else [])
+            found += [
+                f"imports {n}" for n in names if n in ("argparse", "plait.cli") or str(n).startswith("plait.cli.")
+            ]
+    return found
 
 
 def import_graph() -> dict[str, set[str]]:
-    """module -> the plait modules it imports anywhere in its source (functions included)."""
+    """module -> the plait modules it imports anywhere in its source (functions included); every name of a
+    `from plait.x import a, b` counts (a submodule each, or a name of plait.x itself)."""
     mods = _modules()
 
     def resolve(name: str) -> str | None:
@@ -119,25 +101,24 @@ def import_graph() -> dict[str, set[str]]:
                 if node.level:
                     parts = base.split(".")
                     mod = ".".join(parts[: len(parts) - node.level + 1] + ([mod] if mod else []))
-                targets = [f"{mod}.{a.name}" for a in node.names] + [mod]
+                targets = [f"{mod}.{a.name}" for a in node.names]
             else:
                 continue
             for t in targets:
                 if t.split(".")[0] == "plait" and (r := resolve(t)) and r != m and not m.startswith(r + "."):
                     edges[m].add(r)
-                    break
     return edges
 
 
 def test_every_import_points_down_or_sideways():
     edges = import_graph()
     upward = [
-        f"{a} ({LAYERS[_layer(a)][0]}) -> {b} ({LAYERS[_layer(b)][0]})"
+        f"{a} (floor {_floor_of(a)}) -> {b} (floor {_floor_of(b)})"
         for a, targets in sorted(edges.items())
         for b in sorted(targets)
-        if _layer(b) > _layer(a)
+        if _floor_of(b) > _floor_of(a)
     ]
-    assert not upward, "imports pointing up a layer:\n" + "\n".join(upward)
+    assert not upward, "imports pointing up a floor:\n" + "\n".join(upward)
 
 
 def test_no_import_cycle():
@@ -188,14 +169,19 @@ def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
-def test_the_checks_catch_a_cycle_and_an_upward_arrow():
-    """The oracle itself: a planted cycle is found, a planted upward edge is flagged."""
+def test_the_checks_catch_a_cycle_an_upward_arrow_and_a_command():
+    """The oracle itself: a planted cycle is found, floors order as the folders say, a command is seen."""
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
-    assert _layer("plait.train") > _layer("plait.checkpoint") > _layer("plait.model.llama")
-    assert _layer("plait.cli") > _layer("plait.lifecycle.tracking") > _layer("plait.train")
-    with pytest.raises(AssertionError, match="in no layer"):
-        _layer("elsewhere.module")
+    assert _floor_of("plait.engine.trainer") == _floor_of("plait.engine.checkpoint") > _floor_of("plait.model.llama")
+    assert _floor_of("plait.cli") > _floor_of("plait.lifecycle.tracking") > _floor_of("plait.engine.trainer")
+    assert _floor_of("plait.api") == _floor_of("plait.cli.main") > _floor_of("plait.config.load")
+    with pytest.raises(AssertionError, match="in no floor"):
+        _floor_of("elsewhere.module")
+    with pytest.raises(AssertionError, match="in no floor"):
+        _floor_of("plait.newcomer")
+    assert _command_line_in("import argparse\ndef cmd_x(argv): pass\n") == ["imports argparse", "defines cmd_x"]
+    assert _command_line_in("from plait.cli.args import PlaitParser\n") == ["imports plait.cli.args"]
 
 
 # ------------------------------------------------------------------- torch's private APIs: in one module
@@ -258,7 +244,7 @@ def _private_torch_uses(source: str) -> list[str]:
 
 
 def test_torch_private_apis_are_reached_only_through_one_module():
-    """A torch upgrade that moves a private API breaks plait.torch_private (and its test), not its callers."""
+    """A torch upgrade that moves a private API breaks plait.core.torch_private (and its test), not its callers."""
     uses = {
         str(path.relative_to(ROOT)): where
         for path in sorted(ROOT.rglob("*.py"))

@@ -12,7 +12,7 @@ import pytest
 from rich.console import Console
 
 from plait.cli import main
-from plait.errors import PlaitError
+from plait.core.errors import PlaitError
 from plait.lifecycle import views
 from plait.lifecycle.lineage import Registry, data_fingerprint, effective_status, find_registry
 
@@ -219,8 +219,8 @@ def test_checkpoint_hash_is_taken_from_shards_and_is_layout_independent(tmp_path
     """The weights hash of a save comes from the shards each rank holds (no read-back, nothing gathered) and
     equals the hash of the same weights loaded whole in one process, under FSDP and under TP."""
     from parallel_harness import run_layouts
-    from plait.checkpoint import list_checkpoints, read_meta
     from plait.data import ensure_prepared
+    from plait.engine.checkpoint import list_checkpoints, read_meta
     from plait.lifecycle.lora import model_weights_hash, weights_hash
     from plait.lifecycle.models import load_model
 

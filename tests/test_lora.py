@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from plait.cli import main
+from plait.core.errors import ConfigError, PlaitError
 from plait.data import TokenDataset, TokenLoader, load_tokenizer
-from plait.errors import ConfigError, PlaitError
+from plait.engine.trainer import build_model
 from plait.lifecycle.finetune import prepare_instructions
 from plait.lifecycle.lineage import Registry
 from plait.lifecycle.lora import (
@@ -24,7 +25,6 @@ from plait.lifecycle.lora import (
 from plait.lifecycle.models import load_model
 from plait.lifecycle.serve import SharedStem
 from plait.model import ModelArgs
-from plait.train import build_model
 
 TINY = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=16, max_seq_len=64)
 ALL = "wq,wk,wv,wo,w1,w2,w3"
@@ -157,7 +157,7 @@ def test_shared_stem_rows_equal_each_adapter_alone(tmp_path):
     prompts = [[5, 6, 7], [5, 6, 7], [9, 9, 9], [1, 2, 3]]
     names = ["a", "b", "c", None]
     outs = stem.generate(list(zip(prompts, names, strict=True)), max_new_tokens=6)
-    from plait.generate import generate
+    from plait.engine.generate import generate
 
     for p, n, out in zip(prompts, names, outs, strict=True):
         assert out == generate(alone(n), [p], max_new_tokens=6, temperature=0)[0], n

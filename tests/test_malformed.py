@@ -91,7 +91,7 @@ class Ctx:
 
     def held(self, *extra: str, lock: Path | None = None) -> list[str]:
         """Settings of a run whose lock (beside the trained run, or `lock`) a live run on another machine holds."""
-        from plait.runlock import identity
+        from plait.engine.runlock import identity
 
         settings = [*self.in_run(), *extra]
         lock = lock or self.run().with_name(self.run().name + ".lock")

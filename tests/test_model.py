@@ -5,10 +5,10 @@ import math
 import pytest
 import torch
 
-from plait.generate import generate, sample_next
+from plait.engine.generate import generate, sample_next
+from plait.engine.trainer import build_model
 from plait.model import KVCache, ModelArgs, Transformer, preset_args
 from plait.model.llama import apply_rope, attention_mask, rope_tables
-from plait.train import build_model
 
 ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, multiple_of=16, max_seq_len=64)
 QWEN2_LIKE = ModelArgs(**{**ARGS.__dict__, "sliding_window": 4, "qkv_bias": True})

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from parallel_harness import read_metrics, run_layouts
 from plait.config import load_config
-from plait.errors import ConfigError
+from plait.core.errors import ConfigError
 from plait.model.args import ModelArgs
 from plait.model.llama import AuxLoss, Transformer
 from test_parallel import GRAD_NORM_RTOL, LOSS_RTOL, STEPS
@@ -66,7 +66,7 @@ def test_moe_block_equals_a_per_token_reference(overrides):
 def test_grouped_matmuls_equal_the_loop(monkeypatch):
     """The grouped-GEMM path (torch._grouped_mm: what bf16 CUDA devices of capability 9.0+ take) run on the CPU
     against the per-expert loop, forward and backward, an expert without tokens included."""
-    import plait.torch_private as tp
+    import plait.core.torch_private as tp
 
     moe = built(moe_top_k=2, moe_hidden_dim=32).layers["1"].feed_forward
     with torch.no_grad():
@@ -170,8 +170,8 @@ def test_a_run_logs_routing_and_balances_without_a_loss(reference):
     for r in rows:  # tokens per expert of every MoE block (block 0 is dense): every token's top 2, all counted
         assert sorted(r["load"]) == ["1", "2", "3"] and all(sum(v) == 8 * 32 * 2 for v in r["load"].values())
     assert (reference / "moe_load.png").stat().st_size > 0
-    from plait.checkpoint import list_checkpoints
-    from plait.generate import load_for_generation
+    from plait.engine.checkpoint import list_checkpoints
+    from plait.engine.generate import load_for_generation
 
     (ckpt,) = list_checkpoints(reference / "checkpoints")
     model = load_for_generation(ckpt, "cpu")[0]
@@ -320,7 +320,7 @@ def test_plait_safetensors_export_carries_the_routing_bias(tmp_path):
 
 def test_mixtral_export_refuses_routing_biases(tmp_path):
     """Mixtral's format has no routing bias: a model that balanced with one would route differently there."""
-    from plait.errors import PlaitError
+    from plait.core.errors import PlaitError
     from plait.interop import export_hf
 
     model = built(moe_top_k=2)

@@ -17,7 +17,7 @@ import pytest
 
 from parallel_harness import read_metrics, run_layouts
 from plait.config import load_config
-from plait.errors import ConfigError
+from plait.core.errors import ConfigError
 from plait.model import preset_args
 from plait.parallel import ParallelDims, validate_layout
 from plait.parallel.pipeline import split_layers
@@ -338,7 +338,7 @@ def test_an_all_masked_micro_batch_gives_no_nan():
     cross-entropy of no tokens would be NaN), and the step's loss is the mean over the scored ones."""
     import torch
 
-    from plait.train import IGNORE_INDEX, TokenLoss, cross_entropy
+    from plait.engine.trainer import IGNORE_INDEX, TokenLoss, cross_entropy
 
     logits = torch.randn(2, 4, 10, requires_grad=True)
     targets = torch.randint(0, 10, (2, 4))
@@ -380,9 +380,9 @@ def _count_reduce_scatters(rank: int, world: int, port: int, reduce_each: bool, 
     import torch.distributed as dist
 
     from parallel_harness import join_as_rank
+    from plait.engine.trainer import build_trainable, train_step
     from plait.parallel import Meshes
     from plait.parallel.env import init_distributed, shutdown
-    from plait.train import build_trainable, train_step
 
     join_as_rank(rank, world, port)
     calls = [0]
@@ -435,8 +435,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from plait.config import load_config
 from plait.parallel import Meshes, ParallelDims
-from plait.torch_private import init_fake_process_group
-from plait.train import build_trainable
+from plait.core.torch_private import init_fake_process_group
+from plait.engine.trainer import build_trainable
 
 init_fake_process_group(4)
 cfg = load_config(None, ["model.preset=debug", "run.device=cpu", "data.seq_len=32", *sys.argv[1].split()])

@@ -1,6 +1,6 @@
 """The planner's memory model against plait's own parallel runtime (not a re-implementation of it).
 
-Each layout is built with `plait.train.build_trainable` — the real TP/SP plan, activation checkpointing and
+Each layout is built with `plait.engine.trainer.build_trainable` — the real TP/SP plan, activation checkpointing and
 FSDP2 — on a fake process group of the layout's world size (one process: shapes and placements are real,
 collectives are no-ops), and rank 0 measures:
 - model states: bytes of its local parameter, gradient and AdamW moment shards after one step;
@@ -128,7 +128,7 @@ from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from plait.config import load_config
 from plait.parallel import Meshes, ParallelDims
-from plait.train import build_trainable
+from plait.engine.trainer import build_trainable
 from plait.parallel.activations import SavedBytes
 from plait.parallel.context import context_shard
 
@@ -289,7 +289,7 @@ from torch.distributed.pipelining.stage import _PipelineStageBase
 from torch.multiprocessing.reductions import StorageWeakRef
 from plait.config import load_config
 from plait.parallel import Meshes, ParallelDims
-from plait.train import build_trainable, train_step
+from plait.engine.trainer import build_trainable, train_step
 
 jobs, args = json.loads(sys.argv[1]), json.loads(sys.argv[2])
 seq, batch, out_dir = int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
@@ -392,7 +392,7 @@ def test_planner_pipeline_memory_matches_plait_runtime(tmp_path):
     script = tmp_path / "measure_pp.py"
     script.write_text(PP_SCRIPT)
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    from plait.torch_private import weight_pass_takes_custom_functions
+    from plait.core.torch_private import weight_pass_takes_custom_functions
 
     # torch 2.11 refuses the zero-bubble schedule with the fused head (plait.parallel.dims): measured on newer torch
     pipelines = [p for p in PIPELINES if weight_pass_takes_custom_functions() or "zero_bubble" not in str(p[1])]

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from plait.errors import ConfigError
+from plait.cli.plan import cmd_plan, parse_tokens
+from plait.core.errors import ConfigError
+from plait.engine.trainer import build_model, cross_entropy
 from plait.model import ModelArgs, preset_args
 from plait.planner import Layouts, Workload, cost, evaluate, get_cluster, plan
-from plait.planner.cli import cmd_plan, parse_tokens
 from plait.planner.search import layout_config
-from plait.train import build_model, cross_entropy
 
 GQA = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=16, max_seq_len=128)
 MHA = ModelArgs(dim=96, n_layers=3, n_heads=6, n_kv_heads=6, vocab_size=320, ffn_hidden_dim=200, max_seq_len=128)

@@ -8,7 +8,7 @@ import pytest
 
 from plait.cli import main
 from plait.config import load_config
-from plait.errors import ConfigError
+from plait.core.errors import ConfigError
 from plait.planner.preflight import WARN_FRACTION, Machine, check_memory, predict
 
 H100_NODE = Machine(

@@ -1,4 +1,4 @@
-"""plait.profiling's pieces: the kernel kinds of a device profile, the stack sampler of a cold start (samples
+"""plait.core.profiling's pieces: the kernel kinds of a device profile, the stack sampler of a cold start (samples
 weighted by wall time, so native code holding the GIL is counted where it ran)."""
 
 import threading
@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from plait.profiling import StackSampler, kind_of
+from plait.core.profiling import StackSampler, kind_of
 
 
 @pytest.mark.parametrize(
@@ -76,7 +76,7 @@ def test_the_sampler_counts_native_code_that_holds_the_gil():
 
 
 def test_a_device_profile_is_described_in_one_line():
-    from plait.profiling import describe
+    from plait.core.profiling import describe
 
     summary = {
         "steps": 3,

@@ -11,7 +11,7 @@ import time
 import pytest
 from rich.console import Console
 
-import plait.metrics as metrics
+import plait.engine.metrics as metrics
 from plait.config import LogConfig
 
 

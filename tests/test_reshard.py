@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from parallel_harness import read_metrics, run_layouts
-from plait.checkpoint import list_checkpoints
 from plait.config import load_config
+from plait.engine.checkpoint import list_checkpoints
 from s3_server import available, serving
 from test_parallel import GRAD_NORM_RTOL, LOSS_RTOL, STEPS, base
 

@@ -1,4 +1,4 @@
-"""One run per run directory (plait.runlock): a second run on a held directory is refused at once, before it
+"""One run per run directory (plait.engine.runlock): a second run on a held directory is refused at once, before it
 writes anything, and the first ends as if alone (bitwise); a lock whose holder died is taken over; elastic
 restarts (plait's launcher and torchrun) are never refused; the same on S3 with a lease object. Real processes,
 a real file system and a real S3-compatible server; the holders of other machines are lock files written as
@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from plait import runlock
-from plait.checkpoint import list_checkpoints, load_model_weights
 from plait.config import load_config
-from plait.errors import PlaitError
-from plait.runlock import LEASE_S, LOCK_ENV, LockWatch, RunLock, RunLocked, identity
-from plait.storage import location
+from plait.core.errors import PlaitError
+from plait.core.storage import location
+from plait.engine import runlock
+from plait.engine.checkpoint import list_checkpoints, load_model_weights
+from plait.engine.runlock import LEASE_S, LOCK_ENV, LockWatch, RunLock, RunLocked, identity
 from runs import debug_run
 
 STEPS = 30
@@ -66,7 +66,7 @@ def wait_for_checkpoint(ckpt_dir, proc: subprocess.Popen) -> None:
 
 
 def final_weights(ckpt_dir) -> dict[str, torch.Tensor]:
-    from plait.train import build_model
+    from plait.engine.trainer import build_model
 
     ckpt = list_checkpoints(ckpt_dir)[-1]
     assert ckpt.name == f"step_{STEPS:08d}"
@@ -174,7 +174,7 @@ def test_an_elastic_restart_of_the_same_job_takes_its_lock_over_silently(tmp_pat
 def test_exactly_one_of_many_racing_processes_wins(tmp_path):
     lock = tmp_path / "r.lock"
     script = (
-        "import sys, time; from plait.runlock import RunLock, RunLocked\n"
+        "import sys, time; from plait.engine.runlock import RunLock, RunLocked\n"
         f"time.sleep(max(0.0, {time.time() + 6} - time.time()))\n"  # all start together (imports done)
         "try:\n    RunLock([sys.argv[1]]).acquire(); print('won'); time.sleep(2)\n"
         "except RunLocked: print('refused')\n"

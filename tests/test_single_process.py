@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from plait.config import load_config
-from plait.errors import ConfigError
+from plait.core.errors import ConfigError
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -44,9 +44,9 @@ class _AliveCensus(TorchDispatchMode):
 
 
 def forward_backward(overrides: list[str]) -> dict:
+    from plait.engine.trainer import build_trainable
     from plait.model.llama import canonical_name
     from plait.parallel.env import shutdown
-    from plait.train import build_trainable
 
     cfg = load_config(None, [*ARGS, *overrides])
     try:
@@ -87,8 +87,8 @@ def test_cpu_offload_applies_at_dp_1():
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
     from torch.distributed.tensor import DTensor
 
+    from plait.engine.trainer import build_trainable, train_step
     from plait.parallel.env import shutdown
-    from plait.train import build_trainable, train_step
 
     cfg = load_config(None, [*ARGS, "parallel.cpu_offload=true"])
     try:
@@ -107,8 +107,8 @@ def test_cpu_offload_applies_at_dp_1():
 
 
 def test_settings_that_need_more_processes_are_refused_in_one():
+    from plait.engine.trainer import build_trainable
     from plait.parallel.env import shutdown
-    from plait.train import build_trainable
 
     for setting in ("parallel.tp_degree=2", "parallel.pp_degree=2", "parallel.dp_replicate_degree=2"):
         cfg = load_config(None, [*ARGS, setting])
@@ -128,8 +128,8 @@ from plait.model import Transformer
 from plait.parallel import Meshes, ParallelDims
 from plait.parallel.parallelize import parallelize
 from plait.parallel.parallelize import init_local_shard
-from plait.torch_private import init_fake_process_group, local_box
-from plait.train import build_model
+from plait.core.torch_private import init_fake_process_group, local_box
+from plait.engine.trainer import build_model
 
 llama.INIT_BLOCK_ELEMENTS = 1000  # blocks of a few rows: shard edges fall inside blocks
 overrides = sys.argv[1].split()

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from plait.checkpoint import list_checkpoints
 from plait.config import load_config
-from plait.stop import EXIT_STOPPED
+from plait.core.stop import EXIT_STOPPED
+from plait.engine.checkpoint import list_checkpoints
 from runs import debug_run
 
 STEPS = 40
@@ -41,8 +41,8 @@ def logged_steps(run_dir: Path) -> list[int]:
 
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    from plait.checkpoint import load_model_weights
-    from plait.train import build_model
+    from plait.engine.checkpoint import load_model_weights
+    from plait.engine.trainer import build_model
 
     ckpt = list_checkpoints(run_dir / "checkpoints")[-1]
     assert ckpt.name == f"step_{STEPS:08d}"

@@ -24,14 +24,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from plait.checkpoint import list_checkpoints, read_meta
 from plait.cli import main
+from plait.cli.ckpt import cmd_ckpt, load_checkpoint_model, write_weights_checkpoint
 from plait.config import Config, to_dict
-from plait.errors import ConfigError
-from plait.interop.ckpt_cli import cmd_ckpt, load_checkpoint_model, write_weights_checkpoint
+from plait.core.errors import ConfigError
+from plait.core.storage import DCP_METADATA, parse_metadata
+from plait.engine.checkpoint import list_checkpoints, read_meta
 from plait.interop.hf import args_from_hf_config, hf_name, open_hf, param_shapes
 from plait.interop.shards import INDEX_FILE, parse_shard_size
-from plait.storage import DCP_METADATA, parse_metadata
 
 GiB = 2**30
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from plait.config import load_config
-from plait.errors import ConfigError
+from plait.core.errors import ConfigError
 
 wandb = pytest.importorskip("wandb")
 pytest.importorskip("mlflow")

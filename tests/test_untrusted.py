@@ -97,7 +97,7 @@ def _crafted_records(step: Path, marker: Path) -> None:
     pickled byte records), under the names the model expects; plait.json rehashed."""
     import torch.distributed.checkpoint as dcp
 
-    from plait.storage import parse_metadata
+    from plait.core.storage import parse_metadata
 
     names = list(parse_metadata((step / ".metadata").read_bytes()).state_dict_metadata)
     for f in step.glob("*.distcp"):
@@ -171,7 +171,7 @@ def test_crafted_compile_cache_runs_no_code_in_train_or_bench(world):
 
     def plant() -> None:  # train re-signs the cache with the user's key after compiling: plant again each time
         assert plant_exploits(cache, marker) > 3
-        sign = f"from plait.trusted_dir import TrustedDir as T; from pathlib import Path; T(Path({str(cache)!r}))"
+        sign = f"from plait.core.trusted_dir import TrustedDir as T; from pathlib import Path; T(Path({str(cache)!r}))"
         signed = subprocess.run(
             [sys.executable, "-c", f"{sign}.publish(Path({str(cache)!r}))"],
             env=attacker,

@@ -1,4 +1,4 @@
-"""plait from Python: `plait.Trainer` is the training loop (plait.train.Trainer) with plait's standard
+"""plait from Python: `plait.Trainer` is the training loop (plait.engine.trainer.Trainer) with plait's standard
 features attached as callbacks, the same that `plait train` runs:
 
     import plait
@@ -17,17 +17,17 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-from plait import faults
-from plait.callbacks import Callback
 from plait.config import Config, from_dict, load_config, validate
-from plait.errors import ArgumentError
-from plait.guards import Guards
-from plait.health import HealthCheck
+from plait.core.errors import ArgumentError
+from plait.engine.callbacks import Callback
+from plait.engine.trainer import Trainer as TrainingLoop
+from plait.engine.trainer import check_arguments
+from plait.features import faults
+from plait.features.guards import Guards
+from plait.features.health import HealthCheck
+from plait.features.report import EndReport
 from plait.lifecycle.finetune import Finetune
 from plait.lifecycle.tracking import Lineage
-from plait.report import EndReport
-from plait.train import Trainer as TrainingLoop
-from plait.train import check_arguments
 
 __all__ = ["Callback", "Config", "Trainer", "default_callbacks", "load_config", "train"]
 
@@ -48,7 +48,7 @@ def default_callbacks(cfg: Config) -> list[Callback]:
 
 
 class Trainer(TrainingLoop):
-    """plait.train.Trainer with default_callbacks(cfg) before yours (standard=False: yours only).
+    """plait.engine.trainer.Trainer with default_callbacks(cfg) before yours (standard=False: yours only).
     cfg: a Config, a TOML path, a {section: {key: value}} dict, or None for the defaults."""
 
     def __init__(
@@ -69,7 +69,7 @@ def _check_memory(cfg: Config, env) -> None:
     """Before anything is built: refused (ConfigError) if the planner predicts the run will not fit this
     machine, a line on stderr if it nearly does (plait.planner.preflight). Not repeated in the workers of
     `plait train --nproc`, whose launcher checked once for all of them."""
-    from plait.launch import RESTART_COUNT_ENV
+    from plait.parallel.env import RESTART_COUNT_ENV
     from plait.planner.preflight import check_memory
 
     if RESTART_COUNT_ENV in os.environ:

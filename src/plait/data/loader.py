@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from plait.errors import ConfigError
+from plait.core.errors import ConfigError
 
 MANIFEST = "manifest.json"
 FORMAT = "plait-tokens-v1"

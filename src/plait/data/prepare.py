@@ -24,10 +24,10 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 from tokenizers import Tokenizer
 
+from plait.core.errors import ConfigError
+from plait.core.publish import is_nonempty, staged_dir
 from plait.data.loader import FORMAT, MANIFEST, read_manifest, shard_paths
 from plait.data.tokenizer import eos_id, load_tokenizer, train_bpe
-from plait.errors import ConfigError
-from plait.publish import is_nonempty, staged_dir
 
 SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", ".parquet")
 TOKENIZER_FILE = "tokenizer.json"

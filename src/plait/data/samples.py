@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from plait.errors import ConfigError
+from plait.core.errors import ConfigError
 
 
 class SampleLoader:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from plait.errors import ConfigError
+from plait.core.errors import ConfigError
 
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"

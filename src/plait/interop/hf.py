@@ -50,10 +50,10 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from plait.errors import ConfigError, PlaitError
+from plait.core.errors import ConfigError, PlaitError
+from plait.core.publish import staged_dir
 from plait.interop.shards import DEFAULT_MAX_SHARD_SIZE, SafetensorsShards, parse_shard_size
 from plait.model.llama import ModelArgs, Transformer, rope_tables
-from plait.publish import staged_dir
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
 SAFETENSORS_FORMAT = "plait-safetensors-v1"
@@ -618,8 +618,8 @@ def _write_hf_files(
 
 def _special_tokens(tokenizer_path: Path) -> dict[str, tuple[str, int]]:
     """{'eos_token' / 'bos_token' / 'pad_token': (text, id)} for those the tokenizer has."""
+    from plait.core.errors import ConfigError
     from plait.data import eos_id, load_tokenizer
-    from plait.errors import ConfigError
 
     tok = load_tokenizer(tokenizer_path)
     found = {}

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from plait.errors import ConfigError, PlaitError
+from plait.core.errors import ConfigError, PlaitError
 
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 DEFAULT_MAX_SHARD_SIZE = "5GB"  # huggingface_hub's default (and the Hub's habit); transformers 5 writes 50GB

@@ -9,7 +9,7 @@ whole model: the largest model plait can hand over is bounded by its largest ten
 - ``CheckpointTensors`` reads one tensor of a checkpoint into a fresh fp32 tensor, through plait's checked
   loader (metadata hash, shapes, no pickles, record checksums); DCP reassembles tensors saved by any number
   of ranks.
-- ``StreamedHash`` takes the lineage weights hash (``plait.digest``: per-tensor digests, in any order) of
+- ``StreamedHash`` takes the lineage weights hash (``plait.core.digest``: per-tensor digests, in any order) of
   tensors seen one at a time, so the pass that writes the weights also hashes them.
 """
 
@@ -26,18 +26,18 @@ from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import WriteItemType
 
-from plait.checkpoint import load_model_weights
-from plait.digest import combine, partial_digest
-from plait.errors import PlaitError
+from plait.core.digest import combine, partial_digest
+from plait.core.errors import PlaitError
+from plait.core.storage import DCP_METADATA, Location, dcp_writer, parse_metadata, read_bytes
+from plait.engine.checkpoint import load_model_weights
 from plait.interop.hf import param_shapes, saved_tensors
 from plait.model.llama import ModelArgs, Transformer
-from plait.storage import DCP_METADATA, Location, dcp_writer, parse_metadata, read_bytes
 
 _NO_DIST_WARNING = "torch.distributed is disabled"  # DCP 'assumes' a single process without a group: intended
 
 
 class StreamedHash:
-    """``plait.digest.weights_hash`` of tensors seen one at a time, in any order.
+    """``plait.core.digest.weights_hash`` of tensors seen one at a time, in any order.
 
     Each tensor is digested on a background thread while the caller goes on (torch's kernels release the
     GIL): the digest of one tensor overlaps the writing of it, or the reading of the next. At most one

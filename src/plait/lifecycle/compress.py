@@ -36,7 +36,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from plait.errors import PlaitError
+from plait.core.errors import PlaitError
 from plait.model.llama import ModelArgs, Transformer
 
 QUANT_FORMAT = "plait-quant-v1"
@@ -404,7 +404,7 @@ def distillation_loss(teacher: nn.Module, temperature: float, hard_weight: float
 def student_from_teacher(teacher: Transformer, args: ModelArgs, seed: int = 0) -> Transformer:
     """A student of shape ``args``: plait's initialisation, except that where the widths match it starts from
     the teacher's embedding, final norm, output and evenly spaced blocks (layer dropping)."""
-    from plait.trainable import build_model
+    from plait.engine.trainable import build_model
 
     device = next(teacher.parameters()).device
     student = build_model(args, device, seed)

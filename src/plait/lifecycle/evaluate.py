@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plait.errors import PlaitError
+from plait.core.errors import PlaitError
 
 ASSERTIONS = ("contains", "not_contains", "regex", "not_regex", "exact", "max_length", "max_perplexity", "equivalent")
 TEST_KEYS = ("name", "prompt", "prompts", "text", "expect", "max_new_tokens", "temperature")
@@ -206,7 +206,7 @@ class Report:
 @torch.no_grad()
 def complete(model: nn.Module, tok, prompt: str, max_new_tokens: int, temperature: float = 0.0, seed: int = 0) -> str:
     from plait.data import eos_id
-    from plait.generate import generate
+    from plait.engine.generate import generate
 
     ids = tok.encode(prompt, add_special_tokens=False).ids
     if not ids:

@@ -25,15 +25,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from plait.callbacks import Callback
-from plait.checkpoint import list_checkpoints, load_model_weights, read_meta, resolve_checkpoint
 from plait.config import Config
+from plait.core.errors import ConfigError, PlaitError
+from plait.core.publish import staged_dir
+from plait.core.storage import Location
 from plait.data.prepare import jsonl_records
-from plait.errors import ConfigError, PlaitError
+from plait.engine.callbacks import Callback
+from plait.engine.checkpoint import list_checkpoints, load_model_weights, read_meta, resolve_checkpoint
 from plait.lifecycle.lora import apply_lora_config, is_lora_param
 from plait.model.llama import ModelArgs, canonical_name
-from plait.publish import staged_dir
-from plait.storage import Location
 
 DEFAULT_TEMPLATE = "### Instruction:\n{prompt}\n\n### Response:\n"
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from plait.errors import PlaitError
+from plait.core.errors import PlaitError
 
 REGISTRY_FILE = "lineage.sqlite"
 SCHEMA_VERSION = 1

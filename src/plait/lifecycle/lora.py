@@ -32,9 +32,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from plait.config import LORA_TARGETS, FinetuneConfig
-from plait.digest import sharded_weights_hash
-from plait.digest import weights_hash as _weights_hash
-from plait.errors import PlaitError
+from plait.core.digest import sharded_weights_hash
+from plait.core.digest import weights_hash as _weights_hash
+from plait.core.errors import PlaitError
 from plait.model.llama import canonical_name
 
 ADAPTER_FORMAT = "plait-lora-v1"
@@ -176,7 +176,7 @@ def lora_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def weights_hash(tensors: Mapping[str, torch.Tensor]) -> str:
-    """The identity of a set of weights (``plait.digest``: per-tensor digests of name, position and value
+    """The identity of a set of weights (``plait.core.digest``: per-tensor digests of name, position and value
     bits, combined with SHA-256). Checkpoints store fp32 parameters, so the hash of a model in memory equals
     that of the checkpoint it was loaded from (and of a Hugging Face import, cast to fp32 on the way in)."""
     return _weights_hash(tensors)

@@ -15,11 +15,11 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from plait.errors import PlaitError
+from plait.core.errors import PlaitError
+from plait.core.storage import Location, RemotePath
 from plait.lifecycle.lineage import Artifact, Registry
 from plait.lifecycle.lora import ADAPTER_FORMAT, apply_lora, load_adapter, model_weights_hash
 from plait.model.llama import Transformer
-from plait.storage import Location, RemotePath
 
 
 @dataclass
@@ -59,7 +59,7 @@ def load_model(
 ) -> Loaded:
     """The model behind an artifact reference (see the module docstring), in fp32 on ``device``. An s3://
     reference is a plait checkpoint (or run / checkpoints prefix) there."""
-    from plait.checkpoint import resolve_checkpoint
+    from plait.engine.checkpoint import resolve_checkpoint
     from plait.interop.hf import load_hf_model, load_safetensors
 
     if isinstance(ref, RemotePath) or str(ref).startswith("s3://"):
@@ -93,8 +93,8 @@ def _tok(directory: Path) -> Path | None:
 
 
 def _load_checkpoint(ckpt: Location, device) -> Loaded:
-    from plait.checkpoint import load_model_weights, local_file, read_config, read_meta
     from plait.config import to_dict
+    from plait.engine.checkpoint import load_model_weights, local_file, read_config, read_meta
     from plait.interop.hf import empty_model
 
     meta = read_meta(ckpt)

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plait.errors import PlaitError
+from plait.core.errors import PlaitError
 from plait.lifecycle.lora import base_weights_hash, check_base, read_adapter, target_linears
 
 
@@ -124,7 +124,7 @@ class SharedStem:
     ) -> list[list[int]]:
         """Continue each (prompt ids, adapter) request. Requests whose prompts have the same length share one
         batch (the KV cache has one position per row), whatever their adapters."""
-        from plait.generate import generate
+        from plait.engine.generate import generate
 
         out: list[list[int] | None] = [None] * len(requests)
         groups: dict[int, list[int]] = {}

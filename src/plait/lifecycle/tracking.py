@@ -22,12 +22,12 @@ from typing import Any
 
 import torch
 
-from plait.callbacks import Callback
 from plait.config import Config, to_dict
-from plait.errors import ConfigError, PlaitError
+from plait.core.errors import ConfigError, PlaitError
+from plait.core.storage import Location, exists, location
+from plait.engine.callbacks import Callback
 from plait.lifecycle.lineage import Registry, code_version, data_fingerprint, process_info, registry_path
 from plait.lifecycle.lora import lora_tensors, model_weights_hash, save_adapter, weights_hash
-from plait.storage import Location, exists, location
 
 _USER_DATA = {"source": "a dataset given to plait.Trainer(data=...)", "dir": None, "fingerprint": None}
 
@@ -76,7 +76,7 @@ class RunLineage:
         f = cfg.finetune
         resuming = resume_from is not None
         if resuming:
-            from plait.checkpoint import step_of
+            from plait.engine.checkpoint import step_of
 
             self.first_step = step_of(resume_from) + 1
         start_hash = None
@@ -127,7 +127,7 @@ class RunLineage:
     def _parent(self, resume_from: Location | None, start_hash: str | None) -> str | None:
         """The artifact this run continues: the checkpoint it resumes, else the weights of init_from (added to
         the registry if it does not know them, or knows other weights at that path)."""
-        from plait.checkpoint import META, read_meta
+        from plait.engine.checkpoint import META, read_meta
 
         reg = self.registry
         assert reg is not None
@@ -182,7 +182,7 @@ class RunLineage:
     def _record_published(self, step: int, metrics: dict[str, Any] | None) -> None:
         """Hash a published checkpoint's weights; a LoRA run also writes the adapter delta
         ``<run>/adapters/step_<N>.safetensors`` (the LoRA tensors only, naming the base's hash)."""
-        from plait.checkpoint import checkpoint_dir
+        from plait.engine.checkpoint import checkpoint_dir
 
         if step in self._recorded:
             return
@@ -196,7 +196,7 @@ class RunLineage:
             try:
                 model = load_model(path).model
             except Exception as e:  # bookkeeping never stops training (e.g. S3 unreachable right now)
-                from plait.metrics import warn
+                from plait.engine.metrics import warn
 
                 warn(
                     f"lineage: could not read back {path} for its adapter ({str(e)[:200]}); "
@@ -248,8 +248,8 @@ class RunLineage:
         model = self._suite_model()
         if model is None:  # not the main rank
             return
+        from plait.engine.metrics import info
         from plait.lifecycle.evaluate import run_suite
-        from plait.metrics import info
 
         report = run_suite(model, self.tokenizer, self.suite)
         failed = sorted({r.test for r in report.results if not r.passed})
@@ -313,7 +313,7 @@ class RunLineage:
         """Record the checkpoints published since the last report (the final save), mark the run finished."""
         if not self.is_main:
             return
-        from plait.checkpoint import checkpoint_dir, list_checkpoints, step_of
+        from plait.engine.checkpoint import checkpoint_dir, list_checkpoints, step_of
 
         steps = [step_of(p) for p in list_checkpoints(checkpoint_dir(self.cfg))]
         for step in steps:

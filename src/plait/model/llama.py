@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from plait.core.torch_private import grouped_mm, grouped_mm_fits, in_backward
 from plait.model.args import ModelArgs
 from plait.model.head import linear_cross_entropy
-from plait.torch_private import grouped_mm, grouped_mm_fits, in_backward
 
 
 def rope_tables(args: ModelArgs, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,7 +210,7 @@ class MoE(nn.Module):
     training objective through the gradient (AuxLoss: the forward's output is unchanged), scaled by
     `aux_scale`, which the trainer sets each step so that the loss counts as the mean over the global batch's
     sequences. Training forwards add the routing counts per expert to `load` and the loss values to
-    `aux_total` (buffers the trainer reads and resets each step: plait.moe)."""
+    `aux_total` (buffers the trainer reads and resets each step: plait.engine.moe)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()

@@ -16,7 +16,7 @@ from contextlib import ExitStack
 import torch
 from torch import nn
 
-from plait.torch_private import local_tensor, sac_cached_tensors
+from plait.core.torch_private import local_tensor, sac_cached_tensors
 
 _active: list[SavedBytes] = []  # the measurements running now (selective AC reports its caches to them)
 

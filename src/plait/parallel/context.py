@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from plait import torch_private
+from plait.core import torch_private
 from plait.parallel.env import register_group, registered_group
 
 

@@ -26,8 +26,8 @@ from functools import cached_property
 from typing import TYPE_CHECKING
 
 from plait.config import Config, ParallelConfig
-from plait.errors import ConfigError
-from plait.torch_private import (
+from plait.core.errors import ConfigError
+from plait.core.torch_private import (
     flatten_mesh,
     merge_inner_axes,
     torch_version,

@@ -9,7 +9,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from plait.hardware import resolve_device
+from plait.core.hardware import resolve_device
 
 _GROUPS: dict[str, dist.ProcessGroup] = {}
 
@@ -65,10 +65,14 @@ def init_distributed(device_spec: str, timeout_s: int) -> DistEnv:
     return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, device)
 
 
+RESTART_COUNT_ENV = "PLAIT_RESTART_COUNT"
+"""Set by `plait train --nproc` for its workers: how often it restarted the group (also: a launcher runs them)."""
+
+
 def restart_count() -> int:
     """How often this worker group was restarted: by `plait train --nproc` (PLAIT_RESTART_COUNT, set by its
     launcher, which restarts the group itself) or by torchrun's elastic agent (TORCHELASTIC_RESTART_COUNT)."""
-    return int(os.environ.get("PLAIT_RESTART_COUNT") or os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+    return int(os.environ.get(RESTART_COUNT_ENV) or os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
 
 
 def init_single_process(device: torch.device, timeout_s: int = 300) -> None:

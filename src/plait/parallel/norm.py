@@ -7,7 +7,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from plait import torch_private
+from plait.core import torch_private
 from plait.parallel.dims import Meshes
 
 

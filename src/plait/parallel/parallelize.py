@@ -5,7 +5,7 @@
    parallel (ring attention over the cp axis, rotary tables at this rank's positions: plait.parallel.context);
    expert parallel (each MoE block's experts split over the ep axis: plait.parallel.experts);
 2. activation checkpointing per block (none / selective / full);
-3. torch.compile per block (compile.enabled; see plait.compile), after AC so the checkpointed block is
+3. torch.compile per block (compile.enabled; see plait.engine.compile_cache), after AC so the checkpointed block is
    traced whole, before FSDP2 so its collectives stay outside the compiled graphs;
 4. FSDP2 per block and at the root, with a mixed-precision policy; HSDP on a 2-D mesh (MiCS); expert-parallel
    experts on their own mesh (the shard group's ranks outside their ep group);
@@ -35,18 +35,18 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from plait import torch_private
-from plait.compile import apply_compile
 from plait.config import Config
-from plait.errors import ConfigError
+from plait.core import torch_private
+from plait.core.errors import ConfigError
+from plait.core.torch_private import count_only_saved_ops, local_box
 from plait.model.args import recompute_units_pay
 from plait.model.llama import Attention, FeedForward, MoE, Transformer, TransformerBlock
 from plait.parallel.activations import track_sac_cache
+from plait.parallel.compile import apply_compile
 from plait.parallel.context import apply_cp
 from plait.parallel.dims import Meshes
 from plait.parallel.experts import apply_moe_layout
 from plait.parallel.head import apply_head
-from plait.torch_private import count_only_saved_ops, local_box
 
 
 def parallelize(model: nn.Module, meshes: Meshes, cfg: Config, device: torch.device) -> nn.Module:
@@ -225,7 +225,7 @@ def _selective_contexts(count_all: bool = True):
 def fsdp_mp_policy(cfg: Config, device: torch.device) -> MixedPrecisionPolicy:
     """bf16 parameters for compute where asked (or 'auto' on a device with native bf16), fp32 gradient
     reduction always: the reduce-scatter sums in full precision."""
-    from plait.hardware import uses_bf16
+    from plait.core.hardware import uses_bf16
 
     bf16 = uses_bf16(cfg.train.mixed_precision, device)
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)

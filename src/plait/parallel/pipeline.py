@@ -27,11 +27,11 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from plait.config import Config
+from plait.core.torch_private import bounded_receive_stage, quiet_shape_inference, reducing_pipeline_stage
 from plait.model.args import split_layers
 from plait.model.llama import ModelArgs, MoE, Transformer
 from plait.parallel.dims import Meshes, num_micro_batches
 from plait.parallel.parallelize import materialize, parallelize
-from plait.torch_private import bounded_receive_stage, quiet_shape_inference, reducing_pipeline_stage
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,

@@ -25,7 +25,7 @@ def cluster_for(world_size: int):
 def auto_layout_overrides(cfg: Config, world_size: int) -> tuple[list[str], list[str]]:
     """The planner's best layout for this config on world_size local devices, as `section.key=value`
     overrides (so every worker gets the same choice), and the planner's explanation lines."""
-    from plait.hardware import resolve_device, uses_bf16
+    from plait.core.hardware import resolve_device, uses_bf16
     from plait.planner.cost import Workload
     from plait.planner.search import explain, layout_config, plan
 

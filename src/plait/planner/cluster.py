@@ -13,7 +13,7 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
-from plait.errors import ConfigError
+from plait.core.errors import ConfigError
 
 GiB = 2**30
 
@@ -148,10 +148,10 @@ def get_cluster(name: str, **overrides) -> Cluster:
 
 def measure_local(seconds: float = 0.3) -> Cluster:
     """This machine as a one-node cluster: a timed matmul gives the achieved FLOP/s (as efficiency against
-    the device's peak from plait.hardware), a timed copy the memory bandwidth; one device per node."""
+    the device's peak from plait.core.hardware), a timed copy the memory bandwidth; one device per node."""
     import torch
 
-    from plait.hardware import device_info, resolve_device
+    from plait.core.hardware import device_info, resolve_device
 
     device = resolve_device("auto")
     info = device_info(device)
@@ -205,7 +205,7 @@ def _rate(fn, work: float, seconds: float, device) -> float:
 
 
 def _host_memory_gib() -> float:
-    from plait.hardware import host_memory_bytes
+    from plait.core.hardware import host_memory_bytes
 
     total = host_memory_bytes("MemTotal")
     return total / GiB if total else 16.0

@@ -523,7 +523,7 @@ def evaluate(work: Workload, cluster: Cluster, lay: Layouts) -> dict[str, np.nda
         params_buf = np.where(fsdp, e * gathered, 0.0)
         grads_buf = np.where(fsdp, np.where(accumulate, 4.0 * unsharded, e * (2 * layer_u + root_u)), 0.0)
         tp_buf = np.where(tp > 1, 2 * T * a.dim * e, 0.0)
-        # Pipeline receive buffers live only while their micro-batch does (plait.torch_private.
+        # Pipeline receive buffers live only while their micro-batch does (plait.core.torch_private.
         # bounded_receive_stage): a received activation is the stage's input, saved by its first block (an
         # activation, below); what is not saved is one buffer per direction the rank receives in (activations
         # into every stage but the first, gradients into every stage but the last: 2 v - 1 of the rank's v

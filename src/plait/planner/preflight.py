@@ -15,7 +15,7 @@ import dataclasses
 import itertools
 
 from plait.config import Config
-from plait.errors import ConfigError
+from plait.core.errors import ConfigError
 
 GiB = 2**30
 WARN_FRACTION = 0.9
@@ -77,7 +77,7 @@ def planned_gib(cfg: Config, world_size: int = 1) -> dict[str, float]:
     """The planner's memory for this run on this machine's device, in GiB: 'allocated' (states, buffers,
     activations, transients: what the CUDA allocator's peak counts) and 'total' (with the allocator's slack
     and the device reserve). `plait bench` prints it beside the measured peak."""
-    from plait.hardware import resolve_device, uses_bf16
+    from plait.core.hardware import resolve_device, uses_bf16
 
     m = predict(cfg, world_size, world_size, uses_bf16(cfg.train.mixed_precision, resolve_device(cfg.run.device)))
     allocated = sum(m[k] for k in PARTS)
@@ -115,7 +115,7 @@ class Machine:
 
     @classmethod
     def here(cls, cfg: Config) -> Machine:
-        from plait.hardware import device_info, device_memory_bytes, host_memory_bytes, resolve_device
+        from plait.core.hardware import device_info, device_memory_bytes, host_memory_bytes, resolve_device
 
         device = resolve_device(cfg.run.device)
         info = device_info(device)
@@ -130,7 +130,7 @@ def check_memory(cfg: Config, world_size: int, local_size: int, machine: Machine
         return None
     if cfg.finetune.lora_rank > 0:
         return "memory: not predicted for LoRA fine-tuning (the planner counts AdamW states for every weight)"
-    from plait.hardware import bf16_for
+    from plait.core.hardware import bf16_for
     from plait.planner.cost import RESERVED_GIB
 
     machine = machine or Machine.here(cfg)

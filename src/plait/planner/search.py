@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from plait.errors import ConfigError
+from plait.core.errors import ConfigError
 from plait.parallel.dims import ParallelDims, cp_problem, ep_problem, pp_problem, schedule_problem, tp_problem
 from plait.planner.cluster import Cluster, GiB
 from plait.planner.cost import AC_MODES, SCHEDULES, Layouts, Workload, evaluate

@@ -1,0 +1,201 @@
+"""`plait compress quantize|prune|distill`: a smaller model, and its size, speed and perplexity deltas.
+
+plait compress quantize MODEL --bits 8|4 --out DIR
+plait compress prune MODEL --method magnitude|structured --sparsity S --out DIR [--finetune-steps N]
+plait compress distill --teacher MODEL --out DIR --steps N [--student model.dim=128 ...]
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from plait.cli.args import PlaitParser
+from plait.cli.lifecycle import console, data_dir_of, open_registry_near, registry_arg, write_run
+from plait.core.errors import ConfigError
+
+
+def cmd_compress(argv: list[str]) -> int:
+    parser = PlaitParser(prog="plait compress", description="Quantize, prune or distill a model.")
+    sub = parser.add_subparsers(dest="action", required=True)
+    q = sub.add_parser("quantize", help="Weight-only int8 (per-channel) or int4 (group-wise) quantization.")
+    q.add_argument("model")
+    q.add_argument("--bits", type=int, choices=[8, 4], default=8)
+    q.add_argument("--group-size", type=int, default=64, help="int4: input columns per scale.")
+    p = sub.add_parser("prune", help="Magnitude (unstructured) or structured (MLP channels) pruning.")
+    p.add_argument("model")
+    p.add_argument("--method", choices=["magnitude", "structured"], default="magnitude")
+    p.add_argument("--sparsity", type=float, default=0.5, help="Fraction of weights (or MLP channels) removed.")
+    p.add_argument("--finetune-steps", type=int, default=0, help="Fine-tune this many steps after pruning.")
+    d = sub.add_parser("distill", help="Train a smaller student on a teacher's logits (KL at a temperature).")
+    d.add_argument("--teacher", required=True)
+    d.add_argument("--student", nargs="*", default=[], metavar="model.KEY=VALUE", help="Student shape overrides.")
+    d.add_argument("--student-preset", help="Start the student's shape from a preset (vocabulary: the teacher's).")
+    d.add_argument("--steps", type=int, default=100)
+    d.add_argument("--temperature", type=float, default=2.0)
+    d.add_argument("--hard-weight", type=float, default=0.0, help="Weight of the plain next-token loss (0..1).")
+    for s in (p, d):
+        s.add_argument("--lr", type=float, default=1e-4 if s is p else 1e-3)
+        s.add_argument("--batch-size", type=int, default=8)
+        s.add_argument("--hf-out", help="Also write a Hugging Face Llama directory here.")
+    for s in (q, p, d):
+        s.add_argument("--out", required=True, help="Output directory (must not exist or be empty).")
+        s.add_argument("--data", help="Prepared data for perplexity (and training); default: the model's.")
+        s.add_argument("--seq-len", type=int, default=128)
+        s.add_argument("--batches", type=int, default=4, help="Batches of 4 sequences for perplexity.")
+        s.add_argument("--json", help="Also write the report here (it is always written to OUT/compress.json).")
+        registry_arg(s)
+    a = parser.parse_args(argv)
+    out = Path(a.out)
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"--out {out} exists and is not empty; choose another")
+    from plait.lifecycle import compress as C
+    from plait.lifecycle.lora import merge_lora
+    from plait.lifecycle.models import load_model
+
+    source = load_model(a.teacher if a.action == "distill" else a.model)
+    merge_lora(source.model)  # a LoRA run: quantize / prune / teach with its adapters folded in
+    source.model.eval()
+    data_dir = data_dir_of(a.data, source.config, source.model.args.vocab_size)
+    if a.action != "quantize" and data_dir is None and (a.action == "distill" or a.finetune_steps):
+        raise ConfigError("training needs data: pass --data DIR (a prepared directory)")
+    before = C.measure(source.model, data_dir, seq_len=a.seq_len, batches=a.batches)
+    start = time.perf_counter()
+    info: dict[str, Any] = {"method": a.action}
+    if a.action == "quantize":
+        model = C.quantize_model(copy.deepcopy(source.model), a.bits, a.group_size)
+        info.update(bits=a.bits, group_size=a.group_size, loads_in_transformers=False)
+        digest = C.save_quantized(
+            model,
+            out,
+            bits=a.bits,
+            group_size=a.group_size,
+            meta={"source": str(source.path), "config": source.config},
+            tokenizer=source.tokenizer,
+        )
+        kind = "quantized"
+    else:
+        log = _step_logger()
+        if a.action == "prune":
+            model = copy.deepcopy(source.model)
+            masks = None
+            if a.method == "magnitude":
+                masks = C.magnitude_prune(model, a.sparsity)
+            else:
+                model = C.structured_prune(model, a.sparsity)
+            info.update(prune=a.method, sparsity=a.sparsity, finetune_steps=a.finetune_steps)
+            if a.finetune_steps:
+                info["pruned_only"] = C.measure(model, data_dir, seq_len=a.seq_len, batches=a.batches)
+                losses = C.train_loop(
+                    model,
+                    data_dir,
+                    steps=a.finetune_steps,
+                    lr=a.lr,
+                    seq_len=a.seq_len,
+                    batch_size=a.batch_size,
+                    masks=masks,
+                    log=log,
+                )
+                info["finetune_loss"] = [losses[0], losses[-1]]
+            kind = "pruned"
+        else:
+            args = _student_args(source.model.args, a.student_preset, a.student)
+            model = C.student_from_teacher(source.model, args)
+            info["student_init"] = C.measure(model, data_dir, seq_len=a.seq_len, batches=a.batches)
+            loss_fn = C.distillation_loss(source.model, a.temperature, a.hard_weight)
+            losses = C.train_loop(
+                model,
+                data_dir,
+                steps=a.steps,
+                lr=a.lr,
+                seq_len=a.seq_len,
+                batch_size=a.batch_size,
+                loss_fn=loss_fn,
+                log=log,
+            )
+            info.update(
+                temperature=a.temperature, hard_weight=a.hard_weight, steps=a.steps, loss=[losses[0], losses[-1]]
+            )
+            kind = "distilled"
+        digest = write_run(model, out, source, data_dir, info)
+        if a.hf_out:
+            from plait.interop.hf import export_hf
+
+            export_hf(model, a.hf_out, tokenizer_path=source.tokenizer)
+            info["hf_out"] = str(Path(a.hf_out).resolve())
+            info["loads_in_transformers"] = True
+    info["seconds"] = time.perf_counter() - start
+    after = C.measure(model, data_dir, seq_len=a.seq_len, batches=a.batches)
+    rows = C.compare(before, after)
+    C.print_comparison(f"{kind}: {source.path} -> {out}", rows, console)
+    report = {"source": str(source.path), "out": str(out.resolve()), "info": info, "before": before, "after": after}
+    (out / "compress.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    if a.json:
+        Path(a.json).write_text(json.dumps(report, indent=2, default=str) + "\n")
+    reg = open_registry_near(a.registry, source.path)
+    if reg is not None:
+        from plait.lifecycle.lineage import code_version
+        from plait.lifecycle.models import artifact_for
+
+        parent = artifact_for(reg, source)
+        target = out if kind == "quantized" else out / "checkpoints" / "step_00000000"
+        aid = reg.record(
+            kind,
+            name=out.name,
+            path=target,
+            parent=parent.id,
+            weights_hash=digest,
+            code=code_version(),
+            metrics={f"{k}_{side}": v for side, m in (("before", before), ("after", after)) for k, v in m.items()},
+            extra=info,
+        )
+        if a.action != "quantize" and a.hf_out:
+            reg.record(
+                "export",
+                name=Path(a.hf_out).name,
+                path=a.hf_out,
+                parent=aid,
+                weights_hash=digest,
+                extra={"format": "hf"},
+            )
+    return 0
+
+
+def _step_logger():
+    def log(step: int, loss: float) -> None:
+        if step == 1 or step % 10 == 0:
+            print(f"step {step:>5} loss {loss:.4f}", file=sys.stderr, flush=True)
+
+    return log
+
+
+def _student_args(teacher, preset: str | None, overrides: list[str]):
+    from dataclasses import replace
+
+    from plait.config.fields import convert, hints  # the config's own type conversion and messages
+    from plait.model import ModelArgs
+    from plait.model.presets import PRESETS
+
+    if preset and preset not in PRESETS:
+        raise ConfigError(f"--student-preset={preset!r} is not a preset; valid: {', '.join(PRESETS)}")
+    args = ModelArgs(**PRESETS[preset]) if preset else replace(teacher)
+    known = hints(ModelArgs)
+    changes = {}
+    for item in overrides:
+        key, _, value = item.partition("=")
+        name = key.removeprefix("--").removeprefix("model.")
+        if name not in known or not value:
+            raise ConfigError(f"--student {item!r}: expected model.KEY=VALUE with KEY in {', '.join(known)}")
+        changes[name] = convert(f"model.{name}", value, known[name])
+    args = replace(args, **changes, vocab_size=teacher.vocab_size)
+    if "max_seq_len" not in changes:
+        args = replace(args, max_seq_len=min(args.max_seq_len, teacher.max_seq_len) if preset else teacher.max_seq_len)
+    if args.dim % args.n_heads or args.n_heads % args.n_kv_heads or (args.dim // args.n_heads) % 2:
+        raise ConfigError(
+            f"student shape dim={args.dim}, n_heads={args.n_heads}, n_kv_heads={args.n_kv_heads} is invalid"
+        )
+    return args

@@ -1,0 +1,43 @@
+"""`plait data prepare INPUTS --out DIR`: tokenise a corpus into memory-mapped token shards."""
+
+from __future__ import annotations
+
+from plait.cli.args import PlaitParser
+from plait.core.errors import ConfigError
+
+
+def cmd_data(argv: list[str]) -> int:
+    parser = PlaitParser(prog="plait data", description="Prepare data for training.")
+    sub = parser.add_subparsers(dest="action", required=True)
+    p = sub.add_parser("prepare", help="Tokenise text / JSONL / Parquet into memory-mapped token shards.")
+    p.add_argument("inputs", nargs="+", help="Files or directories (.txt, .jsonl, .jsonl.gz, .parquet).")
+    p.add_argument("--out", required=True, help="Output directory (must not exist or be empty).")
+    p.add_argument("--tokenizer", help="An existing tokenizer.json; default: train a byte-level BPE.")
+    p.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size when training one.")
+    p.add_argument("--val-fraction", type=float, default=0.05, help="Share of documents held out.")
+    p.add_argument("--text-field", default="text", help="Field / column holding the text in JSONL / Parquet.")
+    p.add_argument("--overwrite", action="store_true", help="Replace an existing output directory.")
+    a = parser.parse_args(argv)
+    if a.vocab_size < 260:
+        raise ConfigError(f"--vocab-size={a.vocab_size} is too small: at least 260 (256 bytes + specials)")
+    if not 0 < a.val_fraction < 1:
+        raise ConfigError(f"--val-fraction={a.val_fraction} must be between 0 and 1, e.g. 0.05")
+    from plait.data import prepare
+
+    manifest = prepare(
+        a.inputs,
+        a.out,
+        tokenizer=a.tokenizer,
+        vocab_size=a.vocab_size,
+        val_fraction=a.val_fraction,
+        text_field=a.text_field,
+        overwrite=a.overwrite,
+    )
+    splits = manifest["splits"]
+    print(
+        f"wrote {a.out}: train {splits['train']['num_tokens']:,} tokens / "
+        f"{splits['train']['num_documents']} documents, val {splits['val']['num_tokens']:,} tokens / "
+        f"{splits['val']['num_documents']} documents, vocabulary {manifest['vocab_size']}\n"
+        f"train on it with: plait train --data.source={a.out} --model.vocab_size={manifest['vocab_size']}"
+    )
+    return 0

@@ -1,0 +1,80 @@
+"""`plait eval MODEL [--suite suite.yaml] [--data DIR] [--json OUT]`: perplexity and a behavioural suite."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from plait.cli.args import PlaitParser
+from plait.cli.lifecycle import console, data_dir_of, open_registry_near, registry_arg
+from plait.core.errors import ConfigError, PlaitError
+
+EVAL_EPILOG = """suite format (YAML): a 'tests' list; each test has a name, a prompt (or 'prompts': paraphrases),
+optionally a 'text' to score, and 'expect': assertions among contains, not_contains, regex, not_regex, exact,
+max_length (characters), max_perplexity (of 'text'), equivalent (paraphrases agree). Greedy decoding unless
+'temperature' is set. Exit status: 0 all passed, 1 some failed, 2 usage error."""
+
+
+def cmd_eval(argv: list[str]) -> int:
+    parser = PlaitParser(
+        prog="plait eval",
+        description="Perplexity on held-out data and a behavioural test suite.",
+        epilog=EVAL_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("model", help="Checkpoint / run / Hugging Face directory, adapter file or quantized dir.")
+    parser.add_argument("--suite", help="A behavioural test suite (YAML).")
+    parser.add_argument("--data", help="A prepared data directory for perplexity; default: the model's training data.")
+    parser.add_argument("--split", default="val", help="Split to measure perplexity on.")
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--batches", type=int, default=8, help="Batches of 4 sequences for perplexity.")
+    parser.add_argument("--no-perplexity", action="store_true", help="Run only the suite.")
+    parser.add_argument("--base", help="For an adapter: its base model (default: the path the adapter records).")
+    parser.add_argument("--json", help="Write the full report (results, completions, perplexity) here.")
+    parser.add_argument("--device", default="cpu")
+    registry_arg(parser)
+    a = parser.parse_args(argv)
+    if a.batches < 1 or a.seq_len < 2:
+        raise ConfigError(f"need --batches >= 1 and --seq-len >= 2 (got {a.batches}, {a.seq_len})")
+    if a.json and Path(a.json).is_dir():
+        raise ConfigError(f"--json {a.json} is a directory; give a file path, e.g. {Path(a.json) / 'eval.json'}")
+    from plait.lifecycle.evaluate import Report, load_suite, perplexity, print_report, run_suite, write_json
+    from plait.lifecycle.models import describe, load_model
+
+    suite = load_suite(a.suite) if a.suite else None  # check the suite before loading a model
+    loaded = load_model(a.model, device=a.device, base=a.base)
+    console.print(describe(loaded), highlight=False)
+    report = Report(suite.name if suite else "", model=str(loaded.path))
+    data_dir = None if a.no_perplexity else data_dir_of(a.data, loaded.config, loaded.model.args.vocab_size)
+    if data_dir is not None:
+        report.perplexity = perplexity(loaded.model, data_dir, split=a.split, seq_len=a.seq_len, max_batches=a.batches)
+        report.perplexity["data"] = str(data_dir)
+    if suite is not None:
+        if loaded.tokenizer is None:
+            raise PlaitError(f"{loaded.path} has no tokenizer.json; the suite needs one to encode its prompts")
+        from plait.data import load_tokenizer
+
+        ran = run_suite(loaded.model, load_tokenizer(loaded.tokenizer), suite)
+        report.results, report.completions = ran.results, ran.completions
+    print_report(report, console)
+    if a.json:
+        write_json(report, a.json)
+    reg = open_registry_near(a.registry, loaded.path)
+    if reg is not None:
+        from plait.lifecycle.models import artifact_for
+
+        target = artifact_for(reg, loaded)
+        metrics: dict[str, Any] = {"passed": report.passed, "failed": report.failed}
+        if report.perplexity:
+            metrics.update(perplexity=report.perplexity["perplexity"], loss=report.perplexity["loss"])
+        reg.record(
+            "eval",
+            name=suite.name if suite else "perplexity",
+            parent=target.id,
+            weights_hash=None,
+            metrics=metrics,
+            extra={"suite": a.suite, "json": a.json, "data": str(data_dir) if data_dir else None},
+            events=[(None, "eval", report.to_dict())],
+        )
+    return 1 if report.failed else 0

@@ -1,0 +1,75 @@
+"""What the model-lifecycle commands (`plait lineage`, `eval`, `compress`, `finetune`) share: the lineage
+registry they record in, the data a model was trained on, and writing a model as a plait run directory.
+
+MODEL is a checkpoint or run directory, a Hugging Face directory, an adapter file or a quantized directory.
+Every command that makes or evaluates a model records it in the lineage registry that covers its input
+(``lineage.sqlite`` in or above it), or in ``--registry FILE``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from rich.console import Console
+
+console = Console(width=120)
+
+
+def registry_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--registry", help="The lineage registry (SQLite); default: lineage.sqlite in or above the input.")
+
+
+def open_registry_near(explicit: str | None, near, *, create: bool = False):
+    from plait.lifecycle.lineage import open_registry
+
+    return open_registry(explicit, near, create=create)
+
+
+def data_dir_of(explicit: str | None, config: dict | None, vocab: int) -> Path | None:
+    """--data, else the data the model was trained on (when it still exists); None when neither is known."""
+    from plait.data import ensure_prepared
+
+    if explicit:
+        return ensure_prepared(explicit, "~/.cache/plait/data", vocab)
+    data = (config or {}).get("data") or {}
+    source = data.get("source")
+    if not source:
+        console.print("no --data and no training data recorded: perplexity skipped")
+        return None
+    if source != "shakespeare" and not Path(source).is_dir():
+        console.print(f"the training data {source} is gone: perplexity skipped (pass --data)")
+        return None
+    return ensure_prepared(source, Path(data.get("cache_dir", "~/.cache/plait/data")).expanduser(), vocab)
+
+
+def write_run(model, out: Path, source, data_dir: Path | None, info: dict) -> str:
+    """A plait run directory holding the model as a weights-only checkpoint plus its config.toml."""
+    from plait.cli.ckpt import write_weights_checkpoint
+    from plait.config import Config, from_dict, to_dict, to_toml, validate
+    from plait.lifecycle.lora import model_weights_hash
+
+    cfg = from_dict(source.config) if source.config else Config()
+    cfg.model = model.args
+    cfg.finetune.init_from, cfg.finetune.lora_rank = "", 0
+    cfg.run.name, cfg.run.out_dir = out.name, str(out.parent)
+    cfg.data.seq_len = min(cfg.data.seq_len, model.args.max_seq_len)
+    if data_dir is not None:
+        cfg.data.source = str(data_dir)
+    validate(cfg)
+    ckpt = out / "checkpoints" / "step_00000000"
+    ckpt.parent.mkdir(parents=True, exist_ok=True)
+    write_weights_checkpoint(
+        model,
+        ckpt,
+        config=to_dict(cfg),
+        tokenizer_path=source.tokenizer,
+        extra={"compressed_from": {"path": str(source.path), **jsonable(info)}},
+    )
+    (out / "config.toml").write_text(to_toml(cfg))
+    return model_weights_hash(model)
+
+
+def jsonable(info: dict) -> dict:
+    return json.loads(json.dumps(info, default=str))

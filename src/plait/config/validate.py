@@ -1,0 +1,235 @@
+"""Every check of a config that needs no data and no device, run before any worker starts: ConfigError on the
+first, naming the setting and a valid value."""
+
+from __future__ import annotations
+
+from plait.config.fields import convert, hints
+from plait.config.sections import LORA_TARGETS, SECTIONS, Config, LogConfig
+from plait.core.errors import ConfigError
+
+
+def _check_trackers(log: LogConfig) -> None:
+    """Refuse a tracker whose library is missing now, before any worker starts."""
+    import importlib.util
+
+    if log.wandb_mode not in ("offline", "online"):
+        raise ConfigError(f"log.wandb_mode={log.wandb_mode!r}: choose offline or online")
+    for flag, module, package in (("wandb", "wandb", "wandb"), ("mlflow", "mlflow", "mlflow-skinny")):
+        if getattr(log, flag) and importlib.util.find_spec(module) is None:
+            raise ConfigError(f"log.{flag}=true needs the {module} package: pip install {package}; or log.{flag}=false")
+
+
+def validate(cfg: Config) -> Config:
+    """Check every setting that can be checked without data or devices; raise ConfigError on the first."""
+    _check_types(cfg)
+    m, t, o, d = cfg.model, cfg.train, cfg.optim, cfg.data
+    _positive("model", m, ["dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "max_seq_len"])
+    _positive("train", t, ["steps", "global_batch_size"])
+    _positive("data", d, ["seq_len"])
+    _positive("optim", o, ["lr", "eps"])
+    _non_negative("train", t, ["micro_batch_size", "grad_clip", "loss_chunk_tokens"])
+    _non_negative("optim", o, ["warmup_steps", "weight_decay", "min_lr_ratio"])
+    _non_negative("model", m, ["ffn_hidden_dim", "rope_scaling_factor", "sliding_window"])
+    _non_negative("eval", cfg.eval, ["every_steps", "num_batches"])
+    _non_negative("checkpoint", cfg.checkpoint, ["every_steps", "keep_last", "every_minutes", "keep_every"])
+    _non_negative("data", d, ["prefetch"])
+    _check_trackers(cfg.log)
+    _non_negative("sample", cfg.sample, ["max_new_tokens", "temperature", "top_k"])
+    _positive("log", cfg.log, ["every_steps"])
+    _positive("guard", cfg.guard, ["max_consecutive_failures", "spike_num_std"])
+    _non_negative("guard", cfg.guard, ["hang_timeout_s", "straggler_ratio"])
+    if 0 < cfg.parallel.timeout_s <= cfg.guard.hang_timeout_s:
+        raise ConfigError(
+            f"guard.hang_timeout_s={cfg.guard.hang_timeout_s} must be below parallel.timeout_s="
+            f"{cfg.parallel.timeout_s}: otherwise a collective times out first and the stalled rank is not named; "
+            f"raise parallel.timeout_s (e.g. {2 * cfg.guard.hang_timeout_s}) or lower guard.hang_timeout_s"
+        )
+    if cfg.guard.spike_window < 2:
+        raise ConfigError(f"guard.spike_window={cfg.guard.spike_window} must be at least 2, e.g. 50")
+    if 0 < cfg.guard.straggler_ratio <= 1:
+        raise ConfigError(f"guard.straggler_ratio={cfg.guard.straggler_ratio} must be above 1 (e.g. 2.0), or 0 for off")
+    if cfg.guard.nonfinite_policy == "rollback" and not cfg.checkpoint.every_steps:
+        raise ConfigError(
+            "guard.nonfinite_policy='rollback' reloads the newest checkpoint: set checkpoint.every_steps (e.g. 100)"
+        )
+    _non_negative("model", m, ["attention_head_dim"])
+    if m.dim % m.n_heads and not m.attention_head_dim:
+        raise ConfigError(
+            f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}; "
+            f"choose n_heads in {_divisors(m.dim, limit=64)} (or set model.attention_head_dim)"
+        )
+    if m.head_dim % 2:
+        raise ConfigError(
+            f"the head size {m.head_dim} (model.attention_head_dim, or dim / n_heads) must be even for rotary "
+            "embeddings"
+        )
+    if m.n_heads % m.n_kv_heads:
+        raise ConfigError(
+            f"model.n_kv_heads={m.n_kv_heads} does not divide model.n_heads={m.n_heads}; "
+            f"choose n_kv_heads in {_divisors(m.n_heads)}"
+        )
+    if d.seq_len > m.max_seq_len:
+        raise ConfigError(
+            f"data.seq_len={d.seq_len} is longer than the model supports (model.max_seq_len={m.max_seq_len});"
+            f" lower data.seq_len or raise model.max_seq_len"
+        )
+    if not 0 < cfg.sample.top_p <= 1:
+        raise ConfigError(f"sample.top_p={cfg.sample.top_p} must be in (0, 1]")
+    if o.min_lr_ratio > 1:
+        raise ConfigError(f"optim.min_lr_ratio={o.min_lr_ratio} must be at most 1")
+    if not (0 <= o.beta1 < 1 and 0 <= o.beta2 < 1):
+        raise ConfigError(f"optim.beta1={o.beta1} and optim.beta2={o.beta2} must be in [0, 1), e.g. 0.9, 0.95")
+    if not 0 < o.decay_fraction <= 1:
+        raise ConfigError(f"optim.decay_fraction={o.decay_fraction} must be in (0, 1], e.g. 0.2")
+    if t.micro_batch_size and t.global_batch_size % t.micro_batch_size:
+        raise ConfigError(
+            f"train.global_batch_size={t.global_batch_size} is not a multiple of "
+            f"train.micro_batch_size={t.micro_batch_size}; choose micro_batch_size in "
+            f"{_divisors(t.global_batch_size)}"
+        )
+    for name in ("dp_replicate_degree", "tp_degree", "pp_degree", "ep_degree"):
+        if getattr(cfg.parallel, name) < 1:
+            raise ConfigError(f"parallel.{name} must be at least 1")
+    if cfg.parallel.dp_shard_degree == 0 or cfg.parallel.dp_shard_degree < -1:
+        raise ConfigError("parallel.dp_shard_degree must be -1 (infer) or at least 1")
+    if cfg.run.device != "auto" and not (cfg.run.device == "cpu" or cfg.run.device.startswith("cuda")):
+        raise ConfigError(f"run.device={cfg.run.device!r} is not a device; use 'auto', 'cpu' or 'cuda'")
+    name = cfg.run.name
+    if not name or name in (".", "..") or any(c in name for c in "/\\\0") or name != name.strip():
+        raise ConfigError(
+            f"run.name={name!r} must be one directory name (not empty, '.' or '..', no '/' or '\\'), e.g. run.name=exp1"
+        )
+    _validate_moe(cfg)
+    _validate_finetune(cfg)
+    _validate_compile(cfg)
+    return cfg
+
+
+def _check_types(cfg: Config) -> None:
+    """A Config whose every section is its dataclass and every field its type (a Config built or edited in
+    Python is checked as the command line's strings are): ConfigError naming the setting and what it expects."""
+    if isinstance(cfg, type):
+        raise ConfigError(f"the config given is the class {cfg.__name__} itself: give an instance, plait.Config()")
+    if isinstance(cfg, dict):
+        raise ConfigError(
+            "the config given is a dict: turn it into one with plait.config.from_dict({'train': {'steps': 100}}), "
+            "or use plait.load_config(None, ['train.steps=100'])"
+        )
+    if not isinstance(cfg, Config):
+        raise ConfigError(
+            f"the config given is {a_or_an(type(cfg).__name__)} ({cfg!r:.60}), not a plait.Config: give plait.Config() "
+            f"(then set its fields), a TOML path, or plait.load_config(path, ['train.steps=100'])"
+        )
+    for section, cls in SECTIONS.items():
+        body = getattr(cfg, section, None)
+        if not isinstance(body, cls):
+            raise ConfigError(
+                f"config section '{section}' is {a_or_an(type(body).__name__)}, not a {cls.__name__}: set its fields "
+                f"(cfg.{section}.key = value), or build the config with plait.config.from_dict"
+            )
+        for name, typ in hints(cls).items():
+            setattr(body, name, convert(f"{section}.{name}", getattr(body, name), typ))
+
+
+def a_or_an(noun: str) -> str:
+    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
+
+
+def _validate_moe(cfg: Config) -> None:
+    m, p = cfg.model, cfg.parallel
+    _non_negative("model", m, ["moe_experts", "moe_hidden_dim", "moe_shared_experts", "moe_dense_layers"])
+    _non_negative("model", m, ["moe_aux_loss", "moe_bias_rate"])
+    if p.ep_degree > 1 and not m.moe_experts:
+        raise ConfigError(
+            f"parallel.ep_degree={p.ep_degree} splits a mixture of experts, but this model is dense "
+            "(model.moe_experts=0); set parallel.ep_degree=1, or choose an MoE model (e.g. model.preset=moe-debug)"
+        )
+    if not m.moe_experts:
+        return
+    if m.moe_experts % p.ep_degree:
+        ok = [d for d in range(1, m.moe_experts + 1) if m.moe_experts % d == 0]
+        raise ConfigError(
+            f"parallel.ep_degree={p.ep_degree} must divide model.moe_experts={m.moe_experts} (each ep rank holds "
+            f"an equal share of the experts); choose ep_degree in {ok}"
+        )
+    if not 1 <= m.moe_top_k <= m.moe_experts:
+        raise ConfigError(f"model.moe_top_k={m.moe_top_k} must be in [1, model.moe_experts={m.moe_experts}]")
+    if m.moe_score not in ("softmax", "sigmoid"):
+        raise ConfigError(f"model.moe_score={m.moe_score!r}: choose 'softmax' or 'sigmoid'")
+    if m.moe_dense_layers >= m.n_layers:
+        raise ConfigError(
+            f"model.moe_dense_layers={m.moe_dense_layers} leaves no MoE block of model.n_layers={m.n_layers}; "
+            "lower it, or set model.moe_experts=0 for a dense model"
+        )
+    if cfg.compile.enabled:  # the tokens per expert change every step: a compiled block would recompile
+        raise ConfigError(
+            f"compile.enabled=true with a mixture-of-experts model (model.moe_experts={m.moe_experts}) is not "
+            "supported yet (each expert's token count changes every step); set compile.enabled=false"
+        )
+
+
+def _validate_compile(cfg: Config) -> None:
+    c, p = cfg.compile, cfg.parallel
+    if c.float8 == "true" and not c.enabled:
+        raise ConfigError("compile.float8=true needs compile.enabled=true (torchao's float8 casts are fast compiled)")
+    if c.enabled and p.tp_degree > 1:
+        # Seen with torch 2.13 (shared/TORCH-ON-CPU.md): per-block compile under FSDP2 + TP gives silently wrong
+        # gradients (loss off by 2e-3 after 4 steps); TP alone crashes in backward; whole-model compile fails.
+        raise ConfigError(
+            f"compile.enabled=true with parallel.tp_degree={p.tp_degree} is refused: torch.compile with tensor "
+            "parallelism is broken in torch 2.13 (FSDP2 + TP trains on silently wrong gradients; TP alone fails in "
+            "backward with \"'Tensor' object has no attribute '_local_tensor'\"); set parallel.tp_degree=1 or "
+            "compile.enabled=false"
+        )
+    if c.enabled and p.pp_degree > 1 and p.pp_schedule == "zero_bubble":
+        raise ConfigError(
+            "compile.enabled=true with parallel.pp_schedule='zero_bubble' is refused: zero-bubble splits each "
+            "stage's backward into separate input- and weight-gradient passes, not verified through compiled "
+            "blocks (plait's compile tests run 1f1b); use pp_schedule='1f1b', or compile.enabled=false"
+        )
+
+
+def _validate_finetune(cfg: Config) -> None:
+    f = cfg.finetune
+    _non_negative("finetune", f, ["lora_rank"])
+    if not f.lora_rank:
+        return
+    _positive("finetune", f, ["lora_alpha"])
+    if not 0 <= f.lora_dropout < 1:
+        raise ConfigError(f"finetune.lora_dropout={f.lora_dropout} must be in [0, 1), e.g. 0.05")
+    targets = [t.strip() for t in f.lora_targets.split(",") if t.strip()]
+    unknown = [t for t in targets if t not in LORA_TARGETS]
+    if not targets or unknown:
+        raise ConfigError(
+            f"finetune.lora_targets={f.lora_targets!r} must name layers from {', '.join(LORA_TARGETS)}, "
+            f"e.g. 'wq,wk,wv,wo'"
+        )
+    if not f.init_from:
+        raise ConfigError(
+            f"finetune.lora_rank={f.lora_rank} adapts a trained model: set finetune.init_from to its checkpoint, "
+            f"run directory or Hugging Face directory"
+        )
+    if cfg.parallel.tp_degree > 1 or cfg.parallel.pp_degree > 1:
+        raise ConfigError(
+            "finetune.lora_rank > 0 runs on one process or data parallel (DDP/FSDP/HSDP): set "
+            "parallel.tp_degree=1 and parallel.pp_degree=1"
+        )
+
+
+def _positive(section: str, obj, names: list[str]) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if not value > 0:
+            raise ConfigError(f"{section}.{name}={value} must be positive")
+
+
+def _non_negative(section: str, obj, names: list[str]) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value < 0:
+            raise ConfigError(f"{section}.{name}={value} must not be negative")
+
+
+def _divisors(n: int, limit: int | None = None) -> str:
+    divs = [k for k in range(1, n + 1) if n % k == 0 and (limit is None or k <= limit)]
+    return "{" + ", ".join(map(str, divs)) + "}"

@@ -1,0 +1,122 @@
+"""Pictures of runs: loss (train and validation), learning rate and throughput over steps, from
+``metrics.jsonl``. `write_run_plot` writes ``<run>/loss.png`` (the trainer calls it at each evaluation and at
+the end); `plot_runs` overlays several runs in one picture (`plait plot RUN [RUN ...]`).
+
+matplotlib's object API with the Agg canvas: no display, no global pyplot state."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from plait.core.errors import PlaitError
+
+PANELS = (  # (title, metric key, log scale)
+    ("loss", "train/loss", False),
+    ("validation loss", "val/loss", False),
+    ("learning rate", "train/lr", False),
+    ("tokens / s", "train/tokens_per_s", False),
+)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """The rows of a run's metrics.jsonl (a torn last line, from a run that is still writing, is skipped)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise PlaitError(f"{run_dir} has no metrics.jsonl: give a run directory (runs/NAME)")
+    return read_jsonl(path)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The rows of a JSON-lines file that a run may still be appending to (a torn last line is skipped)."""
+    rows = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+    pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), int | float) and "step" in r]
+    return [s for s, _ in pts], [v for _, v in pts]
+
+
+def plot_runs(runs: dict[str, list[dict]], out: Path) -> Path:
+    """One 2 x 2 figure, every run a line in each panel; written atomically (a viewer never sees half)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 7), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(2, 2).flatten()
+    for ax, (title, key, log) in zip(axes, PANELS, strict=True):
+        drawn = False
+        for name, rows in runs.items():
+            x, y = series(rows, key)
+            if x:
+                ax.plot(x, y, label=name, marker="o" if len(x) < 20 else None, markersize=3)
+                drawn = True
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if log:
+            ax.set_yscale("log")
+        if not drawn:
+            ax.text(0.5, 0.5, "not logged yet", ha="center", va="center", transform=ax.transAxes, color="grey")
+        elif len(runs) > 1:
+            ax.legend(fontsize=8)
+    if len(runs) == 1:
+        fig.suptitle(next(iter(runs)))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp.png")
+    fig.savefig(tmp, dpi=100)
+    tmp.replace(out)
+    return out
+
+
+def write_run_plot(run_dir: Path) -> Path | None:
+    """<run>/loss.png from its metrics so far; None (and no file) when nothing was logged yet. A mixture of
+    experts' run also gets moe_load.png (`plot_expert_load`)."""
+    rows = read_metrics(run_dir)
+    if not any("train/loss" in r for r in rows):
+        return None
+    if (Path(run_dir) / "moe_load.jsonl").is_file():
+        plot_expert_load(Path(run_dir) / "moe_load.jsonl", Path(run_dir) / "moe_load.png")
+    return plot_runs({Path(run_dir).name: rows}, Path(run_dir) / "loss.png")
+
+
+def plot_expert_load(path: Path, out: Path) -> Path | None:
+    """From moe_load.jsonl (plait.engine.moe.ExpertBalance): left, the last logged step's tokens per expert and block
+    over the block's mean (a heatmap: 1 is balanced); right, each block's busiest expert over the mean, by
+    step."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    rows = [r for r in read_jsonl(path) if r.get("load")]
+    if not rows:
+        return None
+    fig = Figure(figsize=(12, 4.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    heat, lines = fig.subplots(1, 2)
+    last = rows[-1]
+    blocks = list(last["load"])
+    ratio = [[x / max(1e-9, sum(v) / len(v)) for x in v] for v in (last["load"][b] for b in blocks)]
+    image = heat.imshow(ratio, aspect="auto", cmap="viridis", interpolation="nearest")
+    fig.colorbar(image, ax=heat, label="tokens / block mean")
+    heat.set_yticks(range(len(blocks)), [f"block {b}" for b in blocks])
+    heat.set_xlabel("expert")
+    heat.set_title(f"expert load at step {last['step']}")
+    for b in blocks:
+        loads = [(r["step"], r["load"][b]) for r in rows if b in r["load"]]
+        pts = [(step, max(v) / max(1e-9, sum(v) / len(v))) for step, v in loads]
+        lines.plot([p[0] for p in pts], [p[1] for p in pts], label=f"block {b}")
+    lines.set_title("busiest expert / mean")
+    lines.set_xlabel("step")
+    lines.grid(alpha=0.3)
+    lines.legend(fontsize=7, ncol=2)
+    tmp = out.with_name(f".{out.name}.tmp.png")
+    fig.savefig(tmp, dpi=100)
+    tmp.replace(out)
+    return out

@@ -1,0 +1,84 @@
+"""What a run reports as it trains, attached to the trainer as a callback: the opening line, each logged
+step's loss, gradient norm, LR, throughput, MFU, memory and compile counters (run.final), the validation
+loss and checkpoint reports, all written through run.metrics (metrics.jsonl, TensorBoard, W&B, MLflow, the
+console) and the loss plot refreshed at each evaluation.
+
+Throughput is measured between logged steps; evaluation, checkpoint saves and rollbacks are not counted."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from plait.core.hardware import device_info, memory_stats
+from plait.engine.callbacks import Callback
+from plait.engine.metrics import info, warn
+from plait.engine.optim import schedule_problem
+from plait.engine.plot import write_run_plot
+
+
+class StepMetrics(Callback):
+    def on_start(self, run) -> None:
+        cfg, env = run.cfg, run.env
+        dev = device_info(env.device)
+        self.tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
+        self.flops_per_token, params = _flops_per_token(run)
+        self.peak_flops = dev.peak_flops * env.world_size
+        if env.is_main:
+            source = f"data {run.data_dir}" if run.data_dir else "your data"
+            dims = run.meshes.dims
+            layout = dims.describe()
+            info(
+                f"plait: {params / 1e6:.2f}M parameters, {env.world_size} x {dev.name} ({env.device}) as "
+                f"{layout}, {cfg.train.steps} steps x {self.tokens_per_step:,} tokens, {source}"
+            )
+            if problem := schedule_problem(cfg.optim, cfg.train.steps):
+                warn(problem)
+        self._mark(run.state.step)
+        run.metrics.advance(run.state.step)
+
+    def _mark(self, step: int) -> None:
+        self.last_time, self.last_step, self.next_step = time.perf_counter(), step, step + 1
+
+    def before_step(self, run, step: int) -> None:
+        if step != self.next_step:  # rolled back since the last step: the clock starts again here
+            self._mark(step - 1)
+
+    def after_step(self, run, step: int, result) -> bool:
+        if run.metrics.should_log(step, run.cfg.train.steps):
+            elapsed, steps = time.perf_counter() - self.last_time, step - self.last_step
+            tokens_per_s = steps * self.tokens_per_step / elapsed
+            run.final = {
+                "loss": result.loss.item(),  # read already by the guard's should_step: no further device sync
+                "grad_norm": result.grad_norm.item(),
+                "lr": run.t.schedulers[0].get_last_lr()[0],
+                "tokens_per_s": tokens_per_s,
+                "mfu": self.flops_per_token * tokens_per_s / self.peak_flops,
+                "tokens": run.state.tokens,
+                **memory_stats(run.env.device),
+                **(run.compiler.metrics() if run.compiler is not None else {}),
+            }  # fmt: skip
+            run.metrics.log(step, run.final)
+            self._mark(step)
+        self.next_step = step + 1
+        run.metrics.advance(step)
+        return False
+
+    def after_eval(self, run, step: int, val_loss: float) -> None:
+        run.metrics.log(step, {"loss": val_loss}, prefix="val")
+        if run.env.is_main:
+            write_run_plot(run.cfg.run_dir)  # runs/<name>/loss.png, refreshed at each evaluation
+        self.last_time = time.perf_counter()  # evaluation time is not training throughput
+
+    def after_checkpoint(self, run, step: int, saved: dict[str, Any]) -> None:
+        if saved:
+            run.metrics.log(step, saved, prefix="checkpoint")
+            self.last_time = time.perf_counter()  # checkpoint time is not training throughput
+
+
+def _flops_per_token(run) -> tuple[float, int]:
+    """(training FLOPs per token, parameters): plait's model counts attention too; another model 6 N."""
+    if run.model_fn is None:
+        return run.cfg.model.flops_per_token(run.cfg.data.seq_len), run.cfg.model.num_params()
+    params = sum(p.numel() for p in run.t.parameters())  # DTensor numel is the global size
+    return 6.0 * params, params

@@ -1,0 +1,372 @@
+"""The training loop: build -> resume -> loop { step, log, eval, save } -> end, with every feature of a run
+(guards, lineage, health checks, fine-tuning, fault injection, your own) attached as a plait.engine.callbacks hook.
+
+`Trainer` is the loop itself; `plait.Trainer` (plait.api) is the same with plait's standard features attached,
+and `plait train` is a command line over that.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from plait.config import Config, to_dict, to_toml, validate
+from plait.core.errors import ArgumentError, ConfigError, PlaitError
+from plait.core.stop import StopRequest
+from plait.data import TokenDataset, TokenLoader, ensure_prepared
+from plait.data.samples import SampleLoader
+from plait.engine.callbacks import Callback, Callbacks
+from plait.engine.checkpoint import Checkpointing, CheckpointManager, TrainState, checkpoint_dir
+from plait.engine.compile_cache import CompileMonitor, CompileWatch
+from plait.engine.loss import IGNORE_INDEX, TokenLoss, cross_entropy
+from plait.engine.metrics import MetricsLogger, info
+from plait.engine.moe import ExpertBalance, set_aux_scale
+from plait.engine.plot import write_run_plot
+from plait.engine.rundir import final_checkpoint_lost, inspect_run_dir, raise_stopped, resume
+from plait.engine.runlock import LockWatch, RunLock, RunLocked
+from plait.engine.step_metrics import StepMetrics
+from plait.engine.trainable import Trainable, autocast_context, build_model, build_trainable
+from plait.engine.validation import Validation
+from plait.parallel import DistEnv, Meshes, ParallelDims, init_distributed, validate_layout
+from plait.parallel.context import context_shard
+from plait.parallel.dims import num_micro_batches
+from plait.parallel.env import restart_count, shutdown
+from plait.parallel.norm import clip_grad_norm, local
+from plait.parallel.pipeline import pipeline_forward_backward
+
+__all__ = [  # the loop, and the pieces of a step that benchmarks and tests import from here
+    "IGNORE_INDEX", "Trainable", "TokenLoss", "Trainer", "autocast_context", "build_model", "build_trainable",
+    "cross_entropy", "train_step",
+]  # fmt: skip
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor  # mean loss over the global batch (a 0-d tensor: no device sync)
+    grad_norm: torch.Tensor
+    stepped: bool = True  # False when should_step withheld the update
+
+
+def train_step(
+    t: Trainable,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    should_step: Callable[[torch.Tensor, torch.Tensor], bool] | None = None,
+) -> StepResult:
+    """One optimizer step over this rank's batch: micro-batches (gradient accumulation or the pipeline
+    schedule), the global gradient norm and clipping, the optimizer and LR schedule.
+
+    should_step(loss, grad_norm), given the global values, may withhold the update (plait.features.guards): the
+    gradients are then dropped and neither the optimizer nor the LR schedule moves."""
+    inputs, targets = context_shard(t.meshes, inputs, targets)  # cp > 1: this rank's part of each sequence
+    pipelined = t.pipeline.num_microbatches if t.pipeline is not None else 1
+    t.loss_fn.for_step(targets, t.meshes, pipelined, 1 if t.pipeline is not None else _num_micro(t, inputs))
+    set_aux_scale(t.parts, t.meshes, pipelined, t.cfg.train.global_batch_size)  # MoE balancing loss, if any
+    with t.loss_context(), t.autocast():
+        if t.pipeline is not None:
+            loss = pipeline_forward_backward(t.pipeline, inputs, targets, t.meshes.pp.get_group())
+        else:
+            loss = _accumulate(t, inputs, targets)
+    norm = clip_grad_norm(t.parameters(), t.cfg.train.grad_clip, t.meshes)
+    if t.meshes.dims.dp_cp > 1:
+        # Each rank holds dp x cp x its share of the global token mean: sum, divide. (gloo has no AVG.)
+        dist.all_reduce(loss, group=t.meshes.loss.get_group())
+        loss = loss / t.meshes.dims.dp_cp
+    stepped = should_step is None or should_step(loss, norm)
+    for opt, sched in zip(t.optimizers, t.schedulers, strict=True):
+        if stepped:
+            opt.step()
+            sched.step()
+        opt.zero_grad(set_to_none=True)
+    return StepResult(loss, norm, stepped)
+
+
+def _num_micro(t: Trainable, inputs: torch.Tensor) -> int:
+    return num_micro_batches(t.cfg.train.micro_batch_size, inputs.shape[0])
+
+
+def _accumulate(t: Trainable, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    num_micro = _num_micro(t, inputs)
+    total = torch.zeros((), device=inputs.device)
+    for i, (x, y) in enumerate(zip(inputs.chunk(num_micro), targets.chunk(num_micro), strict=True)):
+        if t.fsdp:  # reduce-scatter once, after the last micro-batch (or after each: sharded accumulation)
+            t.model.set_requires_gradient_sync(i == num_micro - 1 or t.cfg.parallel.fsdp_reduce_every_micro_batch)
+        loss = t.loss_fn(t.forward(x, y), y)
+        loss.backward()
+        total += local(loss.detach())
+    return total
+
+
+def check_arguments(model, parallelize, loss, data, val_data, callbacks, env) -> list[Callback]:
+    """The Trainer's arguments, each of the kind it takes (ArgumentError naming it and what it takes); the
+    callbacks as a list. Checked when the Trainer is made: before any health check, model or directory."""
+    if isinstance(model, nn.Module):
+        raise ArgumentError(
+            f"model= takes what builds the model (its class, or a function returning it): plait builds it on the "
+            f"meta device and materialises each rank's shard; got a built {type(model).__name__}: pass "
+            f"{type(model).__name__} (or lambda: {type(model).__name__}(...))"
+        )
+    if isinstance(model, type) and not issubclass(model, nn.Module):
+        raise ArgumentError(f"model={model.__name__} is not an nn.Module class; give a class or function building one")
+    for name, value in (("model", model), ("parallelize", parallelize), ("loss", loss)):
+        if value is not None and not callable(value):
+            raise ArgumentError(f"{name}= takes a function (or class), got {_kind(value)}")
+    if parallelize is not None and model is None:
+        raise ConfigError("parallelize= is the plan for your own model: give model= too")
+    if val_data is not None and data is None:
+        raise ConfigError("val_data= goes with your own data=; plait's data has its own validation split")
+    for name, value in (("data", data), ("val_data", val_data)):
+        if value is None:
+            continue
+        if isinstance(value, str | bytes | dict) or not (hasattr(value, "__iter__") or hasattr(value, "__getitem__")):
+            hint = "; for a prepared corpus set cfg.data.source instead" if isinstance(value, str) else ""
+            raise ArgumentError(
+                f"{name}= takes a sequence or iterable of samples (token lists, 1-D tensors, or dicts with "
+                f"'input_ids'), got {_kind(value)}{hint}"
+            )
+        if hasattr(value, "__len__") and len(value) == 0:
+            raise ArgumentError(f"{name}= is empty; give at least one global batch of samples")
+    if isinstance(callbacks, str | bytes | Callback) or not hasattr(callbacks, "__iter__"):
+        one = isinstance(callbacks, Callback)
+        hint = f"; put it in a list: callbacks=[{type(callbacks).__name__}()]" if one else ""
+        raise ArgumentError(f"callbacks= takes a list of plait.Callback instances, got {_kind(callbacks)}{hint}")
+    callbacks = list(callbacks)
+    for i, c in enumerate(callbacks):
+        if isinstance(c, type) and issubclass(c, Callback):
+            raise ArgumentError(f"callbacks[{i}] is the class {c.__name__}: give an instance, {c.__name__}()")
+        if not isinstance(c, Callback):
+            raise ArgumentError(f"callbacks[{i}] is {_kind(c)}, not a plait.Callback: subclass plait.Callback")
+    if env is not None and not isinstance(env, DistEnv):
+        raise ArgumentError(f"env= takes a plait.parallel.DistEnv (a process group set up) or None, got {_kind(env)}")
+    return callbacks
+
+
+def _kind(value) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text[:40] + '...' if len(text) > 40 else text}"
+
+
+class Trainer:
+    """One training run on this process's share of the mesh (a lone process is a mesh of size 1).
+
+    cfg: the settings (plait.Config); model / parallelize / loss: your own model, parallelisation plan and
+    loss (see build_trainable; default: plait's Llama for cfg.model); data / val_data: your own samples
+    (plait.data.samples: any sequence or iterable of token sequences or {"input_ids"} dicts; default:
+    cfg.data.source); callbacks: plait.Callback instances, called in order between the trainer's own
+    (core_callbacks: the compile monitor and MoE balancing before yours; logging, validation and checkpointing
+    after them); env: a process group already set up (it is then left up), else one from the torchrun
+    environment (or of one process). `fit()` trains to cfg.train.steps (resuming the run directory's newest
+    checkpoint) and returns the last logged metrics. Everything a callback may read is an attribute: cfg, env,
+    meshes, t, loader, state, checkpointer, metrics, compiler, stop, callbacks, data_dir, resumed_from, final."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        model: Callable[[], nn.Module] | None = None,
+        parallelize: Callable | None = None,
+        loss: Callable | None = None,
+        data: Iterable | None = None,
+        val_data: Iterable | None = None,
+        callbacks: Iterable[Callback] = (),
+        env: DistEnv | None = None,
+    ):
+        callbacks = check_arguments(model, parallelize, loss, data, val_data, callbacks, env)
+        self.cfg, self.model_fn, self.parallelize_fn, self.loss = validate(cfg), model, parallelize, loss
+        first, last = self.core_callbacks()
+        self.data, self.val_data, self.env = data, val_data, env
+        self.callbacks = Callbacks([*first, *callbacks, *last])
+        self._reset()
+
+    @staticmethod
+    def core_callbacks() -> tuple[list[Callback], list[Callback]]:
+        """The trainer's own features as (before yours, after yours): the run-lock check, the compile monitor
+        and the experts' balancing (MoE models) see every step; logging, validation and checkpointing, in that
+        order, only the steps that count."""
+        return [LockWatch(), CompileWatch(), ExpertBalance()], [StepMetrics(), Validation(), Checkpointing()]
+
+    def fit(self) -> dict[str, float]:
+        """Train to cfg.train.steps, resuming the run directory's newest checkpoint. Called again (after
+        raising cfg.train.steps, say), it continues from the checkpoint the last call wrote."""
+        own = self._own_env = self.env is None or getattr(self, "_own_env", False)
+        if own:
+            self.env = init_distributed(self.cfg.run.device, self.cfg.parallel.timeout_s)
+        try:
+            validate(self.cfg)  # again: the settings may have been changed since the Trainer was made
+            self._reset()
+            with self._run_lock():
+                return self._run()
+        finally:
+            if own:
+                shutdown()
+
+    def _reset(self) -> None:
+        """What a run fills in, empty: at the start of each fit() (nothing of an earlier call is reused)."""
+        self.meshes: Meshes | None = None
+        self.t: Trainable | None = None
+        self.loader = self.checkpointer = self.metrics = self.data_dir = self.resumed_from = None
+        self.compiler: CompileMonitor | None = None
+        self.stop: StopRequest | None = None
+        self.state = TrainState()
+        self.final: dict[str, float] = {}
+        self.lock: RunLock | None = None  # the run directory's lock, on the main rank while fit() runs
+
+    @contextlib.contextmanager
+    def _run_lock(self):
+        """One run per run directory (plait.engine.runlock): the main rank takes the lock or every rank refuses with
+        its holder named, before anything is written; released when the run ends, however it ends."""
+        cfg, env = self.cfg, self.env
+        lock, refused = RunLock.for_run(cfg), ""
+        if env.is_main:
+            try:
+                lock.acquire(break_lock=cfg.run.break_lock)
+            except PlaitError as e:
+                refused = str(e)
+        if env.world_size > 1:
+            box = [refused]
+            dist.broadcast_object_list(box, src=0)
+            refused = box[0]
+        if refused:
+            raise RunLocked(refused if env.is_main else "")  # the main rank says it; the others end silently
+        self.lock = lock if env.is_main else None
+        try:
+            yield lock
+        finally:
+            lock.release()
+
+    def _prepare_data(self) -> None:
+        cfg, env = self.cfg, self.env
+        if self.data is not None:
+            self.train_data, self.val_split = self.data, self.val_data
+            return
+        data_dir = None
+        if env.is_main:
+            data_dir = ensure_prepared(cfg.data.source, Path(cfg.data.cache_dir).expanduser(), cfg.model.vocab_size)
+        if env.world_size > 1:  # the main rank tokenises the bundled corpus once; the others wait for it
+            box = [str(data_dir) if data_dir else None]
+            dist.broadcast_object_list(box, src=0)
+            data_dir = Path(box[0])
+        self.data_dir = data_dir
+        self.train_data, self.val_split = TokenDataset(data_dir, "train"), TokenDataset(data_dir, "val")
+        if self.train_data.vocab_size > cfg.model.vocab_size:
+            raise ConfigError(
+                f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "
+                f"({self.train_data.vocab_size}); set model.vocab_size={self.train_data.vocab_size}"
+            )
+        for split in (self.train_data, self.val_split):  # fail now, not at the first batch, if they cannot be cut
+            split.num_samples(cfg.data.seq_len)
+
+    def _loader(self, split, *, validation: bool = False):
+        cfg, meshes = self.cfg, self.meshes
+        kw = dict(seq_len=cfg.data.seq_len, global_batch_size=cfg.train.global_batch_size, dp_rank=meshes.dp_rank)
+        kw.update(dp_degree=meshes.dims.dp, device=self.env.device)
+        if not isinstance(split, TokenDataset):
+            return SampleLoader(split, **kw)
+        if validation:
+            return TokenLoader(split, shuffle=False, prefetch=0, **kw)
+        return TokenLoader(split, seed=cfg.run.seed, shuffle=cfg.data.shuffle, prefetch=cfg.data.prefetch, **kw)
+
+    def _run(self) -> dict[str, float]:
+        cfg, env, cb = self.cfg, self.env, self.callbacks
+        dims = ParallelDims.from_config(cfg.parallel, env.world_size, cfg.model)
+        validate_layout(cfg, dims)
+        torch.manual_seed(cfg.run.seed)
+        plan = inspect_run_dir(cfg, env.is_main)  # resume, start fresh or move aside: decided, nothing moved yet
+        self._prepare_data()
+        self.meshes = Meshes.build(dims, env.device.type)  # one process: a mesh of size 1
+        cb.on_setup(self)  # compile caches set up; health checks refuse a rank that computes or communicates wrongly
+        self.t = build_trainable(
+            cfg, env.device, self.meshes, model=self.model_fn, parallelize_fn=self.parallelize_fn,
+            loss=self.loss, on_model=lambda parts: cb.on_model(self, parts),
+        )  # fmt: skip
+        plan.apply(env.is_main)  # every check has passed: now run.overwrite moves the old run aside
+        if env.world_size > 1:
+            dist.barrier()  # no rank writes into the run directory before it is in place
+        candidates = plan.candidates
+        self.loader = self._loader(self.train_data)
+        self.checkpointer = CheckpointManager(
+            checkpoint_dir(cfg), cfg.checkpoint, total_steps=cfg.train.steps, is_writer=env.is_main,
+            config=to_dict(cfg), tokenizer_path=self.data_dir / "tokenizer.json" if self.data_dir else None,
+        )  # fmt: skip
+        self._resume(candidates)
+        self.metrics = MetricsLogger(
+            cfg.run_dir, cfg.log, cfg.train.steps, enabled=env.is_main, name=cfg.run.name, config=to_dict(cfg),
+            run_id=self.lock.token[:12] if self.lock else "",
+        )  # fmt: skip
+        stop = self.stop = StopRequest(announce=env.is_main)
+        try:
+            cb.on_start(self)
+            stop.install()  # SIGTERM / SIGINT: checkpoint this step, then stop
+            try:
+                self._loop()
+            finally:
+                stop.restore()
+        finally:
+            try:
+                cb.close(self)  # the watchdog stops before the final save is waited for
+            finally:
+                self._close()
+        self._finish(stop)
+        return self.final
+
+    def _resume(self, candidates) -> None:
+        cfg, env = self.cfg, self.env
+        if candidates:
+            self.resumed_from = resume(self.checkpointer, candidates, self.t, self.loader, self.state, env.is_main)
+        if self.resumed_from is not None and env.is_main:
+            info(f"resumed from {self.resumed_from} (step {self.state.step})")
+        elif env.is_main and restart_count() > 0:
+            info(f"restarted from step 0: no complete checkpoint in {checkpoint_dir(cfg)} yet")
+        if env.is_main:
+            cfg.run_dir.mkdir(parents=True, exist_ok=True)
+            (cfg.run_dir / "config.toml").write_text(to_toml(cfg))
+
+    def _loop(self) -> None:
+        """Steps until cfg.train.steps; logging, evaluation and checkpoints are the after_step hooks of the
+        trainer's own callbacks (a rolled-back step reaches none of them)."""
+        cfg, cb, state = self.cfg, self.callbacks, self.state
+        tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
+        while state.step < cfg.train.steps and not self.checkpointer.stopped_at:
+            step = state.step + 1
+            inputs, targets = next(self.loader)
+            cb.before_step(self, step)
+            result = train_step(self.t, inputs, targets, lambda loss, norm: cb.should_step(self, loss, norm))
+            state.step, state.tokens = step, state.tokens + tokens_per_step
+            cb.after_step(self, step, result)  # True: rolled back, state is a checkpoint's
+
+    def val_loader(self):
+        """A fresh loader over the validation split (the same batches each time)."""
+        return self._loader(self.val_split, validation=True)
+
+    def _close(self) -> None:
+        saved = self.checkpointer.close()  # waits for the save in flight and publishes it
+        if saved:
+            self.metrics.log(self.state.step, saved, prefix="checkpoint")
+        self.metrics.close()
+        self.loader.close()
+        if self.env.is_main:
+            with contextlib.suppress(Exception):  # a picture never turns a run into a failure
+                write_run_plot(self.cfg.run_dir)
+
+    def _finish(self, stop: StopRequest) -> None:
+        cfg, env, checkpointer = self.cfg, self.env, self.checkpointer
+        if checkpointer.stopped_at:
+            why = stop.signal_name or "a signal on another rank"
+            raise_stopped(cfg, why, checkpointer.stopped_at, env.is_main)
+        if checkpointer.final_lost:  # the main rank says it; the others end silently
+            raise (
+                final_checkpoint_lost(cfg, checkpointer.final_lost, self.state.step) if env.is_main else PlaitError("")
+            )
+        if env.is_main and not self.final:
+            info(f"run {cfg.run_dir} already finished at step {self.state.step}; nothing to train")
+        self.callbacks.on_end(self, self.final)
+
+
+if __name__ == "__main__":  # the command line lives above this module: say where, never do nothing
+    raise SystemExit("plait: this module is the training loop; run `plait train ...` or `python -m plait train ...`")

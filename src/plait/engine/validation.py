@@ -1,0 +1,60 @@
+"""Validation loss during training: the mean loss over the first eval.num_batches batches of the validation
+split (the same batches every time), every eval.every_steps steps and at the last step, attached to the
+trainer as a callback."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from plait.engine.callbacks import Callback
+from plait.engine.loss import IGNORE_INDEX, MeanLoss, cross_entropy
+from plait.parallel.context import context_shard
+from plait.parallel.norm import local
+from plait.parallel.pipeline import step_kwargs
+
+
+@torch.no_grad()
+def evaluate(t, loader, batches: int) -> float:
+    """Mean loss of a Trainable over the first `batches` global batches of a validation loader, averaged
+    over data- and context-parallel ranks."""
+    for part in t.parts:
+        part.eval()
+    losses = []
+    with t.loss_context(), t.autocast():
+        for _, (x, y) in zip(range(batches), loader, strict=False):
+            x, y = context_shard(t.meshes, x, y)
+            if t.pipeline is not None:
+                out: list[torch.Tensor] | None = [] if t.pipeline.has_last else None
+                kwargs = step_kwargs(t.pipeline, y, out)
+                t.pipeline.schedule.eval(*([x] if t.pipeline.has_first else []), **kwargs)
+                loss = torch.stack([local(v).float() for v in out]).mean() if out else torch.zeros((), device=x.device)
+                dist.all_reduce(loss, group=t.meshes.pp.get_group())
+            elif isinstance(t.loss_fn, MeanLoss):
+                loss = local(t.loss_fn.loss_fn(t.model(x), y)).float()
+            elif t.loss_fn.fused:  # the summed loss of the fused head: no (B, T, vocab) logits here either
+                loss = t.forward(x, y) / (y != IGNORE_INDEX).sum().clamp(min=1)
+            else:
+                loss = local(cross_entropy(t.model(x), y))
+            losses.append(loss)
+    for part in t.parts:
+        part.train()
+    mean = torch.stack(losses).mean()
+    if t.meshes.dims.dp_cp > 1:  # data and context parallel ranks: equal shares of the tokens
+        dist.all_reduce(mean, group=t.meshes.loss.get_group())
+        mean = mean / t.meshes.dims.dp_cp
+    return mean.item()
+
+
+class Validation(Callback):
+    """Measures the validation loss when due (run.final["val_loss"]) and calls every callback's after_eval."""
+
+    def after_step(self, run, step: int, result) -> bool:
+        every, steps = run.cfg.eval.every_steps, run.cfg.train.steps
+        if not every or run.val_split is None or not (step % every == 0 or step == steps):
+            return False
+        val = run.val_loader()
+        batches = min(run.cfg.eval.num_batches, max(1, val.steps_per_epoch))
+        run.final["val_loss"] = evaluate(run.t, val, batches)
+        run.callbacks.after_eval(run, step, run.final["val_loss"])
+        return False

@@ -1,0 +1,122 @@
+"""Fault injection for resilience tests, as one callback attached only when a PLAIT_FAULT_* variable is set
+(plait.api.default_callbacks); production runs carry none of it.
+
+- PLAIT_FAULT_KILL=RANK:STEP[,RANK:STEP...] kills a rank (hard exit, as a lost machine would) when it is
+  about to run STEP; the i-th entry fires in elastic attempt i (the first run is attempt 0), so one run can
+  lose several ranks in turn and still finish.
+- PLAIT_FAULT_NAN=STEP[:COUNT] makes the loss NaN (on all ranks) in COUNT step executions from STEP on,
+  default 1; PLAIT_FAULT_HANG=RANK:STEP hangs that rank in forward at STEP; PLAIT_FAULT_SLOW_RANK=RANK:SECONDS
+  delays that rank by SECONDS every step (and in the health check's arithmetic). NAN and HANG act in an
+  elastic group's first attempt only, as KILL does.
+- PLAIT_FAULT_BAD_RANK=R makes rank R's arithmetic wrong in the health check (plait.features.health).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+
+from plait.core.errors import ConfigError
+from plait.engine.callbacks import Callback
+from plait.parallel.env import restart_count
+
+VARIABLES = ("PLAIT_FAULT_KILL", "PLAIT_FAULT_NAN", "PLAIT_FAULT_HANG", "PLAIT_FAULT_SLOW_RANK")
+
+
+def injected(name: str) -> tuple[int, float | None] | None:
+    """A fault-injection variable, 'A' or 'A:B', as (int(A), float(B) or None); None when unset."""
+    spec = os.environ.get(name, "").strip()
+    if not spec:
+        return None
+    head, _, tail = spec.partition(":")
+    try:
+        return int(head), (float(tail) if tail else None)
+    except ValueError:
+        raise ConfigError(f"{name}={spec!r} must look like RANK or RANK:VALUE (e.g. 1:0.5)") from None
+
+
+def parse_fault_kills(spec: str) -> list[tuple[int, int]]:
+    try:
+        kills = [tuple(int(x) for x in item.split(":")) for item in spec.split(",")]
+    except ValueError:
+        kills = []
+    if not kills or any(len(k) != 2 or min(k) < 0 for k in kills):
+        raise ConfigError(f"PLAIT_FAULT_KILL={spec!r}: expected RANK:STEP[,RANK:STEP...], e.g. '1:5,0:9'")
+    return kills  # type: ignore[return-value]
+
+
+def requested() -> bool:
+    return any(os.environ.get(name, "").strip() for name in VARIABLES)
+
+
+class Faults(Callback):
+    """The injected faults of this rank; inert when no variable is set. Give it before plait.features.guards' callback,
+    so an injected delay counts as this rank's own time between steps, as a slow machine's would."""
+
+    def __init__(self, rank: int | None = None):
+        """rank: this process's (None: the trainer's, at on_setup)."""
+        self.nan_armed = self.hang_armed = False
+        self._hooks: list = []
+        if rank is not None:
+            self._configure(rank)
+
+    def on_setup(self, run) -> None:
+        if not hasattr(self, "rank"):
+            self._configure(run.env.rank)
+
+    def _configure(self, rank: int) -> None:
+        self.rank = rank
+        first_attempt = restart_count() == 0
+        nan, hang, slow = injected("PLAIT_FAULT_NAN"), injected("PLAIT_FAULT_HANG"), injected("PLAIT_FAULT_SLOW_RANK")
+        self.nan_step, self.nan_left = (nan[0], int(nan[1] or 1)) if nan and first_attempt else (0, 0)
+        self.hang_step = int(hang[1] or 0) if hang and first_attempt and hang[0] == rank else 0
+        self.slow_s = (slow[1] or 1.0) if slow and slow[0] == rank else 0.0
+        spec = os.environ.get("PLAIT_FAULT_KILL")
+        kills = parse_fault_kills(spec) if spec else []
+        attempt = restart_count()
+        self.kill_step = kills[attempt][1] if attempt < len(kills) and kills[attempt][0] == rank else 0
+
+    def install(self, parts: list[torch.nn.Module]) -> None:
+        """Forward hooks on the model parts, only when a NaN or hang is to be injected."""
+        if self.nan_left or self.hang_step:
+            self._hooks = [part.register_forward_hook(self._hook) for part in parts]
+
+    def on_start(self, run) -> None:
+        self.install(run.t.parts)
+
+    def before_step(self, run, step: int) -> None:
+        if step == self.kill_step:
+            print(f"plait: fault injection: killing rank {self.rank} at step {step}", file=sys.stderr, flush=True)
+            os._exit(137)
+        if self.slow_s:
+            time.sleep(self.slow_s)
+        self.nan_armed = self.nan_left > 0 and step >= self.nan_step
+        self.hang_armed = step == self.hang_step
+
+    def should_step(self, run, loss, grad_norm) -> bool:
+        """After forward/backward: evaluation forwards are not touched."""
+        if self.nan_armed:
+            self.nan_left -= 1
+        self.nan_armed = self.hang_armed = False
+        return True
+
+    def close(self, run) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def _hook(self, module, args, output):
+        if self.hang_armed:
+            print(f"plait: fault injection: rank {self.rank} hangs in forward", file=sys.stderr, flush=True)
+            _injected_hang()
+        if self.nan_armed and isinstance(output, torch.Tensor):
+            return output * float("nan")
+        return output
+
+
+def _injected_hang() -> None:
+    while True:
+        time.sleep(0.5)

@@ -1,0 +1,465 @@
+"""Health checks: does every device compute correctly, and does every collective on every mesh axis deliver
+the right values, at what bus bandwidth?
+
+`plait doctor [--nproc N] [CONFIG] [--parallel.*=...]` runs everything and prints an nccl-tests-style table
+per mesh axis; `plait train` runs the quick part before the first step (run.health_check_enabled): the
+arithmetic check and each collective once at a small size, and refuses to start when a rank is wrong.
+
+Fault injection, for tests: PLAIT_FAULT_BAD_RANK=R makes rank R's arithmetic wrong; PLAIT_FAULT_SLOW_RANK=R:S
+makes rank R S seconds slower in it (and, while training, in every step: see plait.features.guards).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+import os
+import socket
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from plait.core.errors import PlaitError
+from plait.core.hardware import device_info
+from plait.engine.callbacks import Callback
+from plait.features.faults import injected
+from plait.parallel.dims import AXES, Meshes
+
+MiB = 1 << 20
+DEFAULT_SIZES = (1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB)
+PREFLIGHT_BYTES = 64 * 1024  # one small size: correctness, not speed, before training
+# fp32 matmul vs an fp64 reference, error relative to max |C|: 512 products of N(0, 1) values per element
+# were seen 4e-7 off on this CPU (MKL); the error grows ~sqrt(K), so K=2048 on a GPU expects ~1e-6.
+# 1e-4 leaves two orders of headroom for other BLAS libraries and still catches a wrong element or a
+# flipped bit in the top 13 of the mantissa. The checksum compares fp64 sums of C: seen 2e-9.
+MATMUL_RTOL = 1e-4
+CHECKSUM_RTOL = 1e-4
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+# torch 2.13 renamed the tensor-in, tensor-out collectives (the old names warn); older versions lack the new.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def bus_factor(op: str, n: int) -> float:
+    """nccl-tests' bus-bandwidth factors: what each rank's links carry relative to the algorithm bandwidth
+    (data size / time), so busbw is comparable with the hardware's link speed whatever n is."""
+    if op == "all_reduce":
+        return 2 * (n - 1) / n
+    if op in ("all_gather", "reduce_scatter"):
+        return (n - 1) / n
+    return 1.0  # send/recv: every byte crosses one link once
+
+
+# ------------------------------------------------------------------------------------------ arithmetic
+
+
+@dataclass
+class ComputeResult:
+    rank: int
+    host: str
+    device: str
+    size: int  # the matmul is (size x size) @ (size x size) in fp32
+    seconds: float  # median of the repetitions over a sustained window (see check_compute)
+    matmul_err: float  # max |C - C_fp64| / max |C_fp64|
+    checksum_err: float  # column sums of C against (column sums of A) @ B, relative
+    fingerprint: str  # hash of C's bytes: equal devices should agree bit for bit
+    best_seconds: float = 0.0  # the fastest repetition: far below the median when a GPU is shared
+    cpu_contention: float | None = None  # CPU ranks on Linux: see run_queue_contention
+
+    @property
+    def contention(self) -> float:
+        """How much slower than on a device of its own: about 1 alone, ~2 when another process takes turns.
+        A CPU rank: the scheduler's own account of its threads (run_queue_contention). Otherwise median / best
+        time, a weaker sign: a matmul shorter than a time slice often runs whole between turns."""
+        if self.cpu_contention is not None:
+            return self.cpu_contention
+        return self.seconds / self.best_seconds if self.best_seconds > 0 else 1.0
+
+    @property
+    def tflops(self) -> float:
+        return 2 * self.size**3 / self.seconds / 1e12
+
+    @property
+    def wrong(self) -> str | None:
+        if not math.isfinite(self.matmul_err) or self.matmul_err > MATMUL_RTOL:
+            return f"matmul differs from the fp64 reference (max rel err {self.matmul_err:.1e} > {MATMUL_RTOL:.0e})"
+        if not math.isfinite(self.checksum_err) or self.checksum_err > CHECKSUM_RTOL:
+            return f"matmul checksum is off (rel err {self.checksum_err:.1e} > {CHECKSUM_RTOL:.0e})"
+        return None
+
+
+TIMING_WINDOW_S = 0.1  # long enough that a task sharing the core shows (see check_compute)
+MAX_REPS = 2000
+# contention above this: something shares the rank's device. On a CPU the measure is exact (alone 1.00, beside a
+# busy loop on its core 1.96-2.04, 2-core VM); a GPU's median / best swings more (1.2 alone is common).
+SHARED_CPU = 1.3
+SHARED_GPU = 1.5
+BUSY_THREAD = 0.1  # threads that ran less than this share of the window (idle helpers) are not judged
+
+
+def _schedstat() -> dict[str, tuple[int, int]]:
+    """This process's threads: tid -> (ns on a CPU, ns waiting on a run queue), from Linux's schedstat;
+    empty where the kernel does not expose it."""
+    out = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                run, wait = f.read().split()[:2]
+            out[tid] = (int(run), int(wait))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def run_queue_contention(before: dict, after: dict, wall_s: float) -> float | None:
+    """(time on a CPU + time ready but waiting for one) / time on a CPU, for the busiest-hit thread that ran
+    at least BUSY_THREAD of the window: 1.0 on cores of its own, 2.0 beside one busy loop. Sleeping is not
+    waiting, so a rank that blocks (a barrier, an injected delay) is not counted as shared. Measured on a
+    2-core VM, 512x512 matmuls over 0.1 s: alone 1.00-1.04 (1 and 2 threads); pinned beside a busy loop
+    1.98-2.07; 2 threads with a busy loop on one core 1.99-2.11 for the thread that shares it."""
+    worst = None
+    for tid, (run1, wait1) in after.items():
+        run0, wait0 = before.get(tid, (run1, wait1))
+        ran = run1 - run0
+        if ran > 0 and ran >= BUSY_THREAD * wall_s * 1e9:
+            worst = max(worst or 0.0, (ran + wait1 - wait0) / ran)
+    return worst
+
+
+def check_compute(
+    device: torch.device,
+    rank: int,
+    size: int | None = None,
+    reps: int = 5,
+    turns: tuple[int, int] | None = None,
+    min_seconds: float = TIMING_WINDOW_S,
+) -> ComputeResult:
+    """A seeded fp32 matmul on this device, timed and compared with an fp64 reference and an ABFT checksum
+    (the column sums of C must equal the column sums of A times B).
+
+    Timing: at least `reps` matmuls and at least `min_seconds` of them back to back, reported as the median
+    (not the best: beside a CPU hog the first matmuls after a barrier run at full speed). Whether another
+    process shares a CPU rank's cores is read from the scheduler (run_queue_contention), not guessed from the
+    spread of times: a 512x512 matmul (1.6-3 ms) often fits inside one time slice, and on a 2-core VM beside
+    a busy loop its median / best was anywhere from 1.04 to 6.3.
+
+    turns=(local_rank, local_world_size): processes that share the CPU time their matmul one at a time
+    (a barrier over the world between turns), or the timings would measure each other."""
+    size = size or (2048 if device.type == "cuda" else 512)
+    bad, slow = injected("PLAIT_FAULT_BAD_RANK"), injected("PLAIT_FAULT_SLOW_RANK")
+    gen = torch.Generator().manual_seed(20240901)
+    a = torch.randn(size, size, generator=gen).to(device)
+    b = torch.randn(size, size, generator=gen).to(device)
+    with _highest_precision():
+        times, c, contention = [], None, None
+        for turn in range(turns[1] if turns else 1):
+            if turns is None or turn == turns[0]:
+                begin, sched = time.perf_counter(), _schedstat()
+                end = begin + min_seconds
+                while len(times) < reps or (time.perf_counter() < end and len(times) < MAX_REPS):
+                    _sync(device)
+                    start = time.perf_counter()
+                    c = a @ b
+                    if slow is not None and slow[0] == rank:
+                        time.sleep(slow[1] or 1.0)
+                    _sync(device)
+                    times.append(time.perf_counter() - start)
+                if device.type == "cpu" and sched:
+                    contention = run_queue_contention(sched, _schedstat(), time.perf_counter() - begin)
+            if turns is not None:
+                dist.barrier()
+        if bad is not None and bad[0] == rank:
+            c[size // 2, size // 3] += c.abs().max()  # one wrong element, as a faulty unit would produce
+        ref = a.double() @ b.double()
+        colsum = a.double().sum(0) @ b.double()
+        errs = torch.stack(
+            [
+                (c.double() - ref).abs().max() / ref.abs().max(),
+                (c.double().sum(0) - colsum).abs().max() / (a.double().abs().sum(0) @ b.double().abs()).max(),
+            ]
+        ).tolist()
+    fingerprint = hashlib.sha1(c.cpu().numpy().tobytes()).hexdigest()[:10]
+    name = device_info(device).name
+    median, best = statistics.median(times), min(times)
+    return ComputeResult(
+        rank, socket.gethostname(), name, size, median, errs[0], errs[1], fingerprint, best, contention
+    )
+
+
+@contextlib.contextmanager
+def _highest_precision():
+    """The reference comparison needs true fp32 matmuls, not TF32 (which a run may have switched on)."""
+    old = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(old)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ------------------------------------------------------------------------------------------ collectives
+
+
+@dataclass
+class CollectiveRow:
+    axis: str
+    degree: int
+    op: str
+    nbytes: int  # nccl-tests' size: the full buffer (all-gather output, reduce-scatter input)
+    seconds: float = math.nan  # per operation, slowest rank; nan when only checked
+    wrong_ranks: list[int] = field(default_factory=list)
+
+    @property
+    def algbw(self) -> float:
+        return self.nbytes / self.seconds / 1e9
+
+    @property
+    def busbw(self) -> float:
+        return self.algbw * bus_factor(self.op, self.degree)
+
+
+def _pattern(numel: int, device: torch.device, shift: int | torch.Tensor = 0) -> torch.Tensor:
+    """Small integers 1..13 (exact in fp32 even after summing over 10^5 ranks)."""
+    return ((torch.arange(numel, device=device) + shift) % 13 + 1).float()
+
+
+def _prepare(op: str, group, numel: int, device: torch.device):
+    """Buffers with known values for `op` over `group`, a function issuing it, and one checking the result
+    of its first run (max absolute error, a 0-d tensor: no device sync)."""
+    n, r = group.size(), group.rank()
+    m = numel // n  # per-rank chunk
+    if op == "all_reduce":
+        x = _pattern(numel, device) * (r + 1)
+        expected = _pattern(numel, device) * (n * (n + 1) / 2)
+        return (lambda: dist.all_reduce(x, group=group)), (lambda: (x - expected).abs().max())
+    if op == "all_gather":
+        x = _pattern(m, device) + 16 * r
+        out = torch.empty(n * m, device=device)
+        expected = _pattern(m, device).repeat(n) + 16 * torch.arange(n, device=device).repeat_interleave(m)
+        return (lambda: all_gather_single(out, x, group=group)), (lambda: (out - expected).abs().max())
+    if op == "reduce_scatter":
+        idx = torch.arange(n * m, device=device)
+        x = ((idx % m + idx // m) % 13 + 1).float() * (r + 1)  # chunk c holds (i + c) % 13 + 1, scaled by r + 1
+        out = torch.empty(m, device=device)
+        expected = _pattern(m, device, shift=r) * (n * (n + 1) / 2)
+        return (lambda: reduce_scatter_single(out, x, group=group)), (lambda: (out - expected).abs().max())
+    # send/recv around the axis ring: send to the next rank, receive from the previous one
+    nxt, prv = dist.get_global_rank(group, (r + 1) % n), dist.get_global_rank(group, (r - 1) % n)
+    x, out = _pattern(numel, device) * (r + 1), torch.empty(numel, device=device)
+    expected = _pattern(numel, device) * ((r - 1) % n + 1)
+
+    def run():
+        ops = [dist.P2POp(dist.isend, x, nxt, group), dist.P2POp(dist.irecv, out, prv, group)]
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+
+    return run, (lambda: (out - expected).abs().max())
+
+
+def axis_groups(meshes: Meshes | None) -> list[tuple[str, int, object]]:
+    """(axis, degree, this rank's process group) for every mesh axis with more than one rank."""
+    if meshes is None:
+        return []
+    degrees = {"pp": meshes.dims.pp, "dp_replicate": meshes.dims.dp_replicate, "dp_shard": meshes.dims.dp_shard}
+    degrees.update(cp=meshes.dims.cp, tp=meshes.dims.tp)
+    return [(axis, degrees[axis], meshes.world.get_group(axis)) for axis in AXES if degrees[axis] > 1]
+
+
+def check_collectives(
+    meshes: Meshes | None, device: torch.device, sizes: tuple[int, ...], iters: int
+) -> list[CollectiveRow]:
+    """Every op on every axis and size: one run checked against known values, then `iters` timed runs.
+
+    Communication plan: all groups of one axis run the op at once (as training does), one axis at a time;
+    the results (errors and times per rank) are all-gathered over the world at the end, so every rank
+    returns the same rows: the time of the slowest rank, and the ranks that received wrong values.
+    """
+    rows, errors, times = [], [], []
+    for axis, degree, group in axis_groups(meshes):
+        for op in OPS:
+            for nbytes in sizes:
+                numel = max(degree, nbytes // 4 // degree * degree)
+                run, check = _prepare(op, group, numel, device)
+                run()
+                errors.append(check())
+                seconds = math.nan
+                if iters > 0:
+                    dist.all_reduce(torch.zeros(1, device=device), group=group)  # start together
+                    _sync(device)
+                    start = time.perf_counter()
+                    for _ in range(iters):
+                        run()
+                    _sync(device)
+                    seconds = (time.perf_counter() - start) / iters
+                times.append(seconds)
+                rows.append(CollectiveRow(axis, degree, op, numel * 4))
+    if not rows:
+        return rows
+    mine = torch.stack([torch.stack(errors).float(), torch.tensor(times, device=device)], dim=1)  # (rows, 2)
+    gathered = torch.empty(dist.get_world_size() * mine.numel(), device=device)
+    all_gather_single(gathered, mine.flatten())
+    per_rank = gathered.view(-1, *mine.shape).cpu()  # (world, rows, 2)
+    for i, row in enumerate(rows):
+        err, secs = per_rank[:, i, 0], per_rank[:, i, 1]
+        row.wrong_ranks = [r for r, e in enumerate(err.tolist()) if e != 0]
+        row.seconds = secs.max().item()
+    return rows
+
+
+# ------------------------------------------------------------------------------------------ the report
+
+
+@dataclass
+class HealthReport:
+    compute: list[ComputeResult]
+    collectives: list[CollectiveRow]
+    slow_ratio: float
+    seconds: float = 0.0
+
+    def wrong(self) -> dict[int, list[str]]:
+        """Ranks whose results are wrong, with the reasons."""
+        out: dict[int, list[str]] = {}
+        for c in self.compute:
+            if c.wrong:
+                out.setdefault(c.rank, []).append(c.wrong)
+        for row in self.collectives:
+            for r in row.wrong_ranks:
+                why = f"{row.op} on axis {row.axis} delivered wrong values ({format_size(row.nbytes)})"
+                out.setdefault(r, []).append(why)
+        return out
+
+    def slow(self) -> dict[int, float]:
+        """Ranks whose matmul takes more than slow_ratio x the median of their peers: rank -> ratio."""
+        if len(self.compute) < 2 or self.slow_ratio <= 0:
+            return {}
+        out = {}
+        for c in self.compute:
+            peers = statistics.median(o.seconds for o in self.compute if o.rank != c.rank)
+            ratio = c.seconds / max(peers, 1e-12)
+            if ratio > self.slow_ratio:
+                out[c.rank] = ratio
+        return out
+
+    def disagree(self) -> list[int]:
+        """Ranks whose matmul bits differ from the majority of the same device model (a warning only:
+        different BLAS builds may legitimately round differently)."""
+        out = []
+        for c in self.compute:
+            peers = [o.fingerprint for o in self.compute if o.device == c.device]
+            majority = max(set(peers), key=peers.count)
+            if peers.count(majority) > len(peers) / 2 and c.fingerprint != majority:
+                out.append(c.rank)
+        return out
+
+    def contended(self) -> dict[int, float]:
+        """Ranks that share their device with another process: rank -> contention (see ComputeResult)."""
+        return {
+            c.rank: c.contention
+            for c in self.compute
+            if c.contention > (SHARED_CPU if c.cpu_contention is not None else SHARED_GPU)
+        }
+
+    def problems(self) -> list[str]:
+        by_rank = {c.rank: c for c in self.compute}
+        lines = [f"rank {r} ({_where(by_rank.get(r))}): {'; '.join(why)}" for r, why in sorted(self.wrong().items())]
+        for r, ratio in sorted(self.contended().items()):
+            c = by_rank[r]
+            if c.cpu_contention is not None:
+                seen = f"its threads waited for a core {100 * (1 - 1 / ratio):.0f}% of the matmul window"
+            else:
+                seen = f"its matmul takes {1e3 * c.best_seconds:.1f} ms at best but {1e3 * c.seconds:.1f} ms typically"
+            lines.append(
+                f"rank {r} ({_where(c)}) shares its device: {seen} ({ratio:.1f}x slower); another process is using "
+                f"its cores or GPU (see top / nvidia-smi)"
+            )
+        for r, ratio in sorted(self.slow().items()):
+            c = by_rank[r]
+            lines.append(
+                f"rank {r} ({_where(c)}) is slow: {ratio:.1f}x its peers' median time for a {c.size}x{c.size} "
+                f"matmul ({1e3 * c.seconds:.1f} ms)"
+            )
+        return lines
+
+
+def _where(c: ComputeResult | None) -> str:
+    return f"{c.host}, {c.device}" if c else "?"
+
+
+def format_size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", MiB), ("KiB", 1024)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:g} {unit}"
+    return f"{nbytes} B"
+
+
+def run_checks(
+    device: torch.device,
+    rank: int,
+    meshes: Meshes | None,
+    *,
+    sizes: tuple[int, ...] = (PREFLIGHT_BYTES,),
+    iters: int = 0,
+    slow_ratio: float = 2.0,
+) -> HealthReport:
+    """All checks on this rank; with a process group, every rank returns the same report."""
+    start = time.perf_counter()
+    turns = None
+    if device.type == "cpu" and dist.is_initialized() and dist.get_world_size() > 1:  # ranks share the cores
+        world = dist.get_world_size()
+        turns = (int(os.environ.get("LOCAL_RANK", rank)), int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    mine = check_compute(device, rank, turns=turns)
+    compute = [mine]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        compute = [None] * dist.get_world_size()
+        dist.all_gather_object(compute, mine)
+    rows = check_collectives(meshes, device, sizes, iters)
+    return HealthReport(compute, rows, slow_ratio, time.perf_counter() - start)
+
+
+def run_health_check(cfg, env, meshes: Meshes | None) -> HealthReport | None:
+    """The check before training (run.health_check_enabled): refuse to start when a rank computes or
+    communicates wrongly; warn about a slow rank. Every rank decides alike (the report is gathered)."""
+    if not cfg.run.health_check_enabled:
+        return None
+    from plait.engine.metrics import info, warn
+
+    report = run_checks(env.device, env.rank, meshes, slow_ratio=cfg.guard.straggler_ratio or 2.0)
+    wrong = report.wrong()
+    if wrong:
+        raise PlaitError(
+            "health check failed, training not started: "
+            + "; ".join(p for p in report.problems() if "is slow" not in p)
+            + f". Run `plait doctor --nproc {env.world_size}` with the same [parallel] options for details, "
+            "or set run.health_check_enabled=false to train anyway"
+        )
+    if env.is_main:
+        for line in report.problems():
+            warn(f"health check: {line}")
+        axes = ", ".join(dict.fromkeys(f"{r.axis}({r.degree})" for r in report.collectives))
+        err = max(x.matmul_err for x in report.compute)
+        info(
+            f"health check ok: {len(report.compute)} rank(s), matmul vs fp64 {err:.0e}"
+            + (f", collectives on {axes}" if axes else "")
+            + f" [{report.seconds:.2f} s]"
+        )
+    return report
+
+
+class HealthCheck(Callback):
+    """run_health_check before the model is built (run.health_check_enabled)."""
+
+    def on_setup(self, run) -> None:
+        run_health_check(run.cfg, run.env, run.meshes)
