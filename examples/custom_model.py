@@ -73,9 +73,8 @@ class LossHistory(plait.Callback):
     def __init__(self):
         self.losses: dict[int, float] = {}
 
-    def after_step(self, run, step, result) -> bool:
-        self.losses[step] = result.loss.item()
-        return False  # True would mean: I rolled the run back
+    def after_step(self, run, step, result) -> None:
+        self.losses[step] = result.loss.item()  # (run.roll_back() would roll the run back to its last checkpoint)
 
     def on_end(self, run, final) -> None:
         if run.env.is_main:

@@ -90,11 +90,11 @@ class Recorder(plait.Callback):
         self.calls.append(f"before:{step}")
 
     def should_step(self, run, loss, grad_norm):
-        return run.state.step + 1 != self.withhold_step
+        if run.state.step + 1 == self.withhold_step:
+            run.withhold_step("the test withholds it")
 
     def after_step(self, run, step, result):
         self.calls.append(f"after:{step}:{int(result.stepped)}")
-        return False
 
     def after_eval(self, run, step, val_loss):
         self.calls.append(f"eval:{step}")
@@ -295,3 +295,19 @@ def test_python_api_misuse_is_one_clear_error_and_writes_nothing(case, tmp_path,
 
 def test_there_are_at_least_25_api_misuses():
     assert len(API_MISUSES) >= 25
+
+
+def test_a_hook_that_returns_a_value_is_refused_naming_what_to_call():
+    class OldStyle(plait.Callback):
+        def should_step(self, run, loss, grad_norm):
+            return False  # plait's older protocol
+
+    class OldRollback(plait.Callback):
+        def after_step(self, run, step, result):
+            return True
+
+    one = torch.zeros(())
+    with pytest.raises(TypeError, match=r"OldStyle.should_step returned False: .*call run.withhold_step\(why\)"):
+        Callbacks([OldStyle()]).should_step(None, one, one)
+    with pytest.raises(TypeError, match=r"OldRollback.after_step returned True: .*call run.roll_back\(\)"):
+        Callbacks([OldRollback()]).after_step(type("Run", (), {"rolled_back": lambda self: False})(), 1, None)

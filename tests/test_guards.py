@@ -25,7 +25,7 @@ from plait.core.errors import ConfigError, PlaitError
 from plait.engine.checkpoint import TrainState
 from plait.engine.metrics import MetricsLogger
 from plait.features.faults import Faults
-from plait.features.guards import Guard, SpikeDetector, describe_stack, find_straggler
+from plait.features.guards import _PHASES, Guard, SpikeDetector, describe_stack, find_straggler
 from plait.parallel.env import DistEnv
 
 
@@ -96,7 +96,9 @@ def test_fault_variables(monkeypatch):
     [
         ("plait/engine/trainer.py", "_accumulate", "forward/backward"),
         ("plait/engine/validation.py", "evaluate", "eval"),
-        ("plait/engine/checkpoint.py", "save", "checkpoint"),
+        ("plait/engine/checkpoint/manager.py", "save", "checkpoint"),
+        ("plait/engine/checkpoint/load.py", "load_state", "checkpoint"),
+        ("plait/data/samples.py", "__next__", "data"),
         ("plait/engine/trainer.py", "_loop", "between steps"),
     ],
 )
@@ -105,6 +107,7 @@ def test_describe_stack_names_the_phase(path, function, phase):
     that looks, to it, like the plait function where that phase runs (each entry of _PHASES names a real one)."""
     source = importlib.util.find_spec(path.removesuffix(".py").replace("/", ".")).origin
     assert re.search(rf"\bdef {function}\(", Path(source).read_text()), f"{path} has no {function}: update _PHASES"
+    assert any(frag in path and (names is None or function in names) for frag, names, _ in _PHASES)
     code = f"def {function}(event):\n    event.wait()\n"
     namespace: dict = {}
     exec(compile(code, f"/site/{path}", "exec"), namespace)

@@ -39,6 +39,13 @@ def test_compute_check_catches_an_injected_bad_rank(monkeypatch):
     good = check_compute(cpu, rank=0, size=128, reps=1)
     assert good.wrong is None and good.matmul_err < 1e-5 and good.seconds > 0
     monkeypatch.setenv("PLAIT_FAULT_BAD_RANK", "1")
+    assert check_compute(cpu, rank=1, size=128, reps=1).wrong is None  # not installed: production has no faults
+    from plait.features import faults, health
+
+    monkeypatch.setattr(health, "COMPUTE_FAULTS", [])
+    faults.install_health_faults()
+    faults.install_health_faults()  # once per process
+    assert [faults._health_fault] == health.COMPUTE_FAULTS
     assert check_compute(cpu, rank=0, size=128, reps=1).wrong is None  # another rank's fault
     bad = check_compute(cpu, rank=1, size=128, reps=1)
     assert "differs from the fp64 reference" in bad.wrong and bad.fingerprint != good.fingerprint

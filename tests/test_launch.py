@@ -155,7 +155,7 @@ def test_random_lost_ranks_restart_and_end_bitwise_equal(tmp_path):
 
 
 @pytest.mark.slow
-def test_fault_kill_spec_is_checked_before_workers_start(tmp_path, monkeypatch):
+def test_a_bad_fault_kill_spec_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setenv("PLAIT_FAULT_KILL", "1:5,x")
     bad = run_cli("train", "--nproc", "2", "--model.preset=debug", cwd=tmp_path)
     assert bad.returncode == 2 and "expected RANK:STEP" in bad.stderr

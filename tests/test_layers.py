@@ -274,3 +274,44 @@ x.__class__
     assert len(uses) == 6, uses
     own = "import torch\nself._cache = torch.zeros(1)\nhasattr(self, '_thread')\nLoaded(_hash=1)\nx.shape\n"
     assert _private_torch_uses(own) == []
+
+
+# ---------------------------------------------------------------- callbacks see the run through RunState
+
+
+def _run_state_members() -> set[str]:
+    from plait.engine.callbacks import RunState
+
+    return set(RunState.__annotations__) | {n for n in vars(RunState) if not n.startswith("_")}
+
+
+def _run_reads(source: str) -> dict[str, set[str]]:
+    """{Class.hook: the attributes it reads or calls on its `run` argument} for every method with a `run`
+    parameter of every class in the source."""
+    out: dict[str, set[str]] = {}
+    for cls in ast.walk(ast.parse(source)):
+        if not isinstance(cls, ast.ClassDef):
+            continue
+        for fn in cls.body:
+            if isinstance(fn, ast.FunctionDef) and any(a.arg == "run" for a in fn.args.args):
+                out[f"{cls.name}.{fn.name}"] = {
+                    n.attr
+                    for n in ast.walk(fn)
+                    if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "run"
+                }
+    return out
+
+
+def test_callbacks_touch_the_trainer_only_through_run_state():
+    """No callback in plait reads a Trainer attribute that RunState does not declare."""
+    allowed = _run_state_members()
+    outside = {
+        f"{path.relative_to(ROOT)}: {where}": sorted(reads - allowed)
+        for path in sorted(ROOT.rglob("*.py"))
+        for where, reads in _run_reads(path.read_text()).items()
+        if reads - allowed
+    }
+    assert not outside, f"callbacks reading the trainer outside plait.engine.callbacks.RunState: {outside}"
+    planted = "class C:\n    def after_step(self, run, step, result):\n        run.t.model\n        run._secret\n"
+    assert _run_reads(planted) == {"C.after_step": {"t", "_secret"}} and "_secret" not in allowed
+    assert {"cfg", "t", "withhold_step", "roll_back", "val_loader"} <= allowed

@@ -22,7 +22,8 @@ from plait.core.errors import PlaitError
 from plait.core.storage import location
 from plait.engine import runlock
 from plait.engine.checkpoint import list_checkpoints, load_model_weights
-from plait.engine.runlock import LEASE_S, LOCK_ENV, LockWatch, RunLock, RunLocked, identity
+from plait.engine.core_callbacks import LockWatch
+from plait.engine.runlock import LEASE_S, LOCK_ENV, RunLock, RunLocked, identity
 from runs import debug_run
 
 STEPS = 30

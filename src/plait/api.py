@@ -22,7 +22,6 @@ from plait.core.errors import ArgumentError
 from plait.engine.callbacks import Callback
 from plait.engine.trainer import Trainer as TrainingLoop
 from plait.engine.trainer import check_arguments
-from plait.features import faults
 from plait.features.guards import Guards
 from plait.features.health import HealthCheck
 from plait.features.report import EndReport
@@ -38,13 +37,22 @@ def default_callbacks(cfg: Config) -> list[Callback]:
     watchdog (guard.*), and the end-of-run report. Each does nothing its settings do not ask for."""
     del cfg  # each reads its own section when the run starts
     return [
-        *([faults.Faults()] if faults.requested() else []),
+        *_fault_injection(),
         HealthCheck(),
         Finetune(),
         Lineage(),
         Guards(),
         EndReport(),
     ]
+
+
+def _fault_injection() -> list[Callback]:
+    """plait.features.faults' callback, only where a test asked for it with a PLAIT_FAULT_* variable."""
+    if not any(k.startswith("PLAIT_FAULT_") and v.strip() for k, v in os.environ.items()):
+        return []
+    from plait.features.faults import Faults
+
+    return [Faults()]
 
 
 class Trainer(TrainingLoop):

@@ -79,6 +79,11 @@ def cmd_doctor(argv: list[str]) -> int:
 def _doctor(cfg, sizes: tuple[int, ...], iters: int | None) -> int:
     from plait.parallel.env import init_distributed, shutdown
 
+    if any(k.startswith("PLAIT_FAULT_") and v.strip() for k, v in os.environ.items()):  # a test's injected faults
+        from plait.features.faults import install_health_faults
+
+        install_health_faults()
+
     env = init_distributed(cfg.run.device, cfg.parallel.timeout_s)
     try:
         dims = ParallelDims.from_config(cfg.parallel, env.world_size)

@@ -299,10 +299,4 @@ def _validate_before_launch(train_args: list[str], world_size: int):
         from plait.data.prepare import check_cache_dir
 
         check_cache_dir(cfg.data.cache_dir)
-    if os.environ.get("PLAIT_FAULT_KILL"):
-        from plait.features.faults import parse_fault_kills
-
-        for rank, _ in parse_fault_kills(os.environ["PLAIT_FAULT_KILL"]):
-            if rank >= world_size:
-                raise ConfigError(f"PLAIT_FAULT_KILL names rank {rank}, but the run has {world_size} ranks")
     return cfg

@@ -1,22 +1,26 @@
 """The trainer's one extension point: features of a run (guards, the hang watchdog, lineage, evaluation
 monitors, fine-tuning, health checks, fault injection, your own code) are callbacks.
 
-Every hook is optional and receives the running `plait.engine.trainer.Trainer` (its `cfg`, `env`, `meshes`, `t` (model
-parts, optimizers, schedules), `loader`, `state`, `checkpointer`, `metrics`, `compiler`, `callbacks`, `final`).
-Hooks run in the order the callbacks were given, `close` in reverse order (like context managers), each even if
-another fails. The trainer's own features are callbacks too, around yours: plait.engine.runlock.LockWatch and
-plait.engine.compile_cache.CompileWatch first; then yours; then plait.engine.step_metrics.StepMetrics (logging),
-plait.engine.validation.Validation and plait.engine.checkpoint.Checkpointing, whose after_step hooks log,
-evaluate and save a step that counts.
+Every hook is optional, returns nothing, and receives the running trainer as a `RunState`: the only part of
+the trainer a callback may read or call (the config, the process group and meshes, the model parts with their
+optimizers and schedules, the loader, the counters, the checkpointer, the metrics, ...). A callback that
+withholds a step's update calls `run.withhold_step(why)`; one that rolls the run back calls `run.roll_back()`.
+Hooks run in the order the callbacks were given, `close` in reverse order (like context managers), each even
+if another fails. The trainer's own features are callbacks too, around yours: plait.engine.core_callbacks'
+LockWatch and CompileWatch and plait.engine.moe's ExpertBalance first; then yours; then
+plait.engine.step_metrics.StepMetrics (logging), plait.engine.validation.Validation and
+plait.engine.core_callbacks.Checkpointing, whose after_step hooks log, evaluate and save a step that counts.
 
     on_setup        the process group and meshes exist; the model does not yet (health checks)
     on_model        the model parts are built and initialised; optimizers not yet (load weights, add adapters:
                     what stays trainable is what the optimizers get)
     on_start        resumed (or not), before the first step
     before_step     a step is about to run (its batch is drawn)
-    should_step     the step's global loss and gradient norm are known: False withholds the update
-    after_step      the step is applied and counted (run.state.step == step); True means the callback rolled
-                    the run back (run.state is a checkpoint's): the callbacks after it do not see this step
+    should_step     the step's global loss and gradient norm are known: run.withhold_step(why) keeps the
+                    optimizer and the LR schedule where they are (every callback still sees the step)
+    after_step      the step is applied and counted (run.state.step == step); a callback that calls
+                    run.roll_back() (run.state is then a checkpoint's) ends the hook: the callbacks after it do
+                    not see this step
     after_eval      a validation loss was measured
     after_checkpoint  after each step's save decision: saved is the report of a save completed at this step
                     (an asynchronous one reports when it is published), empty when none
@@ -27,87 +31,146 @@ evaluate and save a step that counts.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from plait.config import Config
+from plait.core.stop import StopRequest
+from plait.core.storage import Location
+from plait.data.loader import TokenLoader
+from plait.data.samples import SampleLoader
+from plait.engine.checkpoint.manager import CheckpointManager, TrainState
+from plait.engine.compile_cache import CompileMonitor
+from plait.engine.metrics import MetricsLogger
+from plait.engine.runlock import RunLock
+from plait.engine.trainable import Trainable
+from plait.parallel.dims import Meshes
+from plait.parallel.env import DistEnv
+
+
+class RunState(Protocol):
+    """What a callback sees of the running trainer (plait.engine.trainer.Trainer is one). Set as the run goes:
+    `meshes` at on_setup, `t` at on_model, `loader`, `checkpointer`, `resumed_from` and `metrics` at on_start."""
+
+    cfg: Config
+    env: DistEnv
+    meshes: Meshes | None
+    t: Trainable | None  # the model parts, their optimizers and LR schedules, the loss
+    loader: TokenLoader | SampleLoader | None
+    state: TrainState  # the step and token counters
+    checkpointer: CheckpointManager | None
+    metrics: MetricsLogger | None
+    compiler: CompileMonitor | None
+    stop: StopRequest | None
+    lock: RunLock | None  # the run directory's lock (main rank)
+    callbacks: Callbacks
+    data_dir: Path | None  # the prepared corpus (None: data given to the Trainer)
+    val_split: Any  # the validation samples (None: none)
+    resumed_from: Location | None
+    model_fn: Callable[[], nn.Module] | None  # your model's builder (None: plait's)
+    final: dict[str, float]
+
+    def val_loader(self) -> TokenLoader | SampleLoader:
+        """A fresh loader over the validation split (the same batches each time)."""
+        ...
+
+    def withhold_step(self, why: str) -> None:
+        """In should_step: this step's update is not applied (the gradients are dropped)."""
+        ...
+
+    def roll_back(self) -> Location | None:
+        """In after_step: load the newest checkpoint into the model, optimizers, loader and counters (the
+        same one on every rank); the callbacks after this one do not see the step. None: there is none yet,
+        nothing changed."""
+        ...
+
+    def rolled_back(self) -> bool:
+        """Whether this step was rolled back (by a callback's run.roll_back())."""
+        ...
 
 
 class Callback:
-    def on_setup(self, run) -> None:
+    def on_setup(self, run: RunState) -> None:
         pass
 
-    def on_model(self, run, parts: list) -> None:
+    def on_model(self, run: RunState, parts: list[nn.Module]) -> None:
         pass
 
-    def on_start(self, run) -> None:
+    def on_start(self, run: RunState) -> None:
         pass
 
-    def before_step(self, run, step: int) -> None:
+    def before_step(self, run: RunState, step: int) -> None:
         pass
 
-    def should_step(self, run, loss, grad_norm) -> bool:
-        return True
-
-    def after_step(self, run, step: int, result) -> bool:
-        return False
-
-    def after_eval(self, run, step: int, val_loss: float) -> None:
+    def should_step(self, run: RunState, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         pass
 
-    def after_checkpoint(self, run, step: int, saved: dict[str, Any]) -> None:
+    def after_step(self, run: RunState, step: int, result: Any) -> None:
         pass
 
-    def on_end(self, run, final: dict[str, Any]) -> None:
+    def after_eval(self, run: RunState, step: int, val_loss: float) -> None:
         pass
 
-    def close(self, run) -> None:
+    def after_checkpoint(self, run: RunState, step: int, saved: dict[str, Any]) -> None:
+        pass
+
+    def on_end(self, run: RunState, final: dict[str, Any]) -> None:
+        pass
+
+    def close(self, run: RunState) -> None:
         pass
 
 
 class Callbacks(Callback):
-    """Several callbacks as one: each hook in turn (close in reverse order, every one even if one fails)."""
+    """Several callbacks as one: each hook in turn (close in reverse order, every one even if one fails). A hook
+    returns nothing: one that returns a value (plait's older protocol: False to withhold a step, True after a
+    rollback) is refused, naming what to call instead."""
 
-    def __init__(self, callbacks=()):
+    def __init__(self, callbacks: Iterable[Callback] = ()):
         self.items: list[Callback] = list(callbacks)
         for c in self.items:
             if not isinstance(c, Callback):
                 raise TypeError(f"{c!r} is not a plait.Callback: subclass plait.Callback and override its hooks")
 
-    def on_setup(self, run) -> None:
+    def _each(self, hook: str, *args) -> None:
         for c in self.items:
-            c.on_setup(run)
+            _returned(c, hook, getattr(c, hook)(*args))
 
-    def on_model(self, run, parts: list) -> None:
+    def on_setup(self, run: RunState) -> None:
+        self._each("on_setup", run)
+
+    def on_model(self, run: RunState, parts: list[nn.Module]) -> None:
+        self._each("on_model", run, parts)
+
+    def on_start(self, run: RunState) -> None:
+        self._each("on_start", run)
+
+    def before_step(self, run: RunState, step: int) -> None:
+        self._each("before_step", run, step)
+
+    def should_step(self, run: RunState, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        self._each("should_step", run, loss, grad_norm)  # every one sees the step, withheld or not
+
+    def after_step(self, run: RunState, step: int, result: Any) -> None:
         for c in self.items:
-            c.on_model(run, parts)
+            _returned(c, "after_step", c.after_step(run, step, result))
+            if run.rolled_back():  # the step no longer counts: the callbacks after it never see it
+                return
 
-    def on_start(self, run) -> None:
-        for c in self.items:
-            c.on_start(run)
+    def after_eval(self, run: RunState, step: int, val_loss: float) -> None:
+        self._each("after_eval", run, step, val_loss)
 
-    def before_step(self, run, step: int) -> None:
-        for c in self.items:
-            c.before_step(run, step)
+    def after_checkpoint(self, run: RunState, step: int, saved: dict[str, Any]) -> None:
+        self._each("after_checkpoint", run, step, saved)
 
-    def should_step(self, run, loss, grad_norm) -> bool:
-        verdicts = [c.should_step(run, loss, grad_norm) for c in self.items]  # every one sees the step
-        return all(verdicts)
+    def on_end(self, run: RunState, final: dict[str, Any]) -> None:
+        self._each("on_end", run, final)
 
-    def after_step(self, run, step: int, result) -> bool:
-        # any() stops at the first True: a rolled-back step does not count, and the callbacks after it never see it
-        return any(c.after_step(run, step, result) for c in self.items)
-
-    def after_eval(self, run, step: int, val_loss: float) -> None:
-        for c in self.items:
-            c.after_eval(run, step, val_loss)
-
-    def after_checkpoint(self, run, step: int, saved: dict[str, Any]) -> None:
-        for c in self.items:
-            c.after_checkpoint(run, step, saved)
-
-    def on_end(self, run, final: dict[str, Any]) -> None:
-        for c in self.items:
-            c.on_end(run, final)
-
-    def close(self, run) -> None:
+    def close(self, run: RunState) -> None:
         errors = []
         for c in reversed(self.items):
             try:
@@ -116,3 +179,15 @@ class Callbacks(Callback):
                 errors.append(e)
         if errors:
             raise errors[0]
+
+
+_INSTEAD = {
+    "should_step": "call run.withhold_step(why) to withhold the update",
+    "after_step": "call run.roll_back() to roll the run back",
+}
+
+
+def _returned(callback: Callback, hook: str, value: Any) -> None:
+    if value is not None:
+        instead = _INSTEAD.get(hook, "return nothing")
+        raise TypeError(f"{type(callback).__name__}.{hook} returned {value!r}: plait's hooks return nothing; {instead}")

@@ -30,10 +30,7 @@ from plait.config import Config
 from plait.core import torch_private
 from plait.core.errors import PlaitError
 from plait.core.trusted_dir import TrustedDir, private_dir
-from plait.engine.callbacks import Callback
-from plait.engine.metrics import info
-from plait.model.llama import TransformerBlock
-from plait.parallel.compile import check_float8_support, float8_plan
+from plait.parallel.compile import check_float8_support
 
 MEGA_CACHE_FILE = "mega_cache.bin"
 
@@ -301,25 +298,3 @@ class CompileMonitor:
             "compile_loaded_artifacts": self.loaded_artifacts,
             **{f"compile_{k}": v for k, v in self.cache_hits().items()},
         }
-
-
-class CompileWatch(Callback):
-    """The compile monitor attached to the trainer (run.compiler): caches set up before the model is built,
-    each step checked for recompilation, the first evaluation's compilations expected."""
-
-    def on_setup(self, run) -> None:
-        run.compiler = CompileMonitor.start(run.cfg, run.env.device, run.env.is_main)
-        if run.env.is_main and run.cfg.compile.float8 == "auto":
-            block = None
-            if run.model_fn is None:  # plait's model: one of its blocks on meta
-                with torch.device("meta"):
-                    block = TransformerBlock(run.cfg.model, 0)
-            on, why = float8_plan(run.cfg, run.env.device, block)
-            info(f"float8 (compile.float8=auto): {'on' if on else 'off'}: {why}")
-
-    def after_step(self, run, step: int, result) -> bool:
-        run.compiler.check(step)  # static shapes: any compilation after the first step is a recompilation
-        return False
-
-    def after_eval(self, run, step: int, val_loss: float) -> None:
-        run.compiler.phase_done("evaluation")

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from plait.engine.callbacks import Callback
+from plait.engine.callbacks import Callback, RunState
 from plait.model.llama import MoE
 
 
@@ -52,10 +52,10 @@ class ExpertBalance(Callback):
     the mean load, - rate above). The counts then start again. Routing is dropless: no token is dropped, so
     there is no dropped-token count to log."""
 
-    def after_step(self, run, step: int, result) -> bool:
+    def after_step(self, run: RunState, step: int, result) -> None:
         cfg = run.cfg
         if not cfg.model.moe_experts or run.model_fn is not None:
-            return False
+            return
         named, meshes = named_moe_layers(run.t.parts), run.t.meshes  # a pipeline stage may have none: it still joins
         layers = [m for _, m in named]
         experts = cfg.model.moe_experts
@@ -88,7 +88,6 @@ class ExpertBalance(Callback):
             if cfg.model.moe_aux_loss:
                 metrics["aux_loss"] = summary[1].item()
             run.metrics.log(step, metrics, prefix="moe")
-        return False
 
     @staticmethod
     def _write_loads(run, step: int, loads: dict[str, list[float]]) -> None:

@@ -41,7 +41,6 @@ from typing import Any
 
 from plait.core.errors import ConfigError, PlaitError
 from plait.core.storage import Location, RemotePath
-from plait.engine.callbacks import Callback
 
 HEARTBEAT_S = 10.0
 """How often the holder rewrites its heartbeat."""
@@ -549,15 +548,3 @@ def _warn(message: str) -> None:
     from plait.engine.metrics import warn
 
     warn(message)
-
-
-class LockWatch(Callback):
-    """Stops the run (an error on the main rank, before its next step) if another run took its lock over:
-    this process was held up past its lease, and two runs must not write one directory."""
-
-    def before_step(self, run, step: int) -> None:
-        if run.lock is not None and run.lock.lost:
-            raise PlaitError(
-                f"{run.lock.lost} while this run was held up; it stops before step {step} so that two runs do not "
-                f"write one directory (its checkpoints so far are kept)"
-            )

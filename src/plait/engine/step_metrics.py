@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from plait.core.hardware import device_info, memory_stats
-from plait.engine.callbacks import Callback
+from plait.engine.callbacks import Callback, RunState
 from plait.engine.metrics import info, warn
 from plait.engine.optim import schedule_problem
 from plait.engine.plot import write_run_plot
@@ -44,7 +44,7 @@ class StepMetrics(Callback):
         if step != self.next_step:  # rolled back since the last step: the clock starts again here
             self._mark(step - 1)
 
-    def after_step(self, run, step: int, result) -> bool:
+    def after_step(self, run: RunState, step: int, result) -> None:
         if run.metrics.should_log(step, run.cfg.train.steps):
             elapsed, steps = time.perf_counter() - self.last_time, step - self.last_step
             tokens_per_s = steps * self.tokens_per_step / elapsed
@@ -62,7 +62,6 @@ class StepMetrics(Callback):
             self._mark(step)
         self.next_step = step + 1
         run.metrics.advance(step)
-        return False
 
     def after_eval(self, run, step: int, val_loss: float) -> None:
         run.metrics.log(step, {"loss": val_loss}, prefix="val")

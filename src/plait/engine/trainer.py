@@ -19,17 +19,19 @@ from torch import nn
 from plait.config import Config, to_dict, to_toml, validate
 from plait.core.errors import ArgumentError, ConfigError, PlaitError
 from plait.core.stop import StopRequest
+from plait.core.storage import Location
 from plait.data import TokenDataset, TokenLoader, ensure_prepared
 from plait.data.samples import SampleLoader
 from plait.engine.callbacks import Callback, Callbacks
-from plait.engine.checkpoint import Checkpointing, CheckpointManager, TrainState, checkpoint_dir
-from plait.engine.compile_cache import CompileMonitor, CompileWatch
+from plait.engine.checkpoint import CheckpointManager, TrainState, checkpoint_dir, list_checkpoints
+from plait.engine.compile_cache import CompileMonitor
+from plait.engine.core_callbacks import Checkpointing, CompileWatch, LockWatch
 from plait.engine.loss import IGNORE_INDEX, TokenLoss, cross_entropy
 from plait.engine.metrics import MetricsLogger, info
 from plait.engine.moe import ExpertBalance, set_aux_scale
 from plait.engine.plot import write_run_plot
 from plait.engine.rundir import final_checkpoint_lost, inspect_run_dir, raise_stopped, resume
-from plait.engine.runlock import LockWatch, RunLock, RunLocked
+from plait.engine.runlock import RunLock, RunLocked
 from plait.engine.step_metrics import StepMetrics
 from plait.engine.trainable import Trainable, autocast_context, build_model, build_trainable
 from plait.engine.validation import Validation
@@ -216,6 +218,8 @@ class Trainer:
         self.state = TrainState()
         self.final: dict[str, float] = {}
         self.lock: RunLock | None = None  # the run directory's lock, on the main rank while fit() runs
+        self._withheld = ""  # why this step's update is withheld (a callback's withhold_step), "" if it is not
+        self._rolled_back = False  # this step was rolled back (a callback's roll_back)
 
     @contextlib.contextmanager
     def _run_lock(self):
@@ -336,9 +340,38 @@ class Trainer:
             step = state.step + 1
             inputs, targets = next(self.loader)
             cb.before_step(self, step)
-            result = train_step(self.t, inputs, targets, lambda loss, norm: cb.should_step(self, loss, norm))
+            result = train_step(self.t, inputs, targets, self._should_step)
             state.step, state.tokens = step, state.tokens + tokens_per_step
-            cb.after_step(self, step, result)  # True: rolled back, state is a checkpoint's
+            self._rolled_back = False
+            cb.after_step(self, step, result)  # a callback may roll back: state is then a checkpoint's
+
+    def _should_step(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
+        self._withheld = ""
+        self.callbacks.should_step(self, loss, grad_norm)
+        return not self._withheld
+
+    def withhold_step(self, why: str) -> None:
+        """A callback's should_step: this step's update is not applied (RunState)."""
+        self._withheld = self._withheld or why or "withheld"
+
+    def roll_back(self) -> Location | None:
+        """A callback's after_step: the newest checkpoint loaded into the run, chosen by the main rank for
+        all (an asynchronous save may be publishing a newer one meanwhile); None where there is none yet
+        (RunState)."""
+        checkpointer = self.checkpointer
+        found = list_checkpoints(checkpointer.dir) if self.env.is_main else []
+        choice = [found[-1].name if found else None]
+        if self.env.world_size > 1:
+            dist.broadcast_object_list(choice, src=0)
+        if choice[0] is None:
+            return None
+        path = checkpointer.dir / choice[0]
+        checkpointer.load(path, self.t, loader=self.loader, state=self.state)
+        self._rolled_back = True
+        return path
+
+    def rolled_back(self) -> bool:
+        return self._rolled_back
 
     def val_loader(self):
         """A fresh loader over the validation split (the same batches each time)."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from plait.engine.callbacks import Callback
+from plait.engine.callbacks import Callback, RunState
 from plait.engine.loss import IGNORE_INDEX, MeanLoss, cross_entropy
 from plait.parallel.context import context_shard
 from plait.parallel.norm import local
@@ -49,12 +49,11 @@ def evaluate(t, loader, batches: int) -> float:
 class Validation(Callback):
     """Measures the validation loss when due (run.final["val_loss"]) and calls every callback's after_eval."""
 
-    def after_step(self, run, step: int, result) -> bool:
+    def after_step(self, run: RunState, step: int, result) -> None:
         every, steps = run.cfg.eval.every_steps, run.cfg.train.steps
         if not every or run.val_split is None or not (step % every == 0 or step == steps):
-            return False
+            return
         val = run.val_loader()
         batches = min(run.cfg.eval.num_batches, max(1, val.steps_per_epoch))
         run.final["val_loss"] = evaluate(run.t, val, batches)
         run.callbacks.after_eval(run, step, run.final["val_loss"])
-        return False

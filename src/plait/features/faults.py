@@ -9,6 +9,11 @@
   delays that rank by SECONDS every step (and in the health check's arithmetic). NAN and HANG act in an
   elastic group's first attempt only, as KILL does.
 - PLAIT_FAULT_BAD_RANK=R makes rank R's arithmetic wrong in the health check (plait.features.health).
+- PLAIT_FAULT_SAVE_CRASH=STEP ends the main rank (as a lost machine would) after STEP's shards and DCP metadata
+  are written and before the checkpoint is published.
+
+Production code knows none of this: the faults go in through the hooks the components offer
+(CheckpointManager.before_publish, plait.features.health.COMPUTE_FAULTS, the model's forward hooks).
 """
 
 from __future__ import annotations
@@ -22,8 +27,6 @@ import torch
 from plait.core.errors import ConfigError
 from plait.engine.callbacks import Callback
 from plait.parallel.env import restart_count
-
-VARIABLES = ("PLAIT_FAULT_KILL", "PLAIT_FAULT_NAN", "PLAIT_FAULT_HANG", "PLAIT_FAULT_SLOW_RANK")
 
 
 def injected(name: str) -> tuple[int, float | None] | None:
@@ -48,10 +51,6 @@ def parse_fault_kills(spec: str) -> list[tuple[int, int]]:
     return kills  # type: ignore[return-value]
 
 
-def requested() -> bool:
-    return any(os.environ.get(name, "").strip() for name in VARIABLES)
-
-
 class Faults(Callback):
     """The injected faults of this rank; inert when no variable is set. Give it before plait.features.guards' callback,
     so an injected delay counts as this rank's own time between steps, as a slow machine's would."""
@@ -65,9 +64,10 @@ class Faults(Callback):
 
     def on_setup(self, run) -> None:
         if not hasattr(self, "rank"):
-            self._configure(run.env.rank)
+            self._configure(run.env.rank, run.env.world_size)
+        install_health_faults()  # the health check runs next (plait.api.default_callbacks' order)
 
-    def _configure(self, rank: int) -> None:
+    def _configure(self, rank: int, world_size: int | None = None) -> None:
         self.rank = rank
         first_attempt = restart_count() == 0
         nan, hang, slow = injected("PLAIT_FAULT_NAN"), injected("PLAIT_FAULT_HANG"), injected("PLAIT_FAULT_SLOW_RANK")
@@ -76,6 +76,8 @@ class Faults(Callback):
         self.slow_s = (slow[1] or 1.0) if slow and slow[0] == rank else 0.0
         spec = os.environ.get("PLAIT_FAULT_KILL")
         kills = parse_fault_kills(spec) if spec else []
+        if world_size is not None and (beyond := [r for r, _ in kills if r >= world_size]):
+            raise ConfigError(f"PLAIT_FAULT_KILL names rank {beyond[0]}, but the run has {world_size} ranks")
         attempt = restart_count()
         self.kill_step = kills[attempt][1] if attempt < len(kills) and kills[attempt][0] == rank else 0
 
@@ -86,6 +88,9 @@ class Faults(Callback):
 
     def on_start(self, run) -> None:
         self.install(run.t.parts)
+        crash = os.environ.get("PLAIT_FAULT_SAVE_CRASH", "").strip()
+        if crash:
+            run.checkpointer.before_publish.append(lambda step: _crash_before_publish(step, crash))
 
     def before_step(self, run, step: int) -> None:
         if step == self.kill_step:
@@ -96,12 +101,11 @@ class Faults(Callback):
         self.nan_armed = self.nan_left > 0 and step >= self.nan_step
         self.hang_armed = step == self.hang_step
 
-    def should_step(self, run, loss, grad_norm) -> bool:
+    def should_step(self, run, loss, grad_norm) -> None:
         """After forward/backward: evaluation forwards are not touched."""
         if self.nan_armed:
             self.nan_left -= 1
         self.nan_armed = self.hang_armed = False
-        return True
 
     def close(self, run) -> None:
         for h in self._hooks:
@@ -115,6 +119,31 @@ class Faults(Callback):
         if self.nan_armed and isinstance(output, torch.Tensor):
             return output * float("nan")
         return output
+
+
+def _crash_before_publish(step: int, at: str) -> None:
+    if str(step) == at:
+        print(f"plait: fault injection: crashing before publishing step {step}", file=sys.stderr, flush=True)
+        os._exit(137)
+
+
+def install_health_faults() -> None:
+    """PLAIT_FAULT_BAD_RANK and PLAIT_FAULT_SLOW_RANK in the health check's matmul (`plait doctor` and the check
+    before a run), once per process."""
+    from plait.features import health
+
+    bad, slow = injected("PLAIT_FAULT_BAD_RANK"), injected("PLAIT_FAULT_SLOW_RANK")
+    if (bad is None and slow is None) or _health_fault in health.COMPUTE_FAULTS:
+        return
+    health.COMPUTE_FAULTS.append(_health_fault)
+
+
+def _health_fault(moment: str, rank: int, c: torch.Tensor) -> None:
+    bad, slow = injected("PLAIT_FAULT_BAD_RANK"), injected("PLAIT_FAULT_SLOW_RANK")
+    if moment == "timed" and slow is not None and slow[0] == rank:
+        time.sleep(slow[1] or 1.0)
+    if moment == "result" and bad is not None and bad[0] == rank:
+        c[c.shape[0] // 2, c.shape[1] // 3] += c.abs().max()  # one wrong element, as a faulty unit would produce
 
 
 def _injected_hang() -> None:

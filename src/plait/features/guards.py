@@ -33,15 +33,16 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from plait.core import torch_private
 from plait.core.errors import PlaitError
-from plait.engine.callbacks import Callback
-from plait.engine.checkpoint import TrainState, list_checkpoints, step_of
+from plait.core.storage import Location
+from plait.engine.callbacks import Callback, RunState
+from plait.engine.checkpoint import TrainState
 from plait.features.health import all_gather_single
 from plait.parallel.env import heartbeat_store
 
@@ -120,8 +121,9 @@ _PHASES = [
     ("plait/engine/trainer.py", {"_accumulate"}, "forward/backward"),
     ("plait/parallel/pipeline.py", {"pipeline_forward_backward"}, "forward/backward"),
     ("plait/engine/validation.py", {"evaluate"}, "eval"),
-    ("plait/engine/checkpoint.py", {"save", "load"}, "checkpoint"),
+    ("plait/engine/checkpoint/", {"save", "load", "load_state"}, "checkpoint"),
     ("plait/data/loader.py", {"__next__"}, "data"),
+    ("plait/data/samples.py", {"__next__"}, "data"),  # your own dataset (Trainer(data=...))
     ("plait/features/health.py", None, "health check"),
     # should_step reads the loss: on a GPU the host waits there for the step's kernels and collectives
     (
@@ -409,9 +411,14 @@ class Guard:
             )
         return False
 
-    def after_step(self, step: int, state: TrainState) -> bool:
-        """Account for the step just run; True when the run was rolled back (state now holds the
-        checkpoint's step, and the loop goes on from there)."""
+    @property
+    def verdict(self) -> str | None:
+        """Why this step's update is withheld ("non-finite", "spike"), or None."""
+        return self._verdict
+
+    def after_step(self, step: int, state: TrainState, roll_back: Callable[[], Location | None] | None = None) -> bool:
+        """Account for the step just run; True when the run was rolled back with roll_back (the trainer's
+        run.roll_back: state then holds the checkpoint's step, and the loop goes on from there)."""
         now = time.perf_counter()
         self._sync_s += now - self._mark
         self._num_timed += 1
@@ -428,7 +435,7 @@ class Guard:
                 message = f"loss {loss_v:.4f} is a spike, {self._spike:.1f} std above the last {window} steps' mean"
                 self._warn(step, message, {"loss_spike": 1, "spike_std": self._spike})
         elif self._verdict == "non-finite" and self.g.nonfinite_policy == "rollback":
-            rolled_back = self._rollback(step, state)
+            rolled_back = self._rollback(step, state, roll_back)
         else:
             self._skip(step)
         if not rolled_back:
@@ -452,17 +459,11 @@ class Guard:
             },
         )
 
-    def _rollback(self, step: int, state: TrainState) -> bool:
-        # The main rank chooses for all: an asynchronous save may be publishing a newer one meanwhile.
-        ckpts = list_checkpoints(self.checkpointer.dir) if self.checkpointer is not None and self.is_main else []
-        choice = [step_of(ckpts[-1]) if ckpts else None]
-        if self.world_size > 1:
-            dist.broadcast_object_list(choice, src=0)
-        if choice[0] is None:
+    def _rollback(self, step: int, state: TrainState, roll_back) -> bool:
+        path = roll_back() if roll_back is not None else None
+        if path is None:
             self._skip(step, " (no checkpoint to roll back to yet)")
             return False
-        path = self.checkpointer.dir / f"step_{choice[0]:08d}"
-        self.checkpointer.load(path, self.t, loader=self.loader, state=state)
         self.spikes.truncate(state.step)
         self.num_rollbacks += 1
         loss_v, norm_v = self._values
@@ -551,11 +552,12 @@ class Guards(Callback):
     def before_step(self, run, step: int) -> None:
         self.guard.before_step(step)
 
-    def should_step(self, run, loss, grad_norm) -> bool:
-        return self.guard.should_step(loss, grad_norm)
+    def should_step(self, run: RunState, loss, grad_norm) -> None:
+        if not self.guard.should_step(loss, grad_norm):
+            run.withhold_step(f"guard: {self.guard.verdict}")
 
-    def after_step(self, run, step: int, result) -> bool:
-        return self.guard.after_step(step, run.state)
+    def after_step(self, run: RunState, step: int, result) -> None:
+        self.guard.after_step(step, run.state, roll_back=run.roll_back)
 
     def close(self, run) -> None:
         if self.guard is not None:

@@ -5,8 +5,7 @@ the right values, at what bus bandwidth?
 per mesh axis; `plait train` runs the quick part before the first step (run.health_check_enabled): the
 arithmetic check and each collective once at a small size, and refuses to start when a rank is wrong.
 
-Fault injection, for tests: PLAIT_FAULT_BAD_RANK=R makes rank R's arithmetic wrong; PLAIT_FAULT_SLOW_RANK=R:S
-makes rank R S seconds slower in it (and, while training, in every step: see plait.features.guards).
+Tests make a rank's arithmetic wrong or slow through COMPUTE_FAULTS (plait.features.faults fills it).
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ import os
 import socket
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -26,11 +26,14 @@ import torch.distributed as dist
 from plait.core.errors import PlaitError
 from plait.core.hardware import device_info
 from plait.engine.callbacks import Callback
-from plait.features.faults import injected
 from plait.parallel.dims import AXES, Meshes
 
 MiB = 1 << 20
 DEFAULT_SIZES = (1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB)
+
+COMPUTE_FAULTS: list[Callable[[str, int, torch.Tensor], None]] = []
+"""Test hooks on the matmul check, called with (moment, rank, result): "timed" after each timed matmul, "result"
+before the result is compared. plait.features.faults installs them when asked to; nothing else does."""
 PREFLIGHT_BYTES = 64 * 1024  # one small size: correctness, not speed, before training
 # fp32 matmul vs an fp64 reference, error relative to max |C|: 512 products of N(0, 1) values per element
 # were seen 4e-7 off on this CPU (MKL); the error grows ~sqrt(K), so K=2048 on a GPU expects ~1e-6.
@@ -154,7 +157,6 @@ def check_compute(
     turns=(local_rank, local_world_size): processes that share the CPU time their matmul one at a time
     (a barrier over the world between turns), or the timings would measure each other."""
     size = size or (2048 if device.type == "cuda" else 512)
-    bad, slow = injected("PLAIT_FAULT_BAD_RANK"), injected("PLAIT_FAULT_SLOW_RANK")
     gen = torch.Generator().manual_seed(20240901)
     a = torch.randn(size, size, generator=gen).to(device)
     b = torch.randn(size, size, generator=gen).to(device)
@@ -168,16 +170,16 @@ def check_compute(
                     _sync(device)
                     start = time.perf_counter()
                     c = a @ b
-                    if slow is not None and slow[0] == rank:
-                        time.sleep(slow[1] or 1.0)
+                    for fault in COMPUTE_FAULTS:
+                        fault("timed", rank, c)
                     _sync(device)
                     times.append(time.perf_counter() - start)
                 if device.type == "cpu" and sched:
                     contention = run_queue_contention(sched, _schedstat(), time.perf_counter() - begin)
             if turns is not None:
                 dist.barrier()
-        if bad is not None and bad[0] == rank:
-            c[size // 2, size // 3] += c.abs().max()  # one wrong element, as a faulty unit would produce
+        for fault in COMPUTE_FAULTS:
+            fault("result", rank, c)
         ref = a.double() @ b.double()
         colsum = a.double().sum(0) @ b.double()
         errs = torch.stack(

@@ -164,7 +164,7 @@ class RunLineage:
         """Hash the weights of each save as it begins (every rank its own shards, one small all-reduce: no
         read-back, nothing gathered); the hash also goes into the checkpoint's plait.json."""
         if self.hashable and self.cfg.lineage.enabled and (self.lora or self.cfg.lineage.hash_checkpoints):
-            checkpointer.describe = self._describe
+            checkpointer.describers.append(self._describe)
 
     def _describe(self, step: int, t) -> dict[str, Any]:
         digest = model_weights_hash(t.model, include_lora=True)

@@ -1,40 +1,15 @@
-"""Checkpoints with torch.distributed.checkpoint (DCP): sharded, layout-independent, asynchronous, atomic.
-
-A checkpoint is a directory ``<checkpoints>/step_<N>/`` (local, or ``s3://bucket/prefix/step_<N>/``) holding
-- DCP files with every tensor: the model (fully qualified names) and the optimizer state per parameter
-  name, so it loads under another layout or world size, and each rank's CPU/CUDA RNG state;
-- ``plait.json`` with everything that is not a tensor (step, token count, data-loader position, LR schedule,
-  optimizer hyper-parameters, the resolved config, a hash of DCP's metadata file) — plain JSON;
-- ``tokenizer.json``, so ``plait generate`` needs nothing but the checkpoint.
-
-Life of a save (``CheckpointManager.maybe_save``): the loop is blocked while the state is copied to CPU
-memory ("staged", ``dcp.async_save``); every rank then writes its shards from a background thread, and
-DCP's coordinator writes ``.metadata`` once all ranks' writes have succeeded. Only then does the main rank
-publish: it writes ``plait.json`` last and, on a local disk, renames ``step_<N>.tmp`` to ``step_<N>``.
-``list_checkpoints`` accepts only directories with ``plait.json``, so a crash at any moment leaves nothing it
-would load. A save that fails (an unreachable bucket, a full disk) is retried, then reported, and training
-goes on; the next save tries again. A finished save is published at the next ``maybe_save``, and
-``close()`` waits for the last one.
-
-Loading never unpickles (see ``plait.core.storage``). A checkpoint whose files are missing or truncated, whose
-metadata is damaged, or whose tensors do not fit the model (missing, unexpected, other shapes, not tensors)
-raises PlaitError listing what does not match, on every rank, before any tensor is changed. Corrupt bytes
-inside a record are caught by its CRC32 while it is read: PlaitError again, but tensors read before it may
-already hold checkpoint values, so a failed load must end the run (as it does: nothing catches it).
-"""
+"""Saving: the cadence of a run's checkpoints (every N steps, every M minutes, at the end, on a stop; deferred
+while the previous one is slow or failing), asynchronous saves that publish atomically, free space checked
+before a byte is written, retention, and restoring a run (plait.engine.checkpoint.load)."""
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import hashlib
 import json
 import math
-import os
-import re
 import shutil
 import sys
-import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -46,41 +21,27 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.metadata import Metadata
 
-from plait.config import CheckpointConfig, Config
+from plait.config import CheckpointConfig
 from plait.core import storage, torch_private
-from plait.core.errors import ConfigError, PlaitError
-from plait.core.storage import DCP_METADATA, Location, RemotePath
-from plait.engine.callbacks import Callback
-
-_STEP_DIR = re.compile(r"^step_(\d+)$")
-_ANY_STEP_DIR = re.compile(r"^step_(\d+)(\.tmp)?$")
-META = storage.META_FILE
-FORMAT = "plait-checkpoint-v1"
+from plait.core.storage import DCP_METADATA, Location
+from plait.engine.checkpoint.find import ANY_STEP_DIR, FORMAT, META, checkpoint_problems, classify, step_of
+from plait.engine.checkpoint.load import NO_DIST_WARNING, load_state, rng_state, state_dicts
+from plait.engine.checkpoint.verify import flatten
+from plait.engine.checkpoint.wording import mb, one_line, short, warn
 
 # A run that fails with a save in flight waits this long for it before giving up on it (see close()).
 ABANDON_AFTER_S = 30.0
+
 # A due save waits for the one in flight while that one is on time: no failed write, and not yet longer than
 # twice the last good save or this (whichever is longer); then it is deferred. The loop's longest wait for
 # storage is this, or twice a good save's time (bench/s3_outage.py).
 ON_TIME_MIN_S = 0.5
+
 # The final save and a stop's save (and the save in flight before them) are waited for at most this long:
 # a preempted worker has 110 s (plait.cli.launch.STOP_GRACE_S) for its last step and checkpoint.
 FINAL_WAIT_S = 90.0
-
-# DCP warns on every save/load without a process group that it "assumes" one process: that is intended.
-_NO_DIST_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
-warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
 
 
 @dataclass
@@ -89,177 +50,6 @@ class TrainState:
 
     step: int = 0
     tokens: int = 0
-
-
-# ------------------------------------------------------------------------------------------------ finding
-
-
-def checkpoint_dir(cfg: Config) -> Location:
-    """Where this run's checkpoints go: checkpoint.dir (a directory or s3://bucket/prefix), by default
-    <run.out_dir>/<run.name>/checkpoints."""
-    if cfg.run.out_dir.startswith("s3://"):
-        raise ConfigError(
-            f"run.out_dir={cfg.run.out_dir!r}: metrics and TensorBoard files need a local directory; put only "
-            f"the checkpoints on S3 with checkpoint.dir=s3://bucket/prefix"
-        )
-    if not cfg.checkpoint.dir:
-        return cfg.run_dir / "checkpoints"
-    return storage.location(cfg.checkpoint.dir, cfg.checkpoint.s3_endpoint)
-
-
-def list_checkpoints(ckpt_dir: Location | str) -> list[Location]:
-    """Published checkpoints (with plait.json and DCP metadata), oldest first."""
-    return scan_checkpoints(ckpt_dir)[0]
-
-
-def scan_checkpoints(ckpt_dir: Location | str) -> tuple[list[Location], list[tuple[Location, str]]]:
-    """(complete checkpoints, damaged ones with what is wrong), each oldest first.
-
-    Complete: a step directory with plait.json and DCP's .metadata. Damaged: a published step directory
-    (plait.json, or locally any ``step_<N>`` without ``.tmp``, which only a publish creates) that lacks one
-    of them. Damaged checkpoints are never loaded, counted for retention, or deleted by plait. A remote
-    step directory without plait.json is a save that never finished, not a damaged checkpoint."""
-    root = ckpt_dir if isinstance(ckpt_dir, Path | RemotePath) else storage.location(ckpt_dir)
-    return _classify(root, _tree(root))
-
-
-def _tree(root: Location) -> dict[str, set[str]]:
-    try:
-        return storage.list_tree(root)
-    except PlaitError:
-        raise
-    except Exception as e:
-        fix = (
-            "; check that the server is up, checkpoint.s3_endpoint (or AWS_ENDPOINT_URL) and the AWS credentials"
-            if isinstance(root, RemotePath)
-            else ""
-        )
-        raise PlaitError(f"cannot list checkpoints in {root}: {_one_line(e)}{fix}") from None
-
-
-def _classify(root: Location, tree: dict[str, set[str]]) -> tuple[list[Location], list[tuple[Location, str]]]:
-    complete, damaged = [], []
-    for name, files in tree.items():
-        if not (m := _STEP_DIR.match(name)):
-            continue
-        if META in files and DCP_METADATA in files:
-            complete.append((int(m.group(1)), name, ""))
-        elif META in files or not storage.is_remote(root):
-            lost = [f for f in (META, DCP_METADATA) if f not in files]
-            damaged.append((int(m.group(1)), name, f"{' and '.join(lost)} missing"))
-    return [root / n for _, n, _ in sorted(complete)], [(root / n, why) for _, n, why in sorted(damaged)]
-
-
-def checkpoint_problems(path: Location) -> str:
-    """Why a checkpoint with both files present still cannot be loaded ("" if it looks loadable): plait.json
-    unreadable or without a step and config, .metadata not the one plait.json names, shard files missing or
-    short. Reads plait.json and .metadata only, not the tensors (their CRC32s are checked while loading)."""
-    try:
-        meta = read_meta(path)
-        state = meta.get("train_state", {})
-        step = state.get("step", 0) if isinstance(state, dict) else None
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            return f"{META} has no valid step ({step!r})"
-        if not meta.get("weights_only") and not isinstance(meta.get("config"), dict):
-            return f"{META} has no config"
-    except PlaitError as e:
-        return str(e)
-    problems, md = _check(path, meta, {})
-    objects = sorted(
-        k for k, v in (md.state_dict_metadata if md else {}).items() if not isinstance(v, TensorStorageMetadata)
-    )
-    if objects:  # plait writes tensors only: these were put there by something else
-        problems.append(f"not tensors (pickled objects, which plait never loads): {_some(objects)}")
-    return "; ".join(problems)
-
-
-def read_config(path: Location | str):
-    """The resolved Config a checkpoint was written with; PlaitError naming the problem if plait.json has none
-    or one plait cannot read."""
-    from plait.config import from_dict
-
-    meta = read_meta(path)
-    if not isinstance(meta.get("config"), dict):
-        raise PlaitError(f"checkpoint {path} is damaged: its {META} has no config (the model's shape is unknown)")
-    try:
-        return from_dict(meta["config"])
-    except PlaitError as e:
-        raise PlaitError(f"checkpoint {path} is damaged: the config in its {META} is not valid ({e})") from None
-
-
-def read_meta(path: Location | str) -> dict[str, Any]:
-    path = path if isinstance(path, Path | RemotePath) else storage.location(path)
-    try:
-        meta = json.loads(storage.read_bytes(path / META))
-    except PlaitError:
-        raise
-    except Exception as e:
-        raise PlaitError(f"checkpoint {path} has no readable {META}: {_one_line(e)}") from None
-    if not isinstance(meta, dict):
-        raise PlaitError(f"checkpoint {path} is damaged: its {META} is not a JSON object")
-    return meta
-
-
-def resolve_checkpoint(ref: str | os.PathLike | Location, endpoint: str = "") -> Location:
-    """A checkpoint (a local directory or an s3:// prefix holding plait.json), or the newest complete
-    checkpoint of a run directory or of a checkpoints directory. The S3 endpoint comes from ``endpoint``, else
-    $AWS_ENDPOINT_URL."""
-    loc = ref if isinstance(ref, Path | RemotePath) else storage.location(ref, endpoint)
-    try:
-        if storage.exists(loc / META):
-            return loc
-        found = storage.exists(loc)
-    except PlaitError:
-        raise
-    except Exception as e:
-        raise PlaitError(f"cannot read {loc}: {_one_line(e)}") from None
-    if not found:
-        raise PlaitError(f"{loc} does not exist: give a checkpoint directory or a run directory")
-    ckpts, broken = scan_checkpoints(loc / "checkpoints")
-    if not ckpts and not broken:
-        ckpts, broken = scan_checkpoints(loc)
-    if not ckpts and not broken:
-        raise PlaitError(f"{loc} holds no complete checkpoint (looked for step_*/{META})")
-    usable, damaged = newest_first(ckpts)
-    newest = step_of(usable[0]) if usable else -1
-    damaged = sorted([*damaged, *(d for d in broken if step_of(d[0]) > newest)], key=lambda d: step_of(d[0]))
-    problems = "; ".join(f"{p.name}: {why}" for p, why in damaged)
-    if not usable:
-        raise PlaitError(f"{loc} holds only damaged checkpoints: {problems}")
-    if damaged:
-        _warn(f"the newer checkpoints are damaged and skipped ({problems}); using {usable[0]}")
-    return usable[0]
-
-
-def newest_first(ckpts: list[Location]) -> tuple[list[Location], list[tuple[Location, str]]]:
-    """Complete checkpoints (oldest first, as `list_checkpoints` gives them) newest first from the newest that
-    is not damaged (`checkpoint_problems`), and the newer ones passed over, each with what is wrong with it."""
-    usable, damaged = list(reversed(ckpts)), []
-    while usable and (why := checkpoint_problems(usable[0])):
-        damaged.append((usable.pop(0), why))
-    return usable, damaged
-
-
-def local_file(loc: Location) -> Path | None:
-    """A local path to a small file of a checkpoint (its tokenizer): the file itself, or for S3 a copy in a
-    temporary directory that lives as long as the process. None where the file does not exist."""
-    if isinstance(loc, Path):
-        return loc if loc.is_file() else None
-    if not storage.exists(loc):
-        return None
-    directory = Path(tempfile.mkdtemp(prefix="plait-s3-"))
-    atexit.register(shutil.rmtree, directory, ignore_errors=True)
-    target = directory / loc.name
-    target.write_bytes(storage.read_bytes(loc))
-    return target
-
-
-def step_of(path: Location) -> int:
-    m = _ANY_STEP_DIR.match(path.name)
-    return int(m.group(1)) if m else -1
-
-
-# ------------------------------------------------------------------------------------------------- saving
 
 
 @dataclass
@@ -322,8 +112,11 @@ class CheckpointManager:
         self._estimate = 0  # bytes a save takes, estimated from the tensors before the first one
         self.final_lost = ""  # why the run's final checkpoint could not be written, if it could not
         # Called on every rank when a save begins, with (step, trainable): entries for that checkpoint's
-        # plait.json (the lineage's weights hash, from the weights as they are saved; it may use collectives).
-        self.describe: Callable[[int, Any], dict[str, Any]] | None = None
+        # plait.json (the lineage's weights hash, from the weights as they are saved; they may use collectives).
+        self.describers: list[Callable[[int, Any], dict[str, Any]]] = []
+        # Called on the main rank before a save is published, with its step (a test's fault injection).
+        self.before_publish: list[Callable[[int], None]] = []
+        warnings.filterwarnings("ignore", message=NO_DIST_WARNING)  # one process saves without a group: intended
         self.stopped_at = 0  # the step at which a stop request ended the run (0: not stopped)
         self._verified: dict[str, str] = {}  # checkpoint name -> its problems ("" for none), for retention
         if self.is_writer and not storage.is_remote(self.dir):
@@ -402,7 +195,7 @@ class CheckpointManager:
         self._deferred = step
         self.deferred_saves += 1
         if first and self.is_writer:
-            _warn(
+            warn(
                 f"checkpoint of step {step} deferred: the save of step {self._in_flight_step} is still being written "
                 f"to {self.dir} ({self._storage_state()}); training goes on, and the next step after that save "
                 f"ends is saved"
@@ -433,7 +226,7 @@ class CheckpointManager:
             left = max(0.0, self._deadline - time.monotonic())
             if self.is_writer:
                 after = f" before the checkpoint of step {before}" if before is not None else ""
-                _warn(f"waiting up to {left:.0f} s for {what} to {self.dir}{after} ({self._storage_state()})")
+                warn(f"waiting up to {left:.0f} s for {what} to {self.dir}{after} ({self._storage_state()})")
             try:
                 self._pending.result(timeout=left)
             except TimeoutError:
@@ -457,16 +250,6 @@ class CheckpointManager:
         dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self._control)
         return bool(box.item())
 
-    def latest(self) -> Location | None:
-        """The newest published checkpoint, the same on every rank. (Rank 0 publishes from a background
-        thread, so ranks listing the directory on their own could see different newest checkpoints.)"""
-        found = list_checkpoints(self.dir) if self.is_writer or self._control is None else []
-        if self._control is None:
-            return found[-1] if found else None
-        box = [found[-1].name if found else None]
-        dist.broadcast_object_list(box, src=0, group=self._control)
-        return self.dir / box[0] if box[0] else None
-
     def wait(self) -> dict[str, float]:
         """Wait for the save in flight (if any) to be published or to fail, at most FINAL_WAIT_S; its report."""
         if self._pending is not None and self._deadline <= time.monotonic():
@@ -484,7 +267,7 @@ class CheckpointManager:
             try:
                 self._pending.result(timeout=ABANDON_AFTER_S)
             except TimeoutError:
-                _warn(f"run failed with a checkpoint save in flight; abandoned after {ABANDON_AFTER_S} s")
+                warn(f"run failed with a checkpoint save in flight; abandoned after {ABANDON_AFTER_S} s")
                 self._pending = None
                 return {}
         report = self.wait()
@@ -510,22 +293,23 @@ class CheckpointManager:
         start = time.perf_counter()
         report = self._collect(wait=True)  # one save in flight at a time: its staging buffers are reused
         self._in_flight_step = step
-        described = self.describe(step, t) if self.describe else {}  # every rank, before anything can differ
+        described = {k: v for describe in self.describers for k, v in describe(step, t).items()}  # every rank
         self._last_save_time = time.monotonic()
         self._failed_attempts_at_start, self._started_at = storage.FAILED_ATTEMPTS[0], time.monotonic()
-        model_sd, optim_sd, groups = _state_dicts(t)
+        model_sd, optim_sd, groups = state_dicts(t)
         short = self._short_of_space(model_sd, optim_sd)
         if short:  # refused before writing a byte: a save that cannot fit would only fill the disk
             self._pending = Future()
             self._pending.set_result(_Outcome(step, False, short))
             report.update(self._collect(wait=True))
             return report
-        tensors = {"model": model_sd, "optim": optim_sd, "rng": {f"rank_{self._rank}": _rng_state()}}
+        tensors = {"model": model_sd, "optim": optim_sd, "rng": {f"rank_{self._rank}": rng_state()}}
         meta = {
             "format": FORMAT,
             "train_state": asdict(state),
             "loader": loader.state_dict(),
-            "scheduler": t.schedulers[0].state_dict(),
+            "scheduler": t.schedulers[0].state_dict(),  # (read by plait before the per-part list below)
+            "schedulers": [s.state_dict() for s in t.schedulers],
             "param_groups": groups,
             "world_size": dist.get_world_size() if dist.is_initialized() else 1,
             "config": self.config,
@@ -572,8 +356,8 @@ class CheckpointManager:
             if free is not None and free < need:
                 takes = "takes" if self._last_size else "will take about"
                 why = (
-                    f"not enough free space on the checkpoint disk ({_mb(free)} free on {self.dir}, a checkpoint "
-                    f"{takes} {_mb(need)}); free space or lower checkpoint.keep_last"
+                    f"not enough free space on the checkpoint disk ({mb(free)} free on {self.dir}, a checkpoint "
+                    f"{takes} {mb(need)}); free space or lower checkpoint.keep_last"
                 )
         if self._control is not None:
             box = [why]
@@ -609,26 +393,27 @@ class CheckpointManager:
             try:
                 storage.retry(self._retain, "retention")
             except Exception as e:  # an old checkpoint that could not be deleted is not worth stopping for
-                _warn(f"checkpoint retention in {self.dir} failed: {_one_line(e)}")
+                warn(f"checkpoint retention in {self.dir} failed: {one_line(e)}")
         return outcome
 
     def _failed_save(self, error: BaseException, target: Location) -> str:
         """After a failed save (every rank's writes have ended: DCP fails the save on all ranks together),
         the main rank removes what it left behind; returns the reason in plain words."""
-        reason = _short(error)
+        reason = short(error)
         # torch's writer reports a full disk as "unexpected pos A vs B": look at the disk before cleaning up
         free = None if storage.is_remote(self.dir) else _free_bytes(Path(self.dir))
         if free is not None and (_is_no_space(error) or free < 1 << 20):
-            reason = f"the checkpoint disk is full ({_mb(free)} left on {self.dir}; torch said: {reason})"
+            reason = f"the checkpoint disk is full ({mb(free)} left on {self.dir}; torch said: {reason})"
         if self.is_writer:
             try:
                 storage.remove_tree(target)
             except Exception as e:
-                reason += f"; its partial files in {target} could not be removed ({_one_line(e)})"
+                reason += f"; its partial files in {target} could not be removed ({one_line(e)})"
         return reason
 
     def _publish(self, step: int, meta: dict, target: Location) -> None:
-        _maybe_crash_before_publish(step)
+        for hook in self.before_publish:  # e.g. plait.features.faults: a crash at this moment, for tests
+            hook(step)
         if self.tokenizer_path is not None:
             storage.copy_in(self.tokenizer_path, target / "tokenizer.json")
         meta = {**meta, "dcp_metadata_sha256": hashlib.sha256(storage.read_bytes(target / DCP_METADATA)).hexdigest()}
@@ -646,7 +431,7 @@ class CheckpointManager:
                 aside = final.with_name(f"{final.name}.damaged-{time.strftime('%Y%m%d-%H%M%S')}")
                 storage.rename(final, aside)
                 self._verified.pop(final.name, None)
-                _warn(
+                warn(
                     f"damaged checkpoint {final} ({damage or 'its metadata is missing'}) moved to {aside} to make "
                     f"room for the new save of its step"
                 )
@@ -671,7 +456,7 @@ class CheckpointManager:
         if outcome.step == self.total_steps and self.cfg.save_final:  # the run's error says it, once
             self.final_lost = f"the final checkpoint (step {outcome.step}) could not be written: {outcome.error}"
         elif self.is_writer:
-            _warn(
+            warn(
                 f"checkpoint of step {outcome.step} was not saved to {self.dir}: {outcome.error}; "
                 f"training continues and the next save tries again"
             )
@@ -682,12 +467,12 @@ class CheckpointManager:
         step; remove the other complete ones and what failed or interrupted saves left behind (no save is in
         flight now). Damaged checkpoints are neither counted nor removed: they are the user's to inspect."""
         tree = storage.list_tree(self.dir)
-        complete, damaged = _classify(self.dir, tree)
+        complete, damaged = classify(self.dir, tree)
         for c in complete:  # published checkpoints never change: each is verified once
             if c.name not in self._verified:
                 self._verified[c.name] = checkpoint_problems(c)
                 if self._verified[c.name]:
-                    _warn(f"checkpoint {c} is damaged ({self._verified[c.name]}): kept, but not counted or loaded")
+                    warn(f"checkpoint {c} is damaged ({self._verified[c.name]}): kept, but not counted or loaded")
         damaged += [(c, self._verified[c.name]) for c in complete if self._verified[c.name]]
         complete = [c for c in complete if not self._verified[c.name]]
         steps = [step_of(c) for c in complete]
@@ -697,7 +482,7 @@ class CheckpointManager:
                 storage.remove_tree(c)
         known = {c.name for c in complete} | {d.name for d, _ in damaged}
         for name in tree:
-            if name in known or not _ANY_STEP_DIR.match(name):
+            if name in known or not ANY_STEP_DIR.match(name):
                 continue
             # a partial save: step_<N>.tmp on a local disk, an unpublished step_<N> prefix on S3
             if name.endswith(".tmp") or (steps and step_of(self.dir / name) < steps[-1]):
@@ -711,57 +496,8 @@ class CheckpointManager:
         self._verified[path.name] = why or "it failed to load"
 
     def load(self, path: Location, t, *, loader, state: TrainState) -> None:
-        """Restore into this rank's (possibly differently sharded) model parts and optimizers. Every rank
-        checks the tensors it needs (present, tensors, same shapes; files present and long enough) and all
-        agree before anything is read; see the module docstring for corrupt bytes."""
-        meta = read_meta(path)
-        if meta.get("weights_only"):  # `plait ckpt import`: fine-tune these weights from step 0
-            for part in t.parts:
-                load_model_weights(part, path, group=self._control)
-            return
-        model_sd, optim_sd, _ = _state_dicts(t)  # also creates empty Adam state to load into
-        wanted = {"model": model_sd, "optim": optim_sd}
-        everyone = _union({f"model.{k}" for k in model_sd}, self._control)  # all pipeline stages' tensors
-        problems, md = _check(path, meta, wanted, expect_model=everyone)
-        if problems and (other := _model_settings_differ(meta.get("config"), self.config)):
-            problems.insert(0, f"it is of another model ({other})")
-        # RNG state of this rank, where the saving run had this rank (and this kind of device)
-        saved = md.state_dict_metadata if md is not None else {}
-        rng = {k: v for k, v in _rng_state().items() if f"rng.rank_{self._rank}.{k}" in saved}
-        if rng:
-            wanted["rng"] = {f"rank_{self._rank}": rng}
-        _agree(problems, path, self._control)
-        _agree(_read(wanted, path), path, self._control)
-        for part, opt in zip(t.parts, t.optimizers, strict=True):
-            set_model_state_dict(
-                part, {k: v for k, v in model_sd.items() if k in _names(part)}, options=StateDictOptions(strict=True)
-            )
-            current = get_optimizer_state_dict(part, opt)
-            state_part = {k: v for k, v in optim_sd.items() if k in current["state"]}
-            set_optimizer_state_dict(part, opt, {"state": state_part, "param_groups": current["param_groups"]})
-        for sched, opt in zip(t.schedulers, t.optimizers, strict=True):
-            sched.load_state_dict(meta["scheduler"])
-            # The next update must use the LR the schedule had reached, not the fresh optimizer's.
-            for group, lr in zip(opt.param_groups, sched.get_last_lr(), strict=True):
-                group["lr"] = lr
-        loader.load_state_dict(meta["loader"])
-        state.step, state.tokens = meta["train_state"]["step"], meta["train_state"]["tokens"]
-        if rng:
-            _set_rng_state(rng)
-
-
-def _state_dicts(t) -> tuple[dict, dict, list]:
-    """Model and optimizer tensors of all this rank's parts, keyed by fully qualified parameter name
-    (identical under every layout, which is what makes checkpoints load anywhere)."""
-    model_sd: dict = {}
-    optim_sd: dict = {}
-    groups: list = []
-    for part, opt in zip(t.parts, t.optimizers, strict=True):
-        model_sd.update(get_model_state_dict(part))
-        osd = get_optimizer_state_dict(part, opt)
-        optim_sd.update(osd["state"])
-        groups.extend(osd["param_groups"])
-    return model_sd, optim_sd, groups
+        """Restore the run from `path` on every rank (plait.engine.checkpoint.load.load_state)."""
+        load_state(path, t, loader=loader, state=state, group=self._control, rank=self._rank, config=self.config)
 
 
 def kept_forever(steps: list[int], every: int) -> set[int]:
@@ -781,7 +517,7 @@ def _estimated_bytes(model_sd: dict, optim_sd: dict, group) -> int:
     shape; replicas written once, as DCP does), summed over all ranks' tensors (pipeline stages hold different
     ones), plus 1% and 1 MiB for metadata and record checksums."""
     sizes = {}
-    for name, value in _flatten({"model": model_sd, "optim": optim_sd}).items():
+    for name, value in flatten({"model": model_sd, "optim": optim_sd}).items():
         if isinstance(value, torch.Tensor):
             sizes[name] = math.prod(value.shape) * value.element_size()
     if group is not None:
@@ -791,186 +527,6 @@ def _estimated_bytes(model_sd: dict, optim_sd: dict, group) -> int:
             sizes.update(rank_sizes)
     total = sum(sizes.values())
     return total + total // 100 + (1 << 20)
-
-
-def _model_settings_differ(saved, current: dict) -> str:
-    """'model.dim 64 in the checkpoint, 128 here; ...' for the model settings that differ (at most 3)."""
-    before = saved.get("model") if isinstance(saved, dict) else None
-    now = current.get("model") if isinstance(current, dict) else None
-    if not isinstance(before, dict) or not isinstance(now, dict):
-        return ""
-    diff = [f"model.{k}: {before[k]!r} in the checkpoint, {v!r} here" for k, v in now.items() if before.get(k, v) != v]
-    return "; ".join(diff[:3]) + (f" and {len(diff) - 3} more" if len(diff) > 3 else "")
-
-
-def _names(part: nn.Module) -> set[str]:
-    return set(get_model_state_dict(part))
-
-
-def _union(names: set[str], group) -> set[str]:
-    """The union of every rank's names (pipeline stages hold different parts of the model)."""
-    if group is None:
-        return names
-    everyone: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, sorted(names), group=group)
-    return {n for rank_names in everyone for n in rank_names}
-
-
-def _rng_state() -> dict[str, torch.Tensor]:
-    out = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        out["cuda"] = torch.cuda.get_rng_state()
-    return out
-
-
-def _set_rng_state(rng: dict[str, torch.Tensor]) -> None:
-    if "cpu" in rng:
-        torch.set_rng_state(rng["cpu"])
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state(rng["cuda"])
-
-
-def _maybe_crash_before_publish(step: int) -> None:
-    """Fault injection for tests: PLAIT_FAULT_SAVE_CRASH=STEP ends the process (as a lost machine would)
-    after STEP's shards and DCP metadata are written and before the checkpoint is published."""
-    if os.environ.get("PLAIT_FAULT_SAVE_CRASH") == str(step):
-        print(f"plait: fault injection: crashing before publishing step {step}", file=sys.stderr, flush=True)
-        os._exit(137)
-
-
-# ------------------------------------------------------------------------------------------------ loading
-
-
-def load_model_weights(model: nn.Module, path: Location | str, *, group=None) -> None:
-    """Load only the model from a checkpoint (generation, evaluation, export, a pipeline stage)."""
-    path = path if isinstance(path, Path | RemotePath) else storage.location(path)
-    sd = get_model_state_dict(model)
-    problems, _ = _check(path, read_meta(path), {"model": sd})
-    _agree(problems, path, group)
-    _agree(_read({"model": sd}, path), path, group)
-    set_model_state_dict(model, sd, options=StateDictOptions(strict=True))
-
-
-def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
-    """DCP's key for each leaf: nested names joined with dots."""
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out.update(_flatten(value, f"{name}."))
-        else:
-            out[name] = value
-    return out
-
-
-def _check(
-    path: Location, meta: dict, wanted: dict, expect_model: set[str] | None = None
-) -> tuple[list[str], Metadata | None]:
-    """Everything that would make loading `wanted` from `path` fail or load wrong, as readable lines."""
-    try:
-        raw = storage.read_bytes(path / DCP_METADATA)
-    except Exception as e:
-        return [f"{DCP_METADATA} cannot be read ({_one_line(e)})"], None
-    expected_hash = meta.get("dcp_metadata_sha256")
-    if expected_hash and hashlib.sha256(raw).hexdigest() != expected_hash:
-        return [f"{DCP_METADATA} does not match the hash in {META} (damaged, or files of different saves)"], None
-    try:
-        md = storage.parse_metadata(raw)
-    except PlaitError as e:
-        return [str(e)], None
-    saved = md.state_dict_metadata
-    problems: list[str] = []
-    missing, not_tensor, shapes = [], [], []
-    for key, value in _flatten(wanted).items():
-        entry = saved.get(key)
-        if entry is None:
-            missing.append(key)
-        elif not isinstance(entry, TensorStorageMetadata):
-            not_tensor.append(key)
-        elif tuple(entry.size) != tuple(value.shape):
-            shapes.append(f"{key} {tuple(entry.size)} in the checkpoint, {tuple(value.shape)} in the model")
-    if expect_model is not None:
-        unexpected = sorted(k for k in saved if k.startswith("model.") and k not in expect_model)
-        if unexpected:
-            problems.append(f"{len(unexpected)} tensors not in this model: {_some(unexpected, 2)}")
-    if missing:
-        kinds = {"model": "of the model", "optim": "of the optimizer state"}
-        parts = []
-        for kind in sorted({k.split(".", 1)[0] for k in missing}):
-            names = sorted(k for k in missing if k.split(".", 1)[0] == kind)
-            parts.append(f"{len(names)} {kinds.get(kind, kind)} ({_some(names, 1)})")
-        problems.append("tensors missing from the checkpoint: " + ", ".join(parts))
-    if shapes:  # one example: the settings that differ (said first, where known) are the cause
-        problems.append(f"{len(shapes)} shape{'s differ' if len(shapes) > 1 else ' differs'}, e.g. {shapes[0]}")
-    if not_tensor:
-        problems.append(f"not tensors (pickled objects, which plait never loads): {_some(sorted(not_tensor))}")
-    problems.extend(_check_files(path, md))
-    return problems, md
-
-
-def _check_files(path: Location, md: Metadata) -> list[str]:
-    """Every shard file DCP's metadata points into exists and is long enough."""
-    need: dict[str, int] = {}
-    for info in (md.storage_data or {}).values():
-        rel = getattr(info, "relative_path", None)
-        if rel is not None:
-            need[rel] = max(need.get(rel, 0), info.offset + info.length)
-    try:
-        sizes = storage.file_sizes(path)
-    except Exception as e:
-        return [f"its files cannot be listed ({_one_line(e)})"]
-    missing = sorted(f for f in need if f not in sizes)
-    short = sorted(f"{f} has {sizes[f]} of {n} bytes" for f, n in need.items() if f in sizes and sizes[f] < n)
-    out = []
-    if missing:
-        out.append(f"{len(missing)} shard files missing: {_some(missing)}")
-    if short:
-        out.append(f"{len(short)} shard files truncated: {_some(short)}")
-    return out
-
-
-def _agree(problems: list[str], path: Location, group) -> None:
-    """Raise on every rank if any rank found a problem (ranks check different tensors: pipeline stages)."""
-    if group is not None:
-        everyone: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, problems, group=group)
-        merged: list[str] = []
-        for rank_problems in everyone:
-            merged.extend(p for p in rank_problems if p not in merged)
-        problems = merged
-    if problems:
-        raise PlaitError(f"checkpoint {path} cannot be loaded: " + "; ".join(problems))
-
-
-class _TensorsOnly(DefaultLoadPlanner):
-    """DCP's planner, except that a non-tensor record is refused instead of unpickled."""
-
-    def load_bytes(self, read_item, value) -> None:
-        raise PlaitError(f"{read_item.dest_index.fqn} is a pickled object; plait loads tensors only")
-
-
-def _read(state: dict, path: Location) -> list[str]:
-    """Fill `state` in place from the checkpoint; the problems met (a checksum, a file that vanished).
-
-    Every process reads on its own (DCP without collectives: its load plan needs nothing from other ranks,
-    and DTensors pick out their own shards from the global metadata), so one rank can load alone (the main
-    rank reading a published checkpoint back) and callers agree on the outcome afterwards."""
-    try:
-        with warnings.catch_warnings():  # pytest resets the module-level filter per test
-            warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
-            dcp.load(state, storage_reader=storage.dcp_reader(path), planner=_TensorsOnly(), no_dist=True)
-    except BaseException as e:  # DCP's CheckpointException is a BaseException
-        if isinstance(e, KeyboardInterrupt | SystemExit):
-            raise
-        return [f"reading failed: {_short(e)}"]
-    return []
-
-
-# -------------------------------------------------------------------------------------------------- small
-
-
-def _mb(num_bytes: int) -> str:
-    return f"{num_bytes / 2**20:,.1f} MiB"
 
 
 def _free_bytes(path: Path) -> int | None:
@@ -994,47 +550,9 @@ def _is_no_space(e: BaseException) -> bool:
     return False
 
 
-def _some(items: list[str], n: int = 4) -> str:
-    return ", ".join(items[:n]) + (f" and {len(items) - n} more" if len(items) > n else "")
-
-
-def _one_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[-1] if text else ''}".rstrip(": ")
-
-
-_ERROR_LINE = re.compile(r"^\s*(?:[\w.]+\.)?(\w*(?:Error|Exception|Interrupt)): (.+)$")
-
-
-def _short(e: BaseException) -> str:
-    """The innermost error line of an exception (DCP's carry whole per-rank tracebacks in their text)."""
-    lines = [m for line in str(e).splitlines() if (m := _ERROR_LINE.match(line))]
-    if not lines:
-        return _one_line(e)
-    name, text = lines[-1].groups()
-    return f"{name}: {text.strip()}"
-
-
-def _warn(message: str) -> None:
-    from plait.engine.metrics import warn
-
-    warn(message)
-
-
 def _jsonable(obj):
     if isinstance(obj, torch.Tensor):
         return obj.item()
     if isinstance(obj, tuple):
         return list(obj)
     raise TypeError(f"cannot store {type(obj).__name__} in checkpoint metadata")
-
-
-class Checkpointing(Callback):
-    """run.checkpointer attached to the trainer: after each counted step, a save when one is due (or when a
-    stop was requested: then the loop ends at this step), and every callback's after_checkpoint."""
-
-    def after_step(self, run, step: int, result) -> bool:
-        stop = run.stop.requested
-        saved = run.checkpointer.maybe_save(step, run.t, loader=run.loader, state=run.state, stop_requested=stop)
-        run.callbacks.after_checkpoint(run, step, saved)
-        return False
