@@ -262,10 +262,10 @@ def test_impossible_layouts_are_refused(overrides, world, message):
 def test_zero_bubble_with_the_fused_head_is_refused_where_torch_cannot_run_it(monkeypatch):
     """torch 2.11's zero-bubble weight pass fails inside autograd on the fused head's custom Function (measured:
     RuntimeError "Attribute '_input_metadata' is invalid"); there the layout is refused before anything starts."""
-    import plait.parallel.dims as dims
+    import plait.parallel.rules as rules
 
     zero_bubble = ("parallel.pp_degree=2", "parallel.pp_schedule=zero_bubble", "parallel.pp_virtual_stages=2")
-    monkeypatch.setattr(dims, "weight_pass_takes_custom_functions", lambda: False)
+    monkeypatch.setattr(rules, "weight_pass_takes_custom_functions", lambda: False)
     with pytest.raises(ConfigError, match="set train.fused_head=false, use pp_schedule='interleaved_1f1b'"):
         layout(*zero_bubble, world=2)
     layout(*zero_bubble, "train.fused_head=false", world=2)  # the plain head runs there
@@ -274,7 +274,7 @@ def test_zero_bubble_with_the_fused_head_is_refused_where_torch_cannot_run_it(mo
 def test_the_planner_never_picks_a_schedule_this_torch_refuses(monkeypatch):
     """The same rule in the planner's search: where zero bubble cannot run with the fused head, `--layout auto`
     (plait.planner.search) does not offer it; with the plain head, or where torch runs it, it does."""
-    import plait.parallel.dims as dims
+    import plait.parallel.rules as rules
     from plait.planner.cluster import get_cluster
     from plait.planner.cost import SCHEDULES, Workload
     from plait.planner.search import enumerate_layouts
@@ -285,9 +285,9 @@ def test_the_planner_never_picks_a_schedule_this_torch_refuses(monkeypatch):
         work = Workload(preset_args("llama3-8b"), 4096, 32, "bf16", fused_head)
         return {SCHEDULES[code] for code in set(enumerate_layouts(work, cluster).schedule.tolist())}
 
-    monkeypatch.setattr(dims, "weight_pass_takes_custom_functions", lambda: True)
+    monkeypatch.setattr(rules, "weight_pass_takes_custom_functions", lambda: True)
     assert "zero_bubble" in schedules(True)
-    monkeypatch.setattr(dims, "weight_pass_takes_custom_functions", lambda: False)
+    monkeypatch.setattr(rules, "weight_pass_takes_custom_functions", lambda: False)
     assert "zero_bubble" not in schedules(True) and "interleaved_1f1b" in schedules(True)
     assert "zero_bubble" in schedules(False)
 

@@ -425,7 +425,7 @@ def test_config_parallel_section_pins_the_plan_or_is_refused(tmp_path, capsys):
 def test_reduce_every_micro_batch_is_never_planned_with_zero_bubble():
     """Zero bubble computes weight gradients apart from their backward: sharded accumulation does not apply
     (validate_layout refuses it), so the planner never proposes it. With the plain head: on torch < 2.12 the
-    planner offers zero bubble with the fused head not at all (parallel.dims.schedule_problem)."""
+    planner offers zero bubble with the fused head not at all (parallel.rules.schedule_problem)."""
     workload = Workload(preset_args("llama3-405b"), 8192, 2048, fused_head=False)
     result = plan(workload, get_cluster("h100", nodes=128))
     lay = result.layouts
@@ -476,3 +476,62 @@ def test_mixture_of_experts_is_planned_on_active_flops():
     assert best["fits"] and best["ep"] > 1 and best["t_ep"] > 0
     with pytest.raises(ConfigError, match=r"gathers its experts, 256 per rank at the leanest layout's ep=1"):
         plan(deepseek, get_cluster("h100", nodes=256), hints=False, pins={"ep": 1})
+
+
+def test_the_search_and_the_runtime_accept_and_refuse_the_same_500_layouts():
+    """One set of layout rules (plait.parallel.rules): 500 random models, sequences, batches, worlds and
+    layouts drawn from the planner's search space; each is a layout `enumerate_layouts` offers exactly when
+    `validate_layout` lets a run start with it. Seeded: the same 500 every run."""
+    import random
+
+    from plait.config import Config
+    from plait.model.args import ModelArgs
+    from plait.parallel.dims import ParallelDims, validate_layout
+    from plait.planner.cost import SCHEDULES
+    from plait.planner.search import VIRTUAL_STAGES, _cp_degrees, divisors, enumerate_layouts
+
+    rng = random.Random(2029)
+    agreed = {True: 0, False: 0}
+    for case in range(500):
+        heads = rng.choice([2, 4, 6, 8])
+        experts = rng.choice([0, 0, 4, 8])
+        args = ModelArgs(
+            dim=heads * rng.choice([8, 16]), n_layers=rng.randint(1, 8), n_heads=heads,
+            n_kv_heads=rng.choice([*divisors(heads), 3]), vocab_size=rng.choice([96, 128]), max_seq_len=8192,
+            tie_embeddings=rng.random() < 0.2, qk_norm=rng.random() < 0.2, moe_experts=experts,
+            moe_top_k=2 if experts else 0, moe_hidden_dim=32 if experts else 0,
+        )  # fmt: skip
+        seq, world = rng.choice([256, 512, 2048, 4096]), rng.choice([1, 2, 4, 8, 12, 16])
+        batch = rng.choice([rng.randint(1, 32), world * rng.randint(1, 4)])
+        work = Workload(args, seq, batch)
+        cluster = get_cluster("h100", nodes=1, devices_per_node=world)
+        tp = rng.choice(divisors(world))
+        cp = rng.choice([c for c in _cp_degrees(work, world) if (world // tp) % c == 0] or [1])
+        pp = rng.choice(divisors(world // (tp * cp)))
+        rest = world // (tp * cp * pp)
+        shard = rng.choice(divisors(rest))
+        ep = rng.choice(divisors(experts)) if experts else 1
+        code, virtual = (0, 1) if pp == 1 else rng.choice([(1, 1), (2, 1), (3, rng.choice(VIRTUAL_STAGES)), (4, 2)])
+        local = max(1, batch // rest)
+        micro = rng.choice([rng.randint(1, batch), rng.choice(divisors(local))])
+        cfg = Config()
+        cfg.model, cfg.data.seq_len = args, seq
+        cfg.train.global_batch_size, cfg.train.micro_batch_size = batch, micro
+        if pp > 1:
+            cfg.parallel.pp_schedule, cfg.parallel.pp_virtual_stages = SCHEDULES[code], virtual
+        dims = ParallelDims(rest // shard, shard, tp, pp, cp=cp, ep=ep, moe=bool(experts), qk_norm=args.qk_norm)
+        try:
+            validate_layout(cfg, dims)
+            runs = True
+        except ConfigError:
+            runs = False
+        lay = enumerate_layouts(work, cluster)
+        offered = set(
+            zip(lay.dp_replicate.tolist(), lay.dp_shard.tolist(), lay.tp.tolist(), lay.pp.tolist(),
+                lay.cp.tolist(), lay.ep.tolist(), lay.schedule.tolist(), lay.virtual.tolist(),
+                lay.micro_batch.tolist(), strict=True)
+        )  # fmt: skip
+        key = (rest // shard, shard, tp, pp, cp, ep, code, virtual, micro)
+        assert (key in offered) == runs, f"case {case}: {key} runs={runs} offered={key in offered} ({args}, {seq=})"
+        agreed[runs] += 1
+    assert min(agreed.values()) > 100, agreed  # both verdicts well represented (seed 2029: 110 run, 390 refused)

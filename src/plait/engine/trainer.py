@@ -37,10 +37,10 @@ from plait.engine.trainable import Trainable, autocast_context, build_model, bui
 from plait.engine.validation import Validation
 from plait.parallel import DistEnv, Meshes, ParallelDims, init_distributed, validate_layout
 from plait.parallel.context import context_shard
-from plait.parallel.dims import num_micro_batches
 from plait.parallel.env import restart_count, shutdown
 from plait.parallel.norm import clip_grad_norm, local
 from plait.parallel.pipeline import pipeline_forward_backward
+from plait.parallel.rules import num_micro_batches
 
 __all__ = [  # the loop, and the pieces of a step that benchmarks and tests import from here
     "IGNORE_INDEX", "Trainable", "TokenLoss", "Trainer", "autocast_context", "build_model", "build_trainable",

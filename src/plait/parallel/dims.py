@@ -27,12 +27,15 @@ from typing import TYPE_CHECKING
 
 from plait.config import Config, ParallelConfig
 from plait.core.errors import ConfigError
-from plait.core.torch_private import (
-    flatten_mesh,
-    merge_inner_axes,
-    torch_version,
-    unflatten_mesh,
-    weight_pass_takes_custom_functions,
+from plait.core.torch_private import flatten_mesh, merge_inner_axes, unflatten_mesh
+from plait.parallel import rules
+from plait.parallel.rules import (
+    batch_problem,
+    cp_problem,
+    ep_problem,
+    pipeline_problem,
+    reduce_every_micro_batch_problem,
+    tp_problem,
 )
 
 if TYPE_CHECKING:
@@ -112,20 +115,10 @@ class ParallelDims:
         block runs on each tp rank's sequence shard), 1 for a dense model."""
         return self.tp if self.moe else 1
 
-    @property
-    def tp_whole(self) -> bool:
-        """Whether tensor parallelism leaves parameters whole on every tp rank while the ranks compute different
-        parts with them (an MoE block on each rank's sequence shard, q/k norms on each rank's heads), so their
-        gradients are partial sums over tp: FSDP shards them over dp_shard x cp x tp and reduces them there."""
-        return self.tp > 1 and (self.moe or self.qk_norm)
-
-    @property
-    def fsdp_enabled(self) -> bool:
-        """FSDP2 wraps the model where data or context parallelism shards it, where expert parallelism splits
-        experts, where tensor parallelism leaves parameters whole (`tp_whole`: FSDP reduces their gradients),
-        and at dp = cp = 1 where CPU offload is asked (FSDP2's offload policy is how parameters, gradients and
-        optimizer state live on the CPU)."""
-        return self.dp_cp > 1 or self.cpu_offload or self.ep > 1 or self.tp_whole
+    # The rules themselves live in plait.parallel.rules (one definition, shared with the planner): these read
+    # them for this layout.
+    tp_whole = property(lambda self: bool(rules.tp_whole(self.tp, self.moe, self.qk_norm)))
+    fsdp_enabled = property(lambda self: bool(rules.fsdp_enabled(self.dp_cp, self.ep, self.tp_whole, self.cpu_offload)))
 
     def describe(self) -> str:
         """The degrees as one line for logs and reports."""
@@ -241,162 +234,20 @@ class Meshes:
         return self.batch.get_local_rank()
 
 
-def num_micro_batches(micro_batch_size: int, local_batch: int, stages: int = 1) -> int:
-    """Micro-batches per step on one data-parallel rank: local_batch / train.micro_batch_size, or, with
-    train.micro_batch_size unset (0), one per pipeline stage (stages: pp x virtual; 1 without a pipeline: the
-    whole batch at once). The rule the layout check, the pipeline, the trainer and the planner share."""
-    return local_batch // micro_batch_size if micro_batch_size else stages
-
-
-def tp_problem(m: ModelArgs, seq_len: int, tp: int) -> str | None:
-    """Why tensor parallelism of degree tp cannot split this model and sequence (None: it can). The rule the
-    runtime (validate_layout) and the planner's search share."""
-    if m.n_heads % tp or m.n_kv_heads % tp:
-        ok = [d for d in range(1, m.n_kv_heads + 1) if m.n_kv_heads % d == 0 and m.n_heads % d == 0]
-        return (
-            f"parallel.tp_degree={tp} must divide model.n_heads={m.n_heads} and "
-            f"model.n_kv_heads={m.n_kv_heads}; choose tp_degree in {ok}"
-        )
-    if m.hidden_dim % tp or m.vocab_size % tp:
-        return f"parallel.tp_degree={tp} must divide the MLP width ({m.hidden_dim}) and model.vocab_size={m.vocab_size}"
-    if seq_len % tp:
-        return (
-            f"data.seq_len={seq_len} must be divisible by parallel.tp_degree={tp} "
-            "(sequence parallel splits the sequence)"
-        )
-    return None
-
-
-def cp_problem(m: ModelArgs, seq_len: int, cp: int, tp: int = 1) -> str | None:
-    """Why context parallelism of degree cp cannot split this sequence (None: it can); shared like tp_problem.
-    Each rank holds two of 2 x cp equal chunks (a head one and its mirror from the tail, so that causal
-    attention costs every rank the same), and under sequence parallelism its part splits again by tp."""
-    if cp == 1:
-        return None
-    if seq_len % (2 * cp):
-        ok = [c for c in range(1, cp + 1) if seq_len % (2 * c) == 0]
-        return (
-            f"data.seq_len={seq_len} must be divisible by 2 x parallel.cp_degree = {2 * cp} (each rank holds two "
-            f"equal chunks of every sequence); use a seq_len that is a multiple of {2 * cp}, or cp_degree in {ok}"
-        )
-    if (seq_len // cp) % tp:
-        return (
-            f"data.seq_len / parallel.cp_degree = {seq_len // cp} must be divisible by parallel.tp_degree={tp} "
-            "(sequence parallel splits each rank's part of the sequence)"
-        )
-    if 0 < m.sliding_window < seq_len:
-        return (
-            f"model.sliding_window={m.sliding_window} with parallel.cp_degree={cp}: the ring attention is causal "
-            "without a window; set parallel.cp_degree=1"
-        )
-    return None
-
-
-def ep_problem(m: ModelArgs, dims: ParallelDims) -> str | None:
-    """Why expert parallelism of degree dims.ep cannot split this model in this layout (None: it can); shared
-    like tp_problem."""
-    if dims.ep == 1:
-        return None
-    ranks = dims.dp_shard * dims.cp * dims.moe_tp
-    if ranks % dims.ep:
-        ok = [d for d in range(1, ranks + 1) if ranks % d == 0]
-        return (
-            f"parallel.ep_degree={dims.ep} must divide dp_shard x cp x tp = {ranks} (the expert-parallel ranks are "
-            f"ranks of one FSDP shard group that hold different tokens); choose ep_degree in {ok}, or raise "
-            "parallel.dp_shard_degree"
-        )
-    return None
-
-
-def pp_problem(m: ModelArgs, pp: int) -> str | None:
-    """Why pipeline parallelism of degree pp cannot split this model (None: it can); shared like tp_problem."""
-    if pp > 1 and m.tie_embeddings:
-        return (
-            "model.tie_embeddings=true cannot be pipelined: the embedding and the output projection live on "
-            "different stages; untie them or set parallel.pp_degree=1"
-        )
-    if m.n_layers < pp:
-        return f"model.n_layers={m.n_layers} is fewer than parallel.pp_degree={pp}; lower parallel.pp_degree"
-    return None
-
-
-def schedule_problem(schedule: str, fused_head: bool) -> str | None:
-    """Why this torch cannot run a pipeline schedule with this head (None: it can); shared by the runtime's
-    check and the planner's search, so `--layout auto` never picks what the run would refuse."""
-    if schedule == "zero_bubble" and fused_head and not weight_pass_takes_custom_functions():
-        return (
-            f"pp_schedule='zero_bubble' with train.fused_head=true does not run on torch {torch_version()}: its "
-            "weight pass cannot differentiate through the fused head (a custom autograd Function); set "
-            "train.fused_head=false, use pp_schedule='interleaved_1f1b', or upgrade torch to 2.12 or newer"
-        )
-    return None
-
-
 def validate_layout(cfg: Config, dims: ParallelDims) -> None:
-    """Refuse layouts that cannot work, before any worker starts; each message names the setting to change."""
+    """Refuse layouts that cannot work, before any worker starts; each message names the setting to change.
+    Every rule is one of plait.parallel.rules, which the planner's search applies to its candidates too."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     problem = (
         tp_problem(m, cfg.data.seq_len, dims.tp)
         or cp_problem(m, cfg.data.seq_len, dims.cp, dims.tp)
-        or ep_problem(m, dims)
-    )
+        or ep_problem(m, dims.ep, dims.dp_shard, dims.cp, dims.moe_tp)
+        or batch_problem(t.global_batch_size, dims.dp, t.micro_batch_size)
+        or reduce_every_micro_batch_problem(p.fsdp_reduce_every_micro_batch, dims.fsdp_enabled, dims.pp, p.pp_schedule)
+        or pipeline_problem(
+            m, dims.pp, p.pp_schedule, p.pp_virtual_stages, t.global_batch_size // dims.dp, t.micro_batch_size,
+            t.fused_head,
+        )
+    )  # fmt: skip
     if problem:
         raise ConfigError(problem)
-    if t.global_batch_size % dims.dp:
-        raise ConfigError(
-            f"train.global_batch_size={t.global_batch_size} is not divisible by the data-parallel degree "
-            f"{dims.dp} (dp_replicate x dp_shard); use a multiple of {dims.dp}"
-        )
-    local = t.global_batch_size // dims.dp
-    if t.micro_batch_size and local % t.micro_batch_size:
-        raise ConfigError(
-            f"the per-rank batch {local} (train.global_batch_size / {dims.dp} data-parallel ranks) is not a "
-            f"multiple of train.micro_batch_size={t.micro_batch_size}"
-        )
-    if p.fsdp_reduce_every_micro_batch and not dims.fsdp_enabled:
-        raise ConfigError(
-            "parallel.fsdp_reduce_every_micro_batch=true needs FSDP, which this layout does not use (no data "
-            "parallelism, no cpu_offload): there are no gradients to reduce; set it false"
-        )
-    virtual = p.pp_virtual_stages
-    if virtual < 1:
-        raise ConfigError("parallel.pp_virtual_stages must be at least 1")
-    if p.pp_schedule in ("gpipe", "1f1b") and virtual != 1:
-        raise ConfigError(
-            f"parallel.pp_schedule='{p.pp_schedule}' runs one stage per rank: set parallel.pp_virtual_stages=1 "
-            f"or use pp_schedule='interleaved_1f1b'"
-        )
-    if dims.pp > 1:
-        stages = dims.pp * virtual
-        if m.n_layers < stages:
-            raise ConfigError(
-                f"model.n_layers={m.n_layers} is fewer than the pipeline stages pp_degree x pp_virtual_stages "
-                f"= {stages}; lower parallel.pp_degree or parallel.pp_virtual_stages"
-            )
-        micro = num_micro_batches(t.micro_batch_size, local, stages)
-        if local % micro:
-            raise ConfigError(
-                f"the per-rank batch {local} cannot be split into {micro} pipeline micro-batches; set "
-                f"train.micro_batch_size to a divisor of {local}"
-            )
-        if p.pp_schedule != "gpipe" and micro < dims.pp:
-            raise ConfigError(
-                f"pp_schedule='{p.pp_schedule}' needs at least pp_degree={dims.pp} micro-batches, got {micro}; "
-                f"lower train.micro_batch_size or raise train.global_batch_size"
-            )
-        if p.pp_schedule == "interleaved_1f1b" and micro % dims.pp:
-            raise ConfigError(
-                f"interleaved_1f1b needs the micro-batch count ({micro}) to be a multiple of pp_degree={dims.pp}"
-            )
-        problem = pp_problem(m, dims.pp)
-        if problem:
-            raise ConfigError(problem)
-        if p.fsdp_reduce_every_micro_batch and p.pp_schedule == "zero_bubble":
-            raise ConfigError(
-                "parallel.fsdp_reduce_every_micro_batch=true with pp_schedule='zero_bubble' is refused: that "
-                "schedule computes weight gradients apart from their backward, so they accumulate unsharded; "
-                "use pp_schedule='interleaved_1f1b' or set it false"
-            )
-        problem = schedule_problem(p.pp_schedule, cfg.train.fused_head)
-        if problem:
-            raise ConfigError(problem)

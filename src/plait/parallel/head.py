@@ -60,7 +60,7 @@ def vocab_parallel_loss(h, weight, targets, chunk=0, *, group: dist.ProcessGroup
     local_w = weight.to_local() if isinstance(weight, DTensor) else weight
     local_h = h.to_local() if isinstance(h, DTensor) else h
     shards = VocabShards(group, rank * local_w.shape[0])
-    assert local_w.shape[0] * size == weight.shape[0], "the vocabulary splits evenly (parallel.dims.tp_problem)"
+    assert local_w.shape[0] * size == weight.shape[0], "the vocabulary splits evenly (parallel.rules.tp_problem)"
     return linear_cross_entropy(local_h, local_w, targets, chunk, shards, compiled, in_place)
 
 

@@ -30,8 +30,9 @@ from plait.config import Config
 from plait.core.torch_private import bounded_receive_stage, quiet_shape_inference, reducing_pipeline_stage
 from plait.model.args import split_layers
 from plait.model.llama import ModelArgs, MoE, Transformer
-from plait.parallel.dims import Meshes, num_micro_batches
+from plait.parallel.dims import Meshes
 from plait.parallel.parallelize import materialize, parallelize
+from plait.parallel.rules import num_micro_batches
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,

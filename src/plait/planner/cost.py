@@ -22,6 +22,8 @@ import numpy as np
 from plait.model.args import recompute_units_pay, split_layers
 from plait.model.head import LOGITS_PER_CHUNK
 from plait.model.llama import ModelArgs
+from plait.parallel.rules import fsdp_enabled
+from plait.parallel.rules import tp_whole as rules_tp_whole
 from plait.planner.cluster import Cluster, GiB
 
 SCHEDULES = ("none", "gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
@@ -498,7 +500,7 @@ def evaluate(work: Workload, cluster: Cluster, lay: Layouts) -> dict[str, np.nda
     # gradients stay unsharded across micro-batches (no-sync accumulation), unless reduced after each one
     accumulate = ((m > 1) | (pp > 1)) & ~lay.sync_each
     held = (pp > 1) | ~lay.reshard  # gathered parameters stay gathered through the step
-    fsdp = (dp * cp > 1) | (ep > 1) | (whole_tp > 1) | lay.offload  # ParallelDims.fsdp_enabled
+    fsdp = fsdp_enabled(dp * cp, ep, rules_tp_whole(tp, bool(a.moe_experts), a.qk_norm), lay.offload)
     kv_local = a.n_kv_heads * a.head_dim / tp  # the keys (and values) one rank's attention holds per token
 
     # Gathered parameters at the peak where blocks reshard after forward (no pipeline): the current and the

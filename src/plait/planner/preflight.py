@@ -32,7 +32,8 @@ planner's GPU reserve (CUDA context, NCCL, cuBLAS workspaces), which a CPU proce
 def layout_of(cfg: Config, world_size: int):
     """This config's parallel layout as the planner's one-row Layouts (degrees resolved, and the layout checked,
     as the runtime does)."""
-    from plait.parallel.dims import ParallelDims, num_micro_batches, validate_layout
+    from plait.parallel.dims import ParallelDims, validate_layout
+    from plait.parallel.rules import num_micro_batches
     from plait.planner.cost import Layouts
 
     p = cfg.parallel

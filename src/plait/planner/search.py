@@ -1,7 +1,7 @@
 """Enumerate parallel layouts, price them all at once with cost.evaluate, rank, and explain the choice.
 
 The search space is every factorisation world = dp_replicate x dp_shard x cp x tp x pp that plait can run
-(the same divisibility rules as plait.parallel.dims.validate_layout), for a mixture of experts every expert
+(plait.parallel.rules: the rules validate_layout applies to a run), for a mixture of experts every expert
 parallel degree (a divisor of dp_shard x cp x tp and of the expert count), times the micro-batch size, the
 pipeline schedule and its virtual stages, the activation-checkpointing mode, CPU offload and FSDP's
 reshard-after-forward. Layout columns are built with numpy, so ~10^6 candidates cost about a second.
@@ -17,7 +17,17 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from plait.core.errors import ConfigError
-from plait.parallel.dims import ParallelDims, cp_problem, ep_problem, pp_problem, schedule_problem, tp_problem
+from plait.parallel.rules import (
+    batch_problem,
+    cp_problem,
+    ep_problem,
+    fsdp_enabled,
+    pipeline_problem,
+    pp_problem,
+    schedule_problem,
+    tp_problem,
+    tp_whole,
+)
 from plait.planner.cluster import Cluster, GiB
 from plait.planner.cost import AC_MODES, SCHEDULES, Layouts, Workload, evaluate
 
@@ -95,15 +105,14 @@ def enumerate_layouts(work: Workload, cluster: Cluster) -> Layouts:
             if pp_problem(a, pp):
                 continue
             dp = world // (tp * cp * pp)
-            if batch % dp:
+            if batch_problem(batch, dp, 0):
                 continue
             local = batch // dp
             options = [(0, 1)] if pp == 1 else _schedules(pp, a.n_layers, work.fused_head)
             for shard, mb in itertools.product(divisors(dp), divisors(local)):
-                m = local // mb
                 for ep in _ep_degrees(a, shard, cp, tp):
                     for code, v in options:
-                        if code >= 2 and m < pp or code == 3 and m % pp:
+                        if code and pipeline_problem(a, pp, SCHEDULES[code], v, local, mb, work.fused_head):
                             continue
                         base.append((dp // shard, shard, tp, pp, mb, cp, ep))
                         sched.append((code, v))
@@ -132,8 +141,8 @@ def enumerate_layouts(work: Workload, cluster: Cluster) -> Layouts:
     )
     # reshard_after_forward is a choice only for FSDP without a pipeline; a pipeline keeps gathered weights
     # for the whole step (reshard=False), and without FSDP there is nothing to reshard.
-    tp_whole = (lay.tp > 1) & (bool(a.moe_experts) or a.qk_norm)  # ParallelDims.tp_whole
-    fsdp = (lay.dp_replicate * lay.dp_shard * lay.cp > 1) | (lay.ep > 1) | tp_whole
+    whole_tp = tp_whole(lay.tp, bool(a.moe_experts), a.qk_norm)
+    fsdp = fsdp_enabled(lay.dp_replicate * lay.dp_shard * lay.cp, lay.ep, whole_tp, lay.offload)
     keep = np.where(lay.pp > 1, ~lay.reshard, np.where(fsdp, True, lay.reshard))
     # Reducing every micro-batch is a choice where FSDP accumulates: over micro-batches, or a pipeline's
     # (not zero bubble's: its weight gradients are computed apart from their backward).
@@ -148,8 +157,7 @@ def _ep_degrees(a, shard: int, cp: int, tp: int) -> list[int]:
     """Expert parallel degrees plait can run for this model in this layout (1 for a dense model)."""
     if not a.moe_experts:
         return [1]
-    dims = [ParallelDims(1, shard, tp, 1, cp=cp, ep=ep, moe=True, qk_norm=a.qk_norm) for ep in divisors(a.moe_experts)]
-    return [d.ep for d in dims if ep_problem(a, d) is None]
+    return [ep for ep in divisors(a.moe_experts) if ep_problem(a, ep, shard, cp, tp) is None]  # moe_tp = tp
 
 
 def _cp_degrees(work: Workload, world: int) -> list[int]:
