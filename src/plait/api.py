@@ -70,7 +70,7 @@ class Trainer(TrainingLoop):
         callbacks = check_arguments(kw.get("model"), None, None, None, None, callbacks, kw.get("env"))
         super().__init__(cfg, callbacks=[*(default_callbacks(cfg) if standard else []), *callbacks], **kw)
         if self.model_fn is None:  # plait's model, which the planner predicts
-            _check_memory(cfg, self.env)
+            _check_memory(cfg, self.given_env)
 
 
 def _check_memory(cfg: Config, env) -> None:

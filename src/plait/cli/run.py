@@ -12,6 +12,9 @@ from plait.core.stop import EXIT_STOPPED
 
 def run_command(name: str, command, argv: list[str]) -> int:
     """command(argv), its exit code, with the errors a user can fix said in one line."""
+    from plait.engine.metrics import use_console
+
+    use_console()
     try:
         return command(argv)
     except PlaitError as e:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
@@ -120,7 +120,7 @@ def sharded_weights_hash(named: Iterable[tuple[str, torch.Tensor]]) -> str:
         names.append(name)
         meta[name] = (_dtype_name(p), tuple(p.shape))
         if isinstance(p, DTensor):
-            coord = p.device_mesh.get_coordinate() or []
+            coord: Sequence[int] = p.device_mesh.get_coordinate() or ()
             replica = any(isinstance(pl, Replicate) and c != 0 for pl, c in zip(p.placements, coord, strict=False))
             _, offset = local_box(p)
             local = p.to_local()

@@ -14,6 +14,9 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
 
 from plait.core.errors import PlaitError
 
@@ -34,7 +37,7 @@ class StopRequest:
         self.signal_name: str | None = None
         self.announce = announce
         self._first = 0.0
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, Callable[[int, FrameType | None], Any] | int | signal.Handlers | None] = {}
 
     @property
     def requested(self) -> bool:

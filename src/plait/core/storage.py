@@ -28,7 +28,7 @@ import time
 import zlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any, TypeVar
+from typing import IO, TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
@@ -181,16 +181,15 @@ def rename(src: Path, dst: Path) -> None:
 def remove_tree(loc: Location) -> None:
     """Delete a checkpoint directory, ``plait.json`` first: if this is interrupted, what is left is no longer
     a checkpoint (rather than a checkpoint with missing shards)."""
-    meta = loc / META_FILE
     if isinstance(loc, RemotePath):
-        fs = loc.fs
+        fs, meta = loc.fs, loc / META_FILE
         if fs.exists(_key(meta)):
             fs.rm_file(_key(meta))
         if fs.exists(_key(loc)):
             fs.rm(_key(loc), recursive=True)
         return
-    if meta.is_file():
-        meta.unlink()
+    if (loc / META_FILE).is_file():
+        (loc / META_FILE).unlink()
     shutil.rmtree(loc, ignore_errors=True)
 
 
@@ -244,7 +243,7 @@ def retry(fn: Callable[[], T], what: str, attempts: int = WRITE_ATTEMPTS) -> T:
 # ------------------------------------------------------------------------------- record checksums (CRC32)
 
 
-class RecordChecksum(torch_private.dcp_stream_extension()):
+class RecordChecksum(torch_private.dcp_stream_extension()):  # type: ignore[misc]  # DCP's class, from torch_private
     """A DCP stream extension that appends (payload length, CRC32, magic) to every record on save and checks
     them on load. DCP stores the descriptor in its metadata, so records written without it load as before."""
 
@@ -265,7 +264,7 @@ class RecordChecksum(torch_private.dcp_stream_extension()):
         return f"{self.registry_name()}/1"
 
     def transform_to(self, output: IO[bytes]) -> IO[bytes]:
-        return _ChecksumWriter(output, self.TRAILER, self.MAGIC)
+        return cast(IO[bytes], _ChecksumWriter(output, self.TRAILER, self.MAGIC))
 
     def transform_from(self, input: IO[bytes]) -> IO[bytes]:
         data = input.read()
@@ -358,20 +357,29 @@ class _SafeReading(torch_private.LabelledRecords):
     """Mixed into DCP's readers: metadata through the restricted unpickler (and only the global metadata
     file: no fall-back to per-rank files), record locations attached for checksum messages (LabelledRecords)."""
 
+    fs: Any  # DCP's reader's (this class is mixed into one)
+    load_id: Any
+
     def read_metadata(self) -> Metadata:
         with self.fs.create_stream(torch_private.dcp_metadata_path(self), "rb") as f:
             md = parse_metadata(f.read())
-        if getattr(md, "storage_meta", None) is None:
-            md.storage_meta = StorageMeta()
-        md.storage_meta.load_id = self.load_id
+        storage_meta = getattr(md, "storage_meta", None) or StorageMeta()
+        storage_meta.load_id = self.load_id
+        md.storage_meta = storage_meta
         return md
+
+
+if TYPE_CHECKING:  # the writer mixin below is mixed into DCP's writers: checked as one
+    _WriterBase = FileSystemWriter
+else:
+    _WriterBase = object
 
 
 class _LocalReader(_SafeReading, FileSystemReader):
     pass
 
 
-class _RetryingWrites:
+class _RetryingWrites(_WriterBase):
     """Mixed into DCP's writers: each step that touches storage is retried with backoff (all ranks retry
     their own files independently; DCP's collectives only see the final outcome). The coordinator first
     removes whatever an earlier, failed save of the same step left in the target directory."""
@@ -410,7 +418,7 @@ def dcp_writer(loc: Location, *, single_file_per_rank: bool = True):
     way. Readers take either layout."""
     if isinstance(loc, RemotePath):
 
-        class _S3Writer(_RetryingWrites, torch_private.fsspec_storage()[0]):
+        class _S3Writer(_RetryingWrites, torch_private.fsspec_storage()[0]):  # type: ignore[misc]  # DCP's
             pass
 
         # No fsync on S3 (an upload is durable once it completes; DCP would os.sync() the local machine).
@@ -440,7 +448,7 @@ def dcp_reader(loc: Location):
     """A DCP StorageReader that never unpickles and checks record checksums."""
     if isinstance(loc, RemotePath):
 
-        class _S3Reader(_SafeReading, torch_private.fsspec_storage()[1]):
+        class _S3Reader(_SafeReading, torch_private.fsspec_storage()[1]):  # type: ignore[misc]  # DCP's
             pass
 
         reader = torch_private.dcp_storage_reader(_S3Reader, loc.url, [RecordChecksum])

@@ -351,7 +351,7 @@ def foreach_norm(tensors: list, dtype) -> list:
     """The 2-norm of each tensor, accumulated in `dtype`, in one call per device and dtype group."""
     import torch
 
-    return torch._foreach_norm(tensors, 2, dtype=dtype)
+    return list(torch._foreach_norm(tensors, 2, dtype=dtype))
 
 
 def local_tensor(t):
@@ -370,7 +370,8 @@ def flight_recorder_entries() -> list[dict]:
     import torch
 
     # the recorder's own dump, made by torch in this process from its ring buffer (not a file from elsewhere)
-    return pickle.loads(torch._C._distributed_c10d._dump_fr_trace(True, False, False)).get("entries") or []
+    dump = getattr(torch._C._distributed_c10d, "_dump_fr_trace")  # noqa: B009 - not in torch's type stubs
+    return pickle.loads(dump(True, False, False)).get("entries") or []
 
 
 # ------------------------------------------------------------------------------------ Dynamo and Inductor
@@ -433,8 +434,8 @@ def answer_vec_isa_probes(known: dict[str, bool]) -> bool:
     def known_or_probe(self, output_path: str) -> bool:
         return known.get(type(self).__name__, False) or probe(self, output_path)
 
-    known_or_probe.plait_probe = probe
-    cpu_vec_isa.VecISA._probe_load = known_or_probe
+    setattr(known_or_probe, "plait_probe", probe)  # noqa: B010 - a function's attribute
+    setattr(cpu_vec_isa.VecISA, "_probe_load", known_or_probe)  # noqa: B010 - replaces the method
     return True
 
 
@@ -452,11 +453,11 @@ def reusable_stager(pinned: bool):
         inner_close, outer_close = inner.close, stager.close
 
         def close() -> None:
-            inner.close = inner_close
+            setattr(inner, "close", inner_close)  # noqa: B010
             outer_close()
 
-        inner.close = lambda: None
-        stager.close = close
+        setattr(inner, "close", lambda: None)  # noqa: B010 - replaces the method
+        setattr(stager, "close", close)  # noqa: B010
     return stager
 
 

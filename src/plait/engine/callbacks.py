@@ -53,20 +53,22 @@ from plait.parallel.env import DistEnv
 
 
 class RunState(Protocol):
-    """What a callback sees of the running trainer (plait.engine.trainer.Trainer is one). Set as the run goes:
-    `meshes` at on_setup, `t` at on_model, `loader`, `checkpointer`, `resumed_from` and `metrics` at on_start."""
+    """What a callback sees of the running trainer (plait.engine.trainer.Trainer is one). Filled in as the run
+    goes: `env` from on_setup on, `meshes` too, `compiler` once the compile monitor's on_setup ran (it is the
+    first callback), `t` from on_model on (its parts), `loader`, `checkpointer`, `metrics`, `stop` and
+    `resumed_from` from on_start on."""
 
     cfg: Config
     env: DistEnv
-    meshes: Meshes | None
-    t: Trainable | None  # the model parts, their optimizers and LR schedules, the loss
-    loader: TokenLoader | SampleLoader | None
+    meshes: Meshes
+    t: Trainable  # the model parts, their optimizers and LR schedules, the loss
+    loader: TokenLoader | SampleLoader
     state: TrainState  # the step and token counters
-    checkpointer: CheckpointManager | None
-    metrics: MetricsLogger | None
-    compiler: CompileMonitor | None
-    stop: StopRequest | None
-    lock: RunLock | None  # the run directory's lock (main rank)
+    checkpointer: CheckpointManager
+    metrics: MetricsLogger
+    compiler: CompileMonitor
+    stop: StopRequest
+    lock: RunLock | None  # the run directory's lock (the main rank's; None on the others)
     callbacks: Callbacks
     data_dir: Path | None  # the prepared corpus (None: data given to the Trainer)
     val_split: Any  # the validation samples (None: none)
@@ -157,7 +159,7 @@ class Callbacks(Callback):
 
     def after_step(self, run: RunState, step: int, result: Any) -> None:
         for c in self.items:
-            _returned(c, "after_step", c.after_step(run, step, result))
+            _returned(c, "after_step", getattr(c, "after_step")(run, step, result))  # noqa: B009 - a user's may return
             if run.rolled_back():  # the step no longer counts: the callbacks after it never see it
                 return
 

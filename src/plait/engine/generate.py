@@ -78,15 +78,15 @@ def load_for_generation(path: str | Path, device: str = "auto"):
     from plait.data import eos_id, load_tokenizer
     from plait.engine.checkpoint import load_model_weights, local_file, read_config, resolve_checkpoint
 
-    path = resolve_checkpoint(path)
-    cfg = read_config(path)
+    found = resolve_checkpoint(path)
+    cfg = read_config(found)
     with torch.device("meta"):
         model = Transformer(cfg.model)
     model.to_empty(device=resolve_device(device))
     model.init_weights(0)  # rotary tables; the weights are overwritten below
-    load_model_weights(model, path)
-    tok_path = local_file(path / "tokenizer.json")
+    load_model_weights(model, found)
+    tok_path = local_file(found / "tokenizer.json")
     if tok_path is None:
-        raise PlaitError(f"checkpoint {path} has no tokenizer.json: plait generate needs one to read prompts")
+        raise PlaitError(f"checkpoint {found} has no tokenizer.json: plait generate needs one to read prompts")
     tok = load_tokenizer(tok_path)
     return model, tok, eos_id(tok)

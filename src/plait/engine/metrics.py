@@ -21,8 +21,9 @@ from plait.config import LogConfig
 
 console = Console(stderr=True, soft_wrap=True)  # paths stay on one line: copy-pasteable, greppable
 log = logging.getLogger("plait")
-"""plait's messages (what a run does, warnings). By default they go to plait's console on stderr; give the
-logger handlers of your own (`logging.getLogger("plait").handlers[:] = [...]`) or a level to take them over."""
+"""plait's messages (what a run does, warnings). A run (and every `plait` command) sends them to plait's console
+on stderr (use_console); give the logger handlers of your own (`logging.getLogger("plait").addHandler(...)`)
+or a level to take them over."""
 
 
 class ConsoleHandler(logging.Handler):
@@ -41,7 +42,14 @@ class ConsoleHandler(logging.Handler):
             self.handleError(record)
 
 
-if not log.handlers:
+log.addHandler(logging.NullHandler())  # a library's logger: the application decides where messages go
+
+
+def use_console() -> None:
+    """plait's messages (INFO and up) to its console on stderr, unless the application gave the 'plait' logger
+    handlers of its own: the `plait` commands and Trainer.fit() call it; importing plait configures nothing."""
+    if any(not isinstance(h, logging.NullHandler) for h in log.handlers):
+        return
     log.addHandler(ConsoleHandler())
     log.setLevel(logging.INFO)
     log.propagate = False  # the console handler prints it; a root handler would print it twice
@@ -84,9 +92,9 @@ class MetricsLogger:
 
         self._trackers = open_trackers(run_dir, cfg, name or run_dir.name, config)  # TensorBoard, W&B, MLflow
         if cfg.progress and sys.stderr.isatty():
-            self._progress = ProgressLine(total_steps)
+            progress = self._progress = ProgressLine(total_steps)
             self._live = Live(
-                get_renderable=lambda: self._progress.render(console.width),
+                get_renderable=lambda: progress.render(console.width),
                 console=console,
                 refresh_per_second=4,
                 transient=False,
@@ -98,7 +106,7 @@ class MetricsLogger:
 
     def log(self, step: int, metrics: dict[str, Any], *, prefix: str = "train") -> None:
         """Record metrics of `step`; the progress bar shows the latest loss."""
-        if not self.enabled:
+        if not self.enabled or self._jsonl is None:
             return
         record = {"step": step, "time": time.time(), **({"run_id": self.run_id} if self.run_id else {})}
         record.update({f"{prefix}/{k}": v for k, v in metrics.items()})

@@ -19,7 +19,8 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) ->
     than foreach for the 0.7M debug model, 8x for tiny, 11x for 56M small; bench numbers in
     docs/performance.md), the foreach implementation elsewhere.
     """
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue

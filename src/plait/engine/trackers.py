@@ -42,7 +42,7 @@ class WandB:
             project=cfg.wandb_project,
             name=name,
             dir=str(run_dir),
-            mode=cfg.wandb_mode,
+            mode="online" if cfg.wandb_mode == "online" else "offline",  # (validated: one of the two)
             config=config,
             reinit="finish_previous",
         )

@@ -128,6 +128,6 @@ def build_trainable(
         parts, pipeline = [plait_model], None
     if on_model is not None:
         on_model(parts)  # e.g. finetune.init_from weights; LoRA adapters on a frozen base
-    optimizers = [build_optimizer(part, cfg.optim, device) for part in parts]
+    optimizers: list[torch.optim.Optimizer] = [build_optimizer(part, cfg.optim, device) for part in parts]
     schedulers = [build_scheduler(opt, cfg.optim, cfg.train.steps) for opt in optimizers]
     return Trainable(cfg, device, parts, optimizers, schedulers, meshes, pipeline, loss_fn)

@@ -11,10 +11,12 @@ import contextlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from plait.config import Config, to_dict, to_toml, validate
 from plait.core.errors import ArgumentError, ConfigError, PlaitError
@@ -27,7 +29,7 @@ from plait.engine.checkpoint import CheckpointManager, TrainState, checkpoint_di
 from plait.engine.compile_cache import CompileMonitor
 from plait.engine.core_callbacks import Checkpointing, CompileWatch, LockWatch
 from plait.engine.loss import IGNORE_INDEX, TokenLoss, cross_entropy
-from plait.engine.metrics import MetricsLogger, info
+from plait.engine.metrics import MetricsLogger, info, use_console
 from plait.engine.moe import ExpertBalance, set_aux_scale
 from plait.engine.plot import write_run_plot
 from plait.engine.rundir import final_checkpoint_lost, inspect_run_dir, raise_stopped, resume
@@ -98,7 +100,8 @@ def _accumulate(t: Trainable, inputs: torch.Tensor, targets: torch.Tensor) -> to
     total = torch.zeros((), device=inputs.device)
     for i, (x, y) in enumerate(zip(inputs.chunk(num_micro), targets.chunk(num_micro), strict=True)):
         if t.fsdp:  # reduce-scatter once, after the last micro-batch (or after each: sharded accumulation)
-            t.model.set_requires_gradient_sync(i == num_micro - 1 or t.cfg.parallel.fsdp_reduce_every_micro_batch)
+            sync = i == num_micro - 1 or t.cfg.parallel.fsdp_reduce_every_micro_batch
+            cast(FSDPModule, t.model).set_requires_gradient_sync(sync)
         loss = t.loss_fn(t.forward(x, y), y)
         loss.backward()
         total += local(loss.detach())
@@ -164,8 +167,20 @@ class Trainer:
     (core_callbacks: the compile monitor and MoE balancing before yours; logging, validation and checkpointing
     after them); env: a process group already set up (it is then left up), else one from the torchrun
     environment (or of one process). `fit()` trains to cfg.train.steps (resuming the run directory's newest
-    checkpoint) and returns the last logged metrics. Everything a callback may read is an attribute: cfg, env,
-    meshes, t, loader, state, checkpointer, metrics, compiler, stop, callbacks, data_dir, resumed_from, final."""
+    checkpoint) and returns the last logged metrics. What a callback may read or call of it is
+    plait.engine.callbacks.RunState."""
+
+    # What a run fills in as it goes (the RunState callbacks see): read before it is set, an attribute is missing.
+    env: DistEnv
+    meshes: Meshes
+    t: Trainable
+    loader: TokenLoader | SampleLoader
+    checkpointer: CheckpointManager
+    metrics: MetricsLogger
+    compiler: CompileMonitor
+    stop: StopRequest
+    train_data: Any
+    _RUN_FIELDS = ("env", "meshes", "t", "loader", "checkpointer", "metrics", "compiler", "stop", "train_data")
 
     def __init__(
         self,
@@ -182,7 +197,7 @@ class Trainer:
         callbacks = check_arguments(model, parallelize, loss, data, val_data, callbacks, env)
         self.cfg, self.model_fn, self.parallelize_fn, self.loss = validate(cfg), model, parallelize, loss
         first, last = self.core_callbacks()
-        self.data, self.val_data, self.env = data, val_data, env
+        self.data, self.val_data, self.given_env = data, val_data, env
         self.callbacks = Callbacks([*first, *callbacks, *last])
         self._reset()
 
@@ -195,13 +210,14 @@ class Trainer:
 
     def fit(self) -> dict[str, float]:
         """Train to cfg.train.steps, resuming the run directory's newest checkpoint. Called again (after
-        raising cfg.train.steps, say), it continues from the checkpoint the last call wrote."""
-        own = self._own_env = self.env is None or getattr(self, "_own_env", False)
-        if own:
-            self.env = init_distributed(self.cfg.run.device, self.cfg.parallel.timeout_s)
+        raising cfg.train.steps, say), it continues from the checkpoint the last call wrote. Without a given
+        process group it sets one up (from the torchrun environment, or of one process) and takes it down."""
+        validate(self.cfg)  # again: the settings may have been changed since the Trainer was made
+        use_console()  # plait's messages on stderr, unless your application handles the 'plait' logger
+        self._reset()
+        own = self.given_env is None
+        self.env = self.given_env or init_distributed(self.cfg.run.device, self.cfg.parallel.timeout_s)
         try:
-            validate(self.cfg)  # again: the settings may have been changed since the Trainer was made
-            self._reset()
             with self._run_lock():
                 return self._run()
         finally:
@@ -210,11 +226,11 @@ class Trainer:
 
     def _reset(self) -> None:
         """What a run fills in, empty: at the start of each fit() (nothing of an earlier call is reused)."""
-        self.meshes: Meshes | None = None
-        self.t: Trainable | None = None
-        self.loader = self.checkpointer = self.metrics = self.data_dir = self.resumed_from = None
-        self.compiler: CompileMonitor | None = None
-        self.stop: StopRequest | None = None
+        for name in self._RUN_FIELDS:
+            self.__dict__.pop(name, None)
+        self.data_dir: Path | None = None
+        self.val_split: Any = None
+        self.resumed_from: Location | None = None
         self.state = TrainState()
         self.final: dict[str, float] = {}
         self.lock: RunLock | None = None  # the run directory's lock, on the main rank while fit() runs
@@ -249,13 +265,15 @@ class Trainer:
         if self.data is not None:
             self.train_data, self.val_split = self.data, self.val_data
             return
-        data_dir = None
+        prepared = ""
         if env.is_main:
-            data_dir = ensure_prepared(cfg.data.source, Path(cfg.data.cache_dir).expanduser(), cfg.model.vocab_size)
+            cache = Path(cfg.data.cache_dir).expanduser()
+            prepared = str(ensure_prepared(cfg.data.source, cache, cfg.model.vocab_size))
         if env.world_size > 1:  # the main rank tokenises the bundled corpus once; the others wait for it
-            box = [str(data_dir) if data_dir else None]
+            box = [prepared]
             dist.broadcast_object_list(box, src=0)
-            data_dir = Path(box[0])
+            prepared = box[0]
+        data_dir = Path(prepared)
         self.data_dir = data_dir
         self.train_data, self.val_split = TokenDataset(data_dir, "train"), TokenDataset(data_dir, "val")
         if self.train_data.vocab_size > cfg.model.vocab_size:
@@ -268,8 +286,8 @@ class Trainer:
 
     def _loader(self, split, *, validation: bool = False):
         cfg, meshes = self.cfg, self.meshes
-        kw = dict(seq_len=cfg.data.seq_len, global_batch_size=cfg.train.global_batch_size, dp_rank=meshes.dp_rank)
-        kw.update(dp_degree=meshes.dims.dp, device=self.env.device)
+        kw: dict[str, Any] = dict(seq_len=cfg.data.seq_len, global_batch_size=cfg.train.global_batch_size)
+        kw.update(dp_rank=meshes.dp_rank, dp_degree=meshes.dims.dp, device=self.env.device)
         if not isinstance(split, TokenDataset):
             return SampleLoader(split, **kw)
         if validation:

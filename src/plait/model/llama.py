@@ -212,6 +212,10 @@ class MoE(nn.Module):
     sequences. Training forwards add the routing counts per expert to `load` and the loss values to
     `aux_total` (buffers the trainer reads and resets each step: plait.engine.moe)."""
 
+    expert_bias: torch.Tensor  # buffers (registered below)
+    load: torch.Tensor
+    aux_total: torch.Tensor
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         e, f, dim = args.moe_experts, args.expert_hidden_dim, args.dim

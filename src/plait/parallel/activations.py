@@ -71,6 +71,7 @@ class SavedBytes:
 
     def _parameter_storages(self) -> set:
         """The storages of the model's parameters as they are now (FSDP swaps in gathered ones for forward)."""
+        assert self.model is not None, "measured while a model runs"
         return {self._key(_local(p))[0] for p in self.model.parameters()}
 
     def _pack(self, tensor):

@@ -14,6 +14,8 @@ overlap with the compiled compute as in eager mode.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -33,12 +35,20 @@ def apply_compile(model: nn.Module, cfg: Config, device: torch.device, fsdp: boo
     if float8_plan(cfg, device)[0]:
         apply_float8(model, c.float8, all_gather=fsdp)
     layers = getattr(model, "layers", None)
-    if isinstance(layers, (nn.ModuleDict, nn.ModuleList)) and len(layers):
-        for name, block in list(layers.items() if isinstance(layers, nn.ModuleDict) else enumerate(layers)):
-            layers[name] = torch.compile(block, mode=c.mode, dynamic=False, fullgraph=True)
+    if isinstance(layers, nn.ModuleDict) and len(layers):
+        for key, block in list(layers.items()):
+            layers[key] = _compiled(block, c.mode)
+    elif isinstance(layers, nn.ModuleList) and len(layers):
+        for i, block in enumerate(list(layers)):
+            layers[i] = _compiled(block, c.mode)
     else:  # a model without blocks (your own): compiled whole, in place
         model.compile(mode=c.mode, dynamic=False)
     return model
+
+
+def _compiled(block: nn.Module, mode: str) -> nn.Module:
+    """torch.compile of one block: static shapes, the whole block one graph (a graph break is an error)."""
+    return cast(nn.Module, torch.compile(block, mode=mode, dynamic=False, fullgraph=True))
 
 
 def float8_layers(choice: str):

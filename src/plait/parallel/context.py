@@ -71,8 +71,8 @@ def apply_cp(model: nn.Module, cp_mesh) -> None:
         raise TypeError("context parallelism splits plait's Transformer")
     for block in model.layers.values():
         assert isinstance(block, TransformerBlock)
-        block.attention.causal = partial(ring_causal, ring=ring)
-    model.rope = partial(_local_rope, model, cp_mesh.size(), cp_mesh.get_local_rank())
+        setattr(block.attention, "causal", partial(ring_causal, ring=ring))  # noqa: B010 - the seam's method
+    setattr(model, "rope", partial(_local_rope, model, cp_mesh.size(), cp_mesh.get_local_rank()))  # noqa: B010
 
 
 def _local_rope(model, cp: int, rank: int, start: int, seqlen: int) -> tuple[Tensor, Tensor]:

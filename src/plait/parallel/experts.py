@@ -23,6 +23,7 @@ block: plait.parallel.dims): the mean over all data-parallel ranks, as for every
 from __future__ import annotations
 
 from functools import partial
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -41,7 +42,7 @@ def apply_moe_layout(model: nn.Module, meshes: Meshes) -> None:
     dims = meshes.dims
     for module in model.modules():
         if isinstance(module, MoE) and (dims.cp > 1 or dims.moe_tp > 1):
-            module.sequence_counts = partial(_summed, group=meshes.sequence.get_group())  # shadows the method
+            setattr(module, "sequence_counts", partial(_summed, group=meshes.sequence.get_group()))  # noqa: B010 - shadows the method
         if isinstance(module, Experts) and dims.ep > 1:
             apply_ep(module, meshes.ep, grad_scale=dims.moe_tp / dims.ep)
 
@@ -60,7 +61,7 @@ def apply_ep(experts: Experts, ep_mesh, grad_scale: float) -> None:
         local = param.detach().chunk(ep_mesh.size(), dim=0)[ep_mesh.get_local_rank()]
         sharded = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
         experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-    experts.grouped = partial(_expert_parallel, experts, ep_mesh, grad_scale)  # shadows the method
+    setattr(experts, "grouped", partial(_expert_parallel, experts, ep_mesh, grad_scale))  # noqa: B010 - shadows the method
 
 
 def _expert_parallel(
@@ -79,7 +80,7 @@ def _expert_parallel(
     local = len(got[0])
     by_source = arrived.split([n for row in got for n in row])  # (source, expert) order
     by_expert = torch.cat([by_source[s * local + e] for e in range(local) for s in range(ep)])
-    weights = [ScaleGrad.apply(w.to_local(), grad_scale) for w in (experts.w1, experts.w2, experts.w3)]
+    weights = [ScaleGrad.apply(cast(DTensor, w).to_local(), grad_scale) for w in (experts.w1, experts.w2, experts.w3)]
     out = swiglu_experts(by_expert, [sum(got[s][e] for s in range(ep)) for e in range(local)], *weights)
     done = out.split([got[s][e] for e in range(local) for s in range(ep)])  # (expert, source) order
     back = torch.cat([done[e * ep + s] for s in range(ep) for e in range(local)])

@@ -69,8 +69,8 @@ def apply_head(model, tp_mesh, chunk: int, compiled: bool, in_place: bool) -> No
     (compile.enabled), through the vocabulary-parallel collectives of the tp axis under tensor parallelism
     (tp_mesh None: the whole vocabulary here); in_place=False under zero-bubble pipelines, whose backward
     walks the graph twice."""
-    kwargs = dict(chunk=chunk, compiled=compiled, in_place=in_place)
     if tp_mesh is None:
-        model.head_loss = partial(linear_cross_entropy, **kwargs)
+        model.head_loss = partial(linear_cross_entropy, chunk=chunk, compiled=compiled, in_place=in_place)
     else:
-        model.head_loss = partial(vocab_parallel_loss, group=tp_mesh.get_group(), **kwargs)
+        group = tp_mesh.get_group()
+        model.head_loss = partial(vocab_parallel_loss, group=group, chunk=chunk, compiled=compiled, in_place=in_place)

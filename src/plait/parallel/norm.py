@@ -29,7 +29,7 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, meshes: Meshes) 
     slice of the embedding's), so the norm counts each element once and the optimizer sees plain shards.
     """
     for p in params:
-        if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+        if isinstance(p, DTensor) and isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
             p.grad = p.grad.redistribute(p.device_mesh, p.placements)
     grads = [p.grad for p in params if p.grad is not None]
     device = grads[0].device if grads else torch.device("cpu")

@@ -21,13 +21,15 @@ import hashlib
 import warnings
 from collections.abc import Callable
 from functools import partial
+from typing import Any, cast
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
@@ -53,7 +55,7 @@ def parallelize(model: nn.Module, meshes: Meshes, cfg: Config, device: torch.dev
     """Apply TP/SP -> activation checkpointing -> compile -> FSDP2 to a model (or a pipeline stage of one)
     on meta."""
     dims = meshes.dims
-    if dims.tp > 1:
+    if dims.tp > 1 and isinstance(model, Transformer):  # (your model's tp is refused: parallelize_own)
         apply_tp(model, meshes.tp)
     if isinstance(model, Transformer) and model.output is not None:
         walks_twice = dims.pp > 1 and cfg.parallel.pp_schedule == "zero_bubble"
@@ -70,7 +72,7 @@ def parallelize(model: nn.Module, meshes: Meshes, cfg: Config, device: torch.dev
     return model
 
 
-def tp_plan_block(moe: bool = False) -> dict[str, object]:
+def tp_plan_block(moe: bool = False) -> dict[str, ParallelStyle]:
     """Per block: norms run sequence-parallel (activations sharded on the sequence dim) and their output is
     gathered (all-gather: see gather_norm_outputs) for the column-parallel projections; the row-parallel ones
     reduce-scatter back to sequence shards. Two all-gathers and two reduce-scatters of (B, T, dim) per block
@@ -80,7 +82,7 @@ def tp_plan_block(moe: bool = False) -> dict[str, object]:
     A mixture of experts is not split: it runs on this rank's sequence shard as it is (no gather, no
     reduce-scatter), its parameters whole on every tp rank and reduced over the tp ranks with the
     data-parallel ones (plait.parallel.dims: `moe_tp`)."""
-    plan: dict[str, object] = {
+    plan: dict[str, ParallelStyle] = {
         "attention_norm": SequenceParallel(),
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),
@@ -109,13 +111,13 @@ def gather_norm_outputs(block: nn.Module) -> None:
     for norm in (block.attention_norm, block.ffn_norm):
         if norm is block.ffn_norm and isinstance(block.feed_forward, MoE):
             continue
-        norm.register_forward_hook(_gather_sequence)
+        cast(nn.Module, norm).register_forward_hook(_gather_sequence)
 
 
 def apply_tp(model: Transformer, tp_mesh) -> None:
     """Embedding row-split over the vocabulary, output column-split with the logits left sharded on the
     vocabulary for loss-parallel cross-entropy (no all-gather of the (B, T, vocab) logits)."""
-    top: dict[str, object] = {}
+    top: dict[str, ParallelStyle] = {}
     if model.tok_embeddings is not None:
         top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
     if model.norm is not None:
@@ -190,14 +192,16 @@ def apply_ac(model: nn.Module, mode: str, tp: int = 1, nested_fsdp: bool = False
     see apply_fsdp), whose hooks run inside the regions: they count only the ops they keep
     (torch_private.count_only_saved_ops)."""
     contexts = partial(_selective_contexts, count_all=not nested_fsdp)
+    layers = getattr(model, "layers", None)
     for name, block in blocks(model):
         if mode == "full":
-            model.layers[name] = torch_private.checkpoint_wrapper(block, preserve_rng_state=False)
+            layers[name] = torch_private.checkpoint_wrapper(block, preserve_rng_state=False)  # type: ignore[index]
         elif _units_pay(block, tp):
             for unit in RECOMPUTE_UNITS:
                 setattr(block, unit, partial(_recomputed, getattr(block, unit), contexts))  # shadows the method
         else:
-            model.layers[name] = torch_private.checkpoint_wrapper(block, preserve_rng_state=False, context_fn=contexts)
+            wrapped = torch_private.checkpoint_wrapper(block, preserve_rng_state=False, context_fn=contexts)
+            layers[name] = wrapped  # type: ignore[index]  # (blocks(): a ModuleDict by name, a ModuleList by index)
 
 
 RECOMPUTE_UNITS = ("attend", "gated")
@@ -237,7 +241,8 @@ def apply_fsdp(model: nn.Module, meshes: Meshes, cfg: Config, device: torch.devi
     offload: OffloadPolicy = OffloadPolicy()
     if cfg.parallel.cpu_offload:
         offload = CPUOffloadPolicy(pin_memory=device.type == "cuda")
-    kwargs = dict(mesh=meshes.fsdp, mp_policy=fsdp_mp_policy(cfg, device), offload_policy=offload)
+    warnings.filterwarnings("ignore", message=FSDP_VIEW_WARNING)
+    kwargs: dict[str, Any] = dict(mesh=meshes.fsdp, mp_policy=fsdp_mp_policy(cfg, device), offload_policy=offload)
     # Under a pipeline every micro-batch would gather the blocks again after resharding; the schedule
     # already defers the gradient reduce-scatter to the step's end, so keep parameters gathered instead.
     reshard = cfg.parallel.fsdp_reshard_after_forward and meshes.dims.pp == 1
@@ -262,7 +267,7 @@ def apply_fsdp(model: nn.Module, meshes: Meshes, cfg: Config, device: torch.devi
 # Under tensor parallelism the embedding returns TP's to_local() view, and FSDP2 warns that an in-place op on a
 # unit's view output would drop the unit's pre-backward hook. The model adds to it out of place, and the
 # embedding's unit is not gathered again in backward (set_unshard_in_backward(False)).
-warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPEmbedding\) returned a view tensor")
+FSDP_VIEW_WARNING = r"FSDP2-wrapped module \(FSDPEmbedding\) returned a view tensor"
 
 
 def _shard_embedding_and_head(model: Transformer, blocks_: list[nn.Module], kwargs: dict, fused_head: bool) -> None:
@@ -275,14 +280,14 @@ def _shard_embedding_and_head(model: Transformer, blocks_: list[nn.Module], kwar
     with tied weights (one parameter in both: the root keeps it), nor the plain head's output (its backward
     multiplies by the weight right after forward: the root keeping it costs nothing more)."""
     if model.tok_embeddings is not None:
-        fully_shard(model.tok_embeddings, reshard_after_forward=True, **kwargs)
-        model.tok_embeddings.set_unshard_in_backward(False)
+        embedding = cast(FSDPModule, fully_shard(model.tok_embeddings, reshard_after_forward=True, **kwargs))
+        embedding.set_unshard_in_backward(False)
     if model.output is None or not fused_head:
         return
-    output = fully_shard(model.output, reshard_after_forward=True, **kwargs)
+    output = cast(FSDPModule, fully_shard(model.output, reshard_after_forward=True, **kwargs))
     output.set_unshard_in_backward(False)
     if blocks_:
-        blocks_[-1].set_modules_to_forward_prefetch([output])
+        cast(FSDPModule, blocks_[-1]).set_modules_to_forward_prefetch([output])
     model.head_loss = gathered_head(model.head_loss, output)
 
 
@@ -383,7 +388,7 @@ def materialize_module(model: nn.Module, cfg: Config, device: torch.device) -> N
     model.to_empty(device=torch.device("cpu") if cfg.parallel.cpu_offload else device)
     if callable(getattr(model, "init_weights", None)):
         with torch.no_grad():
-            model.init_weights()
+            getattr(model, "init_weights")()  # noqa: B009 - your model's own (nn.Module does not declare it)
         return
     buffers = [name for name, _ in model.named_buffers()]
     if buffers:
@@ -409,18 +414,19 @@ def _reset_in_full(module: nn.Module, seed: int) -> None:
             m._parameters[key] = nn.Parameter(full[id(p)], requires_grad=False)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            module.reset_parameters()
+            getattr(module, "reset_parameters")()  # noqa: B009 - what the module defines (checked by the caller)
     finally:
         for m, key, p in owners:
             m._parameters[key] = p
     for _, _, p in owners:
-        value = full[id(p)]
-        load_local_shard(
-            p, lambda offset, shape, v=value: v[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
-        )
+        load_local_shard(p, partial(_box_of, full[id(p)]))
 
 
-def materialize(model: nn.Module, cfg: Config, device: torch.device) -> None:
+def _box_of(value: torch.Tensor, offset: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+    return value[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
+
+
+def materialize(model: Transformer, cfg: Config, device: torch.device) -> None:
     """Allocate a parallelised model built on meta (each rank its own shards), then initialise it like the
     single-process model, each rank drawing only its shards' values. With CPU offload FSDP2 keeps the
     sharded parameters on the CPU, so they are allocated there."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -73,7 +74,7 @@ def not_counting(module: nn.Module):
 
 @dataclass
 class Pipeline:
-    schedule: object
+    schedule: Any  # a torch.distributed.pipelining schedule (single- or multi-stage)
     parts: list[nn.Module]
     has_first: bool
     has_last: bool
@@ -93,7 +94,8 @@ def build_pipeline(args: ModelArgs, meshes: Meshes, cfg: Config, device: torch.d
     num_stages = pp * v
     pp_rank = meshes.pp.get_local_rank()
     layout = split_layers(args, num_stages, cfg.parallel.pp_split, cfg.data.seq_len)
-    stages, parts = [], []
+    stages: list = []
+    parts: list[nn.Module] = []
     reduce_each = cfg.parallel.fsdp_reduce_every_micro_batch and meshes.dims.fsdp_enabled
     base = bounded_receive_stage(reducing_pipeline_stage() if reduce_each else PipelineStage)
     stage_class = quiet_shape_inference(base, not_counting)
@@ -124,7 +126,7 @@ def step_kwargs(pipe: Pipeline, targets: torch.Tensor, losses: list | None) -> d
     """The keyword arguments of this rank's schedule.step / eval: the targets and the list that collects the
     micro-batches' losses where the rank holds the last stage (whose model also takes the targets when its
     head is fused: it returns the loss), and no merged outputs kept."""
-    kwargs = {"target": targets, "losses": losses} if pipe.has_last else {}
+    kwargs: dict[str, Any] = {"target": targets, "losses": losses} if pipe.has_last else {}
     if pipe.fused and pipe.has_last:
         kwargs["targets"] = targets
     if _KEEPS_OUTPUTS_UNLESS_TOLD:  # else the last stage holds every micro-batch's output until the step ends
@@ -141,7 +143,7 @@ def pipeline_forward_backward(pipe: Pipeline, inputs: torch.Tensor, targets: tor
         pipe.schedule.step(inputs, **kwargs)
     else:
         pipe.schedule.step(**kwargs)
-    if pipe.has_last:
+    if losses is not None:  # this rank has the last stage
         loss = torch.stack([x.detach().float() for x in losses]).mean()
     else:
         loss = torch.zeros((), device=inputs.device)

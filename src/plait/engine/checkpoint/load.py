@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -73,7 +74,7 @@ def state_dicts(t) -> tuple[dict, dict, list]:
     for part, opt in zip(t.parts, t.optimizers, strict=True):
         model_sd.update(get_model_state_dict(part))
         osd = get_optimizer_state_dict(part, opt)
-        optim_sd.update(osd["state"])
+        optim_sd.update(cast(dict, osd["state"]))
         groups.extend(osd["param_groups"])
     return model_sd, optim_sd, groups
 

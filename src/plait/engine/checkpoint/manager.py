@@ -16,7 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -119,9 +119,9 @@ class CheckpointManager:
         warnings.filterwarnings("ignore", message=NO_DIST_WARNING)  # one process saves without a group: intended
         self.stopped_at = 0  # the step at which a stop request ended the run (0: not stopped)
         self._verified: dict[str, str] = {}  # checkpoint name -> its problems ("" for none), for retention
-        if self.is_writer and not storage.is_remote(self.dir):
+        if self.is_writer and isinstance(self.dir, Path):
             storage.makedirs(self.dir)
-            for stale in Path(self.dir).glob("step_*.tmp"):  # saves an earlier process never finished
+            for stale in self.dir.glob("step_*.tmp"):  # saves an earlier process never finished
                 storage.remove_tree(stale)
 
     # ---------------------------------------------------------------------------------------- cadence
@@ -327,7 +327,8 @@ class CheckpointManager:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plait-checkpoint")
             written = dcp.async_save(tensors, process_group=self._save_group, async_stager=self._stager, **common)
             staged = time.perf_counter()
-            self._pending = self._executor.submit(self._finish, step, written, meta, target, start, staged, writer)
+            pending = cast(Future, written)  # (DCP's thread-based async save returns a future)
+            self._pending = self._executor.submit(self._finish, step, pending, meta, target, start, staged, writer)
         else:
             written = Future()
             try:
@@ -351,8 +352,8 @@ class CheckpointManager:
             self._estimate = _estimated_bytes(model_sd, optim_sd, self._control)
         need = self._last_size or self._estimate
         why = ""
-        if self.is_writer:
-            free = _free_bytes(Path(self.dir))
+        if self.is_writer and isinstance(self.dir, Path):
+            free = _free_bytes(self.dir)
             if free is not None and free < need:
                 takes = "takes" if self._last_size else "will take about"
                 why = (
@@ -401,7 +402,7 @@ class CheckpointManager:
         the main rank removes what it left behind; returns the reason in plain words."""
         reason = short(error)
         # torch's writer reports a full disk as "unexpected pos A vs B": look at the disk before cleaning up
-        free = None if storage.is_remote(self.dir) else _free_bytes(Path(self.dir))
+        free = _free_bytes(self.dir) if isinstance(self.dir, Path) else None
         if free is not None and (_is_no_space(error) or free < 1 << 20):
             reason = f"the checkpoint disk is full ({mb(free)} left on {self.dir}; torch said: {reason})"
         if self.is_writer:
@@ -419,10 +420,9 @@ class CheckpointManager:
         meta = {**meta, "dcp_metadata_sha256": hashlib.sha256(storage.read_bytes(target / DCP_METADATA)).hexdigest()}
         text = json.dumps(meta, indent=1).encode()
         final = self.dir / f"step_{step:08d}"
-        if storage.is_remote(self.dir):
-            storage.write_bytes(target / META, text)  # written last: this is the publish
+        storage.write_bytes(target / META, text)  # on S3 written last: this is the publish
+        if not isinstance(final, Path) or not isinstance(target, Path):
             return
-        storage.write_bytes(target / META, text)
         if final.exists():  # an older save of the same step (a rerun): replace it only now ...
             damage = self._verified.get(final.name) or checkpoint_problems(final)
             if (final / DCP_METADATA).exists() and not damage:
@@ -536,10 +536,11 @@ def _free_bytes(path: Path) -> int | None:
         return None
 
 
-def _is_no_space(e: BaseException) -> bool:
+def _is_no_space(error: BaseException) -> bool:
     import errno
 
     seen: set[int] = set()
+    e: BaseException | None = error
     while e is not None and id(e) not in seen:
         seen.add(id(e))
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
