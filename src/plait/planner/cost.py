@@ -468,244 +468,342 @@ def a2a_bytes(a: ModelArgs, e: int, T, ep) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------- the model
 
 
+NO_AC, SELECTIVE_AC, FULL_AC = (AC_MODES.index(m) for m in AC_MODES)
+NO_PIPELINE, GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE = (SCHEDULES.index(s) for s in SCHEDULES)
+
+
+@dataclass
+class _Columns:
+    """A batch of layouts' columns and what follows from them, shared by the memory and the time model."""
+
+    tp: np.ndarray
+    pp: np.ndarray
+    v: np.ndarray  # virtual stages per pipeline rank
+    shard: np.ndarray
+    rep: np.ndarray
+    cp: np.ndarray
+    ep: np.ndarray
+    moe_tp: np.ndarray  # ranks that split an MoE block's tokens beyond cp
+    whole_tp: np.ndarray  # parameters TP leaves whole: FSDP over tp (plait.parallel.rules.tp_whole)
+    dp: np.ndarray
+    fsdp_shard: np.ndarray  # context parallel ranks shard the parameters with dp_shard (plait.parallel.dims)
+    m: np.ndarray  # micro-batches per step
+    T: np.ndarray  # this rank's tokens of one micro-batch
+    single: np.ndarray  # no pipeline
+    fsdp: np.ndarray  # plait.parallel.rules.fsdp_enabled
+    accumulate: np.ndarray  # gradients unsharded across micro-batches (no-sync), unless reduced after each
+    held: np.ndarray  # gathered parameters stay gathered through the step
+
+    @classmethod
+    def of(cls, work: Workload, lay: Layouts) -> _Columns:
+        a = work.model
+        tp, pp, v = lay.tp.astype(np.int64), lay.pp.astype(np.int64), lay.virtual.astype(np.int64)
+        shard, rep = lay.dp_shard.astype(np.int64), lay.dp_replicate.astype(np.int64)
+        cp, ep = lay.cp.astype(np.int64), lay.ep.astype(np.int64)
+        dp = shard * rep
+        m = (work.global_batch // dp) // lay.micro_batch
+        return cls(
+            tp, pp, v, shard, rep, cp, ep,
+            moe_tp=tp if a.moe_experts else np.ones_like(tp),
+            whole_tp=tp if a.moe_experts or a.qk_norm else np.ones_like(tp),
+            dp=dp, fsdp_shard=shard * cp, m=m,
+            T=(lay.micro_batch * work.seq_len / cp).astype(np.float64),
+            single=pp == 1,
+            fsdp=fsdp_enabled(dp * cp, ep, rules_tp_whole(tp, bool(a.moe_experts), a.qk_norm), lay.offload),
+            accumulate=((m > 1) | (pp > 1)) & ~lay.sync_each,
+            held=(pp > 1) | ~lay.reshard,
+        )  # fmt: skip
+
+
 def evaluate(work: Workload, cluster: Cluster, lay: Layouts) -> dict[str, np.ndarray]:
-    """Memory (bytes, worst rank) and step time (s) with their parts, MFU and tokens/s for each layout."""
-    a, s, e, fused = work.model, work.seq_len, work.act_bytes, work.fused_head
-    tp, pp, v = lay.tp.astype(np.int64), lay.pp.astype(np.int64), lay.virtual.astype(np.int64)
-    shard, rep = lay.dp_shard.astype(np.int64), lay.dp_replicate.astype(np.int64)
-    cp, ep = lay.cp.astype(np.int64), lay.ep.astype(np.int64)
-    moe_share = a.n_moe_layers / a.n_layers
-    moe_tp = tp if a.moe_experts else np.ones_like(tp)  # ranks that split an MoE block's tokens beyond cp
-    whole_tp = tp if a.moe_experts or a.qk_norm else np.ones_like(tp)  # parameters TP leaves whole: FSDP over tp
-    dp = shard * rep
-    fsdp_shard = shard * cp  # context parallel ranks shard the parameters with dp_shard (plait.parallel.dims)
-    m = (work.global_batch // dp) // lay.micro_batch
-    T = (lay.micro_batch * s / cp).astype(np.float64)  # this rank's tokens of one micro-batch
-    G = cluster.devices_per_node
-    out: dict[str, np.ndarray] = {"micro_batches": m}
-
-    # ---- parameters per rank: first rank (embedding) and last rank (output projection)
-    n_first, n_last = split_stages(a, s, pp, v)
-    single = pp == 1
-    block_s, block_u = block_numel(a, tp, fsdp_shard, ep)
-    layer_s, layer_u = sum(block_s.values()), sum(block_u.values())
-    emb_s, emb_u = sharded_numel(embed_params(a), tp, fsdp_shard), local_numel(embed_params(a), tp)
-    head_s, head_u = sharded_numel(head_params(a), tp, fsdp_shard), local_numel(head_params(a), tp)
-    ranks = {
-        "first": (n_first, emb_s + np.where(single, head_s, 0), emb_u + np.where(single, head_u, 0)),
-        "last": (n_last, head_s + np.where(single, emb_s, 0), head_u + np.where(single, emb_u, 0)),
-    }
-    a_layer = layer_activation_bytes(a, e, tp, lay.ac, cp, ep)
-    a_none = layer_activation_bytes(a, e, tp, 0, cp, ep)
-    # gradients stay unsharded across micro-batches (no-sync accumulation), unless reduced after each one
-    accumulate = ((m > 1) | (pp > 1)) & ~lay.sync_each
-    held = (pp > 1) | ~lay.reshard  # gathered parameters stay gathered through the step
-    fsdp = fsdp_enabled(dp * cp, ep, rules_tp_whole(tp, bool(a.moe_experts), a.qk_norm), lay.offload)
-    kv_local = a.n_kv_heads * a.head_dim / tp  # the keys (and values) one rank's attention holds per token
-
-    # Gathered parameters at the peak where blocks reshard after forward (no pipeline): the current and the
-    # prefetched block and the root. Untied, the embedding is a unit of its own gathered for its forward only,
-    # as the output is under the fused head (gathered with the last block, freed before backward):
-    # plait.parallel.parallelize._shard_embedding_and_head.
-    if a.tie_embeddings:
-        resharding_gathered = 2 * layer_u + emb_u + head_u
-    else:
-        out_u = local_numel([(a.vocab_size, a.dim, 0)], tp)
-        resharding_gathered = (np.maximum(2 * layer_u, layer_u + out_u) if fused else 2 * layer_u + out_u) + a.dim
-
-    mem: dict[str, dict[str, np.ndarray]] = {}
-    for name, (layers, root_s, root_u) in ranks.items():
-        is_first = name == "first"
-        has_head = single | (not is_first)
-        has_embed = single | is_first
-        sharded = layers * layer_s + root_s
-        unsharded = layers * layer_u + root_u
-        states = np.where(lay.offload, 0.0, 16.0 * sharded)  # fp32 param + fp32 grad + AdamW (2 x fp32)
-        gathered = np.where(held, unsharded, resharding_gathered)
-        params_buf = np.where(fsdp, e * gathered, 0.0)
-        grads_buf = np.where(fsdp, np.where(accumulate, 4.0 * unsharded, e * (2 * layer_u + root_u)), 0.0)
-        tp_buf = np.where(tp > 1, 2 * T * a.dim * e, 0.0)
-        # Pipeline receive buffers live only while their micro-batch does (plait.core.torch_private.
-        # bounded_receive_stage): a received activation is the stage's input, saved by its first block (an
-        # activation, below); what is not saved is one buffer per direction the rank receives in (activations
-        # into every stage but the first, gradients into every stage but the last: 2 v - 1 of the rank's v
-        # stages), and with GPipe / 1F1B a second gradient buffer, the previous one, which the schedule holds
-        # until it posts the next receive.
-        chunk, hand_off = layers / v * a_layer * T, T * a.dim * e / tp  # sequence shards under TP
-        single_stage = (lay.schedule == SCHEDULES.index("gpipe")) | (lay.schedule == SCHEDULES.index("1f1b"))
-        pp_buf = np.where(pp > 1, (2 * v - 1 + (single_stage & is_first)) * hand_off, 0.0)
-        # One micro-batch of one of this rank's v stages: its layers, its input (received, except on the first
-        # stage), and its output until the backward: the stage that sends keeps it, the final stage keeps its
-        # logits (the schedule's stage output) and the loss's activations.
-        # the last stage's output: the logits (B, T, V / tp); with the fused head the micro-batch's loss, and the
-        # output weight's gradient it computed in forward (in the gathered weight's dtype), kept per micro-batch
-        # in flight until that micro-batch's backward
-        head_grad = a.vocab_size / tp * a.dim * np.where(fsdp, e, 4)
-        head = head_activation_bytes(a, e, tp, fused) * T + (head_grad if fused else T * a.vocab_size / tp * e)
-        rank_last = not is_first
-
-        zb_layer = zero_bubble_residue(a, e, tp, layers / v, False, fused)
-        zb_last = zero_bubble_residue(a, e, tp, layers / v, True, fused)
-
-        def stage_bytes(s, idx, rank_last=rank_last, chunk=chunk, head=head, hand_off=hand_off, zb=(zb_layer, zb_last)):
-            first_stage, last_stage = s == 0 and not rank_last, rank_last and s == int(v[idx][0]) - 1
-            # (the layers' bytes already count the stage input, which the first block's norm saves)
-            held = chunk[idx] + (head[idx] if last_stage else hand_off[idx])
-            # zero bubble: a stage that received its input keeps it as long as the rest of the residue
-            residue = 0 * held if first_stage else zb[1 if last_stage else 0][idx] * T[idx] + hand_off[idx]
-            residue = np.where(lay.ac[idx] == 2, 0, residue)  # full AC: the residue is recomputed, not kept
-            return held, residue
-
-        acts = np.where(
-            single,
-            chunk + np.where(has_head, head_activation_bytes(a, e, tp, fused) * T, 0),
-            peak_activations(lay.schedule, pp, v, m, rank_last, stage_bytes),
-        )
-        if rank_last:
-            acts = np.where(lay.schedule == SCHEDULES.index("zero_bubble"), acts * ZERO_BUBBLE_LAST_MARGIN, acts)
-        acts = acts + np.where(has_embed, m * T * EMBED_ACTIVATION_BYTES, 0)  # the token ids of all micro-batches
-        transient = np.where(lay.ac > 0, a_none * T, 0.0)  # one block recomputed during its backward
-        transient = transient + np.where(has_head, head_transient_bytes(a, e, tp, T, fused), 0.0)
-        # the ring's buffers in backward: k and v held and arriving, their fp32 gradients held and arriving
-        transient = transient + np.where(cp > 1, T * kv_local * 2 * (2 * e + 2 * 4), 0.0)
-        # expert parallelism: one MoE block's tokens on the move (received, regrouped, results going back)
-        transient = transient + np.where(ep > 1, 3 * a.moe_top_k * T / moe_tp * a.dim * e, 0.0)
-        dynamic = params_buf + grads_buf + tp_buf + pp_buf + acts + transient
-        total = states + dynamic * (1 + ALLOCATOR_OVERHEAD) + RESERVED_GIB * GiB
-        mem[name] = dict(
-            states=states,
-            buffers=params_buf + grads_buf + tp_buf + pp_buf,
-            activations=acts,
-            transient=transient,
-            allocator=dynamic * ALLOCATOR_OVERHEAD + RESERVED_GIB * GiB,
-            total=total,
-            host=np.where(lay.offload, 16.0 * sharded, 0.0),
-            sharded=sharded,
-            unsharded=unsharded,
-            layers=layers,
-            root_unsharded=root_u,
-        )
+    """Memory (bytes, worst rank) and step time (s) with their parts, MFU and tokens/s for each layout: the
+    first and the last pipeline rank are modelled (the embedding's and the output projection's), the worse
+    of the two counts."""
+    c = _Columns.of(work, lay)
+    out: dict[str, np.ndarray] = {"micro_batches": c.m}
+    mem = {name: _rank_memory(work, lay, c, name) for name in ("first", "last")}
     for name in ("first", "last"):  # per pipeline rank, for the comparison with measured memory
         for key in ("states", "buffers", "activations"):
             out[f"mem_{key}_{name}"] = mem[name][key]
     worst_first = mem["first"]["total"] >= mem["last"]["total"]
     for key in ("states", "buffers", "activations", "transient", "allocator", "total", "host"):
         out[f"mem_{key}"] = np.where(worst_first, mem["first"][key], mem["last"][key])
-    out["fits_host"] = out["mem_host"] * G <= 0.9 * cluster.host_memory_gib * GiB
+    out["fits_host"] = out["mem_host"] * cluster.devices_per_node <= 0.9 * cluster.host_memory_gib * GiB
     out["fits"] = (out["mem_total"] <= cluster.memory_gib * GiB) & out["fits_host"]
+    links = _Links.of(cluster, c)
+    out["tp_cross_node"] = links.tp_spans
+    per_rank = {name: _rank_time(work, cluster, lay, c, links, rank) for name, rank in mem.items()}
+    out.update(_step_time(work, cluster, lay, c, per_rank))
+    return out
 
-    # ---- time
-    tp_spans = _spans_nodes(1, tp, G)
-    cp_spans = _spans_nodes(tp, cp, G)
-    shard_spans = _spans_nodes(tp * cp, shard, G)
-    rep_spans = _spans_nodes(tp * cp * shard, rep, G)
-    pp_spans = _spans_nodes(tp * cp * dp, pp, G)
-    out["tp_cross_node"] = tp_spans
-    tp_bw, tp_lat = _link(cluster, tp_spans)
-    cp_bw, cp_lat = _link(cluster, cp_spans)
-    sh_bw, sh_lat = _link(cluster, shard_spans)
-    rp_bw, rp_lat = _link(cluster, rep_spans)
-    pp_bw, pp_lat = _link(cluster, pp_spans)
+
+def _rank_memory(work: Workload, lay: Layouts, c: _Columns, name: str) -> dict[str, np.ndarray]:
+    """The first pipeline rank's (it holds the embedding) or the last's (the output projection) memory, by part."""
+    a, e, fused = work.model, work.act_bytes, work.fused_head
+    tp, pp, v, T = c.tp, c.pp, c.v, c.T
+    is_first = name == "first"
+    layers = split_stages(a, work.seq_len, pp, v)[0 if is_first else 1]
+    block_s, block_u = block_numel(a, tp, c.fsdp_shard, c.ep)
+    layer_s, layer_u = sum(block_s.values()), sum(block_u.values())
+    emb_s, emb_u = sharded_numel(embed_params(a), tp, c.fsdp_shard), local_numel(embed_params(a), tp)
+    head_s, head_u = sharded_numel(head_params(a), tp, c.fsdp_shard), local_numel(head_params(a), tp)
+    if is_first:
+        root_s, root_u = emb_s + np.where(c.single, head_s, 0), emb_u + np.where(c.single, head_u, 0)
+    else:
+        root_s, root_u = head_s + np.where(c.single, emb_s, 0), head_u + np.where(c.single, emb_u, 0)
+    has_head, has_embed = c.single | (not is_first), c.single | is_first
+    sharded = layers * layer_s + root_s
+    unsharded = layers * layer_u + root_u
+    states = np.where(lay.offload, 0.0, 16.0 * sharded)  # fp32 param + fp32 grad + AdamW (2 x fp32)
+    gathered = np.where(c.held, unsharded, _resharding_gathered(a, tp, layer_u, emb_u, head_u, fused))
+    params_buf = np.where(c.fsdp, e * gathered, 0.0)
+    grads_buf = np.where(c.fsdp, np.where(c.accumulate, 4.0 * unsharded, e * (2 * layer_u + root_u)), 0.0)
+    tp_buf = np.where(tp > 1, 2 * T * a.dim * e, 0.0)
+    # Pipeline receive buffers live only while their micro-batch does (plait.core.torch_private.
+    # bounded_receive_stage): a received activation is the stage's input, saved by its first block (an
+    # activation, below); what is not saved is one buffer per direction the rank receives in (activations
+    # into every stage but the first, gradients into every stage but the last: 2 v - 1 of the rank's v
+    # stages), and with GPipe / 1F1B a second gradient buffer, the previous one, which the schedule holds
+    # until it posts the next receive.
+    hand_off = T * a.dim * e / tp  # sequence shards under TP
+    single_stage = (lay.schedule == GPIPE) | (lay.schedule == ONE_F_ONE_B)
+    pp_buf = np.where(pp > 1, (2 * v - 1 + (single_stage & is_first)) * hand_off, 0.0)
+    acts = _activations(work, lay, c, layers, rank_last=not is_first, has_head=has_head, hand_off=hand_off)
+    acts = acts + np.where(has_embed, c.m * T * EMBED_ACTIVATION_BYTES, 0)  # the token ids of all micro-batches
+    transient = _transient(work, lay, c, has_head)
+    dynamic = params_buf + grads_buf + tp_buf + pp_buf + acts + transient
+    return dict(
+        states=states,
+        buffers=params_buf + grads_buf + tp_buf + pp_buf,
+        activations=acts,
+        transient=transient,
+        allocator=dynamic * ALLOCATOR_OVERHEAD + RESERVED_GIB * GiB,
+        total=states + dynamic * (1 + ALLOCATOR_OVERHEAD) + RESERVED_GIB * GiB,
+        host=np.where(lay.offload, 16.0 * sharded, 0.0),
+        sharded=sharded,
+        unsharded=unsharded,
+        layers=layers,
+        root_unsharded=root_u,
+        has_output=not is_first,  # the last rank holds the output projection (without a pipeline, both do)
+    )
+
+
+def _resharding_gathered(a: ModelArgs, tp, layer_u, emb_u, head_u, fused: bool):
+    """Gathered parameters at the peak where blocks reshard after forward (no pipeline): the current and the
+    prefetched block and the root. Untied, the embedding is a unit of its own gathered for its forward only,
+    as the output is under the fused head (gathered with the last block, freed before backward):
+    plait.parallel.parallelize._shard_embedding_and_head."""
+    if a.tie_embeddings:
+        return 2 * layer_u + emb_u + head_u
+    out_u = local_numel([(a.vocab_size, a.dim, 0)], tp)
+    return (np.maximum(2 * layer_u, layer_u + out_u) if fused else 2 * layer_u + out_u) + a.dim
+
+
+def _activations(work: Workload, lay: Layouts, c: _Columns, layers, *, rank_last: bool, has_head, hand_off):
+    """Activations kept for backward at the rank's peak: one micro-batch without a pipeline, else the
+    schedule's peak over the micro-batches each of this rank's v stages holds (peak_activations)."""
+    a, e, fused, T, v = work.model, work.act_bytes, work.fused_head, c.T, c.v
+    chunk = layers / v * layer_activation_bytes(a, e, c.tp, lay.ac, c.cp, c.ep) * T
+    # One micro-batch of one of this rank's v stages: its layers, its input (received, except on the first
+    # stage), and its output until the backward: the stage that sends keeps it, the final stage keeps its
+    # logits (the schedule's stage output) and the loss's activations. The last stage's output: the logits
+    # (B, T, V / tp); with the fused head the micro-batch's loss, and the output weight's gradient it computed
+    # in forward (in the gathered weight's dtype), kept per micro-batch in flight until that micro-batch's
+    # backward.
+    head_grad = a.vocab_size / c.tp * a.dim * np.where(c.fsdp, e, 4)
+    head = head_activation_bytes(a, e, c.tp, fused) * T + (head_grad if fused else T * a.vocab_size / c.tp * e)
+    zb = (
+        zero_bubble_residue(a, e, c.tp, layers / v, False, fused),
+        zero_bubble_residue(a, e, c.tp, layers / v, True, fused),
+    )
+
+    def stage_bytes(s, idx):
+        first_stage, last_stage = s == 0 and not rank_last, rank_last and s == int(v[idx][0]) - 1
+        # (the layers' bytes already count the stage input, which the first block's norm saves)
+        held = chunk[idx] + (head[idx] if last_stage else hand_off[idx])
+        # zero bubble: a stage that received its input keeps it as long as the rest of the residue
+        residue = 0 * held if first_stage else zb[1 if last_stage else 0][idx] * T[idx] + hand_off[idx]
+        residue = np.where(lay.ac[idx] == FULL_AC, 0, residue)  # full AC: the residue is recomputed, not kept
+        return held, residue
+
+    acts = np.where(
+        c.single,
+        chunk + np.where(has_head, head_activation_bytes(a, e, c.tp, fused) * T, 0),
+        peak_activations(lay.schedule, c.pp, v, c.m, rank_last, stage_bytes),
+    )
+    if rank_last:
+        acts = np.where(lay.schedule == ZERO_BUBBLE, acts * ZERO_BUBBLE_LAST_MARGIN, acts)
+    return acts
+
+
+def _transient(work: Workload, lay: Layouts, c: _Columns, has_head):
+    """Memory that lives only during one block's backward (or the head's)."""
+    a, e, T = work.model, work.act_bytes, c.T
+    a_none = layer_activation_bytes(a, e, c.tp, NO_AC, c.cp, c.ep)
+    kv_local = a.n_kv_heads * a.head_dim / c.tp  # the keys (and values) one rank's attention holds per token
+    transient = np.where(lay.ac > NO_AC, a_none * T, 0.0)  # one block recomputed during its backward
+    transient = transient + np.where(has_head, head_transient_bytes(a, e, c.tp, T, work.fused_head), 0.0)
+    # the ring's buffers in backward: k and v held and arriving, their fp32 gradients held and arriving
+    transient = transient + np.where(c.cp > 1, T * kv_local * 2 * (2 * e + 2 * 4), 0.0)
+    # expert parallelism: one MoE block's tokens on the move (received, regrouped, results going back)
+    return transient + np.where(c.ep > 1, 3 * a.moe_top_k * T / c.moe_tp * a.dim * e, 0.0)
+
+
+@dataclass
+class _Links:
+    """Each parallel axis's bandwidth and latency, by whether its groups span nodes (ranks ordered tp, cp,
+    dp_shard, dp_replicate, pp from the innermost)."""
+
+    tp_spans: np.ndarray
+    tp: tuple
+    cp: tuple
+    shard: tuple
+    rep: tuple
+    pp: tuple
+    moe: tuple  # MoE FSDP groups and ep groups: consecutive ranks
+    ep: tuple
+
+    @classmethod
+    def of(cls, cluster: Cluster, c: _Columns) -> _Links:
+        G = cluster.devices_per_node
+        tp_spans = _spans_nodes(1, c.tp, G)
+        return cls(
+            tp_spans,
+            _link(cluster, tp_spans),
+            _link(cluster, _spans_nodes(c.tp, c.cp, G)),
+            _link(cluster, _spans_nodes(c.tp * c.cp, c.shard, G)),
+            _link(cluster, _spans_nodes(c.tp * c.cp * c.shard, c.rep, G)),
+            _link(cluster, _spans_nodes(c.tp * c.cp * c.dp, c.pp, G)),
+            _link(cluster, _spans_nodes(1, c.fsdp_shard * c.whole_tp, G)),
+            _link(cluster, _spans_nodes(1, c.ep, G)),
+        )
+
+
+def _rank_time(work: Workload, cluster: Cluster, lay: Layouts, c: _Columns, links: _Links, rank: dict) -> dict:
+    """One pipeline rank's time per micro-batch by part (compute, TP, CP, EP, pipeline sends), with the F / B / W
+    shares zero bubble schedules, its exposed FSDP communication per step, and its optimizer step."""
+    a, s, e, T, tp, cp, ep = work.model, work.seq_len, work.act_bytes, c.T, c.tp, c.cp, c.ep
+    layers = rank["layers"]
     local_width = a.dim / tp
     eff = cluster.efficiency * (T / (T + GEMM_KNEE)) * (local_width / (local_width + GEMM_KNEE))
     rate = cluster.peak_flops * eff
-    recompute = np.where(lay.ac == 2, 1.0, np.where(lay.ac == 1, SELECTIVE_RECOMPUTE, 0.0))
-    extra_collectives = np.where(lay.ac > 0, 3, 0)  # recomputing a block repeats its SP all-gathers
+    full = lay.ac == FULL_AC
+    recompute = np.where(full, 1.0, np.where(lay.ac == SELECTIVE_AC, SELECTIVE_RECOMPUTE, 0.0))
+    extra_collectives = np.where(lay.ac > NO_AC, 3, 0)  # recomputing a block repeats its SP all-gathers
+    moe_share = a.n_moe_layers / a.n_layers
     sp_share = 1 - moe_share / 2  # an MoE block has the attention's SP collectives only
-    moe_spans = _spans_nodes(1, fsdp_shard * whole_tp, G)  # MoE FSDP groups and ep groups: consecutive ranks
-    mo_bw, mo_lat = _link(cluster, moe_spans)
-    ep_bw, ep_lat = _link(cluster, _spans_nodes(1, ep, G))
-
-    c_layer, c_head = layer_flops_per_token(a, s), head_flops_per_token(a)
-    mf = m.astype(np.float64)
+    c_layer = layer_flops_per_token(a, s)
     w_layer = 2 * matmul_params(a)  # weight-gradient FLOPs per token (the rest of backward is input-grad)
-    per_rank = {}
-    for name, rank in mem.items():
-        layers = rank["layers"]
-        head = c_head * (single | (name == "last"))
-        fwd = T * (layers * c_layer + head) / tp
-        wgt = T * (layers * w_layer + head) / tp
-        bwd_in = 2 * fwd - wgt + recompute * T * layers * c_layer / tp
-        compute = (fwd + bwd_in + wgt) / rate
-        coll = ring_time(T * a.dim * e, tp, tp_bw, tp_lat)  # one SP all-gather or reduce-scatter
-        tp_time = layers * sp_share * (8 + extra_collectives) * coll
-        p2p = np.where(pp > 1, 2 * v * (T * a.dim * e / tp / pp_bw + pp_lat), 0.0)  # each TP rank: its shard
-        # Ring attention, per layer: each of the c - 1 hops travels while one block computes (1/c of this rank's
-        # attention, whose forward is 4 h s FLOPs per token, backward twice that), so only what a hop takes
-        # beyond its block is exposed; in backward the gradients of the previous step's keys travel alongside,
-        # and their last hop home is exposed whole. Full AC runs the forward ring twice.
-        kv_hop, grad_hop = 2 * T * kv_local * e / cp_bw + cp_lat, 2 * T * kv_local * 4 / cp_bw + cp_lat
-        block = 4 * a.dim * s * T / tp / rate / cp
-        ring_fwd = (cp - 1) * np.maximum(kv_hop - block, 0)
-        ring_bwd = (cp - 1) * np.maximum(kv_hop + grad_hop - 2 * block, 0) + grad_hop
-        cp_time = np.where(cp > 1, layers * (ring_fwd * np.where(lay.ac == 2, 2, 1) + ring_bwd), 0.0)
-        # Expert parallelism, per MoE block and pass: the routed copies (k per token) go to their experts and
-        # back, (ep - 1) / ep of them to other ranks, plus an exchange of the counts; backward the same for the
-        # gradients; full AC dispatches the forward again. On the critical path: nothing hides it.
-        a2a = 2 * (a2a_bytes(a, e, T / moe_tp, ep) / ep_bw + 2 * ep_lat)
-        ep_time = np.where(ep > 1, layers * moe_share * a2a * (2 + (lay.ac == 2)), 0.0)
-        t_mb = compute + tp_time + p2p + cp_time + ep_time
-        # F / B / W shares of a micro-batch (communication spread pro rata) for the zero-bubble schedule.
-        total_flops = fwd + bwd_in + wgt
-        f_t, b_t, w_t = (t_mb * x / total_flops for x in (fwd, bwd_in, wgt))
-        # FSDP (plait.parallel): forward all-gathers hide behind the forward of their micro-batch, backward
-        # ones (after reshard-after-forward) and the gradient reduce-scatter (+ the HSDP all-reduce across
-        # replicas, on the last micro-batch only: accumulation skips the sync) behind its backward. The first
-        # group's gather and the last group's reduction cannot overlap anything.
-        # Each FSDP group over its own ranks: dense parts over fsdp_shard, MoE router and shared expert over
-        # fsdp_shard x tp, experts over fsdp_shard x tp / ep (plait.parallel.parallelize._shard_moe).
-        groups = layers + 1
-        ag, rs, ar = 0.0, 0.0, 0.0
-        for numel, n, bw, lat in (
-            (layers * block_u["dense"] + rank["root_unsharded"], fsdp_shard, sh_bw, sh_lat),
-            (layers * block_u["moe"], fsdp_shard * whole_tp, mo_bw, mo_lat),
-            (layers * block_u["experts"], fsdp_shard * whole_tp // ep, mo_bw, mo_lat),
-        ):
-            ag = ag + ring_time(e * numel, n, bw, lat, groups)
-            rs = rs + ring_time(4.0 * numel, n, bw, lat, groups)
-            ar = ar + allreduce_time(4.0 * numel / n, rep, rp_bw, rp_lat, groups)
-        bwd_t = b_t + w_t
-        bwd_ag = np.where(lay.reshard & (pp == 1), ag, 0.0)
-        fwd_gathers = np.where(pp == 1, mf, 1.0)  # a pipeline keeps weights gathered after the first
-        # With fsdp_reduce_every_micro_batch every micro-batch's backward also reduces (and its last group's
-        # reduction is exposed each time).
-        early = np.where(lay.sync_each, bwd_ag + rs + ar, bwd_ag)
-        exposed = (
-            fwd_gathers * np.maximum(ag - f_t, 0)
-            + np.maximum(mf - 1, 0) * (np.maximum(early - bwd_t, 0) + lay.sync_each * (rs + ar) / groups)
-            + np.maximum(bwd_ag + rs + ar - bwd_t, 0)
-            + (ag + rs + ar) / groups
-        )
-        n_ag = fwd_gathers + np.where(pp == 1, mf * lay.reshard + lay.sync_each * np.maximum(mf - 1, 0), 0)
-        optimizer = np.where(
-            lay.offload,
-            OPTIMIZER_BYTES_PER_PARAM * rank["sharded"] * G / cluster.host_bw
-            + (n_ag + 1) * 4.0 * rank["sharded"] / cluster.pcie_bw,
-            OPTIMIZER_BYTES_PER_PARAM * rank["sharded"] / cluster.hbm_bw,
-        )
-        per_rank[name] = dict(
-            compute=compute,
-            tp=tp_time,
-            cp=cp_time,
-            ep=ep_time,
-            p2p=p2p,
-            t_mb=t_mb,
-            zb=np.maximum(f_t + b_t - w_t, 0),
-            fsdp=np.where(fsdp, exposed, 0.0),
-            optimizer=optimizer,
-        )
+    head = head_flops_per_token(a) * (c.single | rank["has_output"])
+    fwd = T * (layers * c_layer + head) / tp
+    wgt = T * (layers * w_layer + head) / tp
+    bwd_in = 2 * fwd - wgt + recompute * T * layers * c_layer / tp
+    compute = (fwd + bwd_in + wgt) / rate
+    tp_bw, tp_lat = links.tp
+    coll = ring_time(T * a.dim * e, tp, tp_bw, tp_lat)  # one SP all-gather or reduce-scatter
+    tp_time = layers * sp_share * (8 + extra_collectives) * coll
+    pp_bw, pp_lat = links.pp
+    p2p = np.where(c.pp > 1, 2 * c.v * (T * a.dim * e / tp / pp_bw + pp_lat), 0.0)  # each TP rank: its shard
+    # Ring attention, per layer: each of the c - 1 hops travels while one block computes (1/c of this rank's
+    # attention, whose forward is 4 h s FLOPs per token, backward twice that), so only what a hop takes
+    # beyond its block is exposed; in backward the gradients of the previous step's keys travel alongside,
+    # and their last hop home is exposed whole. Full AC runs the forward ring twice.
+    cp_bw, cp_lat = links.cp
+    kv_local = a.n_kv_heads * a.head_dim / tp
+    kv_hop, grad_hop = 2 * T * kv_local * e / cp_bw + cp_lat, 2 * T * kv_local * 4 / cp_bw + cp_lat
+    block = 4 * a.dim * s * T / tp / rate / cp
+    ring_fwd = (cp - 1) * np.maximum(kv_hop - block, 0)
+    ring_bwd = (cp - 1) * np.maximum(kv_hop + grad_hop - 2 * block, 0) + grad_hop
+    cp_time = np.where(cp > 1, layers * (ring_fwd * np.where(full, 2, 1) + ring_bwd), 0.0)
+    # Expert parallelism, per MoE block and pass: the routed copies (k per token) go to their experts and
+    # back, (ep - 1) / ep of them to other ranks, plus an exchange of the counts; backward the same for the
+    # gradients; full AC dispatches the forward again. On the critical path: nothing hides it.
+    ep_bw, ep_lat = links.ep
+    a2a = 2 * (a2a_bytes(a, e, T / c.moe_tp, ep) / ep_bw + 2 * ep_lat)
+    ep_time = np.where(ep > 1, layers * moe_share * a2a * (2 + full), 0.0)
+    t_mb = compute + tp_time + p2p + cp_time + ep_time
+    # F / B / W shares of a micro-batch (communication spread pro rata) for the zero-bubble schedule.
+    total_flops = fwd + bwd_in + wgt
+    f_t, b_t, w_t = (t_mb * x / total_flops for x in (fwd, bwd_in, wgt))
+    fsdp_exposed, gathers = _fsdp_exposed(work, lay, c, links, rank, f_t, b_t + w_t)
+    return dict(
+        compute=compute,
+        tp=tp_time,
+        cp=cp_time,
+        ep=ep_time,
+        p2p=p2p,
+        t_mb=t_mb,
+        zb=np.maximum(f_t + b_t - w_t, 0),
+        fsdp=np.where(c.fsdp, fsdp_exposed, 0.0),
+        optimizer=_optimizer_time(cluster, lay, rank["sharded"], gathers),
+    )
+
+
+def _fsdp_exposed(work: Workload, lay: Layouts, c: _Columns, links: _Links, rank: dict, f_t, bwd_t) -> tuple:
+    """(FSDP communication not hidden by compute per step, the all-gathers of each parameter per step).
+
+    Forward all-gathers hide behind the forward of their micro-batch, backward ones (after
+    reshard-after-forward) and the gradient reduce-scatter (+ the HSDP all-reduce across replicas, on the last
+    micro-batch only: accumulation skips the sync) behind its backward. The first group's gather and the last
+    group's reduction cannot overlap anything. Each FSDP group over its own ranks: dense parts over
+    fsdp_shard, MoE router and shared expert over fsdp_shard x tp, experts over fsdp_shard x tp / ep
+    (plait.parallel.parallelize._shard_moe)."""
+    e, layers, mf = work.act_bytes, rank["layers"], c.m.astype(np.float64)
+    block_u = block_numel(work.model, c.tp, c.fsdp_shard, c.ep)[1]
+    groups = layers + 1
+    ag, rs, ar = 0.0, 0.0, 0.0
+    (sh_bw, sh_lat), (mo_bw, mo_lat), (rp_bw, rp_lat) = links.shard, links.moe, links.rep
+    for numel, n, bw, lat in (
+        (layers * block_u["dense"] + rank["root_unsharded"], c.fsdp_shard, sh_bw, sh_lat),
+        (layers * block_u["moe"], c.fsdp_shard * c.whole_tp, mo_bw, mo_lat),
+        (layers * block_u["experts"], c.fsdp_shard * c.whole_tp // c.ep, mo_bw, mo_lat),
+    ):
+        ag = ag + ring_time(e * numel, n, bw, lat, groups)
+        rs = rs + ring_time(4.0 * numel, n, bw, lat, groups)
+        ar = ar + allreduce_time(4.0 * numel / n, c.rep, rp_bw, rp_lat, groups)
+    bwd_ag = np.where(lay.reshard & c.single, ag, 0.0)
+    fwd_gathers = np.where(c.single, mf, 1.0)  # a pipeline keeps weights gathered after the first
+    # With fsdp_reduce_every_micro_batch every micro-batch's backward also reduces (and its last group's
+    # reduction is exposed each time).
+    early = np.where(lay.sync_each, bwd_ag + rs + ar, bwd_ag)
+    exposed = (
+        fwd_gathers * np.maximum(ag - f_t, 0)
+        + np.maximum(mf - 1, 0) * (np.maximum(early - bwd_t, 0) + lay.sync_each * (rs + ar) / groups)
+        + np.maximum(bwd_ag + rs + ar - bwd_t, 0)
+        + (ag + rs + ar) / groups
+    )
+    return exposed, fwd_gathers + np.where(c.single, mf * lay.reshard + lay.sync_each * np.maximum(mf - 1, 0), 0)
+
+
+def _optimizer_time(cluster: Cluster, lay: Layouts, sharded, gathers):
+    """The optimizer step: bound by device memory bandwidth, or with CPU offload by the host's, plus moving the
+    shards over PCIe for each FSDP gather (and the gradients back)."""
+    return np.where(
+        lay.offload,
+        OPTIMIZER_BYTES_PER_PARAM * sharded * cluster.devices_per_node / cluster.host_bw
+        + (gathers + 1) * 4.0 * sharded / cluster.pcie_bw,
+        OPTIMIZER_BYTES_PER_PARAM * sharded / cluster.hbm_bw,
+    )
+
+
+def _step_time(work: Workload, cluster: Cluster, lay: Layouts, c: _Columns, per_rank: dict) -> dict:
+    """The step: the slower pipeline rank's micro-batches, the schedule's bubble, exposed FSDP communication
+    and the optimizer; tokens/s and MFU from it."""
+    mf = c.m.astype(np.float64)
     slow = per_rank["first"]["t_mb"] >= per_rank["last"]["t_mb"]
     pick = {k: np.where(slow, per_rank["first"][k], per_rank["last"][k]) for k in per_rank["first"]}
-    t_mb = pick["t_mb"]
+    t_mb, pp, v = pick["t_mb"], c.pp, c.v
     bubble = np.select(
-        [lay.schedule == 0, lay.schedule <= 2, lay.schedule == 3],
+        [lay.schedule == NO_PIPELINE, lay.schedule <= ONE_F_ONE_B, lay.schedule == INTERLEAVED],
         [0.0, (pp - 1) * t_mb, (pp - 1) / v * t_mb],
-        (pp - 1) * pick["zb"] / v,
+        (pp - 1) * pick["zb"] / v,  # zero bubble: what of F + B the W passes do not fill
     )
     fsdp_time = np.maximum(per_rank["first"]["fsdp"], per_rank["last"]["fsdp"])
     opt_time = np.maximum(per_rank["first"]["optimizer"], per_rank["last"]["optimizer"])
     step = mf * t_mb + bubble + fsdp_time + opt_time
-    out.update(
+    world = c.dp * c.cp * c.tp * pp
+    tokens = work.tokens
+    return dict(
         t_compute=mf * pick["compute"],
         t_tp=mf * pick["tp"],
         t_cp=mf * pick["cp"],
@@ -715,9 +813,6 @@ def evaluate(work: Workload, cluster: Cluster, lay: Layouts) -> dict[str, np.nda
         t_fsdp=fsdp_time,
         t_optimizer=opt_time,
         step_time=step,
+        tokens_per_s=tokens / step,
+        mfu=train_flops_per_token(work.model, work.seq_len) * tokens / (step * world * cluster.peak_flops),
     )
-    world = dp * cp * tp * pp
-    tokens = work.tokens
-    out["tokens_per_s"] = tokens / step
-    out["mfu"] = train_flops_per_token(a, s) * tokens / (step * world * cluster.peak_flops)
-    return out
