@@ -315,3 +315,18 @@ def test_callbacks_touch_the_trainer_only_through_run_state():
     planted = "class C:\n    def after_step(self, run, step, result):\n        run.t.model\n        run._secret\n"
     assert _run_reads(planted) == {"C.after_step": {"t", "_secret"}} and "_secret" not in allowed
     assert {"cfg", "t", "withhold_step", "roll_back", "val_loader"} <= allowed
+
+
+MAX_FUNCTION_LINES = 80
+"""A function longer than this is doing several jobs: split it (there is no exception today)."""
+
+
+def test_no_function_is_longer_than_80_lines():
+    long = {
+        f"{path.relative_to(ROOT)}:{node.lineno} {node.name}": node.end_lineno - node.lineno + 1
+        for path in sorted(ROOT.rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
+    }
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"

@@ -89,7 +89,7 @@ def _precision(cfg: Config, device: torch.device) -> str:
 
 def run_bench(cfg: Config, steps: int, warmup: int, profile_dir: Path | None = None) -> dict:
     """Build and time the job in this process; returns the results (see the module docstring)."""
-    from plait.core.hardware import device_info, memory_stats, resolve_device
+    from plait.core.hardware import resolve_device
     from plait.data import TokenDataset, TokenLoader, ensure_prepared
     from plait.engine.trainer import build_trainable, train_step
     from plait.lifecycle.finetune import apply_finetune
@@ -127,32 +127,8 @@ def run_bench(cfg: Config, steps: int, warmup: int, profile_dir: Path | None = N
     )
     built = time.perf_counter()
     try:
-        x, y = next(loader)
-        with sampled("first_step"):
-            train_step(t, x, y)
-            _sync(device)
-        compiler.check(1)
-        first_step = time.perf_counter()
-        for step in range(warmup):
-            x, y = next(loader)
-            train_step(t, x, y)
-            compiler.check(2 + step)
-        _sync(device)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-
-        # Pass 2: the loop as training runs it; one device sync per step, at its end (as a logged step has).
-        times = []
-        for step in range(steps):
-            t0 = time.perf_counter()
-            x, y = next(loader)
-            result = train_step(t, x, y)
-            _sync(device)
-            times.append(time.perf_counter() - t0)
-            compiler.check(2 + warmup + step)
-        step_time = statistics.median(times)  # robust to a step slowed by another process
-        loss = result.loss.item()
-
+        first_step = _warm_up(t, loader, device, compiler, warmup, sampled)
+        times, loss = _timed_steps(t, loader, device, compiler, steps, first_check=2 + warmup)
         # Pass 3: the same steps phase by phase.
         phases = _phase_breakdown(t, loader, device, steps, compiler, first_check=2 + warmup + steps)
         profile = None
@@ -165,7 +141,52 @@ def run_bench(cfg: Config, steps: int, warmup: int, profile_dir: Path | None = N
             profile["files"].append("startup_stacks.json")
     finally:
         loader.close()
+    marks = dict(imports=t_imports, build=t_build, model=t_model, built=built, first_step=first_step)
+    return _results(cfg, device, steps, warmup, times, loss, phases, profile, compiler, marks)
 
+
+def _warm_up(t, loader, device: torch.device, compiler: CompileMonitor, warmup: int, sampled) -> float:
+    """The first step (compilation, where on) and `warmup` more; when the first step ended."""
+    from plait.engine.trainer import train_step
+
+    x, y = next(loader)
+    with sampled("first_step"):
+        train_step(t, x, y)
+        _sync(device)
+    compiler.check(1)
+    first_step = time.perf_counter()
+    for step in range(warmup):
+        x, y = next(loader)
+        train_step(t, x, y)
+        compiler.check(2 + step)
+    _sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    return first_step
+
+
+def _timed_steps(t, loader, device: torch.device, compiler: CompileMonitor, steps: int, first_check: int):
+    """Pass 2: the loop as training runs it, one device sync per step, at its end (as a logged step has);
+    (each step's time, the last loss)."""
+    from plait.engine.trainer import train_step
+
+    times = []
+    for step in range(steps):
+        t0 = time.perf_counter()
+        x, y = next(loader)
+        result = train_step(t, x, y)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+        compiler.check(first_check + step)
+    return times, result.loss.item()
+
+
+def _results(cfg: Config, device: torch.device, steps: int, warmup: int, times, loss, phases, profile, compiler,
+             marks: dict[str, float]) -> dict:  # fmt: skip
+    """The report's figures (see the module docstring)."""
+    from plait.core.hardware import device_info, memory_stats
+
+    step_time = statistics.median(times)  # robust to a step slowed by another process
     info = device_info(device)
     tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
     flops_per_step = cfg.model.flops_per_token(cfg.data.seq_len) * tokens_per_step
@@ -201,12 +222,20 @@ def run_bench(cfg: Config, steps: int, warmup: int, profile_dir: Path | None = N
         if device.type == "cuda"
         else "peak resident set of the process" + (" (compilation included)" if cfg.compile.enabled else ""),
         "first_step": {
-            "from_build_s": first_step - t_build,
-            "build_s": built - t_build,
-            "from_process_start_s": first_step - _PROCESS_T0,
+            "from_build_s": marks["first_step"] - marks["build"],
+            "build_s": marks["built"] - marks["build"],
+            "from_process_start_s": marks["first_step"] - _PROCESS_T0,
             **compiler.metrics(),
         },
-        "startup_s": _startup_phases(_PROCESS_T0, t_imports, t_build, t_model, built, first_step, compiler.metrics()),
+        "startup_s": _startup_phases(
+            _PROCESS_T0,
+            marks["imports"],
+            marks["build"],
+            marks["model"],
+            marks["built"],
+            marks["first_step"],
+            compiler.metrics(),
+        ),
         "fused_head": cfg.train.fused_head,
         **({"profile": profile} if profile else {}),
         "final_loss": loss,

@@ -19,7 +19,7 @@ from plait.cli.lifecycle import console, data_dir_of, open_registry_near, regist
 from plait.core.errors import ConfigError
 
 
-def cmd_compress(argv: list[str]) -> int:
+def _parser() -> PlaitParser:
     parser = PlaitParser(prog="plait compress", description="Quantize, prune or distill a model.")
     sub = parser.add_subparsers(dest="action", required=True)
     q = sub.add_parser("quantize", help="Weight-only int8 (per-channel) or int4 (group-wise) quantization.")
@@ -49,7 +49,11 @@ def cmd_compress(argv: list[str]) -> int:
         s.add_argument("--batches", type=int, default=4, help="Batches of 4 sequences for perplexity.")
         s.add_argument("--json", help="Also write the report here (it is always written to OUT/compress.json).")
         registry_arg(s)
-    a = parser.parse_args(argv)
+    return parser
+
+
+def cmd_compress(argv: list[str]) -> int:
+    a = _parser().parse_args(argv)
     out = Path(a.out)
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"--out {out} exists and is not empty; choose another")
@@ -69,58 +73,13 @@ def cmd_compress(argv: list[str]) -> int:
     if a.action == "quantize":
         model = C.quantize_model(copy.deepcopy(source.model), a.bits, a.group_size)
         info.update(bits=a.bits, group_size=a.group_size, loads_in_transformers=False)
+        meta = {"source": str(source.path), "config": source.config}
         digest = C.save_quantized(
-            model,
-            out,
-            bits=a.bits,
-            group_size=a.group_size,
-            meta={"source": str(source.path), "config": source.config},
-            tokenizer=source.tokenizer,
+            model, out, bits=a.bits, group_size=a.group_size, meta=meta, tokenizer=source.tokenizer
         )
         kind = "quantized"
     else:
-        log = _step_logger()
-        if a.action == "prune":
-            model = copy.deepcopy(source.model)
-            masks = None
-            if a.method == "magnitude":
-                masks = C.magnitude_prune(model, a.sparsity)
-            else:
-                model = C.structured_prune(model, a.sparsity)
-            info.update(prune=a.method, sparsity=a.sparsity, finetune_steps=a.finetune_steps)
-            if a.finetune_steps:
-                info["pruned_only"] = C.measure(model, data_dir, seq_len=a.seq_len, batches=a.batches)
-                losses = C.train_loop(
-                    model,
-                    data_dir,
-                    steps=a.finetune_steps,
-                    lr=a.lr,
-                    seq_len=a.seq_len,
-                    batch_size=a.batch_size,
-                    masks=masks,
-                    log=log,
-                )
-                info["finetune_loss"] = [losses[0], losses[-1]]
-            kind = "pruned"
-        else:
-            args = _student_args(source.model.args, a.student_preset, a.student)
-            model = C.student_from_teacher(source.model, args)
-            info["student_init"] = C.measure(model, data_dir, seq_len=a.seq_len, batches=a.batches)
-            loss_fn = C.distillation_loss(source.model, a.temperature, a.hard_weight)
-            losses = C.train_loop(
-                model,
-                data_dir,
-                steps=a.steps,
-                lr=a.lr,
-                seq_len=a.seq_len,
-                batch_size=a.batch_size,
-                loss_fn=loss_fn,
-                log=log,
-            )
-            info.update(
-                temperature=a.temperature, hard_weight=a.hard_weight, steps=a.steps, loss=[losses[0], losses[-1]]
-            )
-            kind = "distilled"
+        model, kind = (_prune if a.action == "prune" else _distill)(a, source, data_dir, info)
         digest = write_run(model, out, source, data_dir, info)
         if a.hf_out:
             from plait.interop.hf import export_hf
@@ -130,39 +89,73 @@ def cmd_compress(argv: list[str]) -> int:
             info["loads_in_transformers"] = True
     info["seconds"] = time.perf_counter() - start
     after = C.measure(model, data_dir, seq_len=a.seq_len, batches=a.batches)
-    rows = C.compare(before, after)
-    C.print_comparison(f"{kind}: {source.path} -> {out}", rows, console)
+    C.print_comparison(f"{kind}: {source.path} -> {out}", C.compare(before, after), console)
     report = {"source": str(source.path), "out": str(out.resolve()), "info": info, "before": before, "after": after}
-    (out / "compress.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
-    if a.json:
-        Path(a.json).write_text(json.dumps(report, indent=2, default=str) + "\n")
-    reg = open_registry_near(a.registry, source.path)
-    if reg is not None:
-        from plait.lifecycle.lineage import code_version
-        from plait.lifecycle.models import artifact_for
-
-        parent = artifact_for(reg, source)
-        target = out if kind == "quantized" else out / "checkpoints" / "step_00000000"
-        aid = reg.record(
-            kind,
-            name=out.name,
-            path=target,
-            parent=parent.id,
-            weights_hash=digest,
-            code=code_version(),
-            metrics={f"{k}_{side}": v for side, m in (("before", before), ("after", after)) for k, v in m.items()},
-            extra=info,
-        )
-        if a.action != "quantize" and a.hf_out:
-            reg.record(
-                "export",
-                name=Path(a.hf_out).name,
-                path=a.hf_out,
-                parent=aid,
-                weights_hash=digest,
-                extra={"format": "hf"},
-            )
+    for path in (out / "compress.json", *([Path(a.json)] if a.json else [])):
+        path.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    _record(a, source, out, kind, digest, report)
     return 0
+
+
+def _prune(a, source, data_dir, info: dict[str, Any]):
+    """The pruned model (magnitude: weights zeroed, their masks kept through a fine-tune; structured: MLP
+    channels removed), fine-tuned --finetune-steps steps if asked."""
+    from plait.lifecycle import compress as C
+
+    model = copy.deepcopy(source.model)
+    masks = None
+    if a.method == "magnitude":
+        masks = C.magnitude_prune(model, a.sparsity)
+    else:
+        model = C.structured_prune(model, a.sparsity)
+    info.update(prune=a.method, sparsity=a.sparsity, finetune_steps=a.finetune_steps)
+    if a.finetune_steps:
+        info["pruned_only"] = C.measure(model, data_dir, seq_len=a.seq_len, batches=a.batches)
+        losses = C.train_loop(
+            model, data_dir, steps=a.finetune_steps, lr=a.lr, seq_len=a.seq_len, batch_size=a.batch_size,
+            masks=masks, log=_step_logger(),
+        )  # fmt: skip
+        info["finetune_loss"] = [losses[0], losses[-1]]
+    return model, "pruned"
+
+
+def _distill(a, source, data_dir, info: dict[str, Any]):
+    """A student of the --student shape trained on the teacher's softened logits."""
+    from plait.lifecycle import compress as C
+
+    args = _student_args(source.model.args, a.student_preset, a.student)
+    model = C.student_from_teacher(source.model, args)
+    info["student_init"] = C.measure(model, data_dir, seq_len=a.seq_len, batches=a.batches)
+    losses = C.train_loop(
+        model, data_dir, steps=a.steps, lr=a.lr, seq_len=a.seq_len, batch_size=a.batch_size,
+        loss_fn=C.distillation_loss(source.model, a.temperature, a.hard_weight), log=_step_logger(),
+    )  # fmt: skip
+    info.update(temperature=a.temperature, hard_weight=a.hard_weight, steps=a.steps, loss=[losses[0], losses[-1]])
+    return model, "distilled"
+
+
+def _record(a, source, out: Path, kind: str, digest: str, report: dict) -> None:
+    """The compressed model (and its Hugging Face export) in the lineage registry that covers the source."""
+    reg = open_registry_near(a.registry, source.path)
+    if reg is None:
+        return
+    from plait.lifecycle.lineage import code_version
+    from plait.lifecycle.models import artifact_for
+
+    before, after = report["before"], report["after"]
+    aid = reg.record(
+        kind,
+        name=out.name,
+        path=out if kind == "quantized" else out / "checkpoints" / "step_00000000",
+        parent=artifact_for(reg, source).id,
+        weights_hash=digest,
+        code=code_version(),
+        metrics={f"{k}_{side}": v for side, m in (("before", before), ("after", after)) for k, v in m.items()},
+        extra=report["info"],
+    )
+    if a.action != "quantize" and a.hf_out:
+        extra = {"format": "hf"}
+        reg.record("export", name=Path(a.hf_out).name, path=a.hf_out, parent=aid, weights_hash=digest, extra=extra)
 
 
 def _step_logger():

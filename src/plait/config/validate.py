@@ -22,6 +22,19 @@ def _check_trackers(log: LogConfig) -> None:
 def validate(cfg: Config) -> Config:
     """Check every setting that can be checked without data or devices; raise ConfigError on the first."""
     _check_types(cfg)
+    _validate_ranges(cfg)
+    _validate_guard(cfg)
+    _validate_model(cfg)
+    _validate_training(cfg)
+    _validate_run(cfg)
+    _validate_moe(cfg)
+    _validate_finetune(cfg)
+    _validate_compile(cfg)
+    return cfg
+
+
+def _validate_ranges(cfg: Config) -> None:
+    """Every count and rate in its range (positive, or zero where zero means off)."""
     m, t, o, d = cfg.model, cfg.train, cfg.optim, cfg.data
     _positive("model", m, ["dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "max_seq_len"])
     _positive("train", t, ["steps", "global_batch_size"])
@@ -38,6 +51,9 @@ def validate(cfg: Config) -> Config:
     _positive("log", cfg.log, ["every_steps"])
     _positive("guard", cfg.guard, ["max_consecutive_failures", "spike_num_std"])
     _non_negative("guard", cfg.guard, ["hang_timeout_s", "straggler_ratio"])
+
+
+def _validate_guard(cfg: Config) -> None:
     if 0 < cfg.parallel.timeout_s <= cfg.guard.hang_timeout_s:
         raise ConfigError(
             f"guard.hang_timeout_s={cfg.guard.hang_timeout_s} must be below parallel.timeout_s="
@@ -52,6 +68,10 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(
             "guard.nonfinite_policy='rollback' reloads the newest checkpoint: set checkpoint.every_steps (e.g. 100)"
         )
+
+
+def _validate_model(cfg: Config) -> None:
+    m, d = cfg.model, cfg.data
     _non_negative("model", m, ["attention_head_dim"])
     if m.dim % m.n_heads and not m.attention_head_dim:
         raise ConfigError(
@@ -73,6 +93,10 @@ def validate(cfg: Config) -> Config:
             f"data.seq_len={d.seq_len} is longer than the model supports (model.max_seq_len={m.max_seq_len});"
             f" lower data.seq_len or raise model.max_seq_len"
         )
+
+
+def _validate_training(cfg: Config) -> None:
+    t, o = cfg.train, cfg.optim
     if not 0 < cfg.sample.top_p <= 1:
         raise ConfigError(f"sample.top_p={cfg.sample.top_p} must be in (0, 1]")
     if o.min_lr_ratio > 1:
@@ -87,6 +111,9 @@ def validate(cfg: Config) -> Config:
             f"train.micro_batch_size={t.micro_batch_size}; choose micro_batch_size in "
             f"{_divisors(t.global_batch_size)}"
         )
+
+
+def _validate_run(cfg: Config) -> None:
     for name in ("dp_replicate_degree", "tp_degree", "pp_degree", "ep_degree"):
         if getattr(cfg.parallel, name) < 1:
             raise ConfigError(f"parallel.{name} must be at least 1")
@@ -99,10 +126,6 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(
             f"run.name={name!r} must be one directory name (not empty, '.' or '..', no '/' or '\\'), e.g. run.name=exp1"
         )
-    _validate_moe(cfg)
-    _validate_finetune(cfg)
-    _validate_compile(cfg)
-    return cfg
 
 
 def _check_types(cfg: Config) -> None:

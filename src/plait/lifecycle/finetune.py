@@ -195,6 +195,34 @@ def prepare_instructions(
     eos = eos_id(tok)
     vocab = tok.get_vocab_size(with_added_tokens=True)
     dtype = np.dtype("<u2") if vocab <= 65535 else np.dtype("<u4")
+    docs, sources = _tokenised(
+        files, tok, eos, dtype, template, prompt_field, response_field, val_fraction, train_on_prompt
+    )
+    exists = ConfigError(f"{out} exists; pass --overwrite or choose another --out")
+    with staged_dir(out, overwrite=overwrite, exists_error=exists) as tmp:
+        splits = {split: _write_split(tmp, split, items, dtype) for split, items in docs.items()}
+        shutil.copyfile(
+            Path(tokenizer) / "tokenizer.json" if Path(tokenizer).is_dir() else tokenizer, tmp / "tokenizer.json"
+        )
+        manifest = {
+            "format": FORMAT,
+            "dtype": "uint16" if dtype.itemsize == 2 else "uint32",
+            "vocab_size": vocab,
+            "eos_id": eos,
+            "splits": splits,
+            "sources": sources,
+            "tokenizer": "tokenizer.json",
+            "tokenizer_sha256": hashlib.sha256((tmp / "tokenizer.json").read_bytes()).hexdigest(),
+            "loss_mask": {"template": template, "train_on_prompt": train_on_prompt},
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def _tokenised(files, tok, eos: int, dtype, template: str, prompt_field: str, response_field: str,
+               val_fraction: float, train_on_prompt: bool):  # fmt: skip
+    """({"train": [(ids, mask), ...], "val": [...]}, the sources): each record's prompt (masked out unless
+    train_on_prompt), response and EOS, its split drawn from its content."""
     docs: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {"train": [], "val": []}
     sources, index = [], 0
     for path in files:
@@ -213,36 +241,21 @@ def prepare_instructions(
             index += 1
     if val_fraction > 0 and not docs["val"] and len(docs["train"]) >= 2:
         docs["val"].append(docs["train"].pop())
-    exists = ConfigError(f"{out} exists; pass --overwrite or choose another --out")
-    with staged_dir(out, overwrite=overwrite, exists_error=exists) as tmp:
-        splits = {}
-        for split, items in docs.items():
-            tokens = np.concatenate([i for i, _ in items]) if items else np.zeros(0, dtype=dtype)
-            masks = np.concatenate([m for _, m in items]) if items else np.zeros(0, dtype=np.uint8)
-            shard = {"file": f"{split}_00000.bin", "mask_file": f"{split}_mask_00000.bin", "num_tokens": len(tokens)}
-            for key, array in (("file", tokens), ("mask_file", masks)):
-                data = array.tobytes()
-                (tmp / shard[key]).write_bytes(data)
-                shard["sha256" if key == "file" else "mask_sha256"] = hashlib.sha256(data).hexdigest()
-            splits[split] = {
-                "shards": [shard],
-                "num_tokens": len(tokens),
-                "num_documents": len(items),
-                "num_target_tokens": int(masks.sum()),
-            }
-        shutil.copyfile(
-            Path(tokenizer) / "tokenizer.json" if Path(tokenizer).is_dir() else tokenizer, tmp / "tokenizer.json"
-        )
-        manifest = {
-            "format": FORMAT,
-            "dtype": "uint16" if dtype.itemsize == 2 else "uint32",
-            "vocab_size": vocab,
-            "eos_id": eos,
-            "splits": splits,
-            "sources": sources,
-            "tokenizer": "tokenizer.json",
-            "tokenizer_sha256": hashlib.sha256((tmp / "tokenizer.json").read_bytes()).hexdigest(),
-            "loss_mask": {"template": template, "train_on_prompt": train_on_prompt},
-        }
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-    return manifest
+    return docs, sources
+
+
+def _write_split(tmp: Path, split: str, items: list, dtype) -> dict[str, Any]:
+    """One split's tokens and loss mask as one shard each (with their hashes); its manifest entry."""
+    tokens = np.concatenate([i for i, _ in items]) if items else np.zeros(0, dtype=dtype)
+    masks = np.concatenate([m for _, m in items]) if items else np.zeros(0, dtype=np.uint8)
+    shard = {"file": f"{split}_00000.bin", "mask_file": f"{split}_mask_00000.bin", "num_tokens": len(tokens)}
+    for key, array in (("file", tokens), ("mask_file", masks)):
+        data = array.tobytes()
+        (tmp / shard[key]).write_bytes(data)
+        shard["sha256" if key == "file" else "mask_sha256"] = hashlib.sha256(data).hexdigest()
+    return {
+        "shards": [shard],
+        "num_tokens": len(tokens),
+        "num_documents": len(items),
+        "num_target_tokens": int(masks.sum()),
+    }
