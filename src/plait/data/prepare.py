@@ -12,14 +12,13 @@ import contextlib
 import gzip
 import hashlib
 import json
+import importlib.util
 import shutil
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 from tokenizers import Tokenizer
@@ -125,6 +124,11 @@ def _read_jsonl(path: Path, field: str, advance: Advance) -> Iterator[str]:
 
 
 def _read_parquet(path: Path, field: str, advance: Advance) -> Iterator[str]:
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ConfigError(f"{path}: reading Parquet needs pyarrow: pip install 'plait[parquet]'") from None
     try:
         pf = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as e:
@@ -309,6 +313,9 @@ def prepare(
     if shard_tokens < 1:
         raise ConfigError(f"shard_tokens={shard_tokens} must be positive")
     files = expand_inputs(inputs)
+    parquet = [f for f in files if _suffix(f) == ".parquet"]
+    if parquet and importlib.util.find_spec("pyarrow") is None:
+        raise ConfigError(f"{parquet[0]}: reading Parquet needs pyarrow: pip install 'plait[parquet]'")
     given_tok = load_tokenizer(tokenizer) if tokenizer is not None else None
 
     exists = ConfigError(f"{out} exists; pass --overwrite or choose another --out")

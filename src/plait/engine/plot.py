@@ -45,6 +45,8 @@ def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
 
 def plot_runs(runs: dict[str, list[dict]], out: Path) -> Path:
     """One 2 x 2 figure, every run a line in each panel; written atomically (a viewer never sees half)."""
+    if not can_draw():
+        raise PlaitError(f"drawing needs matplotlib, which is not installed: {PLOT_EXTRA}")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -76,9 +78,22 @@ def plot_runs(runs: dict[str, list[dict]], out: Path) -> Path:
     return out
 
 
+PLOT_EXTRA = "pip install 'plait[plot]'"
+
+
+def can_draw() -> bool:
+    """Whether matplotlib (the `plot` extra) is installed: runs draw loss.png only where it is."""
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
+
+
 def write_run_plot(run_dir: Path) -> Path | None:
-    """<run>/loss.png from its metrics so far; None (and no file) when nothing was logged yet. A mixture of
-    experts' run also gets moe_load.png (`plot_expert_load`)."""
+    """<run>/loss.png from its metrics so far; None (and no file) when nothing was logged yet, or where
+    matplotlib is not installed (the run says so when it starts). A mixture of experts' run also gets
+    moe_load.png (`plot_expert_load`)."""
+    if not can_draw():
+        return None
     rows = read_metrics(run_dir)
     if not any("train/loss" in r for r in rows):
         return None

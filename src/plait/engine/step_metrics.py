@@ -14,7 +14,7 @@ from plait.core.hardware import device_info, memory_stats
 from plait.engine.callbacks import Callback, RunState
 from plait.engine.metrics import info, warn
 from plait.engine.optim import schedule_problem
-from plait.engine.plot import write_run_plot
+from plait.engine.plot import PLOT_EXTRA, can_draw, write_run_plot
 
 
 class StepMetrics(Callback):
@@ -34,6 +34,8 @@ class StepMetrics(Callback):
             )
             if problem := schedule_problem(cfg.optim, cfg.train.steps):
                 warn(problem)
+            if not can_draw():
+                info(f"loss.png is not drawn: matplotlib is not installed ({PLOT_EXTRA})")
         self._mark(run.state.step)
         run.metrics.advance(run.state.step)
 

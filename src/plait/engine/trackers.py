@@ -3,6 +3,7 @@ at the same steps (`MetricsLogger.log`); chosen in [log]. The libraries are impo
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
@@ -80,6 +81,12 @@ class MLflow:
         self._client.set_terminated(self.run_id)
 
 
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
 def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in tree.items():
@@ -92,8 +99,13 @@ def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def open_trackers(run_dir: Path, cfg: LogConfig, name: str, config: dict[str, Any] | None) -> list[Tracker]:
     trackers: list[Tracker] = []
-    if cfg.tensorboard:
+    if cfg.tensorboard and _installed("tensorboard"):
         trackers.append(TensorBoard(run_dir))
+    elif cfg.tensorboard:  # on by default: a lean install runs without it, and says so
+        logging.getLogger("plait").warning(
+            "log.tensorboard=true, but the tensorboard package is not installed: no TensorBoard files "
+            "(pip install 'plait[tensorboard]', or log.tensorboard=false)"
+        )
     if cfg.wandb:
         trackers.append(WandB(run_dir, cfg, name, config))
     if cfg.mlflow:

@@ -1,0 +1,66 @@
+"""A lean install: `pip install plait` without extras still trains (matplotlib, tensorboard and pyarrow are
+the `plot`, `tensorboard` and `parquet` extras, and what needs one says which), and the torch versions plait
+was tested on are the ones its requirement admits."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+EXTRAS = ("matplotlib", "tensorboard", "pyarrow")
+
+# The process runs as if the extras were not installed: each import of them fails, find_spec finds none.
+WITHOUT_EXTRAS = (
+    "import sys\nfor name in {names}:\n    sys.modules[name] = None\n"
+    "from plait.cli import main\nsys.exit(main(sys.argv[1:]))\n"
+)
+
+
+def plait_without_extras(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    code = WITHOUT_EXTRAS.format(names=list(EXTRAS))
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=cwd, timeout=600)
+
+
+def test_plait_train_runs_without_the_extras_and_says_what_it_leaves_out(data_dir, tmp_path):
+    done = plait_without_extras(
+        "train", "--model.preset=debug", f"--data.source={data_dir}", "--train.steps=3", "--data.seq_len=32",
+        "--train.global_batch_size=4", "--eval.every_steps=0", "--sample.max_new_tokens=0", "--run.device=cpu",
+        f"--run.out_dir={tmp_path}", "--run.name=lean", cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    text = " ".join(done.stderr.split())
+    assert "loss.png is not drawn: matplotlib is not installed (pip install 'plait[plot]')" in text
+    assert "the tensorboard package is not installed: no TensorBoard files (pip install 'plait[tensorboard]'" in text
+    run = tmp_path / "lean"
+    assert (run / "checkpoints" / "step_00000003").is_dir() and (run / "metrics.jsonl").is_file()
+    assert not (run / "loss.png").exists() and not (run / "tb").exists()
+
+    plot = plait_without_extras("plot", str(run), "--out", str(tmp_path / "p.png"), cwd=tmp_path)
+    assert plot.returncode == 2 and "pip install 'plait[plot]'" in plot.stderr and "Traceback" not in plot.stderr
+    records = tmp_path / "docs.parquet"
+    records.write_bytes(b"PAR1")
+    prepare = plait_without_extras("data", "prepare", str(records), "--out", str(tmp_path / "d"), cwd=tmp_path)
+    assert prepare.returncode == 2 and "pip install 'plait[parquet]'" in prepare.stderr, prepare.stderr
+    assert not (tmp_path / "d").exists()
+
+
+def test_the_core_requirements_leave_the_extras_out_and_bound_torch_to_the_tested_versions():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    core = " ".join(project["dependencies"])
+    assert not any(name in core for name in EXTRAS), core
+    extras = project["optional-dependencies"]
+    assert {"plot", "tensorboard", "parquet"} <= set(extras)
+    assert all(name in " ".join(extras["test"]) for name in EXTRAS)  # the suite tests them installed too
+    bound = next(d for d in project["dependencies"] if d.startswith("torch"))
+    low, high = re.fullmatch(r"torch>=([\d.]+),<([\d.]+)", bound.split("#")[0].strip()).groups()
+    running = tuple(int(x) for x in re.match(r"(\d+)\.(\d+)", torch.__version__).groups())
+    tested = {(2, 11), (2, 13)}  # the GPU machines' torch and CI's: the bound admits these and nothing newer
+    assert all(tuple(map(int, low.split("."))) <= v < tuple(map(int, high.split("."))) for v in tested), bound
+    assert max(tested) < tuple(map(int, high.split("."))) <= (max(tested)[0], max(tested)[1] + 1), bound
+    assert running in tested, f"torch {torch.__version__} is not one plait was tested on: {sorted(tested)}"
