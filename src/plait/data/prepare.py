@@ -11,8 +11,8 @@ from __future__ import annotations
 import contextlib
 import gzip
 import hashlib
-import json
 import importlib.util
+import json
 import shutil
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
