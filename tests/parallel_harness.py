@@ -36,6 +36,14 @@ def start_ranks(fn, args: tuple, world: int):
     return mp.start_processes(_as_started, args=args, nprocs=world, join=False, start_method="forkserver")
 
 
+def run_ranks(fn, args: tuple, world: int, timeout: float = 600) -> None:
+    """fn(rank, *args) in `world` processes, waited for until every rank has ended (a rank's error is raised).
+    (One join() returns when the first rank ends: a rank failing after it would go unnoticed.)"""
+    ctx = start_ranks(fn, args, world)
+    while not ctx.join(timeout=timeout):
+        pass
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parallel_harness import free_port, join_as_rank, start_ranks
+from parallel_harness import free_port, join_as_rank, run_ranks
 from plait.parallel.context import chunks_of, local_positions, shard_sequence
 
 ATOL = 1e-5
@@ -59,10 +59,10 @@ def _ring_vs_sdpa(rank: int, world: int, port: int, math_kernel: bool, device: s
 @pytest.mark.parametrize("world", [1, 2, 4])
 @pytest.mark.parametrize("math_kernel", [False, True], ids=["flash-cpu", "math"])
 def test_ring_attention_equals_sdpa_forward_and_backward(world, math_kernel):
-    start_ranks(_ring_vs_sdpa, (world, free_port(), math_kernel), world).join()
+    run_ranks(_ring_vs_sdpa, (world, free_port(), math_kernel), world)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the GPU sessions run it)")
 def test_cuda_ring_attention_at_cp_1_equals_sdpa():
     """The CUDA path of the ring (its fp32 math block kernel, NCCL) against CUDA SDPA, forward and backward."""
-    start_ranks(_ring_vs_sdpa, (1, free_port(), False, "cuda"), 1).join()
+    run_ranks(_ring_vs_sdpa, (1, free_port(), False, "cuda"), 1)

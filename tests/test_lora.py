@@ -354,7 +354,9 @@ def test_init_from_another_model_shape_is_refused(runs, corpus, capsys):
     assert "holds another model (model.dim: 64 there, 128 here" in capsys.readouterr().err
 
 
-def test_lora_run_resumes(runs, corpus):
+def test_lora_run_resumes(runs, corpus, capsys):
+    """The same LoRA command with more steps resumes the run's newest checkpoint (step 4): the adapters go on
+    from there, the base stays frozen, and only steps 5 and 6 are trained, as one more run of the directory."""
     extra = [
         f"--data.source={corpus / 'inst'}",
         f"--finetune.init_from={runs['base']}",
@@ -363,7 +365,24 @@ def test_lora_run_resumes(runs, corpus):
         "--train.steps=6",
         "--eval.every_steps=0",
     ]
+    before = lora_tensors(load_model(runs["lora"]).model)
+    capsys.readouterr()
     assert main(["train", *args(corpus, "lora", *extra)]) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"resumed from {runs['lora'] / 'checkpoints' / 'step_00000004'} (step 4)" in err, err[-2000:]
+    rows = [json.loads(line) for line in (runs["lora"] / "metrics.jsonl").read_text().splitlines()]
+    newest = rows[-1]["run_id"]
+    # one more run of the directory, which logged its last step (log.every_steps=10) and no step of the first
+    assert sorted(r["step"] for r in rows if r["run_id"] == newest and "train/loss" in r) == [6]
+    assert len({r["run_id"] for r in rows}) == 2
+    resumed = load_model(runs["lora"])
+    assert resumed.path.name == "step_00000006"
+    base = dict(load_model(runs["base"]).model.named_parameters())
+    for name, p in resumed.model.named_parameters():
+        if "lora" not in name:
+            assert torch.equal(p, base[name]), name  # still frozen
+    after = lora_tensors(resumed.model)
+    assert after.keys() == before.keys() and any(not torch.equal(after[k], before[k]) for k in after)  # trained on
 
 
 def test_lora_under_fsdp_reproduces_the_single_process_run(runs, corpus, tmp_path):

@@ -193,3 +193,22 @@ def test_meta_build_allocates_nothing():
     with torch.device("meta"):
         model = Transformer(preset_args("llama3-8b"))
     assert all(p.is_meta for p in model.parameters())
+
+
+def test_the_preset_comments_give_the_presets_sizes():
+    """`# 56.4M parameters.` above a preset is what it counts, within the last digit written."""
+    import re
+    from pathlib import Path
+
+    from plait.model.args import ModelArgs
+    from plait.model.presets import PRESETS
+
+    source = Path(__file__).resolve().parents[1].joinpath("src/plait/model/presets.py").read_text()
+    said = re.findall(r"# ([\d.]+)([MB]) parameters.*\n\s+\"([\w-]+)\"", source)
+    assert len(said) >= 4, said
+    for number, unit, name in said:
+        actual = ModelArgs(**PRESETS[name]).num_params() / (1e6 if unit == "M" else 1e9)
+        digits = len(number.split(".")[1]) if "." in number else 0
+        assert abs(actual - float(number)) <= 0.5 * 10**-digits, (
+            f"{name}: the comment says {number}{unit}, it has {actual:.3f}"
+        )

@@ -416,12 +416,10 @@ def test_reduce_every_micro_batch_under_a_pipeline_reduces_after_each_backward(t
     """parallel.fsdp_reduce_every_micro_batch under a pipeline takes effect: FSDP reduce-scatters each of the
     4 micro-batches' gradients (4x the reduce-scatters of the end-of-step reduction torch's schedule does
     otherwise); its losses equal the single process's (LAYOUTS: "PP+FSDP, reduce every micro-batch")."""
-    from parallel_harness import free_port, start_ranks
+    from parallel_harness import free_port, run_ranks
 
     for reduce_each in (False, True):
-        ctx = start_ranks(_count_reduce_scatters, (4, free_port(), reduce_each, str(tmp_path)), 4)
-        while not ctx.join(timeout=300):
-            pass
+        run_ranks(_count_reduce_scatters, (4, free_port(), reduce_each, str(tmp_path)), 4, timeout=300)
     for rank in range(4):
         once = int((tmp_path / f"False-{rank}.json").read_text())
         each = int((tmp_path / f"True-{rank}.json").read_text())

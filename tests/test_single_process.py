@@ -192,3 +192,27 @@ def test_each_rank_draws_only_its_shards_with_the_single_process_values(layout):
     done = subprocess.run([sys.executable, "-c", SHARDED_INIT, layout], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert int(done.stdout.split()[-1]) > 0
+
+
+def test_a_training_step_never_waits_for_the_device(monkeypatch):
+    """train_step reads nothing back to the host (no .item(), .tolist(), bool() of a tensor): on a GPU each would
+    stall the CPU until the queued kernels ran. The step's one host sync is the guard's, after it."""
+    from plait.config import load_config
+    from plait.engine.trainer import build_trainable, train_step
+
+    cfg = load_config(None, ["model.preset=debug", "data.seq_len=16", "train.global_batch_size=4"])
+    t = build_trainable(cfg, torch.device("cpu"))
+    reads: list[str] = []
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _name=name, _original=original, **kwargs):
+            reads.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    x = torch.randint(0, cfg.model.vocab_size, (4, 16))
+    result = train_step(t, x, torch.roll(x, -1, 1))
+    monkeypatch.undo()
+    assert reads == [], f"train_step read {reads} back to the host"
+    assert torch.isfinite(result.loss) and result.stepped

@@ -248,7 +248,7 @@ def test_init_from_hf_at_world_size_2_reads_each_rank_its_slices_and_exports(tmp
     (weights unchanged), the run's checkpoint (written by the 2 ranks) exports to a directory transformers loads to
     the original weights, bit for bit, and the original logits."""
 
-    from parallel_harness import free_port, start_ranks
+    from parallel_harness import free_port, run_ranks
     from plait.data import ensure_prepared
     from test_interop import HF_SHAPE, hf_from_pretrained, save_hf_model, tokens
 
@@ -276,9 +276,7 @@ def test_init_from_hf_at_world_size_2_reads_each_rank_its_slices_and_exports(tmp
         f"run.out_dir={tmp_path}",
         "run.name=ws2",
     ]
-    ctx = start_ranks(_init_from_worker, (2, free_port(), overrides, str(tmp_path)), 2)
-    while not ctx.join(timeout=600):
-        pass
+    run_ranks(_init_from_worker, (2, free_port(), overrides, str(tmp_path)), 2)
     shapes = param_shapes(args)
     assert HF_SHAPE["hidden_size"] % 2 == 0 and all(s[0] % 2 == 0 for s in shapes.values())
     for rank in range(2):

@@ -33,7 +33,8 @@ class TokenLoss:
     targets) instead of logits."""
 
     def __init__(self, fused: bool = False):
-        self.scale, self.fused = 1.0, fused
+        self.scale: float | torch.Tensor = 1.0
+        self.fused = fused
 
     def __call__(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         summed = output if self.fused else cross_entropy(output, targets, reduction="sum")
@@ -47,7 +48,8 @@ class TokenLoss:
         count = (targets != IGNORE_INDEX).sum().to(torch.float64)
         if meshes.dims.dp_cp > 1:
             dist.all_reduce(count, group=meshes.loss.get_group())
-        self.scale = meshes.dims.dp_cp * num_micro / max(count.item(), 1.0)
+        # a 0-d tensor on the device, never read on the host: no sync (the step's one is the guard's)
+        self.scale = (meshes.dims.dp_cp * num_micro / count.clamp(min=1.0)).float()  # (as a Python float was)
 
 
 class MeanLoss:

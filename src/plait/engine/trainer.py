@@ -40,7 +40,7 @@ from plait.engine.validation import Validation
 from plait.parallel import DistEnv, Meshes, ParallelDims, init_distributed, validate_layout
 from plait.parallel.context import context_shard
 from plait.parallel.env import restart_count, shutdown
-from plait.parallel.norm import clip_grad_norm, local
+from plait.parallel.norm import clip_grad_norm, full_value
 from plait.parallel.pipeline import pipeline_forward_backward
 from plait.parallel.rules import num_micro_batches
 
@@ -104,7 +104,7 @@ def _accumulate(t: Trainable, inputs: torch.Tensor, targets: torch.Tensor) -> to
             cast(FSDPModule, t.model).set_requires_gradient_sync(sync)
         loss = t.loss_fn(t.forward(x, y), y)
         loss.backward()
-        total += local(loss.detach())
+        total += full_value(loss.detach())
     return total
 
 

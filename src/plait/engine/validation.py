@@ -10,7 +10,7 @@ import torch.distributed as dist
 from plait.engine.callbacks import Callback, RunState
 from plait.engine.loss import IGNORE_INDEX, MeanLoss, cross_entropy
 from plait.parallel.context import context_shard
-from plait.parallel.norm import local
+from plait.parallel.norm import full_value
 from plait.parallel.pipeline import step_kwargs
 
 
@@ -28,14 +28,15 @@ def evaluate(t, loader, batches: int) -> float:
                 out: list[torch.Tensor] | None = [] if t.pipeline.has_last else None
                 kwargs = step_kwargs(t.pipeline, y, out)
                 t.pipeline.schedule.eval(*([x] if t.pipeline.has_first else []), **kwargs)
-                loss = torch.stack([local(v).float() for v in out]).mean() if out else torch.zeros((), device=x.device)
+                losses = [full_value(v).float() for v in out]
+                loss = torch.stack(losses).mean() if losses else torch.zeros((), device=x.device)
                 dist.all_reduce(loss, group=t.meshes.pp.get_group())
             elif isinstance(t.loss_fn, MeanLoss):
-                loss = local(t.loss_fn.loss_fn(t.model(x), y)).float()
+                loss = full_value(t.loss_fn.loss_fn(t.model(x), y)).float()
             elif t.loss_fn.fused:  # the summed loss of the fused head: no (B, T, vocab) logits here either
                 loss = t.forward(x, y) / (y != IGNORE_INDEX).sum().clamp(min=1)
             else:
-                loss = local(cross_entropy(t.model(x), y))
+                loss = full_value(cross_entropy(t.model(x), y))
             losses.append(loss)
     for part in t.parts:
         part.train()

@@ -164,12 +164,6 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def base_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's own parameters (no adapters), canonical names, tied weights once. Gathers DTensors: with
-    FSDP / TP every rank must call this."""
-    return {canonical_name(n): _full(p) for n, p in model.named_parameters() if not is_lora_param(n)}
-
-
 def lora_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """The adapters only: ``<module>.lora_a`` / ``<module>.lora_b``, canonical names."""
     return {canonical_name(n): _full(p) for n, p in model.named_parameters() if is_lora_param(n)}

@@ -7,7 +7,6 @@ a plait safetensors export, or a quantized directory from ``plait compress quant
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -160,10 +159,3 @@ def describe(loaded: Loaded) -> str:
         f"{loaded.kind} {loaded.path} ({sum(p.numel() for p in loaded.model.parameters()) / 1e6:.2f}M parameters, "
         f"dim {m.dim}, {m.n_layers} layers, vocab {m.vocab_size})"
     )
-
-
-def read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise PlaitError(f"cannot read {path}: {e}") from None

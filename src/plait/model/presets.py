@@ -13,13 +13,13 @@ _LLAMA3_ROPE = dict(
 )
 
 PRESETS: dict[str, dict] = {
-    # ~0.8M parameters: unit tests and parallel parity runs.
+    # 0.72M parameters: unit tests and parallel parity runs.
     "debug": dict(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=4096, multiple_of=32, max_seq_len=512),
-    # ~3.4M parameters: the default `plait train` model, a few minutes on two CPU cores.
+    # 3.15M parameters: the default `plait train` model, a few minutes on two CPU cores.
     "tiny": dict(dim=192, n_layers=4, n_heads=6, n_kv_heads=2, vocab_size=4096, max_seq_len=1024),
-    # ~30M parameters.
+    # 56.4M parameters.
     "small": dict(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, vocab_size=32000, max_seq_len=2048),
-    # ~1.2B parameters: the single-GPU MFU benchmark (Llama 3.2 1B shape, untied).
+    # 1.50B parameters: the single-GPU MFU benchmark (Llama 3.2 1B shape, untied).
     "llama3-1b": dict(
         dim=2048,
         n_layers=16,

@@ -11,8 +11,9 @@ from plait.core import torch_private
 from plait.parallel.dims import Meshes
 
 
-def local(x: torch.Tensor) -> torch.Tensor:
-    """A DTensor's full value (a plain tensor as it is): for scalars such as a loss."""
+def full_value(x: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value as a plain tensor (a plain tensor as it is): for scalars such as a loss (a
+    DTensor's is replicated or a partial sum: full_tensor() is then no gather, or one all-reduce)."""
     return x.full_tensor() if isinstance(x, DTensor) else x
 
 
