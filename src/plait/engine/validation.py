@@ -28,8 +28,8 @@ def evaluate(t, loader, batches: int) -> float:
                 out: list[torch.Tensor] | None = [] if t.pipeline.has_last else None
                 kwargs = step_kwargs(t.pipeline, y, out)
                 t.pipeline.schedule.eval(*([x] if t.pipeline.has_first else []), **kwargs)
-                losses = [full_value(v).float() for v in out]
-                loss = torch.stack(losses).mean() if losses else torch.zeros((), device=x.device)
+                kept = [full_value(v).float() for v in out or []]  # the last stage's micro-batch losses
+                loss = torch.stack(kept).mean() if kept else torch.zeros((), device=x.device)
                 dist.all_reduce(loss, group=t.meshes.pp.get_group())
             elif isinstance(t.loss_fn, MeanLoss):
                 loss = full_value(t.loss_fn.loss_fn(t.model(x), y)).float()
