@@ -28,7 +28,7 @@ class Cluster:
     peak_flops: float
     """Dense bf16 peak per device (the MFU denominator), FLOP/s."""
     efficiency: float
-    """Achieved fraction of peak on the model's compute with large GEMMs (smaller GEMMs get less: cost.py)."""
+    """Achieved fraction of peak on the model's compute with large GEMMs (smaller GEMMs get less: cost/time.py)."""
     intra_bw: float
     """Per-device collective bandwidth inside a node (NVLink / NeuronLink), bytes/s."""
     inter_bw: float

@@ -1,0 +1,349 @@
+"""Memory per rank: model states, gathered parameters, gradient buffers, activations kept for backward (per
+activation-checkpointing mode, through the pipeline schedule's in-flight micro-batches), transient memory and
+the allocator's slack."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from plait.model.args import recompute_units_pay, split_layers
+from plait.model.head import LOGITS_PER_CHUNK
+from plait.model.llama import ModelArgs
+from plait.planner.cluster import GiB
+from plait.planner.cost.counts import block_numel, embed_params, head_params, local_numel, sharded_numel
+from plait.planner.cost.layouts import (
+    FULL_AC,
+    GPIPE,
+    NO_AC,
+    ONE_F_ONE_B,
+    SCHEDULES,
+    ZERO_BUBBLE,
+    Columns,
+    Layouts,
+    Workload,
+)
+
+ALLOCATOR_OVERHEAD = 0.10
+"""Caching-allocator slack (fragmentation, rounding to blocks) as a fraction of the dynamic memory."""
+
+RESERVED_GIB = 2.0
+"""Per-device memory the model never sees: CUDA context, NCCL channels and cuBLAS workspaces."""
+
+
+# ---------------------------------------------------------------------------------------------- activations
+
+
+def _norm_bytes(e: int) -> int:
+    """Bytes per element an RMSNorm keeps for backward: its input as it came (plait.model.llama.RMSNormFunction
+    recomputes the fp32 normalised value in backward; the inverse RMS, 4 bytes a row, is counted apart)."""
+    return e
+
+
+def layer_activation_bytes(a: ModelArgs, e: int, tp, ac, cp=1, ep=1) -> np.ndarray:
+    """Bytes kept for backward per token per block (measured on the real model: tests/test_planner.py).
+
+    none: two norms, each (norm_bytes h + 4 for rsqrt) + its output h e (the input of the next matmul);
+        q, k, v (k and v after the GQA repeat: h wide each) and the attention output h e each; logsumexp
+        4 H; SwiGLU keeps w1 x, silu(w1 x), w3 x and their product: 4 F e. Under sequence parallel every
+        term is split over tp except the two matmul inputs, which are all-gathered (2 h e).
+    full: the block input only, sequence-sharded: h e / tp.
+    selective (plait's policy: keep matmul and attention outputs), as one region per block: the input,
+        q/k/v, attention output and logsumexp, w1 and w3 outputs, each split over tp, and the row-parallel
+        outputs of wo and w2, which are full-size partial sums before their reduce-scatter (2 h e); as two
+        units per block (model.args.recompute_units_pay: under TP) the same but for those two partial sums,
+        for which each unit's input (the residual stream, h e) and w2's input (F e) are kept, split over tp.
+    Context parallel (cp > 1), none: the ring attention keeps k and v as they travel, n_kv_heads wide (the
+        GQA repeat happens inside it), 2 kv e instead of 2 h e; the other modes keep what they keep at cp = 1.
+    Mixtures of experts (`moe_mlp_bytes`): the MLP terms of the average block (dense and MoE blocks weighted
+        by their share); the attention terms as above. Under TP an MoE block runs on its sequence shard: its
+        terms split over tp, and only the attention's input is gathered. Expert parallelism moves tokens to
+        their experts and back; with balanced routing each rank keeps what it would without it, and under
+        selective AC also both all-to-alls' outputs (kept so that the recompute does not send them again).
+    """
+    h, f, heads = a.dim, a.hidden_dim, a.n_heads
+    kv = a.n_kv_heads * a.head_dim
+    nb = _norm_bytes(e)
+    attention = np.where(np.asarray(cp) > 1, 2 * e * h + 2 * e * kv, 4 * e * h)  # q, k, v and the output
+    moe = a.n_moe_layers / a.n_layers
+    mlp_none, mlp_kept = moe_mlp_bytes(a, e)
+    common = 2 * nb * h + attention + 4 * heads + 8
+    # Under TP a dense block gathers both norms' outputs (2 h e, whole); an MoE block only the attention's:
+    # it runs on its sequence shard (its norm's output h e / tp).
+    none_dense = (common + 4 * e * f) / tp + 2 * e * h
+    none_moe = (common + mlp_none + e * h) / tp + e * h
+    full = e * h / tp
+    kept = e * h + e * (h + 2 * kv) + e * h + 4 * heads  # input, q/k/v, attention: the attention half's
+    kept_dense = kept + 2 * e * f  # + the w1 and w3 outputs
+    selective_dense = np.where(
+        recompute_units_pay(h, f, tp), (kept_dense + e * h + e * f) / tp, kept_dense / tp + 2 * e * h
+    )
+    selective_moe = (kept + mlp_kept + e * h) / tp + e * h  # one region; wo's partial sum whole under TP
+    selective_moe = selective_moe + np.where(np.asarray(ep) > 1, 2 * a.moe_top_k * h * e / tp, 0)
+    none = (1 - moe) * none_dense + moe * none_moe
+    selective = (1 - moe) * selective_dense + moe * selective_moe
+    ac = np.asarray(ac)
+    return np.where(ac == 0, none, np.where(ac == 1, selective, full))
+
+
+def moe_mlp_bytes(a: ModelArgs, e: int) -> tuple[float, float]:
+    """Bytes per token an MoE block's MLP keeps (measured on plait.model.llama.MoE: tests/test_plan_vs_runtime.py),
+    as (no AC, selective AC beyond the one h e the block's formula counts for the MLP's output). Per routed copy
+    (k per token): without AC the expert's SwiGLU tensors (4 F e), the gathered token, the expert output and
+    its weighted copy (3 h e) and two int64 indices with their inverse (32); selective keeps the w1 and w3
+    outputs and the w2 output (2 F e + h e). Per token: the fp32 router scores and their top-k weights
+    (4 E + 4; selective: the router's output, E e); a shared expert as a dense SwiGLU of its width."""
+    h, k, fe, experts = a.dim, a.moe_top_k, a.expert_hidden_dim, a.moe_experts
+    shared = a.expert_hidden_dim * a.moe_shared_experts
+    none = k * (4 * fe * e + 3 * h * e + 32) + 4 * experts + 4 + 4 * shared * e
+    kept = k * (2 * fe * e + h * e) + experts * e + (2 * shared * e + h * e if shared else 0) - h * e
+    return none, kept
+
+
+def head_activation_bytes(a: ModelArgs, e: int, tp, fused: bool = True) -> np.ndarray:
+    """Per token, last stage: the final norm's (a sequence shard), then with the fused head the gradient of
+    its output (e h / tp: computed in forward, plait.model.head; the output weight's gradient, also computed
+    in forward, is the gradient the model states count); with the plain head the output matmul's input
+    (all-gathered: h e), the fp32 log-softmax of the vocab-sharded logits (4 V / tp) and the int64 target."""
+    norm = (_norm_bytes(e) * a.dim + 4) / tp
+    if fused:
+        return norm + e * a.dim / tp
+    return norm + e * a.dim + 4 * a.vocab_size / tp + 8
+
+
+def head_transient_bytes(a: ModelArgs, e: int, tp, T, fused: bool = True) -> np.ndarray:
+    """The head's working memory at its peak: the plain head's logits and their fp32 copy (T V / tp (e + 4));
+    the fused head's one chunk of logits (plait.model.head.chunk_tokens) with its fp32 work (exponentials,
+    target mask, gradient: e + 12 bytes an entry, eager), the weight gradient's fp32 accumulator and the
+    gathered input gradient."""
+    vocab = a.vocab_size / tp
+    if not fused:
+        return T * vocab * (e + 4)
+    chunk = np.minimum(T, np.ceil(LOGITS_PER_CHUNK / vocab))  # T: the micro-batch's tokens, gathered over tp
+    return chunk * vocab * (2 * e + 12) + 4 * vocab * a.dim + T * a.dim * e
+
+
+EMBED_ACTIVATION_BYTES = 8
+"""Per token, first stage: the int64 token ids the embedding keeps for its backward."""
+
+
+# ---------------------------------------------------------------------------------------------- pipeline
+
+
+def split_stages(a: ModelArgs, seq_len: int, pp, virtual):
+    """Layers on the first and on the last pipeline rank, as the runtime splits them (model.args.split_layers,
+    'cost': FLOPs balanced, the output projection on the last stage); a rank holds stages r, r + p, ... of the
+    p x v. Returns (n_first, n_last) arrays; with pp = 1 both are L (one rank holds everything)."""
+    pp, virtual = np.broadcast_arrays(np.asarray(pp, dtype=np.int64), np.asarray(virtual, dtype=np.int64))
+    n_first, n_last = np.full(pp.shape, a.n_layers, np.int64), np.full(pp.shape, a.n_layers, np.int64)
+    for p, v in set(zip(pp.ravel().tolist(), virtual.ravel().tolist(), strict=True)):
+        if p == 1:
+            continue
+        stages = split_layers(a, p * v, "cost", seq_len)
+        at = (pp == p) & (virtual == v)
+        n_first[at] = sum(len(stages[s]) for s in range(0, p * v, p))
+        n_last[at] = sum(len(stages[s]) for s in range(p - 1, p * v, p))
+    return n_first, n_last
+
+
+_F, _B, _I, _W = 0, 1, 2, 3  # forward, full backward, input gradient, weight gradient
+
+
+def _rank_actions(schedule: str, p: int, v: int, m: int, r: int) -> tuple[np.ndarray, np.ndarray]:
+    """The compute actions of pipeline rank r in the order torch.distributed.pipelining runs them, as two
+    arrays: op (_F, _B, _I or _W) and local stage index.
+
+    GPipe: all forwards, then all backwards. 1F1B: min(m, p - r) warm-up forwards, then one backward and one
+    forward in turn. Interleaved 1F1B and zero bubble (torch's ``_get_1f1b_rank_ops``): warm-up forwards
+    ((v - 1) p + k (p - 1 - r) with k = 2, resp. 1), then forward + backward pairs, walking the local stages
+    round by round; zero bubble splits each backward into I and a W that lags r backward ops behind."""
+    if schedule in ("gpipe", "1f1b"):
+        warm = m if schedule == "gpipe" else min(m, p - r)
+        ops = [_F] * warm + [_B, _F] * (m - warm) + [_B] * warm
+        return np.array(ops), np.zeros(len(ops), dtype=np.int64)
+    zero_bubble = schedule == "zero_bubble"
+    per_round = m // max(1, m // p)
+    total = m * v
+    warm = min(total, (v - 1) * per_round + (1 if zero_bubble else 2) * (p - 1 - r))
+    op = np.arange(total + warm)  # warm-up (F), steady (F, then B), cool-down (B); W after B once op >= warm + r
+    fwd_stage = (op // per_round) % v
+    bwd_stage = v - 1 - ((op - warm) // per_round) % v
+    lag_stage = v - 1 - ((op - r - warm) // per_round) % v  # W at op is for the backward of op - r
+    ops = np.stack([np.full_like(op, _F), np.full_like(op, _I if zero_bubble else _B), np.full_like(op, _W)], 1)
+    stages = np.stack([fwd_stage, bwd_stage, lag_stage], 1)
+    valid = np.stack([op < total, op >= warm, zero_bubble & (op - warm >= r)], 1)
+    ops, stages = ops[valid], stages[valid]
+    if zero_bubble:  # the weight gradients still owed after the last backward, oldest first
+        late = np.arange(total + warm - min(r, total), total + warm)
+        ops = np.concatenate([ops, np.full_like(late, _W)])
+        stages = np.concatenate([stages, v - 1 - ((late - warm) // per_round) % v])
+    return ops, stages
+
+
+@functools.lru_cache(maxsize=4096)
+def held_chunks(schedule: str, p: int, v: int, m: int, r: int) -> np.ndarray:
+    """How rank r's activations stack up: one row per forward, holding per local stage (first v columns)
+    the micro-batches whose forward is done and whose backward (zero bubble: weight gradient) is not, and
+    (last v columns) those whose zero-bubble weight gradient is done. The rank's activation peak is the
+    largest row weighted by the bytes one micro-batch of each stage keeps in each state."""
+    ops, stages = _rank_actions(schedule, p, v, m, r)
+    delta = np.zeros((len(ops), 2 * v), dtype=np.int64)
+    rows = np.arange(len(ops))
+    delta[rows, stages] = np.select([ops == _F, (ops == _B) | (ops == _W)], [1, -1], 0)
+    delta[rows, v + stages] = ops == _W
+    # Peaks come right after a forward that the next action does not extend (a B or W lowers the total).
+    peak = (ops == _F) & (np.append(ops[1:], _B) != _F)
+    return np.unique(np.cumsum(delta, axis=0)[peak], axis=0).astype(np.float64)
+
+
+def peak_activations(schedule, pp, virtual, m, rank_is_last: bool, weight) -> np.ndarray:
+    """Per layout (pp > 1): the peak over the schedule of sum over local stages s of held(s) x bytes(s) +
+    done(s) x residue(s), where ``weight(s, mask)`` returns (bytes, residue) of one micro-batch of stage s
+    for the layouts in ``mask``, on the first or the last pipeline rank. 0 where pp = 1."""
+    out = np.zeros(len(pp), dtype=np.float64)
+    piped = np.nonzero(pp > 1)[0]
+    keys, group = np.unique(np.stack([schedule, pp, virtual, m], axis=1)[piped], axis=0, return_inverse=True)
+    order = np.argsort(group.ravel(), kind="stable")
+    bounds = np.searchsorted(group.ravel()[order], np.arange(len(keys) + 1))
+    for g, key in enumerate(keys):
+        sched, p, v, mb = (int(x) for x in key)
+        idx = piped[order[bounds[g] : bounds[g + 1]]]  # the layouts with this schedule, pp, v and m
+        rows = held_chunks(SCHEDULES[sched], p, v, mb, p - 1 if rank_is_last else 0)
+        held, residue = zip(*(weight(s, idx) for s in range(v)), strict=True)
+        out[idx] = np.max(rows @ np.stack([*held, *residue]), axis=0)  # (v held + v done) x layouts in the group
+    return out
+
+
+ZERO_BUBBLE_LAST_MARGIN = 1.15
+"""Zero bubble's last pipeline rank keeps more than ``zero_bubble_residue`` accounts for: with one stage per
+rank the weight passes of the last stage wait, and each waiting micro-batch holds the fused head's output-weight
+gradient (V x dim) it computed in forward. Measured 0-14% above the model on the last rank
+(tests/test_plan_vs_runtime.py), so its activations are taken 15% larger: a zero-bubble layout the planner
+calls fitting must fit. The first rank's prediction is exact."""
+
+
+def zero_bubble_residue(a: ModelArgs, e: int, tp, layers, has_head, fused: bool = True) -> np.ndarray:
+    """Bytes per token one micro-batch of a stage keeps after its zero-bubble weight gradient, until the step
+    ends (measured: tests/test_plan_vs_runtime.py). torch's input-gradient pass runs with retain_graph=True
+    and the weight pass only visits the nodes next to the weights, so what those do not need stays saved: per
+    layer the attention's q, k, v (h wide each after the GQA repeat), output and logsumexp; for the final
+    stage also the fused head's input gradient (e h / tp), or the plain head's fp32 log-softmax, logits and
+    the output matmul's input. Norms (plait.model.llama.RMSNormFunction: one node with the weight's gradient)
+    are visited by the weight pass, which frees what they keep."""
+    h = a.dim
+    layer = (4 * e * h + 4 * a.n_heads) / tp
+    head = e * h / tp if fused else (4 * a.vocab_size + e * a.vocab_size) / tp + e * h
+    return layers * layer + np.where(has_head, head, 0)
+
+
+def rank_memory(work: Workload, lay: Layouts, c: Columns, name: str) -> dict[str, np.ndarray]:
+    """The first pipeline rank's (it holds the embedding) or the last's (the output projection) memory, by part."""
+    a, e, fused = work.model, work.act_bytes, work.fused_head
+    tp, pp, v, T = c.tp, c.pp, c.v, c.T
+    is_first = name == "first"
+    layers = split_stages(a, work.seq_len, pp, v)[0 if is_first else 1]
+    block_s, block_u = block_numel(a, tp, c.fsdp_shard, c.ep)
+    layer_s, layer_u = sum(block_s.values()), sum(block_u.values())
+    emb_s, emb_u = sharded_numel(embed_params(a), tp, c.fsdp_shard), local_numel(embed_params(a), tp)
+    head_s, head_u = sharded_numel(head_params(a), tp, c.fsdp_shard), local_numel(head_params(a), tp)
+    if is_first:
+        root_s, root_u = emb_s + np.where(c.single, head_s, 0), emb_u + np.where(c.single, head_u, 0)
+    else:
+        root_s, root_u = head_s + np.where(c.single, emb_s, 0), head_u + np.where(c.single, emb_u, 0)
+    has_head, has_embed = c.single | (not is_first), c.single | is_first
+    sharded = layers * layer_s + root_s
+    unsharded = layers * layer_u + root_u
+    states = np.where(lay.offload, 0.0, 16.0 * sharded)  # fp32 param + fp32 grad + AdamW (2 x fp32)
+    gathered = np.where(c.held, unsharded, _resharding_gathered(a, tp, layer_u, emb_u, head_u, fused))
+    params_buf = np.where(c.fsdp, e * gathered, 0.0)
+    grads_buf = np.where(c.fsdp, np.where(c.accumulate, 4.0 * unsharded, e * (2 * layer_u + root_u)), 0.0)
+    tp_buf = np.where(tp > 1, 2 * T * a.dim * e, 0.0)
+    # Pipeline receive buffers live only while their micro-batch does (plait.core.torch_private.
+    # bounded_receive_stage): a received activation is the stage's input, saved by its first block (an
+    # activation, below); what is not saved is one buffer per direction the rank receives in (activations
+    # into every stage but the first, gradients into every stage but the last: 2 v - 1 of the rank's v
+    # stages), and with GPipe / 1F1B a second gradient buffer, the previous one, which the schedule holds
+    # until it posts the next receive.
+    hand_off = T * a.dim * e / tp  # sequence shards under TP
+    single_stage = (lay.schedule == GPIPE) | (lay.schedule == ONE_F_ONE_B)
+    pp_buf = np.where(pp > 1, (2 * v - 1 + (single_stage & is_first)) * hand_off, 0.0)
+    acts = _activations(work, lay, c, layers, rank_last=not is_first, has_head=has_head, hand_off=hand_off)
+    acts = acts + np.where(has_embed, c.m * T * EMBED_ACTIVATION_BYTES, 0)  # the token ids of all micro-batches
+    transient = _transient(work, lay, c, has_head)
+    dynamic = params_buf + grads_buf + tp_buf + pp_buf + acts + transient
+    return dict(
+        states=states,
+        buffers=params_buf + grads_buf + tp_buf + pp_buf,
+        activations=acts,
+        transient=transient,
+        allocator=dynamic * ALLOCATOR_OVERHEAD + RESERVED_GIB * GiB,
+        total=states + dynamic * (1 + ALLOCATOR_OVERHEAD) + RESERVED_GIB * GiB,
+        host=np.where(lay.offload, 16.0 * sharded, 0.0),
+        sharded=sharded,
+        unsharded=unsharded,
+        layers=layers,
+        root_unsharded=root_u,
+        has_output=not is_first,  # the last rank holds the output projection (without a pipeline, both do)
+    )
+
+
+def _resharding_gathered(a: ModelArgs, tp, layer_u, emb_u, head_u, fused: bool):
+    """Gathered parameters at the peak where blocks reshard after forward (no pipeline): the current and the
+    prefetched block and the root. Untied, the embedding is a unit of its own gathered for its forward only,
+    as the output is under the fused head (gathered with the last block, freed before backward):
+    plait.parallel.parallelize._shard_embedding_and_head."""
+    if a.tie_embeddings:
+        return 2 * layer_u + emb_u + head_u
+    out_u = local_numel([(a.vocab_size, a.dim, 0)], tp)
+    return (np.maximum(2 * layer_u, layer_u + out_u) if fused else 2 * layer_u + out_u) + a.dim
+
+
+def _activations(work: Workload, lay: Layouts, c: Columns, layers, *, rank_last: bool, has_head, hand_off):
+    """Activations kept for backward at the rank's peak: one micro-batch without a pipeline, else the
+    schedule's peak over the micro-batches each of this rank's v stages holds (peak_activations)."""
+    a, e, fused, T, v = work.model, work.act_bytes, work.fused_head, c.T, c.v
+    chunk = layers / v * layer_activation_bytes(a, e, c.tp, lay.ac, c.cp, c.ep) * T
+    # One micro-batch of one of this rank's v stages: its layers, its input (received, except on the first
+    # stage), and its output until the backward: the stage that sends keeps it, the final stage keeps its
+    # logits (the schedule's stage output) and the loss's activations. The last stage's output: the logits
+    # (B, T, V / tp); with the fused head the micro-batch's loss, and the output weight's gradient it computed
+    # in forward (in the gathered weight's dtype), kept per micro-batch in flight until that micro-batch's
+    # backward.
+    head_grad = a.vocab_size / c.tp * a.dim * np.where(c.fsdp, e, 4)
+    head = head_activation_bytes(a, e, c.tp, fused) * T + (head_grad if fused else T * a.vocab_size / c.tp * e)
+    zb = (
+        zero_bubble_residue(a, e, c.tp, layers / v, False, fused),
+        zero_bubble_residue(a, e, c.tp, layers / v, True, fused),
+    )
+
+    def stage_bytes(s, idx):
+        first_stage, last_stage = s == 0 and not rank_last, rank_last and s == int(v[idx][0]) - 1
+        # (the layers' bytes already count the stage input, which the first block's norm saves)
+        held = chunk[idx] + (head[idx] if last_stage else hand_off[idx])
+        # zero bubble: a stage that received its input keeps it as long as the rest of the residue
+        residue = 0 * held if first_stage else zb[1 if last_stage else 0][idx] * T[idx] + hand_off[idx]
+        residue = np.where(lay.ac[idx] == FULL_AC, 0, residue)  # full AC: the residue is recomputed, not kept
+        return held, residue
+
+    acts = np.where(
+        c.single,
+        chunk + np.where(has_head, head_activation_bytes(a, e, c.tp, fused) * T, 0),
+        peak_activations(lay.schedule, c.pp, v, c.m, rank_last, stage_bytes),
+    )
+    if rank_last:
+        acts = np.where(lay.schedule == ZERO_BUBBLE, acts * ZERO_BUBBLE_LAST_MARGIN, acts)
+    return acts
+
+
+def _transient(work: Workload, lay: Layouts, c: Columns, has_head):
+    """Memory that lives only during one block's backward (or the head's)."""
+    a, e, T = work.model, work.act_bytes, c.T
+    a_none = layer_activation_bytes(a, e, c.tp, NO_AC, c.cp, c.ep)
+    kv_local = a.n_kv_heads * a.head_dim / c.tp  # the keys (and values) one rank's attention holds per token
+    transient = np.where(lay.ac > NO_AC, a_none * T, 0.0)  # one block recomputed during its backward
+    transient = transient + np.where(has_head, head_transient_bytes(a, e, c.tp, T, work.fused_head), 0.0)
+    # the ring's buffers in backward: k and v held and arriving, their fp32 gradients held and arriving
+    transient = transient + np.where(c.cp > 1, T * kv_local * 2 * (2 * e + 2 * 4), 0.0)
+    # expert parallelism: one MoE block's tokens on the move (received, regrouped, results going back)
+    return transient + np.where(c.ep > 1, 3 * a.moe_top_k * T / c.moe_tp * a.dim * e, 0.0)
