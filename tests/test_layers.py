@@ -5,6 +5,9 @@ and the command line lives in plait/cli alone. Read from the source with `ast`, 
 from __future__ import annotations
 
 import ast
+import io
+import re
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -330,3 +333,54 @@ def test_no_function_is_longer_than_80_lines():
         and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
     }
     assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"
+
+
+MEASUREMENTS = ROOT.parents[1] / "docs" / "measurements.md"
+TIMING = re.compile(r"\b\d+(?:\.\d+)?\s?(?:ms|µs|us|s|min)\b")
+MACHINE = re.compile(r"(?i)\b(?:H100|H200|A100|VM|EPYC|\d-core|this machine|this CPU|measured on)\b")
+MEASUREMENT_REF = re.compile(r'docs/measurements\.md,\s+"([^"]+)"')
+
+
+def _prose(path: Path) -> list[tuple[int, str]]:
+    """(line, text) of each comment and each string statement (docstrings) in a file, newlines kept."""
+    source = path.read_text()
+    out = [
+        (tok.start[0], tok.string)
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+        if tok.type == tokenize.COMMENT
+    ]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            out.append((node.lineno, node.value.value))
+    return out
+
+
+def _timings_beside_machines(paths) -> list[str]:
+    found = []
+    for path in paths:
+        for line, text in _prose(path):
+            flat = " ".join(text.split())
+            if TIMING.search(flat) and MACHINE.search(flat):
+                found.append(f"{path.name}:{line}: {flat[:100]}")
+    return found
+
+
+def test_one_machines_timings_live_in_docs_measurements_not_in_comments():
+    """A time measured on one machine goes stale in a comment: it belongs in docs/measurements.md with the
+    machine, the date and how to measure again; the comment keeps the reason and names the entry."""
+    paths = sorted(ROOT.rglob("*.py"))
+    assert not _timings_beside_machines(paths)
+    headings = {row.split("|")[1].strip() for row in MEASUREMENTS.read_text().splitlines() if row.startswith("| ")}
+    flat = {path: " ".join(re.sub(r"\n\s*#", " ", path.read_text()).split()) for path in paths}  # comments joined
+    named = {m for text in flat.values() for m in MEASUREMENT_REF.findall(text)}
+    assert named, "no comment names an entry of docs/measurements.md (the check reads nothing)"
+    assert named <= headings, f"comments name entries docs/measurements.md lacks: {named - headings}"
+
+
+def test_the_timing_check_finds_a_measured_comment(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text('"""Fast."""\n\n\ndef f():\n    # measured on an H200: 0.74 ms a chunk\n    return 1\n')
+    good = tmp_path / "good.py"
+    good.write_text('def f(timeout_s=30):\n    """Waits 30 s (torch\'s default) before giving up."""\n')
+    assert _timings_beside_machines([bad]) == ["bad.py:5: # measured on an H200: 0.74 ms a chunk"]
+    assert _timings_beside_machines([good]) == []

@@ -246,8 +246,8 @@ class LineageConfig:
 class CompileConfig:
     enabled: bool = False
     """torch.compile each transformer block (regional: one graph, reused by every block; static shapes).
-    Off by default: the first step then compiles (~30 s on a CPU, ~1 min for a 1B model on a GPU) and CPUs
-    gain little; on a GPU turn it on (see docs/performance.md)."""
+    Off by default: the first step then compiles (tens of seconds; docs/measurements.md, "compile: first
+    step") and CPUs gain little; on a GPU turn it on (see docs/performance.md)."""
     mode: Literal["default", "max-autotune-no-cudagraphs", "max-autotune"] = "default"
     """'default': quick compile, fused element-wise kernels; 'max-autotune-no-cudagraphs': also benchmarks
     matmul and attention kernel choices (minutes of compile, faster steps); 'max-autotune': also CUDA graphs

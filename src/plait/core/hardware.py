@@ -99,9 +99,9 @@ CPU_FLOPS_PER_CYCLE = (  # (a /proc/cpuinfo flag, fp32 FLOPs a core can issue a 
 def _cpu_peak_fp32() -> tuple[float, str]:
     """cores x clock x fp32 FLOPs a cycle, the width read from the CPU's flags (an upper bound: a part with
     one FMA unit does half). The clock is the highest the kernel reports (cpufreq's maximum, else the
-    current 'cpu MHz'). Counting AVX2's 32 on an AVX-512 Xeon put the default job's MFU at 106% on a 2-core VM
-    (now 53%). A VM without cpufreq shows its base clock, so a turbo clock can beat the figure: there a
-    2048^2 matmul ran at 301-331 GFLOP/s against 294; a training step's smaller matmuls stay far below it."""
+    current 'cpu MHz'). Counting AVX2's width on an AVX-512 part would put MFU above 100%. A VM without
+    cpufreq shows its base clock, so a large matmul at a turbo clock can beat the figure; a training step's
+    smaller matmuls stay far below it (docs/measurements.md, "hardware: the CPU's peak")."""
     first: dict[str, str] = {}  # the first core's lines
     try:
         with open("/proc/cpuinfo") as f:

@@ -128,8 +128,9 @@ class StackSampler:
     AREA its whole stack passes through (a sample in Inductor's code generation called from AOTAutograd counts
     for both). Each sample is weighted by the wall time since the one before: native code that holds the GIL
     keeps the sampler thread waiting, and the stack it then sees is the one that made that native call, so
-    those seconds land where they were spent (counting samples instead saw 13 s of a 67 s first step on an
-    H200). Not faulthandler's GIL-free watchdog: it reads frames that the running thread frees (Dynamo makes
+    those seconds land where they were spent (counting samples instead missed most of a compiled first step:
+    docs/measurements.md, "profiling: samples weighted by wall time").
+    Not faulthandler's GIL-free watchdog: it reads frames that the running thread frees (Dynamo makes
     and drops code objects) and crashed every compiled first step on a CPU. `top()` gives seconds per stack,
     `areas()` seconds per area."""
 

@@ -52,8 +52,9 @@ def point_caches_at(directory: Path) -> None:
 
 VEC_ISA_FILE = "cpu_vec_isa.json"
 """Inductor's verdict on this CPU's SIMD instruction sets. Every process that compiles for the CPU probes each
-candidate ISA: a cached C++ build, then a child Python that dlopens it (~0.2 s each, 1.3 s of a 7 s warm start
-here). The verdicts are kept beside the cache, keyed by torch version, machine, compiler and ISA list, and a
+candidate ISA: a cached C++ build, then a child Python that dlopens it, a large part of a warm start
+(docs/measurements.md, "compile cache: vector ISA verdicts").
+The verdicts are kept beside the cache, keyed by torch version, machine, compiler and ISA list, and a
 later process answers the dlopen probe from them (`VecISA._probe_load`, private: skipped where torch lacks
 it). Not through config.cpp.vec_isa_ok: that setting is part of the FX-graph cache key, so setting it would
 make every cached graph miss."""

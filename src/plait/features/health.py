@@ -125,9 +125,8 @@ def _schedstat() -> dict[str, tuple[int, int]]:
 def run_queue_contention(before: dict, after: dict, wall_s: float) -> float | None:
     """(time on a CPU + time ready but waiting for one) / time on a CPU, for the busiest-hit thread that ran
     at least BUSY_THREAD of the window: 1.0 on cores of its own, 2.0 beside one busy loop. Sleeping is not
-    waiting, so a rank that blocks (a barrier, an injected delay) is not counted as shared. Measured on a
-    2-core VM, 512x512 matmuls over 0.1 s: alone 1.00-1.04 (1 and 2 threads); pinned beside a busy loop
-    1.98-2.07; 2 threads with a busy loop on one core 1.99-2.11 for the thread that shares it."""
+    waiting, so a rank that blocks (a barrier, an injected delay) is not counted as shared (docs/measurements.md,
+    "health: run-queue contention")."""
     worst = None
     for tid, (run1, wait1) in after.items():
         run0, wait0 = before.get(tid, (run1, wait1))
@@ -151,8 +150,8 @@ def check_compute(
     Timing: at least `reps` matmuls and at least `min_seconds` of them back to back, reported as the median
     (not the best: beside a CPU hog the first matmuls after a barrier run at full speed). Whether another
     process shares a CPU rank's cores is read from the scheduler (run_queue_contention), not guessed from the
-    spread of times: a 512x512 matmul (1.6-3 ms) often fits inside one time slice, and on a 2-core VM beside
-    a busy loop its median / best was anywhere from 1.04 to 6.3.
+    spread of times: a small matmul often fits inside one time slice, so beside a busy loop its median / best
+    says little (docs/measurements.md, "health: why not the spread of times").
 
     turns=(local_rank, local_world_size): processes that share the CPU time their matmul one at a time
     (a barrier over the world between turns), or the timings would measure each other."""

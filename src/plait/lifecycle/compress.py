@@ -103,8 +103,8 @@ class QuantLinear(nn.Module):
         return g.view(self.out_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Dequantize, then one dense matmul. (torch._weight_int8pack_mm was measured on this project's CPUs:
-        # 27x slower than the dense fp32 matmul at 512 rows, and slower still than it at 8 rows.)
+        # Dequantize, then one dense matmul: torch._weight_int8pack_mm is slower than the dense matmul on a CPU
+        # (docs/measurements.md, "compress: int8 weights dequantized").
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, self.dequantize().to(x.dtype), bias)
 

@@ -64,8 +64,8 @@ class Shards:
 def chunk_statistics(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int):
     """Per token of a chunk (logits (n, V_local) in the compute dtype): the log-sum-exp of this rank's logits and
     the target's logit where this rank holds it (else 0), both fp32. One pass over the logits once compiled
-    (Inductor's online softmax keeps the running max and sum together; measured on an H200 the max and the sum
-    as two functions were two passes, 0.16 + 0.19 ms a 2,048-token chunk of llama3-1b). Eager: two (n, V) fp32
+    (Inductor's online softmax keeps the running max and sum together; the max and the sum as two functions
+    were two passes: docs/measurements.md, "head: log-sum-exp in one pass"). Eager: two (n, V) fp32
     temporaries at once (the fp32 copy of bf16 logits, its shifted exponentials), as before."""
     local = targets - vocab_start
     here = (local >= 0) & (local < logits.shape[1])
@@ -106,9 +106,9 @@ def chunk_gradient(logits, lse, targets, vocab_start: int, dtype: torch.dtype) -
 
 def chunk_gradient_fusable(logits, lse, targets, vocab_start: int, dtype: torch.dtype) -> torch.Tensor:
     """chunk_gradient without the scatter: the one-hot as a comparison with the column index, so a compiler
-    makes the whole of it one kernel (read the logits, write the gradient; measured on an H200 the scatter
-    split it in two with an fp32 (n, V) tensor between them, 0.74 ms a 2,048-token chunk of llama3-1b against
-    the one pass's memory-bound 0.25). Eager, the comparison would be another (n, V) temporary: eager keeps
+    makes the whole of it one kernel (read the logits, write the gradient; the scatter splits it in two with
+    an fp32 (n, V) tensor between them: docs/measurements.md, "head: gradient without a scatter").
+    Eager, the comparison would be another (n, V) temporary: eager keeps
     chunk_gradient."""
     local = targets - vocab_start
     scored = (targets != IGNORE_INDEX)[:, None]
@@ -123,7 +123,7 @@ def chunk_loss_and_gradient(logits: torch.Tensor, targets: torch.Tensor, grads: 
     its gradient with respect to the logits, from one log-softmax (a fused single kernel on a CPU) instead
     of the statistics then the gradient (two subtractions and two exponentials of (n, V) fp32). Loss from the
     log-probabilities, not log(softmax), which underflows to -inf far from the target; the gradient is their
-    exponential, in place. Measured on a 2-core VM at 4,096 tokens x 4,096 entries: 34 ms against 61."""
+    exponential, in place (docs/measurements.md, "head: one log-softmax on a CPU")."""
     scored = targets != IGNORE_INDEX
     index = targets.clamp(0, logits.shape[1] - 1)[:, None]
     logp = torch.log_softmax(logits, dim=1, dtype=torch.float32)  # bf16 on CUDA: read as is, no fp32 copy
@@ -150,8 +150,8 @@ def compiled_elementwise():
 
 def accumulate_weight_grad(grad_w: torch.Tensor, g: torch.Tensor, xc: torch.Tensor) -> None:
     """grad_w (fp32) += g.T @ xc. With half-precision operands on CUDA the matmul adds into grad_w itself
-    (cuBLAS with an fp32 output, beta = 1: torch.addmm's out_dtype): measured on an H200, the separate fp32
-    add of a llama3-1b (V, dim) product was 1 ms a chunk, 16 ms of a 527 ms step. Elsewhere (CPU, fp32
+    (cuBLAS with an fp32 output, beta = 1: torch.addmm's out_dtype), not a separate fp32 pass over the (V, dim)
+    product (docs/measurements.md, "head: weight gradient accumulated by the matmul"). Elsewhere (CPU, fp32
     operands), a matmul then an add; autocast is off for the fused call (it would cast grad_w to half).
     torch builds whose addmm.out_dtype takes no fp32 accumulator (it asked for self in the inputs' dtype in
     some releases) are detected at the first call and keep the matmul-then-add, said once."""
@@ -192,8 +192,8 @@ class LinearCrossEntropy(torch.autograd.Function):
         x = shards.gather(h)  # (B, T, dim)
         flat, y = x.reshape(-1, x.shape[-1]), targets.reshape(-1)
         # the operands in the compute dtype once (autocast's dtype where it is on): autocast would cast the
-        # (V, dim) weight again for every chunk's matmul (measured on an H200: 17 casts of llama3-1b's 1 GB
-        # weight a step, 6 ms); its cache does not reach a custom Function's forward
+        # (V, dim) weight again for every chunk's matmul (docs/measurements.md, "head: weight cast once per
+        # call"); its cache does not reach a custom Function's forward
         dtype = _compute_dtype(x, weight)
         w, xs = weight.to(dtype), flat.to(dtype)
         grads = h.requires_grad or weight.requires_grad

@@ -454,8 +454,8 @@ def init_rows(shape: tuple[int, ...], std: float, seed: int, start: int, stop: i
     """Rows start:stop of a parameter's initial value. Block b covers rows [b*R, (b+1)*R) with R fixed by the
     global shape, and is drawn from its own generator, so the result is the same whichever rows are asked.
     The blocks are drawn on torch's intra-op thread count of threads at once (each its own generator, so the
-    values do not depend on the order): a CPU generator draws on one core, and drawing a 1B model's weights
-    one block after another took 22 s of a 36 s build on a 2-core VM (2 threads: 1.7x faster there)."""
+    values do not depend on the order): a CPU generator draws on one core, and one block after another was most
+    of a 1B model's build (docs/measurements.md, "model build: weights drawn on every thread")."""
     row = math.prod(shape[1:])
     per_block = max(1, INIT_BLOCK_ELEMENTS // max(1, row))
     out = torch.empty((stop - start, *shape[1:]), dtype=torch.float32)
