@@ -231,3 +231,58 @@ def test_a_copy_is_quantized_not_the_source(trained):
     before = copy.deepcopy(model.state_dict())
     quantize_model(copy.deepcopy(model), 8)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+# The trainer's KL is a small difference (~0.01) of fp32 log-probabilities of size ~6: each carries ~6 x 6e-8
+# of rounding, so its absolute error is a few 1e-7 (measured 2.6e-7) against this test's fp64 formula.
+KL_ATOL = 1e-6
+
+
+def test_distillation_on_the_trainer_reproduces_the_kl_of_its_first_batch(trained, tmp_path):
+    """The distillation's first loss, as plait's trainer computed it, equals KL(teacher || student) x T^2
+    written out here on the batch it trained on (the callback keeps its last micro-batch's tokens)."""
+    import plait
+    from plait.lifecycle import compress as C
+
+    run, data = trained
+    teacher = load_model(run).model.eval()
+    args = copy.deepcopy(teacher.args)
+    args.n_layers = 1
+    student = C.student_from_teacher(teacher, args)
+    teach = C.Distillation(teacher, temperature=2.0)
+    losses = C.Losses()
+    cfg = C.training_config(args, tmp_path / "kd", data, steps=1, lr=1e-3, seq_len=16, batch_size=2)
+    plait.Trainer(cfg, loss=teach.loss, callbacks=[C.StartFrom(student), teach, losses]).fit()
+    tokens = teach.tokens
+    assert tokens is not None and tokens.shape == (2, 16)
+    with torch.no_grad():
+        p = torch.softmax(teacher(tokens).double() / 2.0, dim=-1)
+        q = torch.softmax(student(tokens).double() / 2.0, dim=-1)  # the student as it was before the update
+    expected = (p * (p.log() - q.log())).sum(-1).mean() * 4.0
+    assert losses.values[0] == pytest.approx(expected.item(), abs=KL_ATOL)
+    assert (tmp_path / "kd" / "metrics.jsonl").is_file()  # a plait run: metrics, config, checkpoint
+
+
+def test_start_from_copies_the_weights_and_keep_zeros_keeps_the_zeros(trained, tmp_path):
+    """StartFrom's weights are the run's step-0 weights; KeepZeros zeroes every pruned weight after each
+    update (the update itself moves them: Adam's first step is lr x sign(grad))."""
+    import plait
+    from plait.lifecycle import compress as C
+
+    run, data = trained
+    model = load_model(run).model
+    masks = C.magnitude_prune(model, 0.5)
+    out = tmp_path / "ft"
+    cfg = C.training_config(model.args, out, data, steps=2, lr=1e-2, seq_len=16, batch_size=2)
+    seen = {}
+
+    class Snapshot(plait.Callback):
+        def on_model(self, run_state, parts):
+            seen.update({k: v.detach().clone() for k, v in parts[0].state_dict().items()})
+
+    plait.Trainer(cfg, callbacks=[C.StartFrom(model), Snapshot(), C.KeepZeros(masks)]).fit()
+    assert all(torch.equal(seen[k], v) for k, v in model.state_dict().items() if not k.startswith("rope_"))
+    tuned = load_model(out).model.state_dict()
+    for name, mask in masks.items():
+        assert torch.all(tuned[name][mask == 0] == 0), name
+        assert not torch.equal(tuned[name], model.state_dict()[name]), f"{name} was not trained"

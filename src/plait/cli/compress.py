@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -58,7 +57,7 @@ def cmd_compress(argv: list[str]) -> int:
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"--out {out} exists and is not empty; choose another")
     from plait.lifecycle import compress as C
-    from plait.lifecycle.lora import merge_lora
+    from plait.lifecycle.lora import merge_lora, model_weights_hash
     from plait.lifecycle.models import load_model
 
     source = load_model(a.teacher if a.action == "distill" else a.model)
@@ -79,8 +78,9 @@ def cmd_compress(argv: list[str]) -> int:
         )
         kind = "quantized"
     else:
-        model, kind = (_prune if a.action == "prune" else _distill)(a, source, data_dir, info)
-        digest = write_run(model, out, source, data_dir, info)
+        model, kind, trained = (_prune if a.action == "prune" else _distill)(a, source, data_dir, info)
+        checkpoint = trained or write_run(model, out, source, data_dir, info)
+        digest = model_weights_hash(model)
         if a.hf_out:
             from plait.interop.hf import export_hf
 
@@ -93,13 +93,14 @@ def cmd_compress(argv: list[str]) -> int:
     report = {"source": str(source.path), "out": str(out.resolve()), "info": info, "before": before, "after": after}
     for path in (out / "compress.json", *([Path(a.json)] if a.json else [])):
         path.write_text(json.dumps(report, indent=2, default=str) + "\n")
-    _record(a, source, out, kind, digest, report)
+    _record(a, source, out if kind == "quantized" else checkpoint, kind, digest, report)
     return 0
 
 
 def _prune(a, source, data_dir, info: dict[str, Any]):
-    """The pruned model (magnitude: weights zeroed, their masks kept through a fine-tune; structured: MLP
-    channels removed), fine-tuned --finetune-steps steps if asked."""
+    """The pruned model (magnitude: weights zeroed, kept zero through the fine-tune; structured: MLP channels
+    removed), fine-tuned --finetune-steps steps on plait's trainer if asked: (model, kind, the fine-tune's
+    checkpoint or None)."""
     from plait.lifecycle import compress as C
 
     model = copy.deepcopy(source.model)
@@ -109,32 +110,44 @@ def _prune(a, source, data_dir, info: dict[str, Any]):
     else:
         model = C.structured_prune(model, a.sparsity)
     info.update(prune=a.method, sparsity=a.sparsity, finetune_steps=a.finetune_steps)
-    if a.finetune_steps:
-        info["pruned_only"] = C.measure(model, data_dir, seq_len=a.seq_len, batches=a.batches)
-        losses = C.train_loop(
-            model, data_dir, steps=a.finetune_steps, lr=a.lr, seq_len=a.seq_len, batch_size=a.batch_size,
-            masks=masks, log=_step_logger(),
-        )  # fmt: skip
-        info["finetune_loss"] = [losses[0], losses[-1]]
-    return model, "pruned"
+    if not a.finetune_steps:
+        return model, "pruned", None
+    info["pruned_only"] = C.measure(model, data_dir, seq_len=a.seq_len, batches=a.batches)
+    keep = [C.KeepZeros(masks)] if masks else []
+    losses, (model, checkpoint) = _train(a, model, data_dir, a.finetune_steps, keep)
+    info["finetune_loss"] = [losses[0], losses[-1]]
+    return model, "pruned", checkpoint
 
 
 def _distill(a, source, data_dir, info: dict[str, Any]):
-    """A student of the --student shape trained on the teacher's softened logits."""
+    """A student of the --student shape trained on the teacher's softened logits on plait's trainer."""
     from plait.lifecycle import compress as C
 
     args = _student_args(source.model.args, a.student_preset, a.student)
-    model = C.student_from_teacher(source.model, args)
-    info["student_init"] = C.measure(model, data_dir, seq_len=a.seq_len, batches=a.batches)
-    losses = C.train_loop(
-        model, data_dir, steps=a.steps, lr=a.lr, seq_len=a.seq_len, batch_size=a.batch_size,
-        loss_fn=C.distillation_loss(source.model, a.temperature, a.hard_weight), log=_step_logger(),
-    )  # fmt: skip
+    student = C.student_from_teacher(source.model, args)
+    info["student_init"] = C.measure(student, data_dir, seq_len=a.seq_len, batches=a.batches)
+    teach = C.Distillation(source.model, a.temperature, a.hard_weight)
+    losses, (model, checkpoint) = _train(a, student, data_dir, a.steps, [teach], loss=teach.loss)
     info.update(temperature=a.temperature, hard_weight=a.hard_weight, steps=a.steps, loss=[losses[0], losses[-1]])
-    return model, "distilled"
+    return model, "distilled", checkpoint
 
 
-def _record(a, source, out: Path, kind: str, digest: str, report: dict) -> None:
+def _train(a, model, data_dir: Path, steps: int, callbacks: list, loss=None):
+    """`steps` of training from `model`'s weights as a plait run into --out: (the loss of each step,
+    (the trained model, its checkpoint)), the model read back from the run as any user would."""
+    from plait.api import Trainer
+    from plait.engine.checkpoint import resolve_checkpoint
+    from plait.lifecycle import compress as C
+    from plait.lifecycle.models import load_model
+
+    out = Path(a.out)
+    cfg = C.training_config(model.args, out, data_dir, steps=steps, lr=a.lr, seq_len=a.seq_len, batch_size=a.batch_size)
+    losses = C.Losses()
+    Trainer(cfg, loss=loss, callbacks=[C.StartFrom(model), *callbacks, losses]).fit()
+    return losses.values, (load_model(out).model, resolve_checkpoint(out))
+
+
+def _record(a, source, path, kind: str, digest: str, report: dict) -> None:
     """The compressed model (and its Hugging Face export) in the lineage registry that covers the source."""
     reg = open_registry_near(a.registry, source.path)
     if reg is None:
@@ -145,8 +158,8 @@ def _record(a, source, out: Path, kind: str, digest: str, report: dict) -> None:
     before, after = report["before"], report["after"]
     aid = reg.record(
         kind,
-        name=out.name,
-        path=out if kind == "quantized" else out / "checkpoints" / "step_00000000",
+        name=Path(a.out).name,
+        path=path,
         parent=artifact_for(reg, source).id,
         weights_hash=digest,
         code=code_version(),
@@ -156,14 +169,6 @@ def _record(a, source, out: Path, kind: str, digest: str, report: dict) -> None:
     if a.action != "quantize" and a.hf_out:
         extra = {"format": "hf"}
         reg.record("export", name=Path(a.hf_out).name, path=a.hf_out, parent=aid, weights_hash=digest, extra=extra)
-
-
-def _step_logger():
-    def log(step: int, loss: float) -> None:
-        if step == 1 or step % 10 == 0:
-            print(f"step {step:>5} loss {loss:.4f}", file=sys.stderr, flush=True)
-
-    return log
 
 
 def _student_args(teacher, preset: str | None, overrides: list[str]):

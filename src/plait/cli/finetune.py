@@ -93,8 +93,8 @@ def _ft_merge(a) -> int:
         export_hf(model, out, tokenizer_path=loaded.tokenizer)
         digest, target = model_weights_hash(model), out
     else:
-        digest = write_run(model, out, loaded, None, {"merged_from": str(loaded.path)})
-        target = out / "checkpoints" / "step_00000000"
+        target = write_run(model, out, loaded, None, {"merged_from": str(loaded.path)})
+        digest = model_weights_hash(model)
     if reg is not None and parent is not None:
         reg.record(
             "merged", name=out.name, path=target, parent=parent.id, weights_hash=digest, extra={"format": a.format}

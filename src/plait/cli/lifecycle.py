@@ -44,11 +44,11 @@ def data_dir_of(explicit: str | None, config: dict | None, vocab: int) -> Path |
     return ensure_prepared(source, Path(data.get("cache_dir", "~/.cache/plait/data")).expanduser(), vocab)
 
 
-def write_run(model, out: Path, source, data_dir: Path | None, info: dict) -> str:
-    """A plait run directory holding the model as a weights-only checkpoint plus its config.toml."""
+def write_run(model, out: Path, source, data_dir: Path | None, info: dict) -> Path:
+    """A plait run directory holding the model as a weights-only checkpoint plus its config.toml; returns the
+    checkpoint."""
     from plait.cli.ckpt import write_weights_checkpoint
     from plait.config import Config, from_dict, to_dict, to_toml, validate
-    from plait.lifecycle.lora import model_weights_hash
 
     cfg = from_dict(source.config) if source.config else Config()
     cfg.model = model.args
@@ -68,7 +68,7 @@ def write_run(model, out: Path, source, data_dir: Path | None, info: dict) -> st
         extra={"compressed_from": {"path": str(source.path), **jsonable(info)}},
     )
     (out / "config.toml").write_text(to_toml(cfg))
-    return model_weights_hash(model)
+    return ckpt
 
 
 def jsonable(info: dict) -> dict:

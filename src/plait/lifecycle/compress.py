@@ -15,7 +15,9 @@ throughput (tokens/s on a fixed batch) and perplexity on held-out data, and repo
 - ``distill``: train a smaller plait student on a plait teacher's logits: KL(teacher || student) at a
   temperature T, times T^2, optionally mixed with the usual next-token loss.
 
-Pruned and distilled models are ordinary plait runs (weights-only checkpoint + config.toml: train, generate,
+The fine-tune after pruning and the distillation run on plait's trainer (plait.Trainer with the callbacks
+below: StartFrom, KeepZeros, Distillation), so they log, checkpoint, resume and take a layout like any run.
+Pruned and distilled models are ordinary plait runs (a checkpoint + config.toml: train, generate,
 ``plait ckpt export`` as usual) and can be written as Hugging Face Llama directories at once (``hf_out``).
 """
 
@@ -25,7 +27,6 @@ import json
 import math
 import shutil
 import time
-from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -35,9 +36,15 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-from plait.core.errors import PlaitError
-from plait.model.llama import ModelArgs, Transformer
+from plait.config import Config, validate
+from plait.core.errors import ConfigError, PlaitError
+from plait.core.torch_private import local_box
+from plait.engine.callbacks import Callback, RunState
+from plait.engine.loss import IGNORE_INDEX
+from plait.model.llama import ModelArgs, Transformer, canonical_name
+from plait.parallel.parallelize import load_local_shard
 
 QUANT_FORMAT = "plait-quant-v1"
 BLOCK_LINEARS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
@@ -329,76 +336,126 @@ def structured_prune(model: Transformer, sparsity: float, multiple_of: int = 8) 
 # ----------------------------------------------------------------------------------- fine-tune and distill
 
 
-def train_loop(
-    model: Transformer,
-    data_dir: Path,
-    *,
-    steps: int,
-    lr: float,
-    seq_len: int,
-    batch_size: int = 8,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-    masks: dict[str, torch.Tensor] | None = None,
-    seed: int = 0,
-    log: Callable[[int, float], None] | None = None,
-) -> list[float]:
-    """A short AdamW loop (constant LR after 10% warm-up) on a prepared split: the fine-tune after pruning
-    and the distillation loop. ``loss_fn(logits, inputs, targets)`` replaces cross-entropy; ``masks`` are
-    re-applied after every update so pruned weights stay zero."""
-    from plait.data import TokenDataset, TokenLoader
-
-    device = next(model.parameters()).device
-    loader = TokenLoader(
-        TokenDataset(data_dir, "train"),
-        seq_len=min(seq_len, model.args.max_seq_len),
-        global_batch_size=batch_size,
-        seed=seed,
-        prefetch=0,
-        device=device,
-    )
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    warmup = max(1, steps // 10)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
-    named = dict(model.named_parameters())
-    model.train()
-    losses = []
-    for step in range(1, steps + 1):
-        x, y = next(loader)
-        logits = model(x)
-        loss = loss_fn(logits, x, y) if loss_fn else F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sched.step()
-        if masks:
-            with torch.no_grad():
-                for name, mask in masks.items():
-                    named[name].mul_(mask)
-        losses.append(loss.item())
-        if log is not None:
-            log(step, losses[-1])
-    loader.close()
-    model.eval()
-    return losses
+def training_config(
+    args: ModelArgs, out: Path, data_dir: Path, *, steps: int, lr: float, seq_len: int, batch_size: int, seed: int = 0
+) -> Config:
+    """The settings of a compression's training (the fine-tune after pruning, a distillation) as a plait run
+    into the directory `out`: the compressed model's shape on `data_dir`, one process, AdamW at a constant `lr`
+    after a warm-up of a tenth of the steps (none below 10), no weight decay, the gradient norm clipped at 1, a checkpoint at the end. The
+    weights come from memory (StartFrom), so no finetune.init_from; the compressed model is recorded in the
+    lineage registry by the command, not the run."""
+    cfg = Config()
+    cfg.model = args
+    cfg.run.name, cfg.run.out_dir, cfg.run.seed = out.name, str(out.parent), seed
+    cfg.data.source, cfg.data.seq_len = str(data_dir), min(seq_len, args.max_seq_len)
+    cfg.train.steps, cfg.train.global_batch_size, cfg.train.grad_clip = steps, batch_size, 1.0
+    cfg.optim.lr, cfg.optim.schedule, cfg.optim.weight_decay = lr, "constant", 0.0
+    cfg.optim.warmup_steps = steps // 10
+    cfg.eval.every_steps, cfg.checkpoint.every_steps, cfg.sample.prompt = 0, 0, ""
+    cfg.log.every_steps, cfg.log.tensorboard, cfg.lineage.enabled = min(10, steps), False, False
+    return validate(cfg)
 
 
-def distillation_loss(teacher: nn.Module, temperature: float, hard_weight: float = 0.0):
-    """KL(teacher || student) on softened distributions, times T^2 so gradients keep their scale across
-    temperatures (Hinton et al.), averaged over tokens; plus ``hard_weight`` x cross-entropy on the data."""
+class StartFrom(Callback):
+    """Start the run from an in-memory model's weights (a pruned model, a student made from its teacher):
+    copied into the built parts by parameter name, each rank only its shard's box, any layout."""
 
-    def loss_fn(logits: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def __init__(self, model: nn.Module):
+        self.state = {canonical_name(k): v.detach() for k, v in model.state_dict().items()}
+
+    def on_model(self, run: RunState, parts: list[nn.Module]) -> None:
+        for part in parts:
+            for name, param in part.named_parameters():
+                value, device = self.state[canonical_name(name)], param.device
+                with torch.no_grad():
+                    load_local_shard(param, lambda offset, shape, v=value, d=device: v[_box(offset, shape)].to(d))
+
+
+def _box(offset: tuple[int, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+
+
+class KeepZeros(Callback):
+    """Magnitude pruning's zeros kept through a fine-tune: after every update the pruned weights are zeroed
+    again (each rank its shard of each mask, 1 = kept)."""
+
+    def __init__(self, masks: dict[str, torch.Tensor]):
+        self.masks = masks
+        self.local: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def on_model(self, run: RunState, parts: list[nn.Module]) -> None:
+        for part in parts:
+            for name, param in part.named_parameters():
+                mask = self.masks.get(canonical_name(name))
+                if mask is None:
+                    continue
+                if isinstance(param, DTensor):
+                    shape, offset = local_box(param)
+                    local, mask = param.to_local(), mask[_box(tuple(offset), tuple(shape))]
+                else:
+                    local = param
+                self.local.append((local, mask.to(local.device, local.dtype)))
+        if len(self.local) != len(self.masks):
+            raise PlaitError(f"{len(self.masks) - len(self.local)} pruning masks name no parameter of the model")
+
+    def after_step(self, run: RunState, step: int, result: Any) -> None:
         with torch.no_grad():
-            t_logits = teacher(inputs).float()
-        s = F.log_softmax(logits.float() / temperature, dim=-1).flatten(0, 1)  # (B*T, V)
-        t = F.log_softmax(t_logits / temperature, dim=-1).flatten(0, 1)
-        kl = F.kl_div(s, t, log_target=True, reduction="batchmean") * temperature**2
-        if hard_weight:
-            kl = (1 - hard_weight) * kl + hard_weight * F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-        return kl
+            for param, mask in self.local:
+                param.mul_(mask)
 
-    return loss_fn
+
+class Losses(Callback):
+    """The training loss of every step, read on the host once the run ended (no sync per step)."""
+
+    def __init__(self):
+        self.kept: list[torch.Tensor] = []
+        self.values: list[float] = []
+
+    def after_step(self, run: RunState, step: int, result: Any) -> None:
+        self.kept.append(result.loss.detach())
+
+    def close(self, run: RunState) -> None:
+        self.values = torch.stack(self.kept).tolist() if self.kept else []
+
+
+class Distillation(Callback):
+    """Knowledge distillation on plait's trainer: `loss` (the Trainer's loss=) is KL(teacher || student) on
+    distributions softened by `temperature`, times T^2 so gradients keep their scale across temperatures
+    (Hinton et al.), averaged over tokens; plus `hard_weight` x the next-token cross-entropy. The teacher sees
+    the student's inputs: a forward pre-hook on the student's model keeps each micro-batch's tokens for the
+    loss that follows it. One pipeline stage only (the loss of a pipeline's last stage never sees the tokens)."""
+
+    def __init__(self, teacher: nn.Module, temperature: float, hard_weight: float = 0.0):
+        if temperature <= 0 or not 0 <= hard_weight <= 1:
+            raise PlaitError(
+                f"distillation needs temperature > 0 and 0 <= hard_weight <= 1 (got {temperature}, {hard_weight})"
+            )
+        self.teacher, self.temperature, self.hard_weight = teacher.eval(), temperature, hard_weight
+        self.tokens: torch.Tensor | None = None
+
+    def on_model(self, run: RunState, parts: list[nn.Module]) -> None:
+        if len(parts) != 1:
+            raise ConfigError(f"distillation runs on one pipeline stage: set parallel.pp_degree=1 (got {len(parts)})")
+        device = next(parts[0].parameters()).device
+        self.teacher.to(device)
+        parts[0].register_forward_pre_hook(self._keep_tokens)
+
+    def _keep_tokens(self, module: nn.Module, args: tuple) -> None:
+        self.tokens = args[0]
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.tokens is None or self.tokens.shape != targets.shape:
+            raise RuntimeError("the distillation loss ran without its micro-batch's tokens (on_model not called?)")
+        with torch.no_grad():
+            teacher = self.teacher(self.tokens).float()
+        t = self.temperature
+        s = F.log_softmax(logits.float() / t, dim=-1).flatten(0, 1)  # (B*T, V)
+        kl = F.kl_div(s, F.log_softmax(teacher / t, dim=-1).flatten(0, 1), log_target=True, reduction="batchmean")
+        kl = kl * t**2
+        if self.hard_weight:
+            hard = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX)
+            kl = (1 - self.hard_weight) * kl + self.hard_weight * hard
+        return kl
 
 
 def student_from_teacher(teacher: Transformer, args: ModelArgs, seed: int = 0) -> Transformer:
