@@ -131,7 +131,8 @@ def _worker(rank: int, a: argparse.Namespace, port: int, out: str) -> None:
                 loss = train_step(plait, x, y).loss
             else:
                 engine = engines[name]
-                with autocast_context(cfg, device, fsdp=True):  # no autocast: DeepSpeed casts itself under bf16
+                # no autocast: DeepSpeed casts itself under bf16
+                with autocast_context(cfg.train.mixed_precision, device, fsdp=True):
                     loss = cross_entropy(engine(x), y)
                 engine.backward(loss)
                 engine.step()

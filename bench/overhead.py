@@ -69,7 +69,7 @@ def main() -> None:
     device = resolve_device(cfg.run.device)
     data_dir = ensure_prepared("shakespeare", Path(cfg.data.cache_dir).expanduser(), cfg.model.vocab_size)
     dataset = TokenDataset(data_dir, "train")
-    autocast = autocast_context(cfg, device)
+    autocast = autocast_context(cfg.train.mixed_precision, device)
     total = a.rounds * a.steps + 2
     cfg.train.steps = total
     o = cfg.optim

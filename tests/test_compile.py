@@ -378,10 +378,10 @@ def test_float8_auto_is_off_where_it_cannot_run_or_does_not_pay_and_says_why(mon
 
     on = ["compile.enabled=true", "compile.float8=auto"]
     cpu = torch.device("cpu")
-    assert float8_plan(load_config(None, on), cpu)[0] is False
-    assert "this run is on cpu, not an NVIDIA GPU" in float8_plan(load_config(None, on), cpu)[1]
-    assert float8_plan(load_config(None, ["compile.float8=auto"]), cpu) == (False, "compile.enabled=false")
-    assert float8_plan(load_config(None, ["compile.enabled=true"]), cpu) == (False, "compile.float8=false")
+    assert float8_plan(load_config(None, on).compile, cpu)[0] is False
+    assert "this run is on cpu, not an NVIDIA GPU" in float8_plan(load_config(None, on).compile, cpu)[1]
+    assert float8_plan(load_config(None, ["compile.float8=auto"]).compile, cpu) == (False, "compile.enabled=false")
+    assert float8_plan(load_config(None, ["compile.enabled=true"]).compile, cpu) == (False, "compile.float8=false")
     # torchao's heuristic on the shapes: the tiny preset gains nowhere, llama3-1b in its wide layers. (The
     # device check is lifted: the layers chosen are the same on any device.)
     pytest.importorskip("torchao", reason="the test extra installs torchao")
@@ -392,7 +392,7 @@ def test_float8_auto_is_off_where_it_cannot_run_or_does_not_pay_and_says_why(mon
         cfg = load_config(None, [*on, f"model.preset={preset}"])
         with torch.device("meta"):
             block = TransformerBlock(cfg.model, 0)
-        chosen, why = float8_plan(cfg, cpu, block)
+        chosen, why = float8_plan(cfg.compile, cpu, block)
         assert chosen is (preset != "tiny") and want in why, why
 
 

@@ -84,7 +84,7 @@ def _precision(cfg: Config, device: torch.device) -> str:
     text = "bf16 autocast, fp32 master weights" if bf16 else "fp32"
     from plait.parallel.compile import float8_plan
 
-    return text + (" + float8 matmuls in blocks (torchao)" if float8_plan(cfg, device)[0] else "")
+    return text + (" + float8 matmuls in blocks (torchao)" if float8_plan(cfg.compile, device)[0] else "")
 
 
 def run_bench(cfg: Config, steps: int, warmup: int, profile_dir: Path | None = None) -> dict:

@@ -35,7 +35,7 @@ class CompileWatch(Callback):
             if run.model_fn is None:  # plait's model: one of its blocks on meta
                 with torch.device("meta"):
                     block = TransformerBlock(run.cfg.model, 0)
-            on, why = float8_plan(run.cfg, run.env.device, block)
+            on, why = float8_plan(run.cfg.compile, run.env.device, block)
             info(f"float8 (compile.float8=auto): {'on' if on else 'off'}: {why}")
 
     def after_step(self, run: RunState, step: int, result) -> None:

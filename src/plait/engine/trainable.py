@@ -34,10 +34,10 @@ def build_model(args: ModelArgs, device: torch.device, seed: int) -> Transformer
     return model
 
 
-def autocast_context(cfg: Config, device: torch.device, fsdp: bool = False):
-    """bf16 autocast where requested (or 'auto' on a device with native bf16), else nothing. Under FSDP
-    its mixed-precision policy casts the parameters instead."""
-    if not fsdp and uses_bf16(cfg.train.mixed_precision, device):
+def autocast_context(mixed_precision: str, device: torch.device, fsdp: bool = False):
+    """bf16 autocast where train.mixed_precision asks (or 'auto' on a device with native bf16), else nothing.
+    Under FSDP its mixed-precision policy casts the parameters instead."""
+    if not fsdp and uses_bf16(mixed_precision, device):
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
@@ -65,7 +65,7 @@ class Trainable:
         return self.meshes.dims.fsdp_enabled
 
     def autocast(self):
-        return autocast_context(self.cfg, self.device, self.fsdp)
+        return autocast_context(self.cfg.train.mixed_precision, self.device, self.fsdp)
 
     def loss_context(self):
         return loss_parallel() if self.meshes.dims.tp > 1 else contextlib.nullcontext()
@@ -115,7 +115,7 @@ def build_trainable(
             parallelize_fn(user_model, meshes, cfg, device)
         else:
             parallelize_own(user_model, meshes, cfg, device)
-        materialize_module(user_model, cfg, device)
+        materialize_module(user_model, device, seed=cfg.run.seed, cpu_offload=cfg.parallel.cpu_offload)
         parts, pipeline = [user_model], None
     elif meshes.dims.pp > 1:
         pipeline = build_pipeline(cfg.model, meshes, cfg, device, loss_fn)
@@ -124,7 +124,7 @@ def build_trainable(
         with torch.device("meta"):
             plait_model = Transformer(cfg.model)
         parallelize(plait_model, meshes, cfg, device)
-        materialize(plait_model, cfg, device)
+        materialize(plait_model, device, seed=cfg.run.seed, cpu_offload=cfg.parallel.cpu_offload)
         parts, pipeline = [plait_model], None
     if on_model is not None:
         on_model(parts)  # e.g. finetune.init_from weights; LoRA adapters on a frozen base

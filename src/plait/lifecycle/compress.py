@@ -341,9 +341,9 @@ def training_config(
 ) -> Config:
     """The settings of a compression's training (the fine-tune after pruning, a distillation) as a plait run
     into the directory `out`: the compressed model's shape on `data_dir`, one process, AdamW at a constant `lr`
-    after a warm-up of a tenth of the steps (none below 10), no weight decay, the gradient norm clipped at 1, a checkpoint at the end. The
-    weights come from memory (StartFrom), so no finetune.init_from; the compressed model is recorded in the
-    lineage registry by the command, not the run."""
+    after a warm-up of a tenth of the steps (none below 10), no weight decay, the gradient norm clipped at 1, a
+    checkpoint at the end. The weights come from memory (StartFrom), so no finetune.init_from; the compressed
+    model is recorded in the lineage registry by the command, not the run."""
     cfg = Config()
     cfg.model = args
     cfg.run.name, cfg.run.out_dir, cfg.run.seed = out.name, str(out.parent), seed

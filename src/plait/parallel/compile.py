@@ -19,20 +19,19 @@ from typing import cast
 import torch
 from torch import nn
 
-from plait.config import Config
+from plait.config import CompileConfig
 from plait.core.errors import ConfigError
 
 # ------------------------------------------------------------------------------------------ compilation
 
 
-def apply_compile(model: nn.Module, cfg: Config, device: torch.device, fsdp: bool = False) -> nn.Module:
+def apply_compile(model: nn.Module, c: CompileConfig, device: torch.device, fsdp: bool = False) -> nn.Module:
     """Compile each block of `model` (a Transformer or a pipeline stage of one) in place; float8 first where
     compile.float8 asks for it on this device (float8_plan), with float8 all-gathers when the blocks are then
     FSDP-sharded (`fsdp`). Nothing happens with compile.enabled=false."""
-    c = cfg.compile
     if not c.enabled:
         return model
-    if float8_plan(cfg, device)[0]:
+    if float8_plan(c, device)[0]:
         apply_float8(model, c.float8, all_gather=fsdp)
     layers = getattr(model, "layers", None)
     if isinstance(layers, nn.ModuleDict) and len(layers):
@@ -114,13 +113,13 @@ def check_float8_support(device: torch.device) -> None:
         )
 
 
-def float8_plan(cfg: Config, device: torch.device, block: nn.Module | None = None) -> tuple[bool, str]:
+def float8_plan(c: CompileConfig, device: torch.device, block: nn.Module | None = None) -> tuple[bool, str]:
     """Whether the blocks' matmuls run in float8 on this device, and why. compile.float8=true: yes, refused
     (ConfigError) where it cannot run; auto: where compile is on, torchao is installed and the device is an
     NVIDIA GPU of compute capability 8.9+, and (given one of the model's blocks, built on meta) where some of
     its linear layers pass float8_layers('auto')."""
-    choice = cfg.compile.float8
-    if choice == "false" or not cfg.compile.enabled:
+    choice = c.float8
+    if choice == "false" or not c.enabled:
         return False, "compile.float8=false" if choice == "false" else "compile.enabled=false"
     if choice == "true":
         check_float8_support(device)

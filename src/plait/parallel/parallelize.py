@@ -37,7 +37,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from plait.config import Config
+from plait.config import Config, ParallelConfig
 from plait.core import torch_private
 from plait.core.errors import ConfigError
 from plait.core.torch_private import count_only_saved_ops, local_box
@@ -66,9 +66,10 @@ def parallelize(model: nn.Module, meshes: Meshes, cfg: Config, device: torch.dev
     apply_moe_layout(model, meshes)
     if cfg.parallel.activation_checkpoint != "none":
         apply_ac(model, cfg.parallel.activation_checkpoint, dims.tp, nested_fsdp=dims.ep > 1 or dims.tp_whole)
-    apply_compile(model, cfg, device, fsdp=dims.fsdp_enabled)
+    apply_compile(model, cfg.compile, device, fsdp=dims.fsdp_enabled)
     if dims.fsdp_enabled:
-        apply_fsdp(model, meshes, cfg, device)
+        mp = fsdp_mp_policy(cfg.train.mixed_precision, device)
+        apply_fsdp(model, meshes, cfg.parallel, device, mp_policy=mp, fused_head=cfg.train.fused_head)
     return model
 
 
@@ -226,26 +227,36 @@ def _selective_contexts(count_all: bool = True):
     return caching, cached
 
 
-def fsdp_mp_policy(cfg: Config, device: torch.device) -> MixedPrecisionPolicy:
-    """bf16 parameters for compute where asked (or 'auto' on a device with native bf16), fp32 gradient
-    reduction always: the reduce-scatter sums in full precision."""
+def fsdp_mp_policy(mixed_precision: str, device: torch.device) -> MixedPrecisionPolicy:
+    """bf16 parameters for compute where train.mixed_precision asks (or 'auto' on a device with native bf16),
+    fp32 gradient reduction always: the reduce-scatter sums in full precision."""
     from plait.core.hardware import uses_bf16
 
-    bf16 = uses_bf16(cfg.train.mixed_precision, device)
+    bf16 = uses_bf16(mixed_precision, device)
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
 
 
-def apply_fsdp(model: nn.Module, meshes: Meshes, cfg: Config, device: torch.device) -> None:
+def apply_fsdp(
+    model: nn.Module,
+    meshes: Meshes,
+    p: ParallelConfig,
+    device: torch.device,
+    *,
+    mp_policy: MixedPrecisionPolicy,
+    fused_head: bool = True,
+) -> None:
     """Shard each block, then the root (embedding, final norm, output). Gradient reduce-scatter over the
-    shard group; under HSDP a further all-reduce across replicas (the MiCS two-hop sync)."""
+    shard group; under HSDP a further all-reduce across replicas (the MiCS two-hop sync). `p`: the parallel
+    section (cpu_offload, fsdp_reshard_after_forward); fused_head: train.fused_head (whether the output
+    projection is its own unit)."""
     offload: OffloadPolicy = OffloadPolicy()
-    if cfg.parallel.cpu_offload:
+    if p.cpu_offload:
         offload = CPUOffloadPolicy(pin_memory=device.type == "cuda")
     warnings.filterwarnings("ignore", message=FSDP_VIEW_WARNING)
-    kwargs: dict[str, Any] = dict(mesh=meshes.fsdp, mp_policy=fsdp_mp_policy(cfg, device), offload_policy=offload)
+    kwargs: dict[str, Any] = dict(mesh=meshes.fsdp, mp_policy=mp_policy, offload_policy=offload)
     # Under a pipeline every micro-batch would gather the blocks again after resharding; the schedule
     # already defers the gradient reduce-scatter to the step's end, so keep parameters gathered instead.
-    reshard = cfg.parallel.fsdp_reshard_after_forward and meshes.dims.pp == 1
+    reshard = p.fsdp_reshard_after_forward and meshes.dims.pp == 1
     units = [block for _, block in blocks(model)]
     for i, block in enumerate(units):
         # The last block's parameters are needed again at once by backward: keep them gathered.
@@ -257,7 +268,7 @@ def apply_fsdp(model: nn.Module, meshes: Meshes, cfg: Config, device: torch.devi
                 _shard_over_tp([attention.q_norm, attention.k_norm], meshes, kwargs, unit_reshard)
         fully_shard(block, reshard_after_forward=unit_reshard, **kwargs)
     if reshard and isinstance(model, Transformer) and not model.args.tie_embeddings:
-        _shard_embedding_and_head(model, units, kwargs, cfg.train.fused_head)
+        _shard_embedding_and_head(model, units, kwargs, fused_head)
     # The root (final norm; and the embedding and output where they are not units of their own) is needed first
     # in backward (the output) and last (the embedding): keep it gathered through the step. (An explicit True
     # re-gathers it in every backward, measured as 25% of FSDP's traffic by bench/comm.py.)
@@ -380,12 +391,13 @@ def parallelize_own(model: nn.Module, meshes: Meshes, cfg: Config, device: torch
     return parallelize(model, meshes, cfg, device)
 
 
-def materialize_module(model: nn.Module, cfg: Config, device: torch.device) -> None:
+def materialize_module(model: nn.Module, device: torch.device, *, seed: int, cpu_offload: bool = False) -> None:
     """Allocate a model built on meta (each rank its shards) and initialise it: its own init_weights() if it
     has one (which must set every parameter and buffer), else every module's reset_parameters(), run on a
     full-size copy of that module's own tensors alone, seeded by run.seed and the module's name, each rank
-    keeping its shard: the same values for every layout, and never more than one module in full."""
-    model.to_empty(device=torch.device("cpu") if cfg.parallel.cpu_offload else device)
+    keeping its shard: the same values for every layout, and never more than one module in full. seed:
+    run.seed; cpu_offload: parallel.cpu_offload (FSDP2 then keeps the shards on the CPU)."""
+    model.to_empty(device=torch.device("cpu") if cpu_offload else device)
     if callable(getattr(model, "init_weights", None)):
         with torch.no_grad():
             getattr(model, "init_weights")()  # noqa: B009 - your model's own (nn.Module does not declare it)
@@ -398,7 +410,7 @@ def materialize_module(model: nn.Module, cfg: Config, device: torch.device) -> N
         )
     for name, module in model.named_modules():
         if callable(getattr(module, "reset_parameters", None)):
-            _reset_in_full(module, _seed(cfg.run.seed, name))
+            _reset_in_full(module, _seed(seed, name))
 
 
 def _seed(seed: int, name: str) -> int:
@@ -426,9 +438,10 @@ def _box_of(value: torch.Tensor, offset: tuple[int, ...], shape: tuple[int, ...]
     return value[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
 
 
-def materialize(model: Transformer, cfg: Config, device: torch.device) -> None:
+def materialize(model: Transformer, device: torch.device, *, seed: int, cpu_offload: bool = False) -> None:
     """Allocate a parallelised model built on meta (each rank its own shards), then initialise it like the
     single-process model, each rank drawing only its shards' values. With CPU offload FSDP2 keeps the
-    sharded parameters on the CPU, so they are allocated there."""
-    model.to_empty(device=torch.device("cpu") if cfg.parallel.cpu_offload else device)
-    model.init_weights(cfg.run.seed, assign=init_local_shard)
+    sharded parameters on the CPU, so they are allocated there. seed: run.seed; cpu_offload:
+    parallel.cpu_offload."""
+    model.to_empty(device=torch.device("cpu") if cpu_offload else device)
+    model.init_weights(seed, assign=init_local_shard)

@@ -102,7 +102,7 @@ def build_pipeline(args: ModelArgs, meshes: Meshes, cfg: Config, device: torch.d
     for stage_id in range(pp_rank, num_stages, pp):
         part = stage_module(args, layout[stage_id], stage_id == 0, stage_id == num_stages - 1)
         parallelize(part, meshes, cfg, device)
-        materialize(part, cfg, device)
+        materialize(part, device, seed=cfg.run.seed, cpu_offload=cfg.parallel.cpu_offload)
         parts.append(part)
         stages.append(stage_class(part, stage_id, num_stages, device, group=meshes.pp.get_group()))
     local_batch = cfg.train.global_batch_size // meshes.dims.dp
