@@ -451,7 +451,7 @@ def routed_bytes(t, meshes, row_bytes: int, steps: int) -> dict[str, float]:
     experts), from each block's routing counts (MoE.load), gathered over the ep group."""
     import torch.distributed as dist
 
-    from plait.engine.moe import moe_layers
+    from plait.engine.expert_balance import moe_layers
 
     layers = moe_layers(t.parts)
     mine = torch.stack([m.load for m in layers])  # (blocks, experts): this rank's picks
@@ -468,7 +468,7 @@ def planner_a2a(cfg, dims, t) -> float:
     """Bytes per step the planner's model (plait.planner.cost.a2a_bytes: balanced routing) has this rank send in
     expert parallelism's all-to-alls: per MoE block and micro-batch, dispatch and combine in forward and in
     backward (and the forward again under full AC), each with its count exchange (recomputed under any AC)."""
-    from plait.engine.moe import moe_layers
+    from plait.engine.expert_balance import moe_layers
     from plait.planner.cost import a2a_bytes
 
     p, local = cfg.parallel, cfg.train.global_batch_size // dims.dp
@@ -500,7 +500,7 @@ def _run_layout(name: str, overrides: list[str], world: int, steps: int) -> dict
         torch.randint(0, cfg.model.vocab_size, (local, cfg.data.seq_len + 1), generator=gen) for _ in range(steps + 1)
     ]
     train_step(t, batches[0][:, :-1], batches[0][:, 1:])  # warm-up: lazy init, shape inference, optimizer state
-    from plait.engine.moe import moe_layers
+    from plait.engine.expert_balance import moe_layers
 
     for layer in moe_layers(t.parts):  # the counted steps' routing, from here
         layer.load.zero_()

@@ -16,7 +16,8 @@ from parallel_harness import read_metrics, run_layouts
 from plait.config import load_config
 from plait.core.errors import ConfigError
 from plait.model.args import ModelArgs
-from plait.model.llama import AuxLoss, Transformer
+from plait.model.llama import Transformer
+from plait.model.moe import AuxLoss
 from test_parallel import GRAD_NORM_RTOL, LOSS_RTOL, STEPS
 
 SMALL = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, max_seq_len=64, moe_experts=4)

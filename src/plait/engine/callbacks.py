@@ -7,7 +7,7 @@ optimizers and schedules, the loader, the counters, the checkpointer, the metric
 withholds a step's update calls `run.withhold_step(why)`; one that rolls the run back calls `run.roll_back()`.
 Hooks run in the order the callbacks were given, `close` in reverse order (like context managers), each even
 if another fails. The trainer's own features are callbacks too, around yours: plait.engine.core_callbacks'
-LockWatch and CompileWatch and plait.engine.moe's ExpertBalance first; then yours; then
+LockWatch and CompileWatch and plait.engine.expert_balance's ExpertBalance first; then yours; then
 plait.engine.step_metrics.StepMetrics (logging), plait.engine.validation.Validation and
 plait.engine.core_callbacks.Checkpointing, whose after_step hooks log, evaluate and save a step that counts.
 

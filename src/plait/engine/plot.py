@@ -103,9 +103,9 @@ def write_run_plot(run_dir: Path) -> Path | None:
 
 
 def plot_expert_load(path: Path, out: Path) -> Path | None:
-    """From moe_load.jsonl (plait.engine.moe.ExpertBalance): left, the last logged step's tokens per expert and block
-    over the block's mean (a heatmap: 1 is balanced); right, each block's busiest expert over the mean, by
-    step."""
+    """From moe_load.jsonl (plait.engine.expert_balance.ExpertBalance): left, the last logged step's tokens per
+    expert and block over the block's mean (a heatmap: 1 is balanced); right, each block's busiest expert over
+    the mean, by step."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

@@ -28,9 +28,9 @@ from plait.engine.callbacks import Callback, Callbacks
 from plait.engine.checkpoint import CheckpointManager, TrainState, checkpoint_dir, list_checkpoints
 from plait.engine.compile_cache import CompileMonitor
 from plait.engine.core_callbacks import Checkpointing, CompileWatch, LockWatch
+from plait.engine.expert_balance import ExpertBalance, set_aux_scale
 from plait.engine.loss import IGNORE_INDEX, TokenLoss, cross_entropy
 from plait.engine.metrics import MetricsLogger, info, use_console
-from plait.engine.moe import ExpertBalance, set_aux_scale
 from plait.engine.plot import write_run_plot
 from plait.engine.rundir import final_checkpoint_lost, inspect_run_dir, raise_stopped, resume
 from plait.engine.runlock import RunLock, RunLocked

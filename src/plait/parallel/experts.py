@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from plait.model.llama import Experts, MoE, swiglu_experts
+from plait.model.moe import Experts, MoE, swiglu_experts
 from plait.parallel.dims import Meshes
 from plait.parallel.env import register_group, registered_group
 

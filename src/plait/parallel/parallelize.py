@@ -42,7 +42,9 @@ from plait.core import torch_private
 from plait.core.errors import ConfigError
 from plait.core.torch_private import count_only_saved_ops, local_box
 from plait.model.args import recompute_units_pay
-from plait.model.llama import Attention, FeedForward, MoE, Transformer, TransformerBlock
+from plait.model.llama import Attention, Transformer, TransformerBlock
+from plait.model.mlp import FeedForward
+from plait.model.moe import MoE
 from plait.parallel.activations import track_sac_cache
 from plait.parallel.compile import apply_compile
 from plait.parallel.context import apply_cp

@@ -30,7 +30,8 @@ from torch.distributed.pipelining.schedules import (
 from plait.config import Config
 from plait.core.torch_private import bounded_receive_stage, quiet_shape_inference, reducing_pipeline_stage
 from plait.model.args import split_layers
-from plait.model.llama import ModelArgs, MoE, Transformer
+from plait.model.llama import ModelArgs, Transformer
+from plait.model.moe import MoE
 from plait.parallel.dims import Meshes
 from plait.parallel.parallelize import materialize, parallelize
 from plait.parallel.rules import num_micro_batches

@@ -88,7 +88,7 @@ def layer_activation_bytes(a: ModelArgs, e: int, tp, ac, cp=1, ep=1) -> np.ndarr
 
 
 def moe_mlp_bytes(a: ModelArgs, e: int) -> tuple[float, float]:
-    """Bytes per token an MoE block's MLP keeps (measured on plait.model.llama.MoE: tests/test_plan_vs_runtime.py),
+    """Bytes per token an MoE block's MLP keeps (measured on plait.model.moe.MoE: tests/test_plan_vs_runtime.py),
     as (no AC, selective AC beyond the one h e the block's formula counts for the MLP's output). Per routed copy
     (k per token): without AC the expert's SwiGLU tensors (4 F e), the gathered token, the expert output and
     its weighted copy (3 h e) and two int64 indices with their inverse (32); selective keeps the w1 and w3

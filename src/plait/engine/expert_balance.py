@@ -1,5 +1,5 @@
 """Mixture-of-experts bookkeeping around the training step: the load-balancing loss's scale, routing statistics
-in the metrics and auxiliary-loss-free balancing (the experts themselves are model code: plait.model.llama.MoE).
+in the metrics and auxiliary-loss-free balancing (the experts themselves are model code: plait.model.moe).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.engine.callbacks import Callback, RunState
-from plait.model.llama import MoE
+from plait.model.moe import MoE
 
 
 def moe_layers(parts: list[nn.Module]) -> list[MoE]:
