@@ -482,15 +482,21 @@ def test_s3_save_and_resume(s3, data_dir, straight, tmp_path):
     assert not (tmp_path / "s" / "checkpoints").exists()  # nothing local
     root = location(f"s3://{s3.bucket}/runs/s", s3.endpoint)
     ckpts = list_checkpoints(root)
-    assert steps(ckpts) == [6, 8]
+    # Every 2 steps, the last 2 kept: [6, 8]. On a loaded machine a save still being written to S3 when the
+    # next is due defers that one (to the first step after it ends, or to the final save): the metrics say so.
+    saved = [r["saved_step"] for r in got["checkpoint"] if "saved_step" in r]
+    if not any("deferred_step" in r for r in got["checkpoint"]):
+        assert saved == [2, 4, 6, 8]
+    assert saved[-1] == 8
+    assert steps(ckpts) == saved[-2:]
     files = {"plait.json", ".metadata", "__0_0.distcp", "tokenizer.json"}
-    assert s3.keys("runs/s/") == sorted(f"runs/s/step_{s:08d}/{f}" for s in (6, 8) for f in files)
+    assert s3.keys("runs/s/") == sorted(f"runs/s/step_{s:08d}/{f}" for s in saved[-2:] for f in files)
     assert same(weights(ckpts[-1]), weights(ref_ckpt))
 
-    remove_tree(ckpts[-1])  # as if the job died after step 6's save
+    remove_tree(ckpts[-1])  # as if the job died after the save before the last
     (tmp_path / "s" / "metrics.jsonl").unlink()
     resumed = run(data_dir, tmp_path, "s", *s3_args(s3, "runs/s"))
-    assert resumed["loss"] == {s: ref["loss"][s] for s in (7, 8)}
+    assert resumed["loss"] == {s: ref["loss"][s] for s in range(saved[-2] + 1, 9)}
 
 
 @pytest.mark.slow
