@@ -416,6 +416,13 @@ def test_config_parallel_section_pins_the_plan_or_is_refused(tmp_path, capsys):
     contradictory.write_text(head + "[parallel]\ntp_degree = 3\npp_degree = 64\ndp_replicate_degree = 5\n")
     with pytest.raises(ConfigError, match=r"dp_replicate=5 x tp=3 x pp=64 = 960 does not divide the 32 devices"):
         cmd_plan(["--config", str(contradictory), "--nodes", "4"])
+    # Only cp pinned: the batch (16 sequences) cannot go over all 32 devices as data parallelism; tp and pp are
+    # still searched, so it plans (it was refused with the batch against a data-parallel degree of 32).
+    cp_only = tmp_path / "cp.toml"
+    cp_only.write_text(head.replace("512", "16") + "[parallel]\ncp_degree = 1\n")
+    assert cmd_plan(["--config", str(cp_only), "--nodes", "4", "--json"]) == 0
+    best = json.loads(capsys.readouterr().out)["best"]
+    assert best["cp"] == 1 and best["tp"] * best["pp"] > 1, best
     odd = tmp_path / "odd.toml"
     odd.write_text(head + "[parallel]\ntp_degree = 3\n")
     with pytest.raises(ConfigError, match=r"tp_degree=3 must divide model.n_heads=32"):

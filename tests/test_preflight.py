@@ -100,10 +100,11 @@ def test_from_python_plaits_model_is_checked_and_a_model_of_your_own_is_not():
 
 
 def test_remedies_reduce_each_micro_batch_where_accumulated_gradients_are_what_overflows():
-    """llama3-70b at seq 8,192 on two H100 nodes (FSDP 16): no activation checkpointing needs 880 GiB of
-    activations, and micro-batches of 1 alone would hold the whole model's fp32 gradients unsharded between
-    them (266 GiB). Only all four settings together fit; each offered remedy is a valid layout that passes."""
-    seventy = ["model.preset=llama3-70b", "train.global_batch_size=64", "data.seq_len=8192"]
+    """llama3-70b at seq 8,192 on two H100 nodes (FSDP 16) in micro-batches of 1: no activation checkpointing
+    needs 220 GiB of activations, and the micro-batches hold the whole model's fp32 gradients unsharded between
+    them (266 GiB). Only full AC, offload and a reduce after each micro-batch together fit; each offered remedy
+    is a valid layout that passes."""
+    seventy = ["model.preset=llama3-70b", "train.global_batch_size=64", "data.seq_len=8192", "train.micro_batch_size=1"]
     with pytest.raises(ConfigError) as refused:
         check_memory(load_config(None, seventy), 16, 8, H100_NODE)
     offered = str(refused.value).split("it fits with ")[1].split("; or run.memory_check")[0].split(" or ")

@@ -17,6 +17,7 @@ COMMANDS = {  # command -> (module, function)
     "ckpt": ("plait.cli.ckpt", "cmd_ckpt"),
     "plan": ("plait.cli.plan", "cmd_plan"),
     "bench": ("plait.cli.bench", "cmd_bench"),
+    "fit": ("plait.cli.fit", "cmd_fit"),
     "doctor": ("plait.cli.doctor", "cmd_doctor"),
     "lineage": ("plait.cli.lineage", "cmd_lineage"),
     "eval": ("plait.cli.eval", "cmd_eval"),
@@ -37,6 +38,7 @@ commands:
   ckpt inspect|export|import PATH            inspect a checkpoint; export to Hugging Face / safetensors; import
   plan --model PRESET --cluster PRESET       choose a parallel layout from a cost model
   bench [CONFIG] [overrides] [--steps N]     time a config in one process: tokens/s, MFU, breakdown, compile
+  fit [CONFIG] [overrides] --world-size N    run rank R of an N-rank job here: peak memory vs the planner
   doctor [--nproc N] [CONFIG] [overrides]    check devices and collectives per mesh axis (busbw table)
   finetune prepare|merge|generate ...        instruction data; fold adapters in; many adapters in one batch
   eval MODEL [--suite S.yaml] [--json OUT]   perplexity and a behavioural test suite (exit 1 on failures)

@@ -170,10 +170,10 @@ def cmd_plan(argv: list[str]) -> int:
 def config_pins(path: str, base, world_size: int) -> dict[str, int]:
     """The layout columns a config's [parallel] section sets explicitly: the plan keeps them. A set that no
     layout can have (the product of the degrees against the world, a degree the model refuses) is refused
-    with the runtime's own reason (`validate_layout`)."""
+    with the runtime's own reason (plait.parallel.rules)."""
     import tomllib
 
-    from plait.parallel.dims import ParallelDims, validate_layout
+    from plait.parallel.rules import cp_problem, pp_problem, tp_problem
     from plait.planner.cost import AC_MODES, SCHEDULES
 
     with open(path, "rb") as f:
@@ -205,18 +205,17 @@ def config_pins(path: str, base, world_size: int) -> dict[str, int]:
             f"{path} [parallel]: {degrees} = {fixed} does not divide the {world_size} devices planned for; "
             f"change those degrees or --nodes / --devices-per-node"
         )
-    if {"tp", "pp", "cp"} & pins.keys():
-        import dataclasses
-
-        tp, pp, rep, cp = pins.get("tp", 1), pins.get("pp", 1), pins.get("dp_replicate", 1), pins.get("cp", 1)
-        shard = world_size // (tp * pp * rep * cp)
-        pinned = dataclasses.replace(
-            p, tp_degree=tp, pp_degree=pp, dp_replicate_degree=rep, dp_shard_degree=shard, cp_degree=cp
-        )
-        # the runtime's own reason, e.g. "parallel.tp_degree=3 must divide model.n_heads=32 ..."
-        m = base.model
-        dims = ParallelDims(rep, shard, tp, pp, cp=cp, ep=pins.get("ep", 1), moe=bool(m.moe_experts), qk_norm=m.qk_norm)
-        validate_layout(dataclasses.replace(base, parallel=pinned), dims)
+    # The runtime's own reason for a pinned degree the model cannot take, e.g. "parallel.tp_degree=3 must divide
+    # model.n_heads=32": only the rules of the pinned degrees alone; those of the whole layout (the batch over
+    # the data-parallel ranks, the micro-batches) hold for the layouts the search still covers, or it says so.
+    m, seq, tp = base.model, base.data.seq_len, pins.get("tp", 1)
+    problem = (
+        ("tp" in pins and tp_problem(m, seq, tp))
+        or ("cp" in pins and cp_problem(m, seq, pins["cp"], tp))
+        or ("pp" in pins and pp_problem(m, pins["pp"]))
+    )
+    if problem:
+        raise ConfigError(problem)
     return pins
 
 

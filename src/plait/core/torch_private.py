@@ -4,6 +4,9 @@ place (and its test), not the callers. Nothing else in plait imports a private t
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 
 def local_box(dtensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(local shape, global offset) of this rank's shard of a DTensor: the box of the global tensor it holds,
@@ -461,8 +464,9 @@ def reusable_stager(pinned: bool):
     return stager
 
 
+@functools.cache
 def torch_version() -> str:
-    """The installed torch's version, without importing torch."""
+    """The installed torch's version, without importing torch (read once: the planner asks per layout)."""
     from importlib.metadata import version
 
     return version("torch")
@@ -474,3 +478,46 @@ def weight_pass_takes_custom_functions() -> bool:
     `node._input_metadata`, which a custom Function's node refuses ("legacy access pattern"); torch 2.13 can."""
     major, minor = (int(x) for x in torch_version().split(".")[:2])
     return (major, minor) >= (2, 12)
+
+
+@contextlib.contextmanager
+def watch_allocations(on_tensor, on_resize):
+    """While active: on_tensor(t) for every plain tensor an aten op returns (the inner tensors of a subclass
+    such as DTensor), and on_resize(storage, old_nbytes, new_nbytes) for every UntypedStorage.resize_, which
+    is how FSDP2 allocates and frees its gathered parameters. A dispatch mode (torch.utils._python_dispatch):
+    tensors made inside compiled code or inside one op are not seen."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+    from torch.utils._pytree import tree_leaves
+
+    def visit(t) -> None:
+        if not isinstance(t, torch.Tensor):
+            return
+        if is_traceable_wrapper_subclass(t):
+            names, _ = t.__tensor_flatten__()
+            for name in names:
+                visit(getattr(t, name))
+        else:
+            on_tensor(t)
+
+    class _Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for leaf in tree_leaves(out):
+                visit(leaf)
+            return out
+
+    original = torch.UntypedStorage.resize_
+
+    def resize_(storage, size):
+        before = storage.nbytes()
+        result = original(storage, size)
+        on_resize(storage, before, storage.nbytes())
+        return result
+
+    torch.UntypedStorage.resize_ = resize_
+    try:
+        with _Watch():
+            yield
+    finally:
+        torch.UntypedStorage.resize_ = original

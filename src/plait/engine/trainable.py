@@ -22,6 +22,7 @@ from plait.parallel import Meshes, ParallelDims
 from plait.parallel.env import init_single_process
 from plait.parallel.parallelize import materialize, materialize_module, parallelize, parallelize_own
 from plait.parallel.pipeline import Pipeline, build_pipeline
+from plait.parallel.placement import check_placement
 
 
 def build_model(args: ModelArgs, device: torch.device, seed: int) -> Transformer:
@@ -128,6 +129,8 @@ def build_trainable(
         parts, pipeline = [plait_model], None
     if on_model is not None:
         on_model(parts)  # e.g. finetune.init_from weights; LoRA adapters on a frozen base
+    for part in parts:  # a tensor left on another device fails here, naming it, not at the first forward
+        check_placement(part, device, cpu_offload=cfg.parallel.cpu_offload)
     optimizers: list[torch.optim.Optimizer] = [build_optimizer(part, cfg.optim, device) for part in parts]
     schedulers = [build_scheduler(opt, cfg.optim, cfg.train.steps) for opt in optimizers]
     return Trainable(cfg, device, parts, optimizers, schedulers, meshes, pipeline, loss_fn)

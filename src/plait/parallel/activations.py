@@ -34,11 +34,13 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 class SavedBytes:
     """Bytes saved for backward inside the `with` statement: `total` over the whole pass, `per_block` inside
-    the blocks of model.layers (their sum), `blocks` the number of block calls."""
+    the blocks of model.layers (their sum), `blocks` the number of block calls, `devices` the devices the
+    counted tensors were on (one: the compute device, or something was left elsewhere)."""
 
     def __init__(self, model: nn.Module | None = None):
         self.model = model
         self.total = self.per_block = self.blocks = 0
+        self.devices: set[torch.device] = set()
         self._seen: set = set()
         self._caches: list = []
         self._in_block = False
@@ -65,6 +67,7 @@ class SavedBytes:
         self._seen.add(key)
         if self.model is not None and key in self._parameter_storages():
             return  # a parameter used through a view of its local tensor (expert parallelism's experts)
+        self.devices.add(_local(tensor).device)
         self.total += size
         if in_block:
             self.per_block += size

@@ -51,6 +51,7 @@ from plait.parallel.context import apply_cp
 from plait.parallel.dims import Meshes
 from plait.parallel.experts import apply_moe_layout
 from plait.parallel.head import apply_head
+from plait.parallel.placement import allocate
 
 
 def parallelize(model: nn.Module, meshes: Meshes, cfg: Config, device: torch.device) -> nn.Module:
@@ -399,7 +400,7 @@ def materialize_module(model: nn.Module, device: torch.device, *, seed: int, cpu
     full-size copy of that module's own tensors alone, seeded by run.seed and the module's name, each rank
     keeping its shard: the same values for every layout, and never more than one module in full. seed:
     run.seed; cpu_offload: parallel.cpu_offload (FSDP2 then keeps the shards on the CPU)."""
-    model.to_empty(device=torch.device("cpu") if cpu_offload else device)
+    allocate(model, device, cpu_offload=cpu_offload)  # buffers on the device, offloaded parameters on the CPU
     if callable(getattr(model, "init_weights", None)):
         with torch.no_grad():
             getattr(model, "init_weights")()  # noqa: B009 - your model's own (nn.Module does not declare it)
@@ -443,7 +444,7 @@ def _box_of(value: torch.Tensor, offset: tuple[int, ...], shape: tuple[int, ...]
 def materialize(model: Transformer, device: torch.device, *, seed: int, cpu_offload: bool = False) -> None:
     """Allocate a parallelised model built on meta (each rank its own shards), then initialise it like the
     single-process model, each rank drawing only its shards' values. With CPU offload FSDP2 keeps the
-    sharded parameters on the CPU, so they are allocated there. seed: run.seed; cpu_offload:
-    parallel.cpu_offload."""
-    model.to_empty(device=torch.device("cpu") if cpu_offload else device)
+    sharded parameters on the CPU, so they are allocated there (buffers stay on the device: `allocate`).
+    seed: run.seed; cpu_offload: parallel.cpu_offload."""
+    allocate(model, device, cpu_offload=cpu_offload)  # buffers on the device, offloaded parameters on the CPU
     model.init_weights(seed, assign=init_local_shard)

@@ -77,11 +77,11 @@ def evaluate(work: Workload, cluster: Cluster, lay: Layouts) -> dict[str, np.nda
     c = Columns.of(work, lay)
     out: dict[str, np.ndarray] = {"micro_batches": c.m}
     mem = {name: rank_memory(work, lay, c, name) for name in ("first", "last")}
-    for name in ("first", "last"):  # per pipeline rank, for the comparison with measured memory
-        for key in ("states", "buffers", "activations"):
+    for name in ("first", "last"):  # per pipeline rank, for the comparison with measured memory (plait fit)
+        for key in ("states", "buffers", "activations", "transient", "peak", "total", "host", "host_at_peak"):
             out[f"mem_{key}_{name}"] = mem[name][key]
     worst_first = mem["first"]["total"] >= mem["last"]["total"]
-    for key in ("states", "buffers", "activations", "transient", "allocator", "total", "host"):
+    for key in ("states", "buffers", "activations", "transient", "peak", "allocator", "total", "host"):
         out[f"mem_{key}"] = np.where(worst_first, mem["first"][key], mem["last"][key])
     out["fits_host"] = out["mem_host"] * cluster.devices_per_node <= 0.9 * cluster.host_memory_gib * GiB
     out["fits"] = (out["mem_total"] <= cluster.memory_gib * GiB) & out["fits_host"]

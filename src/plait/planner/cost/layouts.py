@@ -28,6 +28,10 @@ class Workload:
     fused_head: bool = True
     """train.fused_head: the output projection and loss chunk by chunk (plait.model.head), no (B, T, V)
     logits kept; False: logits, then cross-entropy."""
+    device: str = "cuda"
+    """The device type the run computes on: the fused head's weight gradient is added by the matmul itself
+    only with half-precision operands on CUDA (plait.model.head.accumulate_weight_grad); elsewhere the chunk's
+    product is a temporary first."""
 
     @property
     def act_bytes(self) -> int:

@@ -112,16 +112,22 @@ def head_activation_bytes(a: ModelArgs, e: int, tp, fused: bool = True) -> np.nd
     return norm + e * a.dim + 4 * a.vocab_size / tp + 8
 
 
-def head_transient_bytes(a: ModelArgs, e: int, tp, T, fused: bool = True) -> np.ndarray:
+def head_transient_bytes(a: ModelArgs, e: int, tp, T, fused: bool = True, device: str = "cuda") -> np.ndarray:
     """The head's working memory at its peak: the plain head's logits and their fp32 copy (T V / tp (e + 4));
-    the fused head's one chunk of logits (plait.model.head.chunk_tokens) with its fp32 work (exponentials,
-    target mask, gradient: e + 12 bytes an entry, eager), the weight gradient's fp32 accumulator and the
-    gathered input gradient."""
+    the fused head's (plait.model.head) last chunk of logits (chunk_tokens) with its fp32 work, the weight
+    gradient's fp32 accumulator, the chunk's weight-gradient product where the matmul cannot add into the
+    accumulator (not half precision on CUDA), and the gathered input gradient. Per logit of a chunk: the eager
+    one-pass log-softmax (the whole vocabulary on this rank) keeps the logits and their fp32 log-probabilities,
+    turned into the gradient in place and cast back (e + 4, + e for half): 8 bytes; with the vocabulary split
+    over tp, the statistics' fp32 copy and exponentials beside the logits: e + 8 for half, 8 for fp32 (the
+    copy is the logits themselves). Compiled (two fused passes) it is less: this is the eager bound."""
     vocab = a.vocab_size / tp
     if not fused:
         return T * vocab * (e + 4)
     chunk = np.minimum(T, np.ceil(LOGITS_PER_CHUNK / vocab))  # T: the micro-batch's tokens, gathered over tp
-    return chunk * vocab * (2 * e + 12) + 4 * vocab * a.dim + T * a.dim * e
+    per_logit = np.where((tp > 1) & (e < 4), e + 8, 8)
+    product = 0 if device == "cuda" and e < 4 else e * vocab * a.dim
+    return chunk * vocab * per_logit + 4 * vocab * a.dim + product + T * a.dim * e
 
 
 EMBED_ACTIVATION_BYTES = 8
@@ -255,9 +261,18 @@ def rank_memory(work: Workload, lay: Layouts, c: Columns, name: str) -> dict[str
     sharded = layers * layer_s + root_s
     unsharded = layers * layer_u + root_u
     states = np.where(lay.offload, 0.0, 16.0 * sharded)  # fp32 param + fp32 grad + AdamW (2 x fp32)
-    gathered = np.where(c.held, unsharded, _resharding_gathered(a, tp, layer_u, emb_u, head_u, fused))
-    params_buf = np.where(c.fsdp, e * gathered, 0.0)
-    grads_buf = np.where(c.fsdp, np.where(c.accumulate, 4.0 * unsharded, e * (2 * layer_u + root_u)), 0.0)
+    # Gathered parameters: all of them when held (a pipeline, or no resharding after forward), else what the
+    # two moments below hold (_resharding_gathered).
+    gathered_f, gathered_b = (
+        np.where(c.held, unsharded, g) for g in _resharding_gathered(a, tp, layer_u, emb_u, head_u, fused)
+    )
+    params_f, params_b = (np.where(c.fsdp, e * g, 0.0) for g in (gathered_f, gathered_b))
+    accumulated = np.where(c.fsdp & c.accumulate, 4.0 * unsharded, 0.0)  # fp32, kept between micro-batches
+    # Unsharded gradients at the start of backward, before their reduce-scatter: two blocks' and the output
+    # projection's (the embedding's come at the end of backward, when the activations are gone).
+    grads_buf = np.where(
+        c.fsdp, np.where(c.accumulate, accumulated, e * (2 * layer_u + np.where(has_head, head_u, emb_u))), 0.0
+    )
     tp_buf = np.where(tp > 1, 2 * T * a.dim * e, 0.0)
     # Pipeline receive buffers live only while their micro-batch does (plait.core.torch_private.
     # bounded_receive_stage): a received activation is the stage's input, saved by its first block (an
@@ -270,16 +285,28 @@ def rank_memory(work: Workload, lay: Layouts, c: Columns, name: str) -> dict[str
     pp_buf = np.where(pp > 1, (2 * v - 1 + (single_stage & is_first)) * hand_off, 0.0)
     acts = _activations(work, lay, c, layers, rank_last=not is_first, has_head=has_head, hand_off=hand_off)
     acts = acts + np.where(has_embed, c.m * T * EMBED_ACTIVATION_BYTES, 0)  # the token ids of all micro-batches
-    transient = _transient(work, lay, c, has_head)
-    dynamic = params_buf + grads_buf + tp_buf + pp_buf + acts + transient
+    transient_f, transient_b = _transient(work, lay, c, has_head)
+    # The peak (the allocator's high-water mark, measured by `plait fit`): the larger of two moments with every
+    # activation alive, the end of the last micro-batch's forward (the head's) and the start of its backward,
+    # each with what it gathers and works in; or the optimizer's step, with all the states. The states at the
+    # first two hold no gradients (zero_grad frees them: the step's are made in backward and freed after the
+    # optimizer) unless they outlive a micro-batch: reduced after each one, or without FSDP.
+    kept_grads = ((c.m > 1) | (pp > 1)) & (lay.sync_each | ~c.fsdp)
+    states_at_peak = np.where(lay.offload, 0.0, np.where(kept_grads, 16.0, 12.0) * sharded)
+    common = tp_buf + pp_buf + acts
+    dynamic = np.maximum(params_f + accumulated + transient_f, params_b + grads_buf + transient_b) + common
+    peak = np.maximum(states_at_peak + dynamic, states)
+    buffers = np.maximum(params_f, params_b) + grads_buf + tp_buf + pp_buf
     return dict(
         states=states,
-        buffers=params_buf + grads_buf + tp_buf + pp_buf,
+        buffers=buffers,
         activations=acts,
-        transient=transient,
+        transient=np.maximum(transient_f, transient_b),
+        peak=peak,
         allocator=dynamic * ALLOCATOR_OVERHEAD + RESERVED_GIB * GiB,
-        total=states + dynamic * (1 + ALLOCATOR_OVERHEAD) + RESERVED_GIB * GiB,
+        total=peak + dynamic * ALLOCATOR_OVERHEAD + RESERVED_GIB * GiB,
         host=np.where(lay.offload, 16.0 * sharded, 0.0),
+        host_at_peak=np.where(lay.offload, np.where(kept_grads, 16.0, 12.0) * sharded, 0.0),  # offloaded states then
         sharded=sharded,
         unsharded=unsharded,
         layers=layers,
@@ -289,14 +316,18 @@ def rank_memory(work: Workload, lay: Layouts, c: Columns, name: str) -> dict[str
 
 
 def _resharding_gathered(a: ModelArgs, tp, layer_u, emb_u, head_u, fused: bool):
-    """Gathered parameters at the peak where blocks reshard after forward (no pipeline): the current and the
-    prefetched block and the root. Untied, the embedding is a unit of its own gathered for its forward only,
-    as the output is under the fused head (gathered with the last block, freed before backward):
-    plait.parallel.parallelize._shard_embedding_and_head."""
+    """Gathered parameters where blocks reshard after forward (no pipeline), at the end of forward and at the
+    start of backward: (forward, backward). Forward: the last block and the output projection (the fused head
+    gathers the output with the last block and frees it before backward); backward: the current and the
+    prefetched block. Untied, the embedding is a unit of its own gathered for its forward only
+    (plait.parallel.parallelize._shard_embedding_and_head); tied, it stays gathered with the root."""
     if a.tie_embeddings:
-        return 2 * layer_u + emb_u + head_u
+        both = 2 * layer_u + emb_u + head_u
+        return both, both
     out_u = local_numel([(a.vocab_size, a.dim, 0)], tp)
-    return (np.maximum(2 * layer_u, layer_u + out_u) if fused else 2 * layer_u + out_u) + a.dim
+    if fused:
+        return layer_u + out_u + a.dim, 2 * layer_u + a.dim
+    return 2 * layer_u + out_u + a.dim, 2 * layer_u + out_u + a.dim
 
 
 def _activations(work: Workload, lay: Layouts, c: Columns, layers, *, rank_last: bool, has_head, hand_off):
@@ -337,13 +368,19 @@ def _activations(work: Workload, lay: Layouts, c: Columns, layers, *, rank_last:
 
 
 def _transient(work: Workload, lay: Layouts, c: Columns, has_head):
-    """Memory that lives only during one block's backward (or the head's)."""
+    """Memory that lives only inside one block's (or the head's) work: (at the end of forward, at the start of
+    backward). The fused head does all its work in forward (plait.model.head); the plain head's logits, their
+    fp32 copy and their gradient are counted at both moments."""
     a, e, T = work.model, work.act_bytes, c.T
     a_none = layer_activation_bytes(a, e, c.tp, NO_AC, c.cp, c.ep)
     kv_local = a.n_kv_heads * a.head_dim / c.tp  # the keys (and values) one rank's attention holds per token
-    transient = np.where(lay.ac > NO_AC, a_none * T, 0.0)  # one block recomputed during its backward
-    transient = transient + np.where(has_head, head_transient_bytes(a, e, c.tp, T, work.fused_head), 0.0)
+    head = np.where(has_head, head_transient_bytes(a, e, c.tp, T, work.fused_head, work.device), 0.0)
+    recompute = np.where(lay.ac > NO_AC, a_none * T, 0.0)  # one block recomputed during its backward
     # the ring's buffers in backward: k and v held and arriving, their fp32 gradients held and arriving
-    transient = transient + np.where(c.cp > 1, T * kv_local * 2 * (2 * e + 2 * 4), 0.0)
+    ring = np.where(c.cp > 1, T * kv_local * 2 * (2 * e + 2 * 4), 0.0)
     # expert parallelism: one MoE block's tokens on the move (received, regrouped, results going back)
-    return transient + np.where(c.ep > 1, 3 * a.moe_top_k * T / c.moe_tp * a.dim * e, 0.0)
+    experts = np.where(c.ep > 1, 3 * a.moe_top_k * T / c.moe_tp * a.dim * e, 0.0)
+    # At the end of forward (the head's work) no block is working: no recompute, ring or exchange then.
+    forward = head
+    backward = (0.0 if work.fused_head else head) + recompute + ring + experts
+    return forward, backward

@@ -1,0 +1,119 @@
+"""`plait fit`: run one rank of an N-rank job on this machine's device, measured beside the planner.
+
+    plait fit [CONFIG.toml] [--section.key=value ...] --world-size N [--rank R | --ranks extremes]
+              [--steps S] [--json PATH]
+
+Exit 0 when every rank measured fits the device, 1 when one does not (out of memory, or over the memory
+available), 2 for a bad setting. See plait.planner.fit.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from plait.core.errors import ConfigError
+
+DESCRIPTION = """\
+Run rank R of an N-rank job in this one process, on this machine's device (a GPU, or the CPU): a fake process
+group of N ranks (collectives shaped as the real job's, moving no data), the model at its real shape with only
+this rank's shards, the config's optimizer, precision, activation checkpointing, offload and compile, a few
+training steps on synthetic tokens. Prints the measured peak memory beside the planner's prediction for that
+rank, part by part, and the step time beside the planner's compute time; exit 0 if it fits the device, 1 if
+not. --ranks extremes runs the ranks that differ (first and last pipeline stage, the last shard of each axis)."""
+
+
+def _ranks(text: str) -> str:
+    if text != "extremes":
+        raise ConfigError(f"--ranks={text!r}: the one choice is 'extremes' (or give one rank: --rank R)")
+    return text
+
+
+def build_parser():
+    from plait.cli.args import config_parser
+
+    parser = config_parser("plait fit", DESCRIPTION)
+    parser.add_argument("--world-size", type=int, required=True, metavar="N", help="ranks of the job (e.g. 64)")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--rank", type=int, metavar="R", help="the rank to run (default 0)")
+    which.add_argument("--ranks", type=_ranks, metavar="extremes", help="run the ranks that differ, one at a time")
+    parser.add_argument("--steps", type=int, default=3, metavar="S", help="training steps (default 3)")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    parser.add_argument("--quiet", action="store_true", help="print nothing (with --json)")
+    return parser
+
+
+def cmd_fit(argv: list[str]) -> int:
+    from plait.cli.args import config_argv, parse_config_args
+    from plait.config import load_config
+    from plait.planner.fit import extreme_ranks, fit_rank, in_subprocess
+
+    a, settings = parse_config_args(build_parser(), argv)
+    if a.world_size < 1:
+        raise ConfigError(f"--world-size={a.world_size} must be at least 1, e.g. --world-size 64")
+    if a.json and Path(a.json).is_dir():
+        raise ConfigError(f"--json {a.json} is a directory; give a file path, e.g. {Path(a.json) / 'fit.json'}")
+    cfg = load_config(a.config, settings)
+    if a.ranks:
+        ranks = extreme_ranks(cfg, a.world_size)
+        own = [*config_argv(a.config, settings), "--world-size", str(a.world_size), "--steps", str(a.steps)]
+        for rank in ranks:  # validate everything before the first rank runs
+            if not 0 <= rank < a.world_size:
+                raise ConfigError(f"rank {rank} outside 0..{a.world_size - 1}")
+        results = []
+        for rank in ranks:
+            if not a.quiet:
+                print(f"rank {rank} of {a.world_size} ...", file=sys.stderr, flush=True)
+            results.append(in_subprocess(own, rank))
+    else:
+        results = [fit_rank(cfg, a.world_size, a.rank or 0, a.steps)]
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps([r.to_json() for r in results], indent=1) + "\n")
+    if not a.quiet:
+        for r in results:
+            print(report(r))
+    return 0 if all(r.fits for r in results) else 1
+
+
+def _gib(x: float | None) -> str:
+    return "-" if x is None else f"{x / 2**30:,.2f} GiB" if x >= 2**30 / 100 else f"{x / 2**20:,.2f} MiB"
+
+
+def _error(measured: float | None, predicted: float | None) -> str:
+    if not measured or predicted is None:
+        return ""
+    return f"{(predicted - measured) / measured:+.1%}"
+
+
+def report(r) -> str:
+    """The table for one rank: measured beside predicted, the step beside the planner's compute time, the verdict."""
+    where = ", ".join(f"{axis} {i} of {n}" for axis, (i, n) in r.coordinates.items()) or "every axis of degree 1"
+    m, p = r.measured, r.predicted
+    lines = [f"rank {r.rank} of {r.world_size} ({where}) on {r.device}, {_gib(r.capacity)}"]
+    if m:
+        cuda = m.get("reserved") is not None
+        rows = [
+            ("model states (params, grads, AdamW)", m.get("states"), p["states"] if p["host"] == 0 else p["host"]),
+            ("activations (one micro-batch)", m.get("activations"), p["activations"]),
+            ("gathered params, grad and comm buffers", None, p["buffers"]),
+            ("transient (recompute, head, ring, experts)", None, p["transient"]),
+            ("peak allocated" if cuda else "peak (live tensors)", m["peak"], p["peak"]),
+        ]
+        if cuda:
+            rows.append(("peak reserved (with slack and reserve)", m["reserved"], p["total"]))
+        lines.append(f"  {'':44s} {'measured':>14s} {'planner':>14s} {'error':>8s}")
+        for name, got, want in rows:
+            lines.append(f"  {name:44s} {_gib(got):>14s} {_gib(want):>14s} {_error(got, want):>8s}")
+        lines.append(f"  {'host resident (the whole process)':44s} {_gib(m['host_rss']):>14s} {_gib(p['host']):>14s}")
+    if r.step_s is not None:
+        lines.append(f"  step {r.step_s:.3f} s (no communication: the fake group moves nothing); planner's compute + "
+                     f"optimizer on this device {r.compute_s:.3f} s")  # fmt: skip
+    verdict = "fits" if r.fits else "does NOT fit"
+    lines.append(f"  {verdict}" + (f": {r.note}" if r.note else ""))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(cmd_fit(sys.argv[1:]))

@@ -1,0 +1,247 @@
+"""Will rank R of an N-rank job fit? Run it and see, on the one device this machine has (`plait fit`).
+
+One process stands in for rank R: a fake process group of N ranks (every collective is shaped as the real
+job's and moves no data), the model at its real shape built by the runtime's own start-up path (each rank
+materialises only its shards: `build_trainable`), with the config's optimizer, precision, activation
+checkpointing, offload and compile settings, runs a few training steps on synthetic tokens. Measured: the
+device's peak memory (the CUDA allocator's peak and reserved bytes; on the CPU, the live tensor bytes op by
+op: plait.core.live_bytes), the model states, the activations one micro-batch saves for backward (saved-tensor
+hooks), the host's resident memory, and the step time. Beside each, the planner's prediction for that rank
+(plait.planner.cost): the analytic check every run gets before it starts, which this one checks exactly.
+
+Values are not meaningful (collectives move nothing: gathered parameters and received activations hold what
+the buffers held), and the step time has no communication in it: it is the rank's compute, shown beside the
+planner's compute time on this device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import resource
+import statistics
+import time
+
+import torch
+
+from plait.config import Config
+from plait.core.errors import ConfigError, PlaitError
+
+GiB = 2**30
+PARTS = ("states", "buffers", "activations", "transient")  # the prediction's parts, shown beside the peak
+
+
+@dataclasses.dataclass
+class RankFit:
+    """What `plait fit` found for one rank: bytes measured and predicted by part, seconds, and whether it fits."""
+
+    rank: int
+    world_size: int
+    coordinates: dict[str, tuple[int, int]]  # mesh axis -> (this rank's index, degree), axes of degree > 1
+    device: str
+    capacity: int  # bytes: the GPU's memory, or the host memory available (CPU)
+    measured: dict[str, float | None]
+    predicted: dict[str, float]
+    step_s: float | None
+    compute_s: float  # the planner's compute + optimizer time for this layout on this device
+    fits: bool
+    note: str = ""  # why it does not fit (out of memory), or what was not measured
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def extreme_ranks(cfg: Config, world_size: int) -> list[int]:
+    """The ranks whose memory differs: rank 0 (the first pipeline stage, the embedding, the first shard of
+    every axis) and the last rank (the last stage with the output projection and the loss, the last expert
+    group, the last and possibly shorter shard of every axis). Ranks between them hold the same or less."""
+    return sorted({0, world_size - 1})
+
+
+def fit_rank(cfg: Config, world_size: int, rank: int, steps: int = 3) -> RankFit:
+    """Run rank `rank` of a `world_size`-rank job in this process (it must have no process group yet): the
+    runtime's build, `steps` training steps on synthetic tokens, then one micro-batch's forward measured for
+    what it saves. Returns the measurement beside the planner's prediction."""
+    import torch.distributed as dist
+
+    from plait.core.hardware import device_memory_bytes, host_memory_bytes, resolve_device, uses_bf16
+    from plait.core.torch_private import init_fake_process_group
+    from plait.parallel import Meshes, ParallelDims
+    from plait.parallel.dims import validate_layout
+
+    if not 0 <= rank < world_size:
+        raise ConfigError(f"--rank={rank} is not a rank of a {world_size}-rank job; give 0 to {world_size - 1}")
+    if steps < 1:
+        raise ConfigError(f"--steps={steps} must be at least 1 (the first step also allocates the optimizer's states)")
+    device = resolve_device(cfg.run.device)
+    dims = ParallelDims.from_config(cfg.parallel, world_size, cfg.model)
+    validate_layout(cfg, dims)
+    bf16 = uses_bf16(cfg.train.mixed_precision, device)
+    predicted, compute_s = _predict(cfg, world_size, dims, rank, bf16, device)
+    capacity = device_memory_bytes(device) or host_memory_bytes("MemAvailable") or 0
+    base = dict(rank=rank, world_size=world_size, device=_device_name(device), capacity=capacity)
+    if device.type == "cpu" and capacity and predicted["peak"] > capacity:
+        # The kernel's OOM killer would end this process without a word; the GPU's allocator raises instead.
+        note = f"not run: predicted {predicted['peak'] / GiB:.1f} GiB, {capacity / GiB:.1f} GiB available"
+        return RankFit(coordinates={}, measured={}, predicted=predicted, step_s=None, compute_s=compute_s, fits=False,
+                       note=note, **base)  # fmt: skip
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    init_fake_process_group(world_size, rank)
+    try:
+        meshes = Meshes.build(dims, device.type)
+        coordinates = _coordinates(meshes)
+        try:
+            measured, step_s = _run(cfg, meshes, device, dims, steps)
+        except torch.OutOfMemoryError as e:
+            first = str(e).splitlines()[0]
+            return RankFit(coordinates=coordinates, measured={}, predicted=predicted, step_s=None,
+                           compute_s=compute_s, fits=False, note=f"out of memory: {first}", **base)  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+    fits = measured["peak"] <= capacity if capacity else True
+    note = "" if fits else f"peak {measured['peak'] / GiB:.1f} GiB over the {capacity / GiB:.1f} GiB available"
+    return RankFit(coordinates=coordinates, measured=measured, predicted=predicted, step_s=step_s,
+                   compute_s=compute_s, fits=fits, note=note, **base)  # fmt: skip
+
+
+def _device_name(device: torch.device) -> str:
+    from plait.core.hardware import device_info
+
+    return device_info(device).name if device.type == "cuda" else "CPU"
+
+
+def _coordinates(meshes) -> dict[str, tuple[int, int]]:
+    mesh = meshes.world
+    coordinate = mesh.get_coordinate() or []
+    names = mesh.mesh_dim_names or ()
+    return {n: (int(i), int(s)) for n, i, s in zip(names, coordinate, mesh.shape, strict=True) if s > 1}
+
+
+def _predict(cfg: Config, world_size: int, dims, rank: int, bf16: bool, device: torch.device):
+    """The planner's bytes for this rank by part ('peak': what the allocator hands out at once, 'total': with
+    its slack and the device's reserve), and its compute + optimizer seconds on this machine's device."""
+    from plait.planner.cluster import measure_local
+    from plait.planner.cost import Workload, evaluate
+    from plait.planner.preflight import layout_of
+
+    lay = layout_of(cfg, world_size)
+    work = Workload(cfg.model, cfg.data.seq_len, cfg.train.global_batch_size, "bf16" if bf16 else "fp32",
+                    cfg.train.fused_head, device.type)  # fmt: skip
+    here = dataclasses.replace(measure_local(), devices_per_node=world_size)
+    out = evaluate(work, here, lay)
+    stage = (rank // (world_size // dims.pp)) if dims.pp > 1 else 0  # pp is the outermost mesh axis
+    which = "last" if dims.pp > 1 and stage == dims.pp - 1 else "first"
+    got = {k: float(out[f"mem_{k}_{which}"][0]) for k in (*PARTS, "peak", "total", "host")}
+    if device.type == "cpu":  # one memory: what offload moves to the host is on this device too
+        got["peak"] += float(out[f"mem_host_at_peak_{which}"][0])
+    return got, float(out["t_compute"][0] + out["t_optimizer"][0])
+
+
+def _synthetic(cfg: Config, dims, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's batch of random tokens (inputs, targets): global batch / data-parallel ranks sequences."""
+    local = cfg.train.global_batch_size // dims.dp
+    tokens = torch.randint(0, cfg.model.vocab_size, (local, cfg.data.seq_len + 1), generator=torch.Generator())
+    tokens = tokens.to(device)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _run(cfg: Config, meshes, device: torch.device, dims, steps: int) -> tuple[dict[str, float | None], float]:
+    from plait.core.live_bytes import LiveBytes
+    from plait.engine.trainable import build_trainable
+    from plait.engine.trainer import train_step
+
+    live = LiveBytes(device) if device.type == "cpu" else None
+    if live is not None:
+        live.__enter__()
+    else:
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        t = build_trainable(cfg, device, meshes)
+        inputs, targets = _synthetic(cfg, dims, device)
+        times = []
+        for _ in range(steps):
+            _sync(device)
+            start = time.perf_counter()
+            train_step(t, inputs, targets)
+            _sync(device)
+            times.append(time.perf_counter() - start)
+        peak = live.peak if live is not None else torch.cuda.max_memory_allocated(device)
+    finally:
+        if live is not None:
+            live.__exit__(None, None, None)
+    measured: dict[str, float | None] = {
+        "peak": float(peak),
+        "reserved": float(torch.cuda.max_memory_reserved(device)) if device.type == "cuda" else None,
+        "host_rss": float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024),
+        "states": float(_state_bytes(t, on=torch.device("cpu") if cfg.parallel.cpu_offload else device)),
+        "activations": None if t.pipeline is not None else float(_saved_bytes(t, inputs, targets, cfg, device)),
+    }
+    step_s = statistics.median(times[1:]) if len(times) > 1 else times[0]
+    return measured, step_s
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _state_bytes(t, on: torch.device) -> int:
+    """Bytes of this rank's parameters, gradients (allocated like the parameters: they were freed by the step's
+    zero_grad) and optimizer moments, on their device."""
+    from plait.core.torch_private import local_tensor
+
+    def nbytes(x: torch.Tensor) -> int:
+        x = local_tensor(x)
+        return x.numel() * x.element_size()
+
+    params = sum(nbytes(p) for p in t.parameters())
+    moments = sum(nbytes(v) for opt in t.optimizers for s in opt.state.values() for k, v in s.items() if k != "step")
+    return 2 * params + moments
+
+
+def _saved_bytes(t, inputs, targets, cfg: Config, device: torch.device) -> int:
+    """What one micro-batch's forward saves for backward (the planner's activations), on the compute device."""
+    from plait.core.hardware import uses_bf16
+    from plait.parallel.activations import SavedBytes
+    from plait.parallel.context import context_shard
+    from plait.parallel.rules import num_micro_batches
+
+    x, y = context_shard(t.meshes, inputs, targets)
+    micro = num_micro_batches(cfg.train.micro_batch_size, x.shape[0])
+    x, y = x.chunk(micro)[0], y.chunk(micro)[0]
+    with t.loss_context(), t.autocast():
+        with SavedBytes(t.model) as saved:
+            loss = t.loss_fn(t.forward(x, y), y)
+        loss.backward()
+    for opt in t.optimizers:
+        opt.zero_grad(set_to_none=True)
+    elsewhere = {d for d in saved.devices if d.type != device.type}
+    if elsewhere:
+        raise PlaitError(
+            f"activations saved for backward on {', '.join(sorted(map(str, elsewhere)))}, not on {device}: a "
+            "tensor the forward reads is not on the compute device"
+        )
+    # The fused head computes the output weight's gradient in forward and keeps it for backward: the planner
+    # counts it with the gradients (model states), not as an activation.
+    if cfg.train.fused_head:  # in the gathered weight's dtype under FSDP (bf16: 2 bytes), else the fp32 parameter's
+        size = 2 if t.fsdp and uses_bf16(cfg.train.mixed_precision, device) else 4
+        return saved.total - cfg.model.vocab_size // t.meshes.dims.tp * cfg.model.dim * size
+    return saved.total
+
+
+def in_subprocess(argv: list[str], rank: int) -> RankFit:
+    """One rank in a process of its own (a fake group and a peak are per process): `plait fit ... --rank R`."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="plait-fit-") as tmp:
+        out = os.path.join(tmp, "rank.json")
+        cmd = [sys.executable, "-m", "plait.cli", "fit", *argv, "--rank", str(rank), "--json", out, "--quiet"]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if not os.path.exists(out):
+            raise PlaitError(f"rank {rank} ended with exit code {proc.returncode}: {proc.stderr.strip()[-2000:]}")
+        with open(out) as f:
+            return RankFit(**json.load(f)[0])
