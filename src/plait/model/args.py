@@ -181,3 +181,21 @@ def split_layers(args: ModelArgs, num_stages: int, how: str = "cost", seq_len: i
     assert best is not None
     starts = [sum(best[1][:i]) for i in range(num_stages)]
     return [list(range(s, s + c)) for s, c in zip(starts, best[1], strict=True)]
+
+
+LOGITS_PER_CHUNK = 1 << 28
+"""Logits (tokens x vocabulary entries of this rank) per chunk when train.loss_chunk_tokens is 0: 268 M, so one
+chunk's logits are 512 MiB in bf16 (1 GiB for each fp32 temporary of the eager path; the compiled kernels keep
+fp32 in registers); llama3-1b: 2,048 tokens a chunk, 4 chunks for 4 x 2,048 tokens. Not smaller: the weight
+gradient (V x dim, fp32) is read and written once per chunk, and with short chunks that traffic outweighs
+the weight-gradient matmul itself (at 256 tokens a chunk, 32 passes over 1 GiB for llama3-1b). The planner
+sizes the head's transient memory with the same rule."""
+
+
+def chunk_tokens(num_tokens: int, vocab_local: int, requested: int = 0) -> int:
+    """Tokens per chunk of the fused head: `requested` (train.loss_chunk_tokens) if set, else as many as keep a
+    chunk's logits near LOGITS_PER_CHUNK, in equal chunks (the last one may be shorter)."""
+    if requested > 0:
+        return min(requested, num_tokens)
+    chunks = max(1, math.ceil(num_tokens * vocab_local / LOGITS_PER_CHUNK))
+    return math.ceil(num_tokens / chunks)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from plait.model.llama import ModelArgs
+from plait.model.args import ModelArgs
 
 # ------------------------------------------------------------------------------------------- parameters
 # A parameter is (dim0, dim1, how tensor parallel splits it): 0 = Shard(0) (column-parallel linear, and the

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from plait.model.llama import ModelArgs
+from plait.model.args import ModelArgs
 from plait.parallel.rules import fsdp_enabled
 from plait.parallel.rules import tp_whole as rules_tp_whole
 

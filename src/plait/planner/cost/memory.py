@@ -8,9 +8,7 @@ import functools
 
 import numpy as np
 
-from plait.model.args import recompute_units_pay, split_layers
-from plait.model.head import LOGITS_PER_CHUNK
-from plait.model.llama import ModelArgs
+from plait.model.args import LOGITS_PER_CHUNK, ModelArgs, recompute_units_pay, split_layers
 from plait.planner.cluster import GiB
 from plait.planner.cost.counts import block_numel, embed_params, head_params, local_numel, sharded_numel
 from plait.planner.cost.layouts import (
@@ -124,7 +122,8 @@ def head_transient_bytes(a: ModelArgs, e: int, tp, T, fused: bool = True, device
     vocab = a.vocab_size / tp
     if not fused:
         return T * vocab * (e + 4)
-    chunk = np.minimum(T, np.ceil(LOGITS_PER_CHUNK / vocab))  # T: the micro-batch's tokens, gathered over tp
+    # T: the micro-batch's tokens, gathered over tp, in equal chunks (plait.model.args.chunk_tokens)
+    chunk = np.ceil(T / np.maximum(1, np.ceil(T * vocab / LOGITS_PER_CHUNK)))
     per_logit = np.where((tp > 1) & (e < 4), e + 8, 8)
     product = 0 if device == "cuda" and e < 4 else e * vocab * a.dim
     return chunk * vocab * per_logit + 4 * vocab * a.dim + product + T * a.dim * e
@@ -200,7 +199,7 @@ def held_chunks(schedule: str, p: int, v: int, m: int, r: int) -> np.ndarray:
     delta[rows, v + stages] = ops == _W
     # Peaks come right after a forward that the next action does not extend (a B or W lowers the total).
     peak = (ops == _F) & (np.append(ops[1:], _B) != _F)
-    return np.unique(np.cumsum(delta, axis=0)[peak], axis=0).astype(np.float64)
+    return np.cumsum(delta, axis=0)[peak].astype(np.float64)  # (deduplicating the rows costs more than it saves)
 
 
 def peak_activations(schedule, pp, virtual, m, rank_is_last: bool, weight) -> np.ndarray:
@@ -209,11 +208,15 @@ def peak_activations(schedule, pp, virtual, m, rank_is_last: bool, weight) -> np
     for the layouts in ``mask``, on the first or the last pipeline rank. 0 where pp = 1."""
     out = np.zeros(len(pp), dtype=np.float64)
     piped = np.nonzero(pp > 1)[0]
-    keys, group = np.unique(np.stack([schedule, pp, virtual, m], axis=1)[piped], axis=0, return_inverse=True)
+    # one int64 per layout (schedule: 3 bits, pp: 21, virtual: 8, micro-batches: 31): a 1-D sort, not rows'
+    columns = [np.asarray(x, dtype=np.int64)[piped] for x in (schedule, pp, virtual, m)]
+    assert all(int(x.max(initial=0)) < 2**bits for x, bits in zip(columns, (3, 21, 8, 31), strict=True))  # noqa: S101
+    packed = ((columns[0] << 21 | columns[1]) << 8 | columns[2]) << 31 | columns[3]
+    keys, first, group = np.unique(packed, return_index=True, return_inverse=True)
     order = np.argsort(group.ravel(), kind="stable")
     bounds = np.searchsorted(group.ravel()[order], np.arange(len(keys) + 1))
-    for g, key in enumerate(keys):
-        sched, p, v, mb = (int(x) for x in key)
+    for g in range(len(keys)):
+        sched, p, v, mb = (int(x[first[g]]) for x in columns)
         idx = piped[order[bounds[g] : bounds[g + 1]]]  # the layouts with this schedule, pp, v and m
         rows = held_chunks(SCHEDULES[sched], p, v, mb, p - 1 if rank_is_last else 0)
         held, residue = zip(*(weight(s, idx) for s in range(v)), strict=True)

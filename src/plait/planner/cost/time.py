@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from plait.model.llama import ModelArgs
+from plait.model.args import ModelArgs
 from plait.planner.cluster import Cluster
 from plait.planner.cost.counts import (
     block_numel,
