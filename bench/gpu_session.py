@@ -65,9 +65,24 @@ class Step:
 
 
 def plait_step(name: str, command: str, settings: list[str], options: list[str], estimate_s: float) -> Step:
-    result = f"{name}.json" if command == "bench" else ""
+    result = f"{name}.json" if command in ("bench", "fit") else ""
     argv = ["-m", "plait.cli", command, *settings, *options] + ([f"--json={{out}}/{result}"] if result else [])
-    return Step(name, argv, estimate_s, result, settings)
+    # `plait fit` settings describe an N-rank job: checked by its own --dry-run (--check), not as one process
+    return Step(name, argv, estimate_s, result, settings if command != "fit" else [])
+
+
+BF16_CUDA = ["--train.mixed_precision=bf16", "--run.device=cuda"]
+
+
+def fit_step(name: str, world: int, settings: list[str], estimate_s: float, ranks: str = "") -> Step:
+    """One rank (or the extreme ranks) of a `world`-rank job on this GPU: its peak beside the planner's."""
+    options = ["--world-size", str(world), "--steps", "3", *(["--ranks", ranks] if ranks else [])]
+    return plait_step(name, "fit", [*settings, *BF16_CUDA], options, estimate_s)
+
+
+def compile_probe(case: str, estimate_s: float) -> Step:
+    return Step(f"compile-{case}", ["bench/compile_probe.py", f"--case={case}", f"--json={{out}}/compile-{case}.json"],
+                estimate_s, f"compile-{case}.json")  # fmt: skip
 
 
 def parts(peers: Path) -> dict[int, list[Step]]:
@@ -181,12 +196,52 @@ def parts(peers: Path) -> dict[int, list[Step]]:
                 60,
             ),
         ],
+        # real size on one GPU (issue "real size, proven on a device"): `plait fit` runs one rank of each job on
+        # a fake process group of its world size, its peak beside the planner's; llama3-8b with CPU offload
+        # trains (one process, 3 steps: tokens/s, GPU peak, host RSS); what torch.compile does with TP and
+        # with MoE blocks. Run with --logs outside $OUT: 8 files come back at most.
+        4: [
+            fit_step(
+                "fit-8b-offload",
+                1,
+                ["--model.preset=llama3-8b", "--data.seq_len=2048", "--train.global_batch_size=1"]
+                + ["--parallel.cpu_offload=true", "--parallel.activation_checkpoint=full"],
+                150,
+            ),
+            fit_step(
+                "fit-8b-fsdp8",
+                8,
+                ["--model.preset=llama3-8b", "--data.seq_len=8192", "--train.global_batch_size=8"]
+                + ["--parallel.dp_shard_degree=8"],
+                80,
+            ),
+            fit_step(
+                "fit-70b-tp8-fsdp8",
+                64,
+                ["--model.preset=llama3-70b", "--data.seq_len=8192", "--train.global_batch_size=8"]
+                + [
+                    "--parallel.tp_degree=8",
+                    "--parallel.dp_shard_degree=8",
+                    "--parallel.activation_checkpoint=selective",
+                ],
+                100,
+            ),
+            fit_step(
+                "fit-qwen3-30b-ep8",
+                32,
+                ["--model.preset=qwen3-30b-a3b", "--data.seq_len=4096", "--train.global_batch_size=32"]
+                + ["--parallel.dp_shard_degree=32", "--parallel.ep_degree=8"],
+                80,
+            ),
+            compile_probe("tp", 70),
+            compile_probe("moe", 70),
+        ],
     }
 
 
-def run_step(step: Step, out: Path, limit_s: float, env: dict) -> dict:
+def run_step(step: Step, out: Path, limit_s: float, env: dict, logs: Path | None = None) -> dict:
     argv = [a.replace("{out}", str(out)) for a in step.argv]
-    log = out / f"{step.name}.log"
+    log = (logs or out) / f"{step.name}.log"
     started = time.perf_counter()
     with log.open("w") as f:
         # its own process group: a step that overruns goes with its children (gpu_peers' sides), and the GPU
@@ -214,6 +269,11 @@ def summary(step: Step, out: Path) -> str:
     if not step.result or not (out / step.result).exists():
         return ""
     r = json.loads((out / step.result).read_text())
+    if isinstance(r, list):  # plait fit: one record per rank
+        return "; ".join(_fit_line(rank) for rank in r)
+    if "case" in r:  # bench/compile_probe.py
+        c = r["compiled"]
+        return f"compiled: {'ok, ' + format(c['step_s'], '.3f') + ' s/step' if c['ok'] else c['error'][:120]}"
     if "sides" in r:
         return "; ".join(
             f"{name} {s['tokens_per_s']:,.0f} tok/s {s.get('peak_gib') or s.get('peak_mem_gib') or 0:.1f} GiB"
@@ -230,6 +290,20 @@ def summary(step: Step, out: Path) -> str:
             text += f", warm/cold {r['warm_over_cold']:.2f}"
         return text
     return json.dumps(r)[:160]
+
+
+def _fit_line(r: dict) -> str:
+    m, p = r["measured"], r["predicted"]
+    if not m:
+        return f"rank {r['rank']}: {r['note']}"
+    gib = 2**30
+    text = f"rank {r['rank']}: peak {m['peak'] / gib:.1f} GiB vs planner {p['peak'] / gib:.1f}"
+    text += (
+        f" ({(p['peak'] - m['peak']) / m['peak']:+.1%}), reserved {m['reserved'] / gib:.1f} vs {p['total'] / gib:.1f}"
+    )
+    if r["step_s"]:
+        text += f", step {r['step_s']:.2f} s, host RSS {m['host_rss'] / gib:.1f} GiB"
+    return text + ("" if r["fits"] else f", DOES NOT FIT: {r['note']}")
 
 
 def check(steps: list[Step], out: Path) -> list[str]:
@@ -253,6 +327,8 @@ def check(steps: list[Step], out: Path) -> list[str]:
                 problems.append(f"{step.name}: {e}")
             continue
         extra = ["--collect-only"] if argv[:2] == ["-m", "pytest"] else ["--dry-run"]
+        if argv[:3] == ["-m", "plait.cli", "fit"]:  # the layout and the planner's rank, here on the CPU
+            argv = [a.replace("--run.device=cuda", "--run.device=cpu") for a in argv]
         proc = subprocess.run([sys.executable, *argv, *extra], cwd=ROOT, capture_output=True, text=True)
         if proc.returncode:
             problems.append(f"{step.name}: exit {proc.returncode}: {(proc.stderr or proc.stdout).strip()[-500:]}")
@@ -261,11 +337,12 @@ def check(steps: list[Step], out: Path) -> list[str]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--part", type=int, choices=(1, 2, 3), required=True)
+    p.add_argument("--part", type=int, choices=(1, 2, 3, 4), required=True)
     default_peers = next((d for d in (ROOT / ".peers", ROOT.parent / "shared" / "gpu") if d.exists()), ROOT / ".peers")
     p.add_argument("--peers", type=Path, default=default_peers, help="the reference sides' folder")
     default_out = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "bench" / "results" / "gpu_session"
     p.add_argument("--out", type=Path, default=default_out)
+    p.add_argument("--logs", type=Path, help="the steps' logs (default: --out); a failure's last lines go in the JSON")
     p.add_argument("--budget", type=float, default=CALL_LIMIT_S, help="seconds this part may take")
     p.add_argument("--only", default="", help="comma-separated step names of the part to run (default: all)")
     p.add_argument("--dry-run", action="store_true", help="print the commands and stop")
@@ -292,6 +369,8 @@ def main() -> int:
         print("bench/gpu_session.py needs a CUDA GPU; --dry-run prints the commands", file=sys.stderr)
         return 2
     a.out.mkdir(parents=True, exist_ok=True)
+    if a.logs:
+        a.logs.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH", "")]))
     deadline = time.perf_counter() + a.budget
@@ -302,7 +381,7 @@ def main() -> int:
             records[step.name] = {"status": f"skipped: {left:.0f} s left, needs ~{step.estimate_s:.0f}"}
             continue
         print(f"[{time.strftime('%H:%M:%S')}] {step.name} (~{step.estimate_s:.0f} s)", flush=True)
-        records[step.name] = run_step(step, a.out, left, env)
+        records[step.name] = run_step(step, a.out, left, env, a.logs)
         records[step.name]["summary"] = summary(step, a.out)
     record = {"part": a.part, "device": torch.cuda.get_device_name(), "torch": torch.__version__, "steps": records}
     (a.out / f"gpu_session_part{a.part}.json").write_text(json.dumps(record, indent=1) + "\n")

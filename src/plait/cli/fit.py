@@ -41,6 +41,9 @@ def build_parser():
     parser.add_argument("--steps", type=int, default=3, metavar="S", help="training steps (default 3)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     parser.add_argument("--quiet", action="store_true", help="print nothing (with --json)")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="check the layout and print the planner's prediction; run nothing"
+    )
     return parser
 
 
@@ -55,6 +58,13 @@ def cmd_fit(argv: list[str]) -> int:
     if a.json and Path(a.json).is_dir():
         raise ConfigError(f"--json {a.json} is a directory; give a file path, e.g. {Path(a.json) / 'fit.json'}")
     cfg = load_config(a.config, settings)
+    if a.dry_run:
+        from plait.planner.fit import predict_rank
+
+        ranks = extreme_ranks(cfg, a.world_size) if a.ranks else [a.rank or 0]
+        for rank in ranks:
+            print(predicted_report(rank, a.world_size, predict_rank(cfg, a.world_size, rank)))
+        return 0
     if a.ranks:
         ranks = extreme_ranks(cfg, a.world_size)
         own = [*config_argv(a.config, settings), "--world-size", str(a.world_size), "--steps", str(a.steps)]
@@ -85,6 +95,12 @@ def _error(measured: float | None, predicted: float | None) -> str:
     if not measured or predicted is None:
         return ""
     return f"{(predicted - measured) / measured:+.1%}"
+
+
+def predicted_report(rank: int, world_size: int, p: dict) -> str:
+    rows = [(k, p[k]) for k in ("states", "buffers", "activations", "transient", "peak", "total", "host")]
+    parts = ", ".join(f"{name} {_gib(value)}" for name, value in rows if value)
+    return f"rank {rank} of {world_size}, planner (not run: --dry-run): {parts}"
 
 
 def report(r) -> str:

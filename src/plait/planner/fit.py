@@ -105,6 +105,20 @@ def fit_rank(cfg: Config, world_size: int, rank: int, steps: int = 3) -> RankFit
                    compute_s=compute_s, fits=fits, note=note, **base)  # fmt: skip
 
 
+def predict_rank(cfg: Config, world_size: int, rank: int) -> dict[str, float]:
+    """The planner's bytes for rank `rank` (the layout checked as the runtime checks it), without running it."""
+    from plait.core.hardware import resolve_device, uses_bf16
+    from plait.parallel import ParallelDims
+    from plait.parallel.dims import validate_layout
+
+    if not 0 <= rank < world_size:
+        raise ConfigError(f"--rank={rank} is not a rank of a {world_size}-rank job; give 0 to {world_size - 1}")
+    device = resolve_device(cfg.run.device)
+    dims = ParallelDims.from_config(cfg.parallel, world_size, cfg.model)
+    validate_layout(cfg, dims)
+    return _predict(cfg, world_size, dims, rank, uses_bf16(cfg.train.mixed_precision, device), device, timed=False)[0]
+
+
 def _device_name(device: torch.device) -> str:
     from plait.core.hardware import device_info
 
@@ -118,17 +132,17 @@ def _coordinates(meshes) -> dict[str, tuple[int, int]]:
     return {n: (int(i), int(s)) for n, i, s in zip(names, coordinate, mesh.shape, strict=True) if s > 1}
 
 
-def _predict(cfg: Config, world_size: int, dims, rank: int, bf16: bool, device: torch.device):
+def _predict(cfg: Config, world_size: int, dims, rank: int, bf16: bool, device: torch.device, timed: bool = True):
     """The planner's bytes for this rank by part ('peak': what the allocator hands out at once, 'total': with
     its slack and the device's reserve), and its compute + optimizer seconds on this machine's device."""
-    from plait.planner.cluster import measure_local
+    from plait.planner.cluster import get_cluster, measure_local
     from plait.planner.cost import Workload, evaluate
     from plait.planner.preflight import layout_of
 
     lay = layout_of(cfg, world_size)
     work = Workload(cfg.model, cfg.data.seq_len, cfg.train.global_batch_size, "bf16" if bf16 else "fp32",
                     cfg.train.fused_head, device.type)  # fmt: skip
-    here = dataclasses.replace(measure_local(), devices_per_node=world_size)
+    here = dataclasses.replace(measure_local() if timed else get_cluster("h100"), devices_per_node=world_size)
     out = evaluate(work, here, lay)
     stage = (rank // (world_size // dims.pp)) if dims.pp > 1 else 0  # pp is the outermost mesh axis
     which = "last" if dims.pp > 1 and stage == dims.pp - 1 else "first"
