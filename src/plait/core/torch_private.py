@@ -521,3 +521,27 @@ def watch_allocations(on_tensor, on_resize):
             yield
     finally:
         torch.UntypedStorage.resize_ = original
+
+
+def unanimous_static_stage(stage_class):
+    """A pipeline stage class for stages given their input and output examples (static metadata) on a fake
+    process group. torch >= 2.12 has the stages agree on static metadata by a vote passed from stage to stage
+    over point-to-point messages (`_warmup_forward_vote` / `_warmup_backward_result`); a fake group moves no
+    data, so every vote would read the zeros of its receive buffer and fall back to exchanging metadata
+    objects, which cannot cross it either. Here the vote is taken as unanimous. torch < 2.12 has no vote: the
+    examples alone skip its shape inference."""
+    import torch
+
+    def unanimous(self, *args, **kwargs):
+        return torch.ones(1, dtype=torch.int32, device=self.device)
+
+    names = ("_warmup_forward_vote", "_warmup_backward_result")
+    members = {name: unanimous for name in names if hasattr(stage_class, name)}
+    return type(f"Static{stage_class.__name__}", (stage_class,), members)
+
+
+def is_fake_group(group) -> bool:
+    """Whether a process group is the fake one (`init_fake_process_group`): its collectives move nothing."""
+    import torch.distributed as dist
+
+    return dist.get_backend(group) == "fake"

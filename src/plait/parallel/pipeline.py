@@ -28,7 +28,13 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from plait.config import Config
-from plait.core.torch_private import bounded_receive_stage, quiet_shape_inference, reducing_pipeline_stage
+from plait.core.torch_private import (
+    bounded_receive_stage,
+    is_fake_group,
+    quiet_shape_inference,
+    reducing_pipeline_stage,
+    unanimous_static_stage,
+)
 from plait.model.args import split_layers
 from plait.model.llama import ModelArgs, Transformer
 from plait.model.moe import MoE
@@ -58,6 +64,31 @@ def stage_module(args: ModelArgs, layer_ids: list[int], first: bool, last: bool)
         model.norm = None
         model.output = None
     return model
+
+
+def stage_examples(cfg: Config, meshes: Meshes, micro_batch: int, first: bool, last: bool) -> dict:
+    """A stage's input and output as torch's stage infers them (meta tensors: shape, dtype, requires_grad):
+    the first stage takes token ids (micro-batch, T), every other the hidden states (micro-batch, T, dim),
+    T the sequence over cp and, under sequence parallelism, over tp; in bf16 where FSDP computes in bf16,
+    else fp32 (autocast keeps the residual stream in fp32); the last stage gives the fused head's summed loss.
+    tests/test_fit.py holds this against what torch infers on a real group."""
+    from plait.core.errors import ConfigError
+    from plait.core.hardware import uses_bf16
+
+    if last and not cfg.train.fused_head:
+        raise ConfigError(
+            "train.fused_head=false with a pipeline on a fake process group (plait fit): the last stage's logits "
+            "are not described statically; keep train.fused_head=true"
+        )
+    dims = meshes.dims
+    seq = cfg.data.seq_len // dims.cp
+    bf16 = dims.fsdp_enabled and uses_bf16(cfg.train.mixed_precision, torch.device(meshes.world.device_type))
+    hidden = torch.empty(
+        micro_batch, seq // dims.tp, cfg.model.dim, dtype=torch.bfloat16 if bf16 else torch.float32, device="meta"
+    ).requires_grad_()
+    tokens = torch.empty(micro_batch, seq, dtype=torch.int64, device="meta")
+    loss = torch.empty((), dtype=torch.float32, device="meta").requires_grad_()
+    return {"input_args": (tokens if first else hidden,), "output_args": (loss if last else hidden,)}
 
 
 @contextlib.contextmanager
@@ -100,14 +131,20 @@ def build_pipeline(args: ModelArgs, meshes: Meshes, cfg: Config, device: torch.d
     reduce_each = cfg.parallel.fsdp_reduce_every_micro_batch and meshes.dims.fsdp_enabled
     base = bounded_receive_stage(reducing_pipeline_stage() if reduce_each else PipelineStage)
     stage_class = quiet_shape_inference(base, not_counting)
+    local_batch = cfg.train.global_batch_size // meshes.dims.dp
+    micro = num_micro_batches(cfg.train.micro_batch_size, local_batch, num_stages)
+    # A fake process group (plait fit) cannot carry torch's metadata exchange: the stages get theirs statically.
+    fake = is_fake_group(meshes.pp.get_group())
+    if fake:
+        stage_class = unanimous_static_stage(stage_class)
     for stage_id in range(pp_rank, num_stages, pp):
-        part = stage_module(args, layout[stage_id], stage_id == 0, stage_id == num_stages - 1)
+        first, last = stage_id == 0, stage_id == num_stages - 1
+        part = stage_module(args, layout[stage_id], first, last)
         parallelize(part, meshes, cfg, device)
         materialize(part, device, seed=cfg.run.seed, cpu_offload=cfg.parallel.cpu_offload)
         parts.append(part)
-        stages.append(stage_class(part, stage_id, num_stages, device, group=meshes.pp.get_group()))
-    local_batch = cfg.train.global_batch_size // meshes.dims.dp
-    micro = num_micro_batches(cfg.train.micro_batch_size, local_batch, num_stages)
+        examples = stage_examples(cfg, meshes, local_batch // micro, first, last) if fake else {}
+        stages.append(stage_class(part, stage_id, num_stages, device, group=meshes.pp.get_group(), **examples))
     cls = SCHEDULES[cfg.parallel.pp_schedule]
     if cfg.parallel.pp_schedule in ("gpipe", "1f1b"):
         schedule = cls(stages[0], n_microbatches=micro, loss_fn=loss_fn)

@@ -112,13 +112,13 @@ def head_activation_bytes(a: ModelArgs, e: int, tp, fused: bool = True) -> np.nd
 
 def head_transient_bytes(a: ModelArgs, e: int, tp, T, fused: bool = True, device: str = "cuda") -> np.ndarray:
     """The head's working memory at its peak: the plain head's logits and their fp32 copy (T V / tp (e + 4));
-    the fused head's (plait.model.head) last chunk of logits (chunk_tokens) with its fp32 work, the weight
-    gradient's fp32 accumulator, the chunk's weight-gradient product where the matmul cannot add into the
-    accumulator (not half precision on CUDA), and the gathered input gradient. Per logit of a chunk: the eager
-    one-pass log-softmax (the whole vocabulary on this rank) keeps the logits and their fp32 log-probabilities,
-    turned into the gradient in place and cast back (e + 4, + e for half): 8 bytes; with the vocabulary split
-    over tp, the statistics' fp32 copy and exponentials beside the logits: e + 8 for half, 8 for fp32 (the
-    copy is the logits themselves). Compiled (two fused passes) it is less: this is the eager bound."""
+    the fused head's (plait.model.head) last chunk of logits (chunk_tokens) with its fp32 work, or after it the
+    chunk's gradient beside its weight-gradient product where the matmul cannot add into the accumulator (not
+    half precision on CUDA); the weight gradient's fp32 accumulator; the gathered input gradient. Per logit of
+    a chunk: the eager one-pass log-softmax (the whole vocabulary on this rank) keeps the logits and their fp32
+    log-probabilities, turned into the gradient in place and cast back (e + 4, + e for half): 8 bytes; with the
+    vocabulary split over tp, the statistics' fp32 copy and exponentials beside the logits: e + 8 for half, 8
+    for fp32 (the copy is the logits themselves). Compiled (two fused passes) it is less: the eager bound."""
     vocab = a.vocab_size / tp
     if not fused:
         return T * vocab * (e + 4)
@@ -126,7 +126,9 @@ def head_transient_bytes(a: ModelArgs, e: int, tp, T, fused: bool = True, device
     chunk = np.ceil(T / np.maximum(1, np.ceil(T * vocab / LOGITS_PER_CHUNK)))
     per_logit = np.where((tp > 1) & (e < 4), e + 8, 8)
     product = 0 if device == "cuda" and e < 4 else e * vocab * a.dim
-    return chunk * vocab * per_logit + 4 * vocab * a.dim + product + T * a.dim * e
+    # the logits' work, or after it the chunk's gradient (logits' dtype) beside the weight-gradient product
+    work = np.maximum(chunk * vocab * per_logit, chunk * vocab * e + product)
+    return work + 4 * vocab * a.dim + T * a.dim * e
 
 
 EMBED_ACTIVATION_BYTES = 8
@@ -270,12 +272,15 @@ def rank_memory(work: Workload, lay: Layouts, c: Columns, name: str) -> dict[str
         np.where(c.held, unsharded, g) for g in _resharding_gathered(a, tp, layer_u, emb_u, head_u, fused)
     )
     params_f, params_b = (np.where(c.fsdp, e * g, 0.0) for g in (gathered_f, gathered_b))
-    accumulated = np.where(c.fsdp & c.accumulate, 4.0 * unsharded, 0.0)  # fp32, kept between micro-batches
+    # GPipe runs every forward before the first backward: no gradient exists yet at either moment below.
+    gpipe = (pp > 1) & (lay.schedule == GPIPE)
+    accumulate = c.accumulate & ~gpipe
+    accumulated = np.where(c.fsdp & accumulate, 4.0 * unsharded, 0.0)  # fp32, kept between micro-batches
     # Unsharded gradients at the start of backward, before their reduce-scatter: two blocks' and the output
-    # projection's (the embedding's come at the end of backward, when the activations are gone).
-    grads_buf = np.where(
-        c.fsdp, np.where(c.accumulate, accumulated, e * (2 * layer_u + np.where(has_head, head_u, emb_u))), 0.0
-    )
+    # projection's (the embedding's come at the end of backward, when the activations are gone); GPipe's first
+    # backward: its block's alone (nothing is reduced before the last micro-batch).
+    fresh = np.where(gpipe, e * layer_u, e * (2 * layer_u + np.where(has_head, head_u, emb_u)))
+    grads_buf = np.where(c.fsdp, np.where(accumulate, accumulated, fresh), 0.0)
     tp_buf = np.where(tp > 1, 2 * T * a.dim * e, 0.0)
     # Pipeline receive buffers live only while their micro-batch does (plait.core.torch_private.
     # bounded_receive_stage): a received activation is the stage's input, saved by its first block (an
@@ -294,7 +299,7 @@ def rank_memory(work: Workload, lay: Layouts, c: Columns, name: str) -> dict[str
     # each with what it gathers and works in; or the optimizer's step, with all the states. The states at the
     # first two hold no gradients (zero_grad frees them: the step's are made in backward and freed after the
     # optimizer) unless they outlive a micro-batch: reduced after each one, or without FSDP.
-    kept_grads = ((c.m > 1) | (pp > 1)) & (lay.sync_each | ~c.fsdp)
+    kept_grads = ((c.m > 1) | (pp > 1)) & (lay.sync_each | ~c.fsdp) & ~gpipe
     states_at_peak = np.where(lay.offload, 0.0, np.where(kept_grads, 16.0, 12.0) * sharded)
     common = tp_buf + pp_buf + acts
     dynamic = np.maximum(params_f + accumulated + transient_f, params_b + grads_buf + transient_b) + common
@@ -320,16 +325,18 @@ def rank_memory(work: Workload, lay: Layouts, c: Columns, name: str) -> dict[str
 
 def _resharding_gathered(a: ModelArgs, tp, layer_u, emb_u, head_u, fused: bool):
     """Gathered parameters where blocks reshard after forward (no pipeline), at the end of forward and at the
-    start of backward: (forward, backward). Forward: the last block and the output projection (the fused head
-    gathers the output with the last block and frees it before backward); backward: the current and the
-    prefetched block. Untied, the embedding is a unit of its own gathered for its forward only
+    start of backward: (forward, backward). Forward, at the fused head's peak: the output projection with the
+    last block (the output is freed before backward); backward: the current and the prefetched block. Untied,
+    the embedding is a unit of its own gathered for its forward only
     (plait.parallel.parallelize._shard_embedding_and_head); tied, it stays gathered with the root."""
     if a.tie_embeddings:
         both = 2 * layer_u + emb_u + head_u
         return both, both
     out_u = local_numel([(a.vocab_size, a.dim, 0)], tp)
+    # At the head's peak: the last block (kept gathered for backward: plait.parallel.parallelize.apply_fsdp),
+    # FSDP2's buffer of its latest all-gather (held until the next one), and the output (measured by plait fit).
     if fused:
-        return layer_u + out_u + a.dim, 2 * layer_u + a.dim
+        return 2 * layer_u + out_u + a.dim, 2 * layer_u + a.dim
     return 2 * layer_u + out_u + a.dim, 2 * layer_u + out_u + a.dim
 
 
@@ -378,6 +385,8 @@ def _transient(work: Workload, lay: Layouts, c: Columns, has_head):
     a_none = layer_activation_bytes(a, e, c.tp, NO_AC, c.cp, c.ep)
     kv_local = a.n_kv_heads * a.head_dim / c.tp  # the keys (and values) one rank's attention holds per token
     head = np.where(has_head, head_transient_bytes(a, e, c.tp, T, work.fused_head, work.device), 0.0)
+    if work.fused_head:  # in a pipeline the micro-batch's weight gradient is counted with its activations
+        head = head - np.where(has_head & (c.pp > 1), 4 * a.vocab_size / c.tp * a.dim, 0.0)
     recompute = np.where(lay.ac > NO_AC, a_none * T, 0.0)  # one block recomputed during its backward
     # the ring's buffers in backward: k and v held and arriving, their fp32 gradients held and arriving
     ring = np.where(c.cp > 1, T * kv_local * 2 * (2 * e + 2 * 4), 0.0)
