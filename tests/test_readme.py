@@ -41,6 +41,11 @@ RUN = {
     ),
     "plait train configs/seed_3d.toml --nproc 8": (CAP, ["pp=2 dp_replicate=1 dp_shard=2 tp=2"]),
     "torchrun --nproc-per-node 8 -m plait train configs/seed_3d.toml": (CAP, ["pp=2 dp_replicate=1 dp_shard=2 tp=2"]),
+    "plait fit --model.preset=small --world-size 64 --parallel.dp_shard_degree=16 --parallel.tp_degree=4 "
+    "--data.seq_len=1024 --train.global_batch_size=16": (
+        ["--run.device=cpu"],
+        ["rank 0 of 64 (dp_shard 0 of 16, tp 0 of 4)", "peak of the steps", "fits"],
+    ),
     SLURM: ([], ["wrote job.sbatch"]),
     "plait launch slurm --nodes 3 --gpus-per-node 8 configs/seed_3d.toml --parallel.pp_degree=6 "
     "--parallel.tp_degree=4": ([], ["--nnodes=3 --nproc-per-node=8", "--parallel.pp_degree=6 --parallel.tp_degree=4"]),

@@ -87,8 +87,17 @@ def cmd_fit(argv: list[str]) -> int:
     return 0 if all(r.fits for r in results) else 1
 
 
-def _gib(x: float | None) -> str:
-    return "-" if x is None else f"{x / 2**30:,.2f} GiB" if x >= 2**30 / 100 else f"{x / 2**20:,.2f} MiB"
+def _unit(values) -> tuple[float, str]:
+    """One unit for a table: GiB where its largest value is at least 1 GiB, else MiB."""
+    largest = max((v for v in values if v), default=0)
+    return (2**30, "GiB") if largest >= 2**30 else (2**20, "MiB")
+
+
+def _gib(x: float | None, unit: tuple[float, str] | None = None) -> str:
+    if x is None:
+        return "-"
+    size, name = unit or _unit([x])
+    return f"{x / size:,.2f} {name}"
 
 
 def _error(measured: float | None, predicted: float | None) -> str:
@@ -115,14 +124,19 @@ def report(r) -> str:
             ("activations (one micro-batch)", m.get("activations"), p["activations"]),
             ("gathered params, grad and comm buffers", None, p["buffers"]),
             ("transient (recompute, head, ring, experts)", None, p["transient"]),
-            ("peak allocated" if cuda else "peak (live tensors)", m["peak"], p["peak"]),
+            ("peak of the steps, " + ("allocated" if cuda else "live tensors"), m["peak"], p["peak"]),
+            ("peak of the build (initialisation)", m.get("build_peak"), None),
         ]
         if cuda:
             rows.append(("peak reserved (with slack and reserve)", m["reserved"], p["total"]))
+        unit = _unit([v for _, got, want in rows for v in (got, want)])
         lines.append(f"  {'':44s} {'measured':>14s} {'planner':>14s} {'error':>8s}")
         for name, got, want in rows:
-            lines.append(f"  {name:44s} {_gib(got):>14s} {_gib(want):>14s} {_error(got, want):>8s}")
-        lines.append(f"  {'host resident (the whole process)':44s} {_gib(m['host_rss']):>14s} {_gib(p['host']):>14s}")
+            lines.append(f"  {name:44s} {_gib(got, unit):>14s} {_gib(want, unit):>14s} {_error(got, want):>8s}")
+        host, host_p = m["host_rss"], p["host"]
+        lines.append(
+            f"  {'host resident (the whole process)':44s} {_gib(host):>14s} {_gib(host_p) if host_p else '':>14s}"
+        )
     if r.step_s is not None:
         lines.append(f"  step {r.step_s:.3f} s (no communication: the fake group moves nothing); planner's compute + "
                      f"optimizer on this device {r.compute_s:.3f} s")  # fmt: skip

@@ -75,18 +75,18 @@ def predict(cfg: Config, world_size: int, local_size: int, bf16: bool, layout=No
 
 
 def planned_gib(cfg: Config, world_size: int = 1) -> dict[str, float]:
-    """The planner's memory for this run on this machine's device, in GiB: 'allocated' (states, buffers,
-    activations, transients: what the CUDA allocator's peak counts) and 'total' (with the allocator's slack
-    and the device reserve). `plait bench` prints it beside the measured peak."""
+    """The planner's memory for this run on this machine's device, in GiB: 'allocated' (the step's peak: what
+    the CUDA allocator's peak counts) and 'total' (with the allocator's slack and the device reserve).
+    `plait bench` prints it beside the measured peak."""
     from plait.core.hardware import resolve_device, uses_bf16
 
     m = predict(cfg, world_size, world_size, uses_bf16(cfg.train.mixed_precision, resolve_device(cfg.run.device)))
-    allocated = sum(m[k] for k in PARTS)
-    return {"allocated_gib": allocated / GiB, "total_gib": m["total"] / GiB}
+    return {"allocated_gib": m["peak"] / GiB, "total_gib": m["total"] / GiB}
 
 
 PARTS = ("states", "buffers", "activations", "transient")
-"""The prediction's parts the allocator hands out (the rest: its slack and the device reserve)."""
+"""The prediction's parts, each at its largest; the peak is the largest moment of the step, not their sum
+(plait.planner.cost.memory.rank_memory)."""
 
 # the settings tried, alone and together, when a run does not fit (each combination only where its layout is valid)
 REMEDIES = [
@@ -191,5 +191,8 @@ def check_memory(cfg: Config, world_size: int, local_size: int, machine: Machine
             )
         raise ConfigError(f"this run will not fit: {said}; {advice}; or run.memory_check=false to start anyway")
     if share > WARN_FRACTION:
-        return f"memory: {said}: close to the limit, an out-of-memory error is likely"
+        return (
+            f"memory: {said}: close to the limit, an out-of-memory error is likely; `plait fit` runs one rank of "
+            f"this job here and measures it (plait fit CONFIG --world-size {world_size})"
+        )
     return None
