@@ -193,6 +193,7 @@ def test_a_rank_that_cannot_fit_exits_1_without_running(tmp_path):
             ["--world-size", "8", "--parallel.tp_degree=3"],
             "world size 8 is not divisible by dp_replicate x cp x tp x pp = 3",
         ),
+        (["--world-size", "8", "--compile.enabled=true"], "compile.enabled=true with plait fit on the CPU"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, said):

@@ -74,6 +74,12 @@ def fit_rank(cfg: Config, world_size: int, rank: int, steps: int = 3) -> RankFit
     if steps < 1:
         raise ConfigError(f"--steps={steps} must be at least 1 (the first step also allocates the optimizer's states)")
     device = resolve_device(cfg.run.device)
+    if device.type == "cpu" and cfg.compile.enabled:
+        raise ConfigError(
+            "compile.enabled=true with plait fit on the CPU: the CPU's peak is counted op by op by a dispatch mode, "
+            "which torch.compile does not trace through; set compile.enabled=false here, or run it on a GPU, where "
+            "the CUDA allocator sees compiled code too"
+        )
     dims = ParallelDims.from_config(cfg.parallel, world_size, cfg.model)
     validate_layout(cfg, dims)
     bf16 = uses_bf16(cfg.train.mixed_precision, device)
