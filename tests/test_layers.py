@@ -384,3 +384,17 @@ def test_the_timing_check_finds_a_measured_comment(tmp_path):
     good.write_text('def f(timeout_s=30):\n    """Waits 30 s (torch\'s default) before giving up."""\n')
     assert _timings_beside_machines([bad]) == ["bad.py:5: # measured on an H200: 0.74 ms a chunk"]
     assert _timings_beside_machines([good]) == []
+
+
+def test_renamed_collectives_go_through_one_module():
+    """torch 2.13 warns at every call of the old names of the tensor-in, tensor-out collectives (8 warnings per
+    `--nproc 8` run); plait.core.collectives picks this torch's name, and nothing else calls the old ones."""
+    old = re.compile(r"\bdist\.(all_gather_into_tensor|reduce_scatter_tensor)\(")
+    calls = [
+        f"{path.relative_to(ROOT)}:{n}"
+        for path in ROOT.rglob("*.py")
+        if path.name != "collectives.py"
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if old.search(line)
+    ]
+    assert calls == [], calls

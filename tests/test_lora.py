@@ -112,6 +112,7 @@ def test_adapter_refuses_to_load_on_the_wrong_base(tmp_path):
         targets="wq,wo,w1",
         base_path="/runs/base/step_1",
     )
+    assert path.stat().st_mode & 0o777 == 0o644  # readable by whoever serves it (safetensors writes 0600)
     with pytest.raises(
         PlaitError,
         match=r"belongs to base weights .* \(it was trained on /runs/base/step_1\), but "

@@ -289,6 +289,7 @@ CASES = [
     ),
     # ----------------------------------------------------------------------------------------- command misuse
     ("unknown command", lambda c: ["fly"], "unknown command 'fly'"),
+    ("misspelt command", lambda c: ["trian"], "unknown command 'trian'; did you mean `plait train`?"),
     ("config without show", lambda c: ["config"], "usage"),
     ("ckpt without action", lambda c: ["ckpt"], "action"),
     ("eval: zero batches", lambda c: ["eval", str(c.run()), "--batches", "0"], "--batches"),

@@ -243,6 +243,7 @@ def layout(*overrides: str, world: int):
         (["parallel.fsdp_reduce_every_micro_batch=true"], 1, r"needs FSDP, which this layout does not use"),
         (["parallel.cp_degree=2", "data.seq_len=30"], 2, r"seq_len=30 must be divisible by 2 x parallel.cp_degree"),
         (["parallel.cp_degree=4", "data.seq_len=36"], 4, r"cp_degree in \[1, 2, 3\]"),
+        (["parallel.cp_degree=2", "data.seq_len=33"], 2, r"cp_degree in \[1\]"),  # never an empty list
         (
             ["parallel.cp_degree=2", "parallel.tp_degree=4", "model.n_kv_heads=4", "data.seq_len=36"],
             8,

@@ -3,6 +3,7 @@ runs it; a user error is one line and exit code 2 (plait.cli.run)."""
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import sys
 
@@ -55,7 +56,9 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0 if argv else 2
     if argv[0] not in COMMANDS:
-        print(f"plait: unknown command {argv[0]!r}\n\n{USAGE}", file=sys.stderr)
+        close = difflib.get_close_matches(argv[0], COMMANDS, n=1)
+        hint = f"; did you mean `plait {close[0]}`?" if close else ""
+        print(f"plait: unknown command {argv[0]!r}{hint}\n\n{USAGE}", file=sys.stderr)
         return 2
     module, function = COMMANDS[argv[0]]
     return run_command(argv[0], getattr(importlib.import_module(module), function), argv[1:])

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from plait.core.collectives import all_gather_single, reduce_scatter_single
 from plait.core.errors import PlaitError
 from plait.core.hardware import device_info
 from plait.engine.callbacks import Callback
@@ -42,9 +43,6 @@ PREFLIGHT_BYTES = 64 * 1024  # one small size: correctness, not speed, before tr
 MATMUL_RTOL = 1e-4
 CHECKSUM_RTOL = 1e-4
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
-# torch 2.13 renamed the tensor-in, tensor-out collectives (the old names warn); older versions lack the new.
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def bus_factor(op: str, n: int) -> float:

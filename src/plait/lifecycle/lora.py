@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -222,6 +223,7 @@ def save_adapter(
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     save_file(tensors, tmp, metadata=metadata)
+    os.chmod(tmp, 0o644)  # safetensors writes 0600: an adapter is for others to load (and serve), as published dirs
     tmp.replace(path)
     return path
 

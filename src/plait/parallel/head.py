@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from plait.core.collectives import all_gather_single, reduce_scatter_single
 from plait.model.head import Shards, linear_cross_entropy
 
 
@@ -33,14 +34,14 @@ class VocabShards(Shards):
     def gather(self, h: torch.Tensor) -> torch.Tensor:
         b, t, d = h.shape
         out = torch.empty((self.size * b, t, d), dtype=h.dtype, device=h.device)  # the shards one after another
-        dist.all_gather_into_tensor(out, h.contiguous(), group=self.group)
+        all_gather_single(out, h.contiguous(), group=self.group)
         return out.view(self.size, b, t, d).transpose(0, 1).flatten(1, 2)  # (B, T, dim)
 
     def scatter(self, grad: torch.Tensor) -> torch.Tensor:
         b, t, d = grad.shape
         parts = grad.view(b, self.size, t // self.size, d).transpose(0, 1).contiguous()  # (tp, B, T/tp, dim)
         out = torch.empty((b, t // self.size, d), dtype=grad.dtype, device=grad.device)
-        dist.reduce_scatter_tensor(out, parts.view(self.size * b, t // self.size, d), group=self.group)
+        reduce_scatter_single(out, parts.view(self.size * b, t // self.size, d), group=self.group)
         return out
 
     def max_(self, x: torch.Tensor) -> torch.Tensor:

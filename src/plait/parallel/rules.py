@@ -69,7 +69,7 @@ def cp_problem(m: ModelArgs, seq_len: int, cp: int, tp: int = 1) -> str | None:
     if cp == 1:
         return None
     if seq_len % (2 * cp):
-        ok = [c for c in range(1, cp + 1) if seq_len % (2 * c) == 0]
+        ok = [c for c in range(1, cp + 1) if c == 1 or seq_len % (2 * c) == 0]  # 1: no split at all
         return (
             f"data.seq_len={seq_len} must be divisible by 2 x parallel.cp_degree = {2 * cp} (each rank holds two "
             f"equal chunks of every sequence); use a seq_len that is a multiple of {2 * cp}, or cp_degree in {ok}"
