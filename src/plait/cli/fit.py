@@ -36,9 +36,9 @@ def build_parser():
     parser = config_parser("plait fit", DESCRIPTION)
     parser.add_argument("--world-size", type=int, required=True, metavar="N", help="ranks of the job (e.g. 64)")
     which = parser.add_mutually_exclusive_group()
-    which.add_argument("--rank", type=int, metavar="R", help="the rank to run (default 0)")
+    which.add_argument("--rank", type=int, metavar="R", help="the rank to run (0 when not given)")
     which.add_argument("--ranks", type=_ranks, metavar="extremes", help="run the ranks that differ, one at a time")
-    parser.add_argument("--steps", type=int, default=3, metavar="S", help="training steps (default 3)")
+    parser.add_argument("--steps", type=int, default=3, metavar="S", help="training steps")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     parser.add_argument("--quiet", action="store_true", help="print nothing (with --json)")
     parser.add_argument(
