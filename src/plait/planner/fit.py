@@ -64,25 +64,19 @@ def fit_rank(cfg: Config, world_size: int, rank: int, steps: int = 3) -> RankFit
     what it saves. Returns the measurement beside the planner's prediction."""
     import torch.distributed as dist
 
-    from plait.core.hardware import device_memory_bytes, host_memory_bytes, resolve_device, uses_bf16
+    from plait.core.hardware import device_memory_bytes, host_memory_bytes
     from plait.core.torch_private import init_fake_process_group
-    from plait.parallel import Meshes, ParallelDims
-    from plait.parallel.dims import validate_layout
+    from plait.parallel import Meshes
 
-    if not 0 <= rank < world_size:
-        raise ConfigError(f"--rank={rank} is not a rank of a {world_size}-rank job; give 0 to {world_size - 1}")
     if steps < 1:
         raise ConfigError(f"--steps={steps} must be at least 1 (the first step also allocates the optimizer's states)")
-    device = resolve_device(cfg.run.device)
+    device, dims, bf16 = _layout(cfg, world_size, rank)
     if device.type == "cpu" and cfg.compile.enabled:
         raise ConfigError(
             "compile.enabled=true with plait fit on the CPU: the CPU's peak is counted op by op by a dispatch mode, "
             "which torch.compile does not trace through; set compile.enabled=false here, or run it on a GPU, where "
             "the CUDA allocator sees compiled code too"
         )
-    dims = ParallelDims.from_config(cfg.parallel, world_size, cfg.model)
-    validate_layout(cfg, dims)
-    bf16 = uses_bf16(cfg.train.mixed_precision, device)
     predicted, compute_s = _predict(cfg, world_size, dims, rank, bf16, device)
     capacity = device_memory_bytes(device) or host_memory_bytes("MemAvailable") or 0
     base = dict(rank=rank, world_size=world_size, device=_device_name(device), capacity=capacity)
@@ -114,6 +108,13 @@ def fit_rank(cfg: Config, world_size: int, rank: int, steps: int = 3) -> RankFit
 
 def predict_rank(cfg: Config, world_size: int, rank: int) -> dict[str, float]:
     """The planner's bytes for rank `rank` (the layout checked as the runtime checks it), without running it."""
+    device, dims, bf16 = _layout(cfg, world_size, rank)
+    return _predict(cfg, world_size, dims, rank, bf16, device, timed=False)[0]
+
+
+def _layout(cfg: Config, world_size: int, rank: int):
+    """(device, ParallelDims, bf16) of rank `rank` of a `world_size`-rank job, its layout checked as the runtime
+    checks it (ConfigError naming the setting)."""
     from plait.core.hardware import resolve_device, uses_bf16
     from plait.parallel import ParallelDims
     from plait.parallel.dims import validate_layout
@@ -123,7 +124,7 @@ def predict_rank(cfg: Config, world_size: int, rank: int) -> dict[str, float]:
     device = resolve_device(cfg.run.device)
     dims = ParallelDims.from_config(cfg.parallel, world_size, cfg.model)
     validate_layout(cfg, dims)
-    return _predict(cfg, world_size, dims, rank, uses_bf16(cfg.train.mixed_precision, device), device, timed=False)[0]
+    return device, dims, uses_bf16(cfg.train.mixed_precision, device)
 
 
 def _device_name(device: torch.device) -> str:
