@@ -202,20 +202,23 @@ GROUPED_MM_ON_CPU = False
 the path CUDA takes against the exact loop."""
 
 
-def grouped_mm_fits(x, *weights) -> bool:
-    """Whether torch._grouped_mm runs `x` against these stacked weights here: bf16 on a CUDA device of compute
-    capability 9.0 or newer (H100), rows 16-byte aligned (torch's requirement); on the CPU only where tests ask
-    (GROUPED_MM_ON_CPU). Elsewhere the caller loops over the groups."""
+def grouped_mm_fits(x, *weights, dtype=None) -> bool:
+    """Whether torch._grouped_mm runs `x` against these stacked weights here (all in `dtype`, their own dtype
+    when not given): bf16 on a CUDA device of compute capability 9.0 or newer (H100), rows 16-byte aligned
+    (torch's requirement); on the CPU only where tests ask (GROUPED_MM_ON_CPU). Elsewhere the caller loops
+    over the groups."""
     import torch
 
     if not hasattr(torch, "_grouped_mm"):
         return False
-    aligned = all(t.shape[-1] * t.element_size() % 16 == 0 for t in (x, *weights))
+    dtype = dtype or x.dtype
+    size = torch.empty((), dtype=dtype).element_size()
+    aligned = all(t.shape[-1] * size % 16 == 0 for t in (x, *weights))
     if x.device.type == "cpu":
-        return GROUPED_MM_ON_CPU and aligned and x.dtype == torch.float32
+        return GROUPED_MM_ON_CPU and aligned and dtype == torch.float32
     return (
         x.device.type == "cuda"
-        and x.dtype == torch.bfloat16
+        and dtype == torch.bfloat16
         and torch.cuda.get_device_capability(x.device) >= (9, 0)
         and aligned
     )

@@ -56,11 +56,12 @@ class MoE(nn.Module):
         if self.norm_topk:
             weights = weights / weights.sum(-1, keepdim=True)
         out = self.experts(tokens, picked, weights.type_as(x))
-        # An activation-checkpoint recompute (in backward) and a pipeline's shape inference count nothing.
-        first_pass = self.training and self.counting and not in_backward()
+        # An activation-checkpoint recompute (in backward) and a pipeline's shape inference count nothing. A
+        # compiled block runs this code once per micro-batch: its recompute is inside the compiled backward.
+        first_pass = self.training and self.counting and (torch.compiler.is_compiling() or not in_backward())
         if first_pass:
             with torch.no_grad():
-                self.load += torch.bincount(picked.flatten(), minlength=self.load.numel()).to(self.load.dtype)
+                self.load += expert_counts(picked.flatten(), self.load.numel()).to(self.load.dtype)
         if self.aux_coef and self.training and torch.is_grad_enabled():
             aux = self._balance_loss(scores.view(bsz, seqlen, -1), picked.view(bsz, seqlen, -1))
             if first_pass:
@@ -109,7 +110,7 @@ class Experts(nn.Module):
         flat = picked.flatten()
         order = flat.argsort(stable=True)  # the (token, slot) pairs grouped by expert
         rows = order // picked.shape[1]
-        counts = torch.bincount(flat, minlength=self.w1.shape[0])
+        counts = expert_counts(flat, self.w1.shape[0])
         routed = self.grouped(tokens[rows], counts) * weights.flatten()[order, None]
         return torch.zeros_like(tokens).index_add_(0, rows, routed)
 
@@ -117,18 +118,37 @@ class Experts(nn.Module):
         """Each expert on its tokens: x (sum(counts), dim) holds counts[e] tokens for expert e, in expert order.
         The seam expert parallelism replaces (plait.parallel.experts): it sends the tokens to the ranks that
         hold their experts and brings the results back in this order."""
-        return swiglu_experts(x, counts.tolist(), self.w1, self.w2, self.w3)
+        return swiglu_experts(x, counts, self.w1, self.w2, self.w3)
 
 
-def swiglu_experts(x: torch.Tensor, counts: list[int], w1, w2, w3) -> torch.Tensor:
+def expert_counts(picked: torch.Tensor, experts: int) -> torch.Tensor:
+    """Picks per expert (int64, `experts` long) of a flat tensor of expert ids: bincount's result, with a
+    shape that does not depend on the values (torch.compile traces it without a data-dependent size)."""
+    counts = torch.zeros(experts, dtype=torch.int64, device=picked.device)
+    return counts.scatter_add_(0, picked, torch.ones_like(picked))
+
+
+def swiglu_experts(x: torch.Tensor, counts: torch.Tensor | list[int], w1, w2, w3) -> torch.Tensor:
     """Expert e's SwiGLU (w1[e], w3[e]: (F, dim), w2[e]: (dim, F)) on its counts[e] rows of x, in order. An
     expert with no tokens still takes part (a zero-row product), so every expert weight gets a gradient.
-    Grouped matmuls (one kernel per projection for all experts) where the device has them, else one matmul
-    per expert."""
+    Grouped matmuls (one kernel per projection for all experts) where the device has them: the group
+    offsets stay on the device, so nothing waits for the host and the shapes are static (compilable).
+    Elsewhere one matmul per expert, whose row counts the host must know."""
+    kind = x.device.type
+    low = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+    if low != x.dtype and grouped_mm_fits(x, w1, w2, dtype=low):
+        # autocast does not cover torch._grouped_mm: cast as it would for a matmul, or the fp32 residual
+        # stream would take the per-expert loop
+        x, w1, w2, w3 = (t.to(low) for t in (x, w1, w2, w3))
     if grouped_mm_fits(x, w1, w2):
-        offsets = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(x.device)
+        if isinstance(counts, torch.Tensor):
+            offsets = counts.cumsum(0, dtype=torch.int32)
+        else:
+            offsets = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(x.device)
         h = F.silu(grouped_mm(x, w1.transpose(1, 2), offsets)) * grouped_mm(x, w3.transpose(1, 2), offsets)
         return grouped_mm(h, w2.transpose(1, 2), offsets)
+    if isinstance(counts, torch.Tensor):
+        counts = counts.tolist()
     outs = [(F.silu(c @ w1[e].t()) * (c @ w3[e].t())) @ w2[e].t() for e, c in enumerate(x.split(counts))]
     return torch.cat(outs)
 

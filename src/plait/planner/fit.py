@@ -165,7 +165,8 @@ def _synthetic(cfg: Config, dims, device: torch.device) -> tuple[torch.Tensor, t
     local = cfg.train.global_batch_size // dims.dp
     tokens = torch.randint(0, cfg.model.vocab_size, (local, cfg.data.seq_len + 1), generator=torch.Generator())
     tokens = tokens.to(device)
-    return tokens[:, :-1], tokens[:, 1:]
+    # contiguous, as the loader gives them: torch 2.11's pipeline stage checks its input's strides
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
 def _run(cfg: Config, meshes, device: torch.device, dims, steps: int) -> tuple[dict[str, float | None], float]:
