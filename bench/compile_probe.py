@@ -1,10 +1,10 @@
-"""What torch.compile does with what plait refuses to compile: tensor parallelism, and mixture-of-experts blocks.
+"""What torch.compile does with tensor parallelism and with mixture-of-experts blocks, at real size on a GPU.
 
-plait refuses compile.enabled=true with parallel.tp_degree > 1 (on the CPU under torch 2.13, per-block compile
-under FSDP2 + TP trained on silently wrong gradients, and TP alone failed in backward) and with an MoE model
-(each expert's token count changes every step). This probe builds the job through the runtime's own path with
-compilation switched on behind the config's back (`parallelize` compiles each block as a compiled run would)
-and reports what happens:
+plait allows compile.enabled=true with parallel.tp_degree > 1 only on torch 2.11 (on 2.12 and 2.13 TP alone
+fails in backward, and FSDP2 + TP trains on wrong gradients on 2.13), and compiles MoE blocks where their experts
+run as grouped bf16 matmuls. This probe builds the job through the runtime's own path with compilation
+switched on behind the config's back (`parallelize` compiles each block as a compiled run would) and reports
+what happens:
 
     --case tp       one rank of tp 8 (a fake process group of 8, llama3-8b's block with 2 blocks): does the
                     compiled step run, and how long a step takes against eager (values are not meaningful on
@@ -65,7 +65,12 @@ def run_case(case: str, dry_run: bool) -> dict:
     world = world if not dry_run else (4 if case == "fsdp-tp" else 2 if case == "tp" else 1)
     device = torch.device("cpu" if dry_run else "cuda")
     base = [*(toy if dry_run else real), f"train.global_batch_size={max(1, world // 8) if not dry_run else 2}"]
-    base += [f"run.device={device.type}", "train.mixed_precision=" + ("fp32" if dry_run else "bf16")]
+    moe_on_cpu = dry_run and case == "moe"  # compiled experts are grouped bf16 matmuls: switched on for the CPU
+    base += [f"run.device={device.type}", "train.mixed_precision=" + ("fp32" if dry_run and not moe_on_cpu else "bf16")]
+    if moe_on_cpu:
+        from plait.core import torch_private
+
+        torch_private.GROUPED_MM_ON_CPU = True
     init_fake_process_group(world, 0)  # a group of 1 is one process: the compiled step has nothing to fake there
     cfg = load_config(None, base)  # validated with compile off; switched on below, as the refusal would not
     dims = ParallelDims.from_config(cfg.parallel, world, cfg.model)

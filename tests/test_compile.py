@@ -24,6 +24,7 @@ import pytest
 from parallel_harness import run_layouts
 from plait.config import load_config
 from plait.core.errors import ConfigError
+from plait.core.torch_private import compile_with_tp_works, torch_version
 
 LOSS_RTOL = 1e-5
 GRAD_NORM_RTOL = 1e-5
@@ -339,7 +340,6 @@ def test_compiled_parallel_layouts_match_eager(data_dir, tmp_path):
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        (["parallel.tp_degree=2"], r"compile.enabled=true with parallel.tp_degree=2 is refused: .*broken in torch"),
         (
             ["parallel.pp_degree=2", "parallel.pp_schedule=zero_bubble", "parallel.pp_virtual_stages=2"],
             r"pp_schedule='zero_bubble' is refused",
@@ -350,6 +350,32 @@ def test_compiled_parallel_layouts_match_eager(data_dir, tmp_path):
 def test_unsupported_compile_combinations_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, ["model.preset=debug", "compile.enabled=true", *overrides])
+
+
+@pytest.mark.parametrize("release,refused", [((2, 11), False), ((2, 12), True), ((2, 13), True)])
+def test_compile_with_tp_is_refused_only_on_torch_releases_where_it_is_broken(monkeypatch, release, refused):
+    from plait.core import torch_private
+
+    monkeypatch.setattr(torch_private, "_torch_minor", lambda: release)
+    overrides = ["model.preset=debug", "compile.enabled=true", "parallel.tp_degree=2"]
+    if refused:
+        with pytest.raises(ConfigError, match=r"tp_degree=2 is refused on torch .*broken in it.*torch 2.11 compiles"):
+            load_config(None, overrides)
+    else:
+        assert load_config(None, overrides).compile.enabled
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not compile_with_tp_works(), reason=f"torch {torch_version()} refuses compile with TP (above)")
+def test_compiled_tensor_parallel_layouts_match_eager(data_dir, tmp_path):
+    """Where this torch compiles TP (torch 2.11): TP 2 and FSDP 2 x TP 2, compiled and strict, against eager."""
+    from plait.api import train
+
+    train(load_config(None, [*base(data_dir), "eval.every_steps=0", f"run.out_dir={tmp_path}", "run.name=ref"]))
+    ref = read_run(tmp_path / "ref")
+    compiled = [*base(data_dir), "eval.every_steps=0", "compile.enabled=true", "compile.strict=true"]
+    for world, extra in ((2, ["parallel.tp_degree=2"]), (4, ["parallel.tp_degree=2", "parallel.dp_shard_degree=2"])):
+        check_parity(f"compiled {extra}", run_layouts(world, [[*compiled, *extra]])[0], ref)
 
 
 def test_float8_is_refused_where_it_cannot_run(tmp_path):

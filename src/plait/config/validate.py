@@ -6,6 +6,7 @@ from __future__ import annotations
 from plait.config.fields import convert, hints
 from plait.config.sections import LORA_TARGETS, SECTIONS, Config, LogConfig
 from plait.core.errors import ConfigError
+from plait.core.torch_private import compile_with_tp_works, torch_version
 
 
 def _check_trackers(log: LogConfig) -> None:
@@ -184,25 +185,44 @@ def _validate_moe(cfg: Config) -> None:
             f"model.moe_dense_layers={m.moe_dense_layers} leaves no MoE block of model.n_layers={m.n_layers}; "
             "lower it, or set model.moe_experts=0 for a dense model"
         )
-    if cfg.compile.enabled:  # the tokens per expert change every step: a compiled block would recompile
+    if cfg.compile.enabled:
+        _validate_moe_compile(cfg)
+
+
+def _validate_moe_compile(cfg: Config) -> None:
+    """Compiled MoE blocks: their experts must run as grouped matmuls (static shapes, offsets on the device;
+    the per-expert loop needs each expert's token count on the host, a graph break), which are bf16 kernels;
+    the device's side of it is checked when the blocks are compiled (plait.parallel.compile)."""
+    p = cfg.parallel
+    if cfg.train.mixed_precision == "fp32":
         raise ConfigError(
-            f"compile.enabled=true with a mixture-of-experts model (model.moe_experts={m.moe_experts}) is not "
-            "supported yet (each expert's token count changes every step); set compile.enabled=false"
+            "compile.enabled=true with a mixture-of-experts model needs train.mixed_precision='bf16' (or 'auto' on "
+            "a bf16 GPU): compiled experts run as grouped bf16 matmuls; set it, or compile.enabled=false"
         )
+    for name, degree, why in (
+        ("ep_degree", p.ep_degree, "the all-to-all's split sizes are read on the host in every block"),
+        ("tp_degree", p.tp_degree, "the balancing loss sums routing counts over the ranks inside the block"),
+        ("cp_degree", p.cp_degree, "the balancing loss sums routing counts over the ranks inside the block"),
+        ("pp_degree", p.pp_degree, "a stage's shape inference runs the blocks without counting (a recompile)"),
+    ):
+        if degree > 1:
+            raise ConfigError(
+                f"compile.enabled=true with a mixture-of-experts model and parallel.{name}={degree} is not "
+                f"supported yet ({why}); compiled MoE runs on data-parallel layouts (DDP, FSDP, HSDP): set "
+                f"parallel.{name}=1 or compile.enabled=false"
+            )
 
 
 def _validate_compile(cfg: Config) -> None:
     c, p = cfg.compile, cfg.parallel
     if c.float8 == "true" and not c.enabled:
         raise ConfigError("compile.float8=true needs compile.enabled=true (torchao's float8 casts are fast compiled)")
-    if c.enabled and p.tp_degree > 1:
-        # Seen with torch 2.13 (shared/TORCH-ON-CPU.md): per-block compile under FSDP2 + TP gives silently wrong
-        # gradients (loss off by 2e-3 after 4 steps); TP alone crashes in backward; whole-model compile fails.
+    if c.enabled and p.tp_degree > 1 and not compile_with_tp_works():
         raise ConfigError(
-            f"compile.enabled=true with parallel.tp_degree={p.tp_degree} is refused: torch.compile with tensor "
-            "parallelism is broken in torch 2.13 (FSDP2 + TP trains on silently wrong gradients; TP alone fails in "
-            "backward with \"'Tensor' object has no attribute '_local_tensor'\"); set parallel.tp_degree=1 or "
-            "compile.enabled=false"
+            f"compile.enabled=true with parallel.tp_degree={p.tp_degree} is refused on torch {torch_version()}: "
+            "torch.compile with tensor parallelism is broken in it (TP alone fails in backward with \"'Tensor' "
+            "object has no attribute '_local_tensor'\"; FSDP2 + TP trains on wrong gradients); torch 2.11 "
+            "compiles it correctly. Set parallel.tp_degree=1 or compile.enabled=false, or use torch 2.11"
         )
     if c.enabled and p.pp_degree > 1 and p.pp_schedule == "zero_bubble":
         raise ConfigError(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 
 
 def local_box(dtensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -197,29 +198,35 @@ def count_only_saved_ops(modes, saved) -> None:
         mode.plait_saved = saved
 
 
-GROUPED_MM_ON_CPU = False
+# torch._grouped_mm on the CPU: only where tests ask (this flag, or PLAIT_GROUPED_MM_ON_CPU=1 in the processes a
+# test starts); plait's CPU default is one matmul per expert.
+GROUPED_MM_ON_CPU = os.environ.get("PLAIT_GROUPED_MM_ON_CPU") == "1"
 """Tests set this to run `grouped_mm` on the CPU too (where torch has it, fp32, forward and backward), to check
 the path CUDA takes against the exact loop."""
 
 
 def grouped_mm_fits(x, *weights, dtype=None) -> bool:
-    """Whether torch._grouped_mm runs `x` against these stacked weights here (all in `dtype`, their own dtype
-    when not given): bf16 on a CUDA device of compute capability 9.0 or newer (H100), rows 16-byte aligned
-    (torch's requirement); on the CPU only where tests ask (GROUPED_MM_ON_CPU). Elsewhere the caller loops
-    over the groups."""
+    """Whether torch._grouped_mm runs `x` against these stacked weights here, all in `dtype` (their own dtype
+    when not given): grouped_mm_runs for their device and widths."""
+    return grouped_mm_runs(x.device, dtype or x.dtype, *(t.shape[-1] for t in (x, *weights)))
+
+
+def grouped_mm_runs(device, dtype, *widths: int) -> bool:
+    """Whether torch._grouped_mm runs here on operands of these last-dimension widths: bf16 on a CUDA device of
+    compute capability 9.0 or newer (H100), rows 16-byte aligned (torch's requirement); on the CPU only where
+    tests ask (GROUPED_MM_ON_CPU). Elsewhere the caller loops over the groups."""
     import torch
 
     if not hasattr(torch, "_grouped_mm"):
         return False
-    dtype = dtype or x.dtype
     size = torch.empty((), dtype=dtype).element_size()
-    aligned = all(t.shape[-1] * size % 16 == 0 for t in (x, *weights))
-    if x.device.type == "cpu":
-        return GROUPED_MM_ON_CPU and aligned and dtype == torch.float32
+    aligned = all(w * size % 16 == 0 for w in widths)
+    if device.type == "cpu":
+        return GROUPED_MM_ON_CPU and aligned and dtype in (torch.float32, torch.bfloat16)
     return (
-        x.device.type == "cuda"
+        device.type == "cuda"
         and dtype == torch.bfloat16
-        and torch.cuda.get_device_capability(x.device) >= (9, 0)
+        and torch.cuda.get_device_capability(device) >= (9, 0)
         and aligned
     )
 
@@ -475,12 +482,29 @@ def torch_version() -> str:
     return version("torch")
 
 
+def _torch_minor() -> tuple[int, int]:
+    major, minor = (int(x) for x in torch_version().split(".")[:2])
+    return major, minor
+
+
+# torch releases on which per-block torch.compile under tensor parallelism trains as eager does: compiled TP 2
+# and FSDP 2 x TP 2 equal the eager single process (loss and gradient norm, 6 steps) on real gloo groups
+# (tests/test_compile.py, run in a torch 2.11 environment on 2026-11-27). Not torch 2.12 or 2.13 (both tried
+# the same day): TP alone fails in backward (DTensor's NestedRedistribute: "'Tensor' object has no attribute
+# '_local_tensor'"), and on 2.13 FSDP2 + TP trains on wrong gradients.
+COMPILE_WITH_TP_WORKS = {(2, 11)}
+
+
+def compile_with_tp_works() -> bool:
+    """Whether this torch compiles plait's blocks under tensor parallelism correctly (COMPILE_WITH_TP_WORKS)."""
+    return _torch_minor() in COMPILE_WITH_TP_WORKS
+
+
 def weight_pass_takes_custom_functions() -> bool:
     """Whether torch's zero-bubble weight pass (pipelining's stage_backward_weight) can start from the node of a
     custom autograd Function, such as plait's fused head. torch 2.11 cannot: autograd.grad reads
     `node._input_metadata`, which a custom Function's node refuses ("legacy access pattern"); torch 2.13 can."""
-    major, minor = (int(x) for x in torch_version().split(".")[:2])
-    return (major, minor) >= (2, 12)
+    return _torch_minor() >= (2, 12)
 
 
 @contextlib.contextmanager

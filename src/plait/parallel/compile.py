@@ -31,6 +31,7 @@ def apply_compile(model: nn.Module, c: CompileConfig, device: torch.device, fsdp
     FSDP-sharded (`fsdp`). Nothing happens with compile.enabled=false."""
     if not c.enabled:
         return model
+    _check_experts_compile(model, device)
     if float8_plan(c, device)[0]:
         apply_float8(model, c.float8, all_gather=fsdp)
     layers = getattr(model, "layers", None)
@@ -43,6 +44,24 @@ def apply_compile(model: nn.Module, c: CompileConfig, device: torch.device, fsdp
     else:  # a model without blocks (your own): compiled whole, in place
         model.compile(mode=c.mode, dynamic=False)
     return model
+
+
+def _check_experts_compile(model: nn.Module, device: torch.device) -> None:
+    """MoE blocks compile only where their experts run as grouped bf16 matmuls (the loop over experts reads
+    each one's token count on the host: a graph break, which a compiled block refuses)."""
+    from plait.core.torch_private import grouped_mm_runs
+    from plait.model.moe import MoE
+
+    for moe in (m for m in model.modules() if isinstance(m, MoE)):
+        dim, hidden = moe.router.in_features, moe.experts.w1.shape[1]
+        if not grouped_mm_runs(device, torch.bfloat16, dim, hidden):
+            where = "a CUDA GPU of compute capability 9.0 or newer (H100)"
+            raise ConfigError(
+                f"compile.enabled=true with a mixture-of-experts model needs grouped bf16 matmuls for its experts "
+                f"(torch._grouped_mm), which run on {where} with model.dim and the expert width multiples of 8; "
+                f"not on {device} with dim {dim}, width {hidden}, where each expert loops over its tokens (a graph "
+                "break). Set compile.enabled=false"
+            )
 
 
 def _compiled(block: nn.Module, mode: str) -> nn.Module:
