@@ -30,6 +30,11 @@ RUN = {
     "plait train my.toml --optim.lr=1e-3 --train.steps=2000": (CAP, ["runs/mine-toml/checkpoints/step_00000002"]),
     "plait data prepare books/ notes.jsonl --out data/mine --vocab-size 8192": ([], ["data/mine"]),
     "plait train --data.source=data/mine --model.vocab_size=8192 --run.name=mine": (CAP, ["runs/mine/checkpoints"]),
+    "plait data prepare books/ --out data/books --tokenizer data/mine/tokenizer.json": ([], ["data/books"]),
+    "plait train --data.sources=mine=data/mine:0.7,books=data/books:0.3 --model.vocab_size=8192 --run.name=mix": (
+        CAP,
+        ["data mixture mine 70%, books 30%", "runs/mix/checkpoints"],
+    ),
     "plait ckpt inspect runs/default": ([], ["step_00000002", "model total"]),
     "plait ckpt export runs/default --format hf --out hf/": ([], ["wrote hf"]),
     "plait ckpt import hf/ --out runs/ft": ([], ["wrote runs/ft/checkpoints/step_00000000"]),

@@ -100,6 +100,11 @@ def run_bench(cfg: Config, steps: int, warmup: int, profile_dir: Path | None = N
         torch.cuda.set_device(device)
     # the LR schedule spans exactly the measured steps (and the profiled ones)
     cfg.train.steps = 1 + warmup + 2 * steps + (PROFILED_STEPS if profile_dir is not None else 0)
+    if cfg.data.sources:
+        raise ConfigError(
+            "plait bench times one corpus (data.source); it does not read a mixture: unset data.sources or set "
+            "data.source to one of its directories"
+        )
     data_dir = ensure_prepared(cfg.data.source, Path(cfg.data.cache_dir).expanduser(), cfg.model.vocab_size)
     dataset = TokenDataset(data_dir, "train")
     torch.manual_seed(cfg.run.seed)

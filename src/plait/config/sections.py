@@ -43,6 +43,11 @@ class RunConfig:
 class DataConfig:
     source: str = "shakespeare"
     """'shakespeare' (the bundled corpus, prepared on first use) or a directory from `plait data prepare`."""
+    sources: str = ""
+    """A weighted mixture of prepared directories instead of data.source: comma-separated [NAME=]DIR:WEIGHT,
+    e.g. 'web=/data/web:0.7,code=/data/code:0.2,books=/data/books:0.1' (NAME defaults to the directory's
+    name; weights are relative). Every global batch holds each source's share to within one sequence, in an
+    order drawn from run.seed; each source's tokens seen and validation loss are reported."""
     cache_dir: str = "~/.cache/plait/data"
     """Where the bundled corpus is tokenised and cached."""
     seq_len: int = 256

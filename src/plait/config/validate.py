@@ -3,6 +3,8 @@ first, naming the setting and a valid value."""
 
 from __future__ import annotations
 
+import math
+
 from plait.config.fields import convert, hints
 from plait.config.sections import LORA_TARGETS, SECTIONS, Config, LogConfig
 from plait.core.errors import ConfigError
@@ -26,6 +28,7 @@ def validate(cfg: Config) -> Config:
     _validate_ranges(cfg)
     _validate_guard(cfg)
     _validate_model(cfg)
+    _validate_data(cfg)
     _validate_training(cfg)
     _validate_run(cfg)
     _validate_moe(cfg)
@@ -94,6 +97,57 @@ def _validate_model(cfg: Config) -> None:
             f"data.seq_len={d.seq_len} is longer than the model supports (model.max_seq_len={m.max_seq_len});"
             f" lower data.seq_len or raise model.max_seq_len"
         )
+
+
+def data_sources(text: str) -> list[tuple[str, str, float]]:
+    """data.sources parsed: (name, directory, weight) per source, weights as given (relative)."""
+    out: list[tuple[str, str, float]] = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        head, sep, weight = item.rpartition(":")
+        name, eq, path = head.partition("=") if "=" in head.split("/")[0] else ("", "", head)
+        try:
+            value = float(weight) if sep else float("nan")
+        except ValueError:
+            value = float("nan")
+        if not sep or not path or not math.isfinite(value):
+            raise ConfigError(
+                f"data.sources item {item!r} is not [NAME=]DIR:WEIGHT; e.g. data.sources='web=/data/web:0.7,"
+                "code=/data/code:0.3'"
+            )
+        if value <= 0:
+            raise ConfigError(f"data.sources item {item!r}: the weight {weight} must be positive (e.g. 0.2)")
+        name = name.strip() or path.rstrip("/").rsplit("/", 1)[-1]
+        if not name.replace("-", "_").replace(".", "_").isidentifier():
+            raise ConfigError(
+                f"data.sources item {item!r}: the name {name!r} must be letters, digits, '_', '-' or '.' (it names "
+                "metrics); give one: NAME=DIR:WEIGHT"
+            )
+        if name in [n for n, _, _ in out]:
+            raise ConfigError(f"data.sources names {name!r} twice: give each source its own name, NAME=DIR:WEIGHT")
+        out.append((name, path.strip(), value))
+    return out
+
+
+def mixture_shares(text: str) -> dict[str, float]:
+    """Each source's share of data.sources (weights normalised), by name."""
+    sources = data_sources(text)
+    total = sum(w for _, _, w in sources)
+    return {n: w / total for n, _, w in sources}
+
+
+def _validate_data(cfg: Config) -> None:
+    d = cfg.data
+    if not d.sources:
+        return
+    if d.source != "shakespeare":
+        raise ConfigError(
+            f"data.source={d.source!r} and data.sources={d.sources!r} are both set: a run reads one directory "
+            "(data.source) or a mixture (data.sources); unset one"
+        )
+    if not data_sources(d.sources):
+        raise ConfigError(f"data.sources={d.sources!r} names no source; e.g. 'web=/data/web:0.7,code=/data/code:0.3'")
 
 
 def _validate_training(cfg: Config) -> None:

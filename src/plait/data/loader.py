@@ -152,26 +152,39 @@ class _BatchPlan:
     def build(self, cursor: int, pin: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's contiguous slice of the global batch of samples [cursor, cursor + G)."""
         first = cursor + self.dp_rank * self.local_batch_size
-        rows = np.empty((self.local_batch_size, self.seq_len + 1), dtype=np.int64)
-        for j in range(self.local_batch_size):
-            rows[j] = self.dataset.sample(self.window(first + j), self.seq_len)
-        inputs = torch.from_numpy(np.ascontiguousarray(rows[:, :-1]))  # (B, T)
-        targets = torch.from_numpy(np.ascontiguousarray(rows[:, 1:]))  # (B, T)
-        if self.dataset.has_loss_mask:  # a new array: the targets above may share memory with the inputs
-            windows = [self.window(first + j) for j in range(len(rows))]
-            masks = np.stack([self.dataset.sample(w, self.seq_len, loss_mask=True) for w in windows])
-            targets = torch.from_numpy(np.where(masks[:, 1:] == 1, rows[:, 1:], -100))
-        if pin:
-            inputs, targets = inputs.pin_memory(), targets.pin_memory()
-        return inputs, targets
+        windows = [(self.dataset, self.window(first + j)) for j in range(self.local_batch_size)]
+        return batch_of(windows, self.seq_len, pin)
+
+    def advance(self, cursor: int) -> int:
+        """The cursor after the global batch at `cursor`."""
+        return cursor + self.global_batch_size
 
 
-def _produce(plan: _BatchPlan, cursor: int, pin: bool, out: queue.Queue, stop: threading.Event) -> None:
+def batch_of(windows: list[tuple[TokenDataset, int]], seq_len: int, pin: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) of these windows (dataset, window index), one row each; targets of tokens a loss mask
+    excludes are -100."""
+    rows = np.empty((len(windows), seq_len + 1), dtype=np.int64)
+    for j, (dataset, w) in enumerate(windows):
+        rows[j] = dataset.sample(w, seq_len)
+    inputs = torch.from_numpy(np.ascontiguousarray(rows[:, :-1]))  # (B, T)
+    targets = torch.from_numpy(np.ascontiguousarray(rows[:, 1:]))  # (B, T)
+    if any(dataset.has_loss_mask for dataset, _ in windows):  # a new array: targets may share the inputs' memory
+        masks = np.stack(
+            [d.sample(w, seq_len, loss_mask=True) if d.has_loss_mask else np.ones(seq_len + 1, np.uint8)
+             for d, w in windows]
+        )  # fmt: skip
+        targets = torch.from_numpy(np.where(masks[:, 1:] == 1, rows[:, 1:], -100))
+    if pin:
+        inputs, targets = inputs.pin_memory(), targets.pin_memory()
+    return inputs, targets
+
+
+def _produce(plan: Any, cursor: Any, pin: bool, out: queue.Queue, stop: threading.Event) -> None:
     """Background producer: put (cursor, batch) items, or the exception that stopped it."""
     try:
         while not stop.is_set():
             item: Any = (cursor, plan.build(cursor, pin))
-            cursor += plan.global_batch_size
+            cursor = plan.advance(cursor)
             while not stop.is_set():
                 try:
                     out.put(item, timeout=0.1)
@@ -262,7 +275,7 @@ class TokenLoader:
         else:
             cursor, (inputs, targets) = self._next_prefetched(pin)
         assert cursor == self._samples_consumed, "prefetch pipeline out of step with the cursor"
-        self._samples_consumed += self.global_batch_size
+        self._samples_consumed = self._plan.advance(self._samples_consumed)
         # The copy to the device runs here, on the caller's current stream, so it is ordered with the
         # caller's compute; the pinned host buffers are fresh per batch, so non_blocking is safe.
         return inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
@@ -313,6 +326,11 @@ class TokenLoader:
 
         dp_degree, dp_rank and global_batch_size may differ from the saving run: the cursor counts samples.
         """
+        if "source_samples" in state and type(self) is TokenLoader:
+            raise ConfigError(
+                "the checkpoint's data position is of a mixture (data.sources), this run reads one corpus "
+                "(data.source): the position cannot be carried over; resume with the run's own data settings"
+            )
         if state["seq_len"] != self.seq_len:
             raise ConfigError(
                 f"data loader state has seq_len={state['seq_len']} but this run uses seq_len={self.seq_len}: "

@@ -80,6 +80,11 @@ class RunState(Protocol):
         """A fresh loader over the validation split (the same batches each time)."""
         ...
 
+    def val_loaders(self) -> dict[str, tuple[TokenLoader | SampleLoader, float]]:
+        """Fresh loaders over each source's validation split with its share of the mixture (data.sources);
+        {"": (val_loader(), 1.0)} for one corpus."""
+        ...
+
     def withhold_step(self, why: str) -> None:
         """In should_step: this step's update is not applied (the gradients are dropped)."""
         ...

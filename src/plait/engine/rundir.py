@@ -101,9 +101,10 @@ def inspect_run_dir(cfg: Config, is_main: bool = True) -> RunDirPlan:
     return RunDirPlan(run_dir, candidates)
 
 
-RESUME_UNSAFE = ("data.source", "data.seq_len", "data.shuffle", "run.seed", "finetune.")
+RESUME_UNSAFE = ("data.source:", "data.seq_len", "data.shuffle", "run.seed", "finetune.")
 """Settings a resumed run must keep: with another corpus, sequence length, order or adapter set, the restored
-data position and optimizer state would belong to a different run. (model.* is refused on its own.)"""
+data position and optimizer state would belong to a different run. (model.* is refused on its own.) A
+mixture's weights (data.sources) may change: the position is per source (plait.data.mixture), reported."""
 RESUME_QUIET = (
     "run.overwrite", "run.break_lock", "data.cache_dir", "data.prefetch", "log.", "parallel.", "compile.cache_dir",
 )  # fmt: skip

@@ -10,7 +10,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from plait.config.validate import mixture_shares
 from plait.core.hardware import device_info, memory_stats
+from plait.data.mixture import source_tokens
 from plait.engine.callbacks import Callback, RunState
 from plait.engine.metrics import info, warn
 from plait.engine.optim import schedule_problem
@@ -26,6 +28,9 @@ class StepMetrics(Callback):
         self.peak_flops = dev.peak_flops * env.world_size
         if env.is_main:
             source = f"data {run.data_dir}" if run.data_dir else "your data"
+            if cfg.data.sources:
+                shares = mixture_shares(cfg.data.sources)
+                source = "data mixture " + ", ".join(f"{n} {share:.0%}" for n, share in shares.items())
             dims = run.meshes.dims
             layout = dims.describe()
             info(
@@ -57,6 +62,7 @@ class StepMetrics(Callback):
                 "tokens_per_s": tokens_per_s,
                 "mfu": self.flops_per_token * tokens_per_s / self.peak_flops,
                 "tokens": run.state.tokens,
+                **{f"tokens_{name}": n for name, n in source_tokens(run.loader).items()},  # a mixture's sources
                 **memory_stats(run.env.device),
                 **(run.compiler.metrics() if run.compiler is not None else {}),
             }  # fmt: skip

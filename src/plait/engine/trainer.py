@@ -19,10 +19,12 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from plait.config import Config, to_dict, to_toml, validate
+from plait.config.validate import data_sources
 from plait.core.errors import ArgumentError, ConfigError, PlaitError
 from plait.core.stop import StopRequest
 from plait.core.storage import Location
 from plait.data import TokenDataset, TokenLoader, ensure_prepared
+from plait.data.mixture import Mixture, MixtureLoader, open_mixture
 from plait.data.samples import SampleLoader
 from plait.engine.callbacks import Callback, Callbacks
 from plait.engine.checkpoint import CheckpointManager, TrainState, checkpoint_dir, list_checkpoints
@@ -265,6 +267,14 @@ class Trainer:
         if self.data is not None:
             self.train_data, self.val_split = self.data, self.val_data
             return
+        if cfg.data.sources:  # a weighted mixture of prepared directories
+            sources = data_sources(cfg.data.sources)
+            self.train_data = open_mixture(sources, "train", cfg.model.vocab_size)
+            self.val_split = open_mixture(sources, "val", cfg.model.vocab_size)
+            self.data_dir = Path(sources[0][1])
+            for split in (*self.train_data.datasets, *self.val_split.datasets):  # fail now if one cannot be cut
+                split.check_seq_len(cfg.data.seq_len)
+            return
         prepared = ""
         if env.is_main:
             cache = Path(cfg.data.cache_dir).expanduser()
@@ -288,6 +298,10 @@ class Trainer:
         cfg, meshes = self.cfg, self.meshes
         kw: dict[str, Any] = dict(seq_len=cfg.data.seq_len, global_batch_size=cfg.train.global_batch_size)
         kw.update(dp_rank=meshes.dp_rank, dp_degree=meshes.dims.dp, device=self.env.device)
+        if isinstance(split, Mixture):
+            if validation:  # per source: plait.engine.validation
+                raise ValueError("a mixture's validation loaders are per source: val_loaders()")
+            return MixtureLoader(split, seed=cfg.run.seed, shuffle=cfg.data.shuffle, prefetch=cfg.data.prefetch, **kw)
         if not isinstance(split, TokenDataset):
             return SampleLoader(split, **kw)
         if validation:
@@ -394,6 +408,15 @@ class Trainer:
     def val_loader(self):
         """A fresh loader over the validation split (the same batches each time)."""
         return self._loader(self.val_split, validation=True)
+
+    def val_loaders(self):
+        """Fresh loaders over each source's validation split, by name, with its share of the mixture
+        ({"": (loader, 1.0)} for one corpus)."""
+        if not isinstance(self.val_split, Mixture):
+            return {"": (self.val_loader(), 1.0)}
+        m = self.val_split
+        return {n: (self._loader(d, validation=True), float(w))
+                for n, d, w in zip(m.names, m.datasets, m.shares, strict=True)}  # fmt: skip
 
     def _close(self) -> None:
         saved = self.checkpointer.close()  # waits for the save in flight and publishes it

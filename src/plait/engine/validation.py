@@ -54,7 +54,12 @@ class Validation(Callback):
         every, steps = run.cfg.eval.every_steps, run.cfg.train.steps
         if not every or run.val_split is None or not (step % every == 0 or step == steps):
             return
-        val = run.val_loader()
-        batches = min(run.cfg.eval.num_batches, max(1, val.steps_per_epoch))
-        run.final["val_loss"] = evaluate(run.t, val, batches)
+        losses, total = {}, 0.0
+        for name, (val, share) in run.val_loaders().items():  # one corpus, or each source of a mixture
+            losses[name] = evaluate(run.t, val, min(run.cfg.eval.num_batches, max(1, val.steps_per_epoch)))
+            total += share * losses[name]
+        if len(losses) > 1 or "" not in losses:  # a mixture: each source's loss; the total weighs them by share
+            run.metrics.log(step, {f"loss_{name}": loss for name, loss in losses.items()}, prefix="val")
+            run.final.update({f"val_loss_{name}": loss for name, loss in losses.items()})
+        run.final["val_loss"] = total
         run.callbacks.after_eval(run, step, run.final["val_loss"])
