@@ -299,4 +299,10 @@ def _validate_before_launch(train_args: list[str], world_size: int):
         from plait.data.prepare import check_cache_dir
 
         check_cache_dir(cfg.data.cache_dir)
+    from plait.config.validate import data_sources
+    from plait.data.remote import is_remote_source, mirror
+
+    for source in [cfg.data.source, *(path for _, path, _ in data_sources(cfg.data.sources))]:
+        if is_remote_source(source):  # a missing corpus or refused credentials: said now, before any worker
+            mirror(source, cfg.checkpoint.s3_endpoint, cfg.data.cache_dir)
     return cfg

@@ -42,14 +42,19 @@ class RunConfig:
 @dataclass
 class DataConfig:
     source: str = "shakespeare"
-    """'shakespeare' (the bundled corpus, prepared on first use) or a directory from `plait data prepare`."""
+    """'shakespeare' (the bundled corpus, prepared on first use), a directory from `plait data prepare`, or
+    such a directory on S3 (s3://bucket/prefix), read in place."""
     sources: str = ""
-    """A weighted mixture of prepared directories instead of data.source: comma-separated [NAME=]DIR:WEIGHT,
+    """A weighted mixture of prepared directories (local or s3://) instead of data.source: comma-separated
+    [NAME=]DIR:WEIGHT,
     e.g. 'web=/data/web:0.7,code=/data/code:0.2,books=/data/books:0.1' (NAME defaults to the directory's
     name; weights are relative). Every global batch holds each source's share to within one sequence, in an
     order drawn from run.seed; each source's tokens seen and validation loss are reported."""
     cache_dir: str = "~/.cache/plait/data"
     """Where the bundled corpus is tokenised and cached."""
+    remote_cache_mb: int = 256
+    """A corpus on S3 (data.source=s3://bucket/prefix, with checkpoint.s3_endpoint and the AWS_* credentials):
+    MiB of 1 MiB blocks each split keeps in memory, least recently used out first."""
     seq_len: int = 256
     """Tokens per training sequence (fixed: static shapes, no recompiles)."""
     shuffle: bool = True

@@ -63,7 +63,7 @@ def shard_paths(data_dir: str | Path, manifest: dict[str, Any], split: str) -> l
 class TokenDataset:
     """One split of a prepared directory, memory-mapped read-only and viewed as one token stream."""
 
-    def __init__(self, data_dir: str | Path, split: str = "train") -> None:
+    def __init__(self, data_dir: str | Path, split: str = "train", remote_cache_mb: int = 256) -> None:
         self.data_dir = Path(data_dir)
         self.split = split
         manifest = read_manifest(self.data_dir)
@@ -71,8 +71,19 @@ class TokenDataset:
         self.eos_id: int = manifest["eos_id"]
         # Little-endian is part of the on-disk format, whatever this machine's byte order.
         dtype = np.dtype(manifest["dtype"]).newbyteorder("<")
-        paths = shard_paths(self.data_dir, manifest, split)
-        self._shards = [np.memmap(path, dtype=dtype, mode="r") for path, n in paths if n]
+        # A corpus on S3 (plait.data.remote): its manifest, mirrored here, names where the shards are.
+        self.remote: str = manifest.get("remote", {}).get("url", "")
+        if self.remote and split not in manifest.get("splits", {}):
+            raise ConfigError(f"{self.remote} has no split {split!r}; it has {sorted(manifest.get('splits', {}))}")
+        listed = [s for s in manifest["splits"][split]["shards"] if s["num_tokens"]] if self.remote else []
+        if self.remote:
+            from plait.data.remote import remote_shards
+
+            files = [(s["file"], s["num_tokens"]) for s in listed]
+            self._shards: list[Any] = remote_shards(manifest, files, dtype, remote_cache_mb)
+        else:
+            paths = shard_paths(self.data_dir, manifest, split)
+            self._shards = [np.memmap(path, dtype=dtype, mode="r") for path, n in paths if n]
         sizes = np.array([len(s) for s in self._shards], dtype=np.int64)
         self._starts = np.concatenate([[0], np.cumsum(sizes)])  # stream offset of each shard, plus the end
         self.num_tokens: int = int(self._starts[-1])
@@ -80,7 +91,13 @@ class TokenDataset:
         # that is not a target (a prompt's); the batches give such targets -100, which cross-entropy ignores.
         self.has_loss_mask = bool(manifest.get("loss_mask"))
         shards = [s for s in manifest["splits"][split]["shards"] if s["num_tokens"]] if self.has_loss_mask else []
-        self._masks = [np.memmap(self.data_dir / s["mask_file"], dtype=np.uint8, mode="r") for s in shards]
+        if self.remote and shards:
+            from plait.data.remote import remote_shards
+
+            masks = [(s["mask_file"], s["num_tokens"]) for s in shards]
+            self._masks: list[Any] = remote_shards(manifest, masks, np.dtype(np.uint8), remote_cache_mb)
+        else:
+            self._masks = [np.memmap(self.data_dir / s["mask_file"], dtype=np.uint8, mode="r") for s in shards]
 
     def num_samples(self, seq_len: int) -> int:
         """Number of whole windows of `seq_len + 1` tokens; the remainder of the stream is dropped."""

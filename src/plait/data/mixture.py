@@ -38,7 +38,9 @@ class Mixture:
         return w / w.sum()
 
 
-def open_mixture(sources: list[tuple[str, str, float]], split: str, vocab_size: int) -> Mixture:
+def open_mixture(
+    sources: list[tuple[str, str, float]], split: str, vocab_size: int, remote_cache_mb: int = 256
+) -> Mixture:
     """The split of every source of data.sources, checked to share one tokenizer and fit the vocabulary."""
     from plait.data.loader import read_manifest
 
@@ -46,7 +48,7 @@ def open_mixture(sources: list[tuple[str, str, float]], split: str, vocab_size: 
     for name, path, _ in sources:
         manifest = read_manifest(path)
         tokenizers[name] = manifest.get("tokenizer_sha256")
-        dataset = TokenDataset(path, split)
+        dataset = TokenDataset(path, split, remote_cache_mb)
         if dataset.vocab_size > vocab_size:
             raise ConfigError(
                 f"data.sources {name!r} ({path}) has a vocabulary of {dataset.vocab_size}, more than "

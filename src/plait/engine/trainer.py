@@ -25,6 +25,7 @@ from plait.core.stop import StopRequest
 from plait.core.storage import Location
 from plait.data import TokenDataset, TokenLoader, ensure_prepared
 from plait.data.mixture import Mixture, MixtureLoader, open_mixture
+from plait.data.remote import is_remote_source, mirror
 from plait.data.samples import SampleLoader
 from plait.engine.callbacks import Callback, Callbacks
 from plait.engine.checkpoint import CheckpointManager, TrainState, checkpoint_dir, list_checkpoints
@@ -268,24 +269,28 @@ class Trainer:
             self.train_data, self.val_split = self.data, self.val_data
             return
         if cfg.data.sources:  # a weighted mixture of prepared directories
-            sources = data_sources(cfg.data.sources)
-            self.train_data = open_mixture(sources, "train", cfg.model.vocab_size)
-            self.val_split = open_mixture(sources, "val", cfg.model.vocab_size)
+            sources = [(n, str(self._local(p)), w) for n, p, w in data_sources(cfg.data.sources)]
+            mb = cfg.data.remote_cache_mb
+            self.train_data = open_mixture(sources, "train", cfg.model.vocab_size, mb)
+            self.val_split = open_mixture(sources, "val", cfg.model.vocab_size, mb)
             self.data_dir = Path(sources[0][1])
             for split in (*self.train_data.datasets, *self.val_split.datasets):  # fail now if one cannot be cut
                 split.check_seq_len(cfg.data.seq_len)
             return
         prepared = ""
-        if env.is_main:
+        if is_remote_source(cfg.data.source):  # every rank describes it locally: two small reads
+            prepared = str(self._local(cfg.data.source))
+        elif env.is_main:
             cache = Path(cfg.data.cache_dir).expanduser()
             prepared = str(ensure_prepared(cfg.data.source, cache, cfg.model.vocab_size))
-        if env.world_size > 1:  # the main rank tokenises the bundled corpus once; the others wait for it
-            box = [prepared]
+        if env.world_size > 1 and not is_remote_source(cfg.data.source):
+            box = [prepared]  # the main rank tokenises the bundled corpus once; the others wait for it
             dist.broadcast_object_list(box, src=0)
             prepared = box[0]
         data_dir = Path(prepared)
         self.data_dir = data_dir
-        self.train_data, self.val_split = TokenDataset(data_dir, "train"), TokenDataset(data_dir, "val")
+        mb = cfg.data.remote_cache_mb
+        self.train_data, self.val_split = TokenDataset(data_dir, "train", mb), TokenDataset(data_dir, "val", mb)
         if self.train_data.vocab_size > cfg.model.vocab_size:
             raise ConfigError(
                 f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "
@@ -293,6 +298,12 @@ class Trainer:
             )
         for split in (self.train_data, self.val_split):  # fail now, not at the first batch, if they cannot be cut
             split.num_samples(cfg.data.seq_len)
+
+    def _local(self, source: str) -> Path:
+        """A prepared directory here: the directory itself, or the local description of one on S3."""
+        if not is_remote_source(source):
+            return Path(source)
+        return mirror(source, self.cfg.checkpoint.s3_endpoint, self.cfg.data.cache_dir)
 
     def _loader(self, split, *, validation: bool = False):
         cfg, meshes = self.cfg, self.meshes

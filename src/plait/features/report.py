@@ -10,6 +10,7 @@ import torch
 
 from plait.config import Config
 from plait.data import eos_id, load_tokenizer, unigram_entropy
+from plait.data.remote import is_remote_source
 from plait.engine.callbacks import Callback
 from plait.engine.checkpoint import checkpoint_dir, list_checkpoints
 from plait.engine.generate import generate
@@ -35,11 +36,13 @@ def _report(
     cfg: Config, model: Transformer | None, data_dir: Path, final: dict[str, float], device: torch.device
 ) -> None:
     if "val_loss" in final:
-        baseline = unigram_entropy(data_dir, "val")
+        # the unigram baseline reads the whole validation split: for one local corpus only (a mixture's
+        # total weighs its sources; a corpus on S3 is not downloaded for it)
+        one_local = not cfg.data.sources and not is_remote_source(cfg.data.source)
+        baseline = f"unigram entropy of the corpus: {unigram_entropy(data_dir, 'val'):.3f}; " if one_local else ""
         info(
             f"validation loss {final['val_loss']:.3f} nats/token "
-            f"(unigram entropy of the corpus: {baseline:.3f}; a model that learned nothing scores "
-            f"{math.log(cfg.model.vocab_size):.3f})"
+            f"({baseline}a model that learned nothing scores {math.log(cfg.model.vocab_size):.3f})"
         )
     ckpts = list_checkpoints(checkpoint_dir(cfg))
     if ckpts:
