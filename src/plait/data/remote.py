@@ -4,7 +4,7 @@ Every rank keeps a small local copy of the corpus's description (manifest.json a
 data.cache_dir/remote/) whose manifest names where the shards are; TokenDataset then reads each sample's
 tokens from S3 through a bounded cache of aligned blocks (data.remote_cache_mb, least recently used out
 first). Reads run in the loader's prefetch thread, data.prefetch batches ahead of the step. A failed read is
-retried with growing pauses (1, 2, 4, 8, 8, ... s) and a warning each time, for up to READ_PATIENCE_S; then
+retried with growing pauses (1, 2, 4, 4, ... s) and a warning each time, for up to READ_PATIENCE_S; then
 the run stops with the object, the byte range and the error named. Access refused (wrong credentials) stops
 at once. Credentials come from the environment as for checkpoints, and are never printed.
 """
@@ -29,7 +29,7 @@ log = logging.getLogger("plait.data")
 
 BLOCK_BYTES = 1 << 20  # one ranged GET: 1 MiB, aligned (a sample of 8,193 uint16 tokens is 16 KiB)
 READ_PATIENCE_S = 120.0  # an object store that stays unreachable longer than this ends the run
-MAX_PAUSE_S = 8.0
+MAX_PAUSE_S = 4.0  # a store back from an outage is read again within this
 
 
 def is_remote_source(text: str) -> bool:
