@@ -59,16 +59,15 @@ def layout_of(cfg: Config, world_size: int):
     )
 
 
-def predict(cfg: Config, world_size: int, local_size: int, bf16: bool, layout=None) -> dict:
+def predict(cfg: Config, world_size: int, local_size: int, bf16: bool, layout=None, device: str = "cuda") -> dict:
     """Predicted bytes per device (worst rank) with its parts, and host bytes per process (CPU offload), for
-    this config's layout (or `layout`, its Layouts already made)."""
+    this config's layout (or `layout`, its Layouts already made), computing on `device` (a device type)."""
     from plait.planner.cluster import get_cluster
     from plait.planner.cost import Workload, evaluate
 
     lay = layout if layout is not None else layout_of(cfg, world_size)
-    work = Workload(
-        cfg.model, cfg.data.seq_len, cfg.train.global_batch_size, "bf16" if bf16 else "fp32", cfg.train.fused_head
-    )
+    precision = "bf16" if bf16 else "fp32"
+    work = Workload(cfg.model, cfg.data.seq_len, cfg.train.global_batch_size, precision, cfg.train.fused_head, device)
     nodes = max(1, world_size // local_size)
     out = evaluate(work, get_cluster("h100", nodes=nodes, devices_per_node=world_size // nodes), lay)
     return {k.removeprefix("mem_"): float(v[0]) for k, v in out.items() if k.startswith("mem_")}
@@ -80,7 +79,8 @@ def planned_gib(cfg: Config, world_size: int = 1) -> dict[str, float]:
     `plait bench` prints it beside the measured peak."""
     from plait.core.hardware import resolve_device, uses_bf16
 
-    m = predict(cfg, world_size, world_size, uses_bf16(cfg.train.mixed_precision, resolve_device(cfg.run.device)))
+    device = resolve_device(cfg.run.device)
+    m = predict(cfg, world_size, world_size, uses_bf16(cfg.train.mixed_precision, device), device=device.type)
     return {"allocated_gib": m["peak"] / GiB, "total_gib": m["total"] / GiB}
 
 
@@ -143,7 +143,7 @@ def check_memory(cfg: Config, world_size: int, local_size: int, machine: Machine
 
     def over(cfg: Config, layout) -> tuple[float, str, str, dict]:
         """The largest share of a limit the run needs, what it needs, of what, and the prediction."""
-        m = predict(cfg, world_size, local_size, bf16, layout)
+        m = predict(cfg, world_size, local_size, bf16, layout, "cuda" if on_gpu else "cpu")
         if not on_gpu:  # device and host are one memory, shared by the local processes
             need = local_size * (m["total"] - RESERVED_GIB * GiB + CPU_PROCESS_GIB * GiB + m["host"])
             return need / host, f"{need / GiB:.1f} GiB for {procs}", f"{host / GiB:.1f} GiB available", m
