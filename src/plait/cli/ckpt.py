@@ -53,6 +53,7 @@ from plait.interop.hf import (
     open_hf,
     param_shapes,
 )
+from plait.interop.hf.names import ARCHITECTURES
 from plait.interop.shards import DEFAULT_MAX_SHARD_SIZE, parse_shard_size
 from plait.interop.streaming import CheckpointTensors, StreamedHash, checkpoint_sources, save_streamed
 from plait.model import ModelArgs, Transformer
@@ -73,8 +74,8 @@ def cmd_ckpt(argv: list[str]) -> int:
         "--format",
         choices=["hf", "safetensors"],
         default="hf",
-        help="'hf': a transformers directory (LlamaForCausalLM; MistralForCausalLM with a sliding window, "
-        "Qwen2ForCausalLM with q/k/v biases); 'safetensors': one file with plait's names.",
+        help="'hf': a transformers directory, of the family that computes what the model does ("
+        f"{', '.join(ARCHITECTURES.values())}); 'safetensors': one file with plait's names.",
     )
     p.add_argument("--out", required=True, help="Output directory (for safetensors also a path ending .safetensors).")
     p.add_argument("--dtype", choices=list(_DTYPES), default="fp32", help="Data type of the written weights.")
@@ -90,7 +91,9 @@ def cmd_ckpt(argv: list[str]) -> int:
         "--registry", help="Lineage registry to record the export in; default: lineage.sqlite in or above PATH."
     )
     p = sub.add_parser("import", help="Make a plait checkpoint from a Hugging Face model directory.")
-    p.add_argument("hf_dir", help="A Llama / Mistral / Qwen2 directory with config.json and safetensors.")
+    p.add_argument(
+        "hf_dir", help=f"A transformers directory ({', '.join(ARCHITECTURES.values())}): config.json and safetensors."
+    )
     p.add_argument(
         "--out", required=True, help="A run directory (gets checkpoints/step_00000000) or a step_<N> directory."
     )
