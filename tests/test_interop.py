@@ -242,6 +242,24 @@ def test_transformers_model_imports_with_the_same_logits(case, tmp_path):
         assert original["model.layers.0.self_attn.q_proj.bias"].count_nonzero() > 0
 
 
+@pytest.mark.parametrize("case", ["llama-llama3-rope", "qwen3", "mistral-sliding-window"])
+@torch.no_grad()
+def test_document_masked_logits_equal_transformers_on_each_document(case, tmp_path):
+    """data.document_mask on an imported model: a packed row of documents (each ending with EOS) gives, for
+    each document, the logits transformers gives that document alone."""
+    kind, overrides, _, _ = HF_CASES[case]
+    path = save_hf_model(kind, tmp_path / kind, **overrides)
+    hf, model = hf_from_pretrained(path), load_hf_model(path).eval()
+    gen = torch.Generator().manual_seed(2)
+    docs = [torch.randint(1, 128, (n,), generator=gen) for n in (9, 4, 13, 6)]
+    for d in docs:
+        d[-1] = 0
+    model.document_eos = 0
+    packed = model(torch.cat(docs)[None])
+    alone = torch.cat([hf(d[None]).logits for d in docs], dim=1)
+    assert (packed - alone).abs().max().item() < LOGITS_ATOL
+
+
 @pytest.mark.parametrize("case", ["mistral-sliding-window", "qwen2-bias", "qwen2-tied-sliding-window"])
 def test_greedy_generation_matches_transformers(case, tmp_path):
     """plait's KV-cache decoding against transformers' generate, from the original directory and from

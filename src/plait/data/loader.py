@@ -18,9 +18,7 @@ import numpy as np
 import torch
 
 from plait.core.errors import ConfigError
-
-MANIFEST = "manifest.json"
-FORMAT = "plait-tokens-v1"
+from plait.data.format import FORMAT, MANIFEST
 
 
 def read_manifest(data_dir: str | Path) -> dict[str, Any]:

@@ -24,6 +24,7 @@ import numpy as np
 
 from plait.core.errors import ConfigError, PlaitError
 from plait.core.storage import RemotePath, file_sizes, location, read_bytes
+from plait.data.format import FORMAT, MANIFEST
 
 log = logging.getLogger("plait.data")
 
@@ -40,8 +41,6 @@ def mirror(source: str, endpoint: str, cache_dir: str | Path) -> Path:
     """The local description of the corpus at `source` (s3://bucket/prefix): manifest.json, naming the
     shards' location, and tokenizer.json, in a directory of data.cache_dir. Refreshed on every call (two
     small reads), written whole (a temporary file renamed), so ranks and runs sharing the cache are safe."""
-    from plait.data.loader import FORMAT, MANIFEST
-
     root = location(source, endpoint)
     assert isinstance(root, RemotePath)
     try:

@@ -40,6 +40,7 @@ from plait.engine.runlock import RunLock, RunLocked
 from plait.engine.step_metrics import StepMetrics
 from plait.engine.trainable import Trainable, autocast_context, build_model, build_trainable
 from plait.engine.validation import Validation
+from plait.model.llama import Transformer
 from plait.parallel import DistEnv, Meshes, ParallelDims, init_distributed, validate_layout
 from plait.parallel.context import context_shard
 from plait.parallel.env import restart_count, shutdown
@@ -58,6 +59,18 @@ class StepResult:
     loss: torch.Tensor  # mean loss over the global batch (a 0-d tensor: no device sync)
     grad_norm: torch.Tensor
     stepped: bool = True  # False when should_step withheld the update
+
+
+def mask_documents(parts: list[nn.Module], eos: int) -> None:
+    """data.document_mask: plait's model attends each document of a packed sequence alone (positions from 0)."""
+    models = [m for part in parts for m in part.modules() if isinstance(m, Transformer)]
+    if not models:
+        raise ConfigError(
+            "data.document_mask=true applies to plait's model (its attention takes the documents); a model of "
+            "your own masks its own: set data.document_mask=false"
+        )
+    for model in models:
+        model.document_eos = eos
 
 
 def train_step(
@@ -299,6 +312,16 @@ class Trainer:
         for split in (self.train_data, self.val_split):  # fail now, not at the first batch, if they cannot be cut
             split.num_samples(cfg.data.seq_len)
 
+    def _eos_id(self) -> int:
+        """The corpus's document separator (data.document_mask)."""
+        data = self.train_data.datasets[0] if isinstance(self.train_data, Mixture) else self.train_data
+        if not isinstance(data, TokenDataset):
+            raise ConfigError(
+                "data.document_mask=true needs a prepared corpus (data.source or data.sources), whose EOS token "
+                "separates its documents; your data has none: set data.document_mask=false"
+            )
+        return data.eos_id
+
     def _local(self, source: str) -> Path:
         """A prepared directory here: the directory itself, or the local description of one on S3."""
         if not is_remote_source(source):
@@ -332,6 +355,8 @@ class Trainer:
             cfg, env.device, self.meshes, model=self.model_fn, parallelize_fn=self.parallelize_fn,
             loss=self.loss, on_model=lambda parts: cb.on_model(self, parts),
         )  # fmt: skip
+        if cfg.data.document_mask:
+            mask_documents(self.t.parts, self._eos_id())
         plan.apply(env.is_main)  # every check has passed: now run.overwrite moves the old run aside
         if env.world_size > 1:
             dist.barrier()  # no rank writes into the run directory before it is in place

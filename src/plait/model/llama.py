@@ -53,11 +53,27 @@ def rope_tables(args: ModelArgs, device: torch.device | None = None) -> tuple[to
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (B, T, H, head_dim) by position; cos/sin are (T, head_dim)."""
+    """Rotate x (B, T, H, head_dim) by position; cos/sin are (T, head_dim), or (B, T, head_dim) where each row
+    has positions of its own (document masking: they restart with each document)."""
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    cos, sin = (cos[:, :, None, :], sin[:, :, None, :]) if cos.dim() == 3 else (cos[None, :, None], sin[None, :, None])
     return (x.float() * cos + rotated.float() * sin).type_as(x)
+
+
+def document_ids(tokens: torch.Tensor, eos: int) -> torch.Tensor:
+    """(B, T) the index of each token's document within its row of packed documents: a document ends with
+    (and includes) its EOS token, the next starts after it."""
+    ends = (tokens == eos).to(torch.int32)
+    return ends.cumsum(1) - ends
+
+
+def document_positions(docs: torch.Tensor) -> torch.Tensor:
+    """(B, T) each token's position within its document (0 at its first token)."""
+    t = torch.arange(docs.shape[1], device=docs.device).expand_as(docs)
+    first = torch.ones_like(docs, dtype=torch.bool)
+    first[:, 1:] = docs[:, 1:] != docs[:, :-1]
+    return t - torch.where(first, t, torch.zeros_like(t)).cummax(1).values
 
 
 class RMSNorm(nn.Module):
@@ -116,6 +132,13 @@ class KVCache:
         return self.k[layer][:, : self.pos + t], self.v[layer][:, : self.pos + t]
 
 
+def document_mask(docs: torch.Tensor, window: int) -> torch.Tensor:
+    """(B, 1, T, T) boolean mask of packed documents: query i sees key j of the same document, causally (and
+    within the sliding window)."""
+    same = docs[:, :, None] == docs[:, None, :]
+    return (same & attention_mask(0, docs.shape[1], docs.shape[1], window, docs.device))[:, None]
+
+
 def attention_mask(start: int, q_len: int, kv_len: int, window: int, device) -> torch.Tensor:
     """(q_len, kv_len) boolean mask, True where query i (at position start + i) may see key j: causally
     (j <= start + i) and, with a sliding window, within it (start + i - j < window: itself and the window - 1
@@ -145,12 +168,15 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None, docs=None
     ) -> torch.Tensor:
-        return self.wo(self.mix(x, cos, sin, cache))
+        return self.wo(self.mix(x, cos, sin, cache, docs))
 
-    def mix(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        """Attention up to its output projection: (B, T, dim) -> (B, T, n_heads * head_dim)."""
+    def mix(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None, docs=None
+    ) -> torch.Tensor:
+        """Attention up to its output projection: (B, T, dim) -> (B, T, n_heads * head_dim). docs (B, T): the
+        document of each token of packed sequences, attended each alone (document_mask)."""
         bsz, seqlen, _ = x.shape
         # Head counts come from the (possibly tensor-parallel, hence local) projection sizes: -1 below.
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)  # (B, T, n_heads, head_dim)
@@ -164,7 +190,10 @@ class Attention(nn.Module):
             start = cache.pos
             k, v = cache.update(self.layer_id, k, v)  # (B, start + T, n_kv_heads, head_dim)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, head_dim)
-        if start == 0 and not 0 < self.sliding_window < seqlen:  # plain causal: SDPA's fastest kernels
+        if docs is not None:
+            mask = document_mask(docs, self.sliding_window)
+            out = F.scaled_dot_product_attention(q, *self.repeat_kv(k, v), attn_mask=mask)
+        elif start == 0 and not 0 < self.sliding_window < seqlen:  # plain causal: SDPA's fastest kernels
             out = self.causal(q, k, v)
         else:
             mask = attention_mask(start, seqlen, k.shape[2], self.sliding_window, x.device)
@@ -193,8 +222,8 @@ class TransformerBlock(nn.Module):
             MoE(args) if args.is_moe_layer(layer_id) else FeedForward(args.dim, args.hidden_dim)
         )
 
-    def forward(self, x, cos, sin, cache: KVCache | None = None):
-        h = x + self.attention.wo(self.attend(x, cos, sin, cache))
+    def forward(self, x, cos, sin, cache: KVCache | None = None, docs=None):
+        h = x + self.attention.wo(self.attend(x, cos, sin, cache, docs))
         if isinstance(self.feed_forward, MoE):
             return h + self.feed_forward(self.ffn_norm(h))
         return h + self.feed_forward.w2(self.gated(h))
@@ -202,8 +231,8 @@ class TransformerBlock(nn.Module):
     # The block's two halves up to their output projections. Selective activation checkpointing recomputes
     # each of them as a unit (plait.parallel.parallelize.apply_ac): what a unit keeps for backward is its
     # input and its matmul and attention outputs, never the projection's partial sums.
-    def attend(self, x, cos, sin, cache: KVCache | None = None):
-        return self.attention.mix(self.attention_norm(x), cos, sin, cache)
+    def attend(self, x, cos, sin, cache: KVCache | None = None, docs=None):
+        return self.attention.mix(self.attention_norm(x), cos, sin, cache, docs)
 
     def gated(self, h):
         return self.feed_forward.gate(self.ffn_norm(h))
@@ -230,6 +259,9 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(args)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        # Document masking (data.document_mask): with an EOS id here, each packed document of a training or
+        # validation sequence is attended alone, its positions from 0 (a run's setting, not the model's).
+        self.document_eos: int | None = None
 
     def tie_weights(self) -> None:
         """Share the embedding with the output projection (again after ``to_empty``, which unties them)."""
@@ -242,9 +274,15 @@ class Transformer(nn.Module):
         # A pipeline stage without the embedding receives hidden states (B, T, dim) instead of ids.
         seqlen = tokens.shape[1]  # before the embedding: sequence parallelism may shard h on T
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        cos, sin = self.rope(cache.pos if cache is not None else 0, seqlen)
+        docs = None
+        if self.document_eos is not None and cache is None and self.tok_embeddings is not None:
+            docs = document_ids(tokens, self.document_eos)
+            positions = document_positions(docs)
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # (B, T, head_dim)
+        else:
+            cos, sin = self.rope(cache.pos if cache is not None else 0, seqlen)
         for layer in self.layers.values():
-            h = layer(h, cos, sin, cache=cache)
+            h = layer(h, cos, sin, cache=cache, docs=docs) if docs is not None else layer(h, cos, sin, cache=cache)
         if cache is not None:
             cache.pos += seqlen
         h = self.norm(h) if self.norm is not None else h
