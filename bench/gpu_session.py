@@ -387,6 +387,18 @@ def check(steps: list[Step], out: Path) -> list[str]:
     return problems
 
 
+def critical_path_s(steps: list[Step]) -> float:
+    """Seconds a part takes by its estimates: stage after stage, each as long as its longest lane."""
+    total = 0.0
+    for stage in {s.stage for s in steps}:
+        lanes: dict[str, float] = {}
+        for s in steps:
+            if s.stage == stage:
+                lanes[s.lane] = lanes.get(s.lane, 0.0) + s.estimate_s
+        total += max(lanes.values())
+    return total
+
+
 _PRINT = threading.Lock()  # the lanes' lines whole
 STEP_CAP = 2.5  # a step may take this many times its estimate (and never past the part's deadline)
 
