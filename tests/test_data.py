@@ -388,3 +388,15 @@ def test_bundled_corpus(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="plait data prepare"):
         ensure_prepared(str(tmp_path / "missing"), tmp_path, 4096)
     print(f"bundled corpus prepared in {elapsed:.1f}s")
+
+
+def test_workers_write_the_same_bytes_as_one_process(tmp_path: Path, docs: list[str]) -> None:
+    """`plait data prepare --workers 2`: the chunks are encoded in two processes and written in order, so the
+    shards, their hashes and the train/val split are those of one process."""
+    src = write_jsonl(tmp_path / "c.jsonl", docs * 30)  # several encode chunks of 1,024 documents
+    one = prepare([src], tmp_path / "one", vocab_size=VOCAB, shard_tokens=20_000)
+    tok = tmp_path / "one" / "tokenizer.json"
+    two = prepare([src], tmp_path / "two", tokenizer=tok, shard_tokens=20_000, workers=2)
+    assert two["splits"] == one["splits"] and len(one["splits"]["train"]["shards"]) > 1
+    with pytest.raises(ConfigError, match="--workers=0 must be at least 1"):
+        prepare([src], tmp_path / "none", tokenizer=tok, workers=0)

@@ -17,13 +17,22 @@ def cmd_data(argv: list[str]) -> int:
     p.add_argument("--val-fraction", type=float, default=0.05, help="Share of documents held out.")
     p.add_argument("--text-field", default="text", help="Field / column holding the text in JSONL / Parquet.")
     p.add_argument("--overwrite", action="store_true", help="Replace an existing output directory.")
+    p.add_argument(
+        "--workers", type=int, default=1, help="Processes that tokenise (the output is the same for any number)."
+    )
     a = parser.parse_args(argv)
     if a.vocab_size < 260:
         raise ConfigError(f"--vocab-size={a.vocab_size} is too small: at least 260 (256 bytes + specials)")
     if not 0 < a.val_fraction < 1:
         raise ConfigError(f"--val-fraction={a.val_fraction} must be between 0 and 1, e.g. 0.05")
-    from plait.data import prepare
+    import time
+    from pathlib import Path
 
+    from plait.data import prepare
+    from plait.data.prepare import expand_inputs
+
+    size = sum(p.stat().st_size for p in expand_inputs(a.inputs))
+    started = time.perf_counter()
     manifest = prepare(
         a.inputs,
         a.out,
@@ -32,10 +41,15 @@ def cmd_data(argv: list[str]) -> int:
         val_fraction=a.val_fraction,
         text_field=a.text_field,
         overwrite=a.overwrite,
+        workers=a.workers,
     )
+    seconds = time.perf_counter() - started
     splits = manifest["splits"]
+    tokens = splits["train"]["num_tokens"] + splits["val"]["num_tokens"]
     print(
-        f"wrote {a.out}: train {splits['train']['num_tokens']:,} tokens / "
+        f"prepared {size / 1e6:,.1f} MB in {seconds:.1f} s with {a.workers} worker{'s' if a.workers > 1 else ''}: "
+        f"{size / 1e6 / seconds:,.2f} MB/s, {tokens / seconds:,.0f} tokens/s\n"
+        f"wrote {Path(a.out)}: train {splits['train']['num_tokens']:,} tokens / "
         f"{splits['train']['num_documents']} documents, val {splits['val']['num_tokens']:,} tokens / "
         f"{splits['val']['num_documents']} documents, vocabulary {manifest['vocab_size']}\n"
         f"train on it with: plait train --data.source={a.out} --model.vocab_size={manifest['vocab_size']}"

@@ -14,13 +14,14 @@ import hashlib
 import importlib.util
 import json
 import shutil
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from tokenizers import Tokenizer
 
 from plait.core.errors import ConfigError
@@ -241,6 +242,64 @@ def _chunks(docs: Iterator[str]) -> Iterator[list[str]]:
         yield chunk
 
 
+def _encode_chunk(tok: Tokenizer, eos: int, dtype: np.dtype, start: int, chunk: list[str], val_fraction: float):
+    """One chunk of documents from document number `start`: (their ids, each followed by EOS, concatenated;
+    each one's length; whether each is held out)."""
+    # add_special_tokens=False: pretrained post-processors (e.g. BOS) must not differ from EOS packing.
+    encoded = tok.encode_batch_fast(chunk, add_special_tokens=False)
+    lengths = np.array([len(e.ids) + 1 for e in encoded], dtype=np.int64)
+    ids = np.empty(int(lengths.sum()), dtype=dtype)
+    at = 0
+    for e, n in zip(encoded, lengths, strict=True):
+        ids[at : at + n - 1] = e.ids
+        ids[at + n - 1] = eos
+        at += n
+    held = [_is_val(start + i, text, val_fraction) for i, text in enumerate(chunk)]
+    return ids, lengths, held
+
+
+_WORKER: dict[str, Any] = {}
+
+
+def _worker_init(tokenizer_path: str, eos: int, dtype: str, val_fraction: float) -> None:
+    _WORKER.update(tok=Tokenizer.from_file(tokenizer_path), eos=eos, dtype=np.dtype(dtype), val=val_fraction)
+
+
+def _worker_encode(job: tuple[int, list[str]]):
+    w = _WORKER
+    return _encode_chunk(w["tok"], w["eos"], w["dtype"], job[0], job[1], w["val"])
+
+
+def _encoded_chunks(docs, tok, eos, dtype, val_fraction, workers: int, tokenizer_path: Path):
+    """The chunks of `docs` encoded, in order: here, or by `workers` processes with at most 2 chunks each in
+    flight (reading never runs far ahead of the writing)."""
+    jobs = ((start, chunk) for start, chunk in _numbered(_chunks(docs)))
+    if workers <= 1:
+        for start, chunk in jobs:
+            yield _encode_chunk(tok, eos, dtype, start, chunk, val_fraction)
+        return
+    import multiprocessing
+    from collections import deque
+
+    ctx = multiprocessing.get_context("spawn")  # the tokenizer's thread pool does not survive a fork
+    args = (str(tokenizer_path), eos, dtype.str, val_fraction)
+    with ctx.Pool(workers, initializer=_worker_init, initargs=args) as pool:
+        pending: deque = deque()
+        for job in jobs:
+            pending.append(pool.apply_async(_worker_encode, (job,)))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+def _numbered(chunks: Iterator[list[str]]) -> Iterator[tuple[int, list[str]]]:
+    start = 0
+    for chunk in chunks:
+        yield start, chunk
+        start += len(chunk)
+
+
 def _tokenize_splits(
     docs: Iterator[str],
     tok: Tokenizer,
@@ -248,21 +307,27 @@ def _tokenize_splits(
     dtype: np.dtype,
     writers: dict[str, _ShardWriter],
     val_fraction: float,
+    workers: int = 1,
+    tokenizer_path: Path | None = None,
+    on_tokens: Callable[[int], None] = lambda n: None,
 ) -> None:
-    """Encode documents, append EOS, and route each to train or val.
+    """Encode documents (in `workers` processes), append EOS, and route each to train or val, in the
+    documents' order whatever the number of workers.
 
     The last document is held back so that, if nothing landed in val (small corpora), it can go there.
     """
     pending: tuple[str, np.ndarray] | None = None
     index = 0
-    for chunk in _chunks(docs):
-        # add_special_tokens=False: pretrained post-processors (e.g. BOS) must not differ from EOS packing.
-        for text, enc in zip(chunk, tok.encode_batch_fast(chunk, add_special_tokens=False), strict=True):
+    assert workers <= 1 or tokenizer_path is not None
+    for ids, lengths, held in _encoded_chunks(docs, tok, eos, dtype, val_fraction, workers, tokenizer_path):
+        at = 0
+        for n, val in zip(lengths, held, strict=True):
             if pending is not None:
                 writers[pending[0]].write_document(pending[1])
-            ids = np.array([*enc.ids, eos], dtype=dtype)
-            pending = ("val" if _is_val(index, text, val_fraction) else "train", ids)
+            pending = ("val" if val else "train", ids[at : at + n])
+            at += n
             index += 1
+        on_tokens(len(ids))
     if pending is None:
         return
     split, ids = pending
@@ -273,18 +338,35 @@ def _tokenize_splits(
     writers[split].write_document(ids)
 
 
+class _Task:
+    """One phase's progress: bytes of input consumed (called with the running total) and tokens written."""
+
+    def __init__(self, update: Callable[..., None] = lambda **kw: None) -> None:
+        self.update, self.started, self.count = update, time.perf_counter(), 0
+
+    def __call__(self, done: int) -> None:
+        self.update(completed=done)
+
+    def tokens(self, n: int) -> None:
+        self.count += n
+        rate = self.count / max(time.perf_counter() - self.started, 1e-9)
+        self.update(tokens=f"{self.count:,} tokens, {rate:,.0f} tokens/s")
+
+
 @contextlib.contextmanager
-def _progress(total_bytes: int) -> Iterator[Callable[[str], Advance]]:
-    """Yields `start(description) -> advance(bytes_done)`; a transient bar on stderr for large inputs."""
+def _progress(total_bytes: int) -> Iterator[Callable[[str], _Task]]:
+    """Yields `start(description) -> task`; a transient bar on stderr for large inputs: bytes read, their
+    rate, tokens written and theirs."""
     if total_bytes < _PROGRESS_MIN_BYTES:
-        yield lambda description: lambda done: None
+        yield lambda description: _Task()
         return
-    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn())
+    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+               TextColumn("{task.fields[tokens]}"), TimeRemainingColumn())  # fmt: skip
     with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
 
-        def start(description: str) -> Advance:
-            task = bar.add_task(description, total=total_bytes)
-            return lambda done: bar.update(task, completed=done)
+        def start(description: str) -> _Task:
+            task = bar.add_task(description, total=total_bytes, tokens="")
+            return _Task(lambda **kw: bar.update(task, **kw))
 
         yield start
 
@@ -299,12 +381,16 @@ def prepare(
     text_field: str = "text",
     shard_tokens: int = 2**26,
     overwrite: bool = False,
+    workers: int = 1,
 ) -> dict[str, Any]:
     """Tokenize `inputs` into `out_dir` (see the module docstring); returns the manifest.
 
     With `tokenizer=None` a byte-level BPE of `vocab_size` is trained on the inputs (on the first
     256 MiB of text for very large corpora); otherwise the given tokenizer.json is copied and used.
+    `workers` processes encode (the output is the same, byte for byte, for any number).
     """
+    if workers < 1:
+        raise ConfigError(f"--workers={workers} must be at least 1")
     out = Path(out_dir)
     if is_nonempty(out) and not overwrite:  # refused before any work
         raise ConfigError(f"{out} exists; pass --overwrite or choose another --out")
@@ -320,7 +406,9 @@ def prepare(
 
     exists = ConfigError(f"{out} exists; pass --overwrite or choose another --out")
     with staged_dir(out, overwrite=overwrite, exists_error=exists) as tmp:
-        manifest = _prepare_into(tmp, files, given_tok, tokenizer, vocab_size, val_fraction, text_field, shard_tokens)
+        manifest = _prepare_into(
+            tmp, files, given_tok, tokenizer, vocab_size, val_fraction, text_field, shard_tokens, workers
+        )
     return manifest
 
 
@@ -333,6 +421,7 @@ def _prepare_into(
     val_fraction: float,
     text_field: str,
     shard_tokens: int,
+    workers: int = 1,
 ) -> dict[str, Any]:
     total_bytes = sum(p.stat().st_size for p in files)
     counts = [0] * len(files)
@@ -349,8 +438,9 @@ def _prepare_into(
         vocab = tok.get_vocab_size(with_added_tokens=True)
         dtype = np.dtype("<u2") if vocab <= 65535 else np.dtype("<u4")
         writers = {split: _ShardWriter(tmp, split, dtype, shard_tokens) for split in ("train", "val")}
-        docs = _documents(files, text_field, counts, start("tokenizing"))
-        _tokenize_splits(docs, tok, eos, dtype, writers, val_fraction)
+        task = start(f"tokenizing ({workers} worker{'s' if workers > 1 else ''})")
+        docs = _documents(files, text_field, counts, task)
+        _tokenize_splits(docs, tok, eos, dtype, writers, val_fraction, workers, tmp / TOKENIZER_FILE, task.tokens)
     manifest = {
         "format": FORMAT,
         "dtype": "uint16" if dtype.itemsize == 2 else "uint32",
