@@ -400,3 +400,27 @@ def test_workers_write_the_same_bytes_as_one_process(tmp_path: Path, docs: list[
     assert two["splits"] == one["splits"] and len(one["splits"]["train"]["shards"]) > 1
     with pytest.raises(ConfigError, match="--workers=0 must be at least 1"):
         prepare([src], tmp_path / "none", tokenizer=tok, workers=0)
+
+
+def test_append_adds_new_shards_as_if_prepared_together(tmp_path: Path, docs: list[str]) -> None:
+    """`plait data prepare B --out A_DIR --append`: B tokenised with A's tokenizer into new shards after A's;
+    the token streams equal preparing A and B together (same held-out documents); nothing of A rewritten."""
+    a, b = write_jsonl(tmp_path / "a.jsonl", docs * 3), write_jsonl(tmp_path / "b.jsonl", make_docs(60, seed=1))
+    together = prepare([a, b], tmp_path / "together", vocab_size=VOCAB, shard_tokens=3000)
+    tok = tmp_path / "together" / "tokenizer.json"
+    prepare([a], tmp_path / "grown", tokenizer=tok, shard_tokens=3000)
+    before = {p.name: p.read_bytes() for p in (tmp_path / "grown").glob("*.bin")}
+    grown = prepare([b], tmp_path / "grown", shard_tokens=3000, append=True, workers=2)
+    assert all((tmp_path / "grown" / name).read_bytes() == data for name, data in before.items())
+    for split in ("train", "val"):
+        assert (read_stream(tmp_path / "grown", split) == read_stream(tmp_path / "together", split)).all(), split
+        assert grown["splits"][split]["num_documents"] == together["splits"][split]["num_documents"]
+    assert [s["path"] for s in grown["sources"]] == [str(a.resolve()), str(b.resolve())]
+    assert read_manifest(tmp_path / "grown") == grown
+    with pytest.raises(ConfigError, match="is already in"):
+        prepare([b], tmp_path / "grown", append=True)
+    other = prepare([b], tmp_path / "other", vocab_size=VOCAB + 40)
+    assert other["tokenizer_sha256"] != grown["tokenizer_sha256"]
+    with pytest.raises(ConfigError, match="is not the tokenizer"):
+        prepare([write_jsonl(tmp_path / "c.jsonl", docs)], tmp_path / "grown", append=True,
+                tokenizer=tmp_path / "other" / "tokenizer.json")  # fmt: skip

@@ -20,7 +20,14 @@ def cmd_data(argv: list[str]) -> int:
     p.add_argument(
         "--workers", type=int, default=1, help="Processes that tokenise (the output is the same for any number)."
     )
+    p.add_argument(
+        "--append",
+        action="store_true",
+        help="Add the inputs to the prepared directory --out (its tokenizer; new shards; nothing re-tokenised).",
+    )
     a = parser.parse_args(argv)
+    if a.append and a.overwrite:
+        raise ConfigError("--append adds to --out and --overwrite replaces it: give one")
     if a.vocab_size < 260:
         raise ConfigError(f"--vocab-size={a.vocab_size} is too small: at least 260 (256 bytes + specials)")
     if not 0 < a.val_fraction < 1:
@@ -42,6 +49,7 @@ def cmd_data(argv: list[str]) -> int:
         text_field=a.text_field,
         overwrite=a.overwrite,
         workers=a.workers,
+        append=a.append,
     )
     seconds = time.perf_counter() - started
     splits = manifest["splits"]

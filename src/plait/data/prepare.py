@@ -13,6 +13,7 @@ import gzip
 import hashlib
 import importlib.util
 import json
+import os
 import shutil
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -185,8 +186,9 @@ def _is_val(index: int, text: str, val_fraction: float) -> bool:
 class _ShardWriter:
     """Appends tokens to `{split}_{i:05d}.bin` files of at most `shard_tokens` tokens, hashing as it goes."""
 
-    def __init__(self, out_dir: Path, split: str, dtype: np.dtype, shard_tokens: int) -> None:
+    def __init__(self, out_dir: Path, split: str, dtype: np.dtype, shard_tokens: int, first: int = 0) -> None:
         self.out_dir, self.split, self.dtype, self.shard_tokens = out_dir, split, dtype, shard_tokens
+        self.first = first  # the number of the first shard file (after those a prepare being appended to has)
         self.shards: list[dict[str, Any]] = []
         self.num_documents = 0
         self._file: Any = None
@@ -197,7 +199,7 @@ class _ShardWriter:
         self.num_documents += 1
         while len(ids):
             if self._file is None:
-                name = f"{self.split}_{len(self.shards):05d}.bin"
+                name = f"{self.split}_{self.first + len(self.shards):05d}.bin"
                 self._file, self._hash, self._count = open(self.out_dir / name, "wb"), hashlib.sha256(), 0  # noqa: SIM115
                 self.shards.append({"file": name})
             take = min(len(ids), self.shard_tokens - self._count)
@@ -270,10 +272,10 @@ def _worker_encode(job: tuple[int, list[str]]):
     return _encode_chunk(w["tok"], w["eos"], w["dtype"], job[0], job[1], w["val"])
 
 
-def _encoded_chunks(docs, tok, eos, dtype, val_fraction, workers: int, tokenizer_path: Path):
-    """The chunks of `docs` encoded, in order: here, or by `workers` processes with at most 2 chunks each in
-    flight (reading never runs far ahead of the writing)."""
-    jobs = ((start, chunk) for start, chunk in _numbered(_chunks(docs)))
+def _encoded_chunks(docs, tok, eos, dtype, val_fraction, workers: int, tokenizer_path: Path | None, first: int = 0):
+    """The chunks of `docs` (numbered from `first`) encoded, in order: here, or by `workers` processes with at
+    most 2 chunks each in flight (reading never runs far ahead of the writing)."""
+    jobs = ((start, chunk) for start, chunk in _numbered(_chunks(docs), first))
     if workers <= 1:
         for start, chunk in jobs:
             yield _encode_chunk(tok, eos, dtype, start, chunk, val_fraction)
@@ -293,8 +295,7 @@ def _encoded_chunks(docs, tok, eos, dtype, val_fraction, workers: int, tokenizer
             yield pending.popleft().get()
 
 
-def _numbered(chunks: Iterator[list[str]]) -> Iterator[tuple[int, list[str]]]:
-    start = 0
+def _numbered(chunks: Iterator[list[str]], start: int = 0) -> Iterator[tuple[int, list[str]]]:
     for chunk in chunks:
         yield start, chunk
         start += len(chunk)
@@ -310,6 +311,7 @@ def _tokenize_splits(
     workers: int = 1,
     tokenizer_path: Path | None = None,
     on_tokens: Callable[[int], None] = lambda n: None,
+    first_index: int = 0,
 ) -> None:
     """Encode documents (in `workers` processes), append EOS, and route each to train or val, in the
     documents' order whatever the number of workers.
@@ -319,7 +321,8 @@ def _tokenize_splits(
     pending: tuple[str, np.ndarray] | None = None
     index = 0
     assert workers <= 1 or tokenizer_path is not None
-    for ids, lengths, held in _encoded_chunks(docs, tok, eos, dtype, val_fraction, workers, tokenizer_path):
+    chunks = _encoded_chunks(docs, tok, eos, dtype, val_fraction, workers, tokenizer_path, first_index)
+    for ids, lengths, held in chunks:
         at = 0
         for n, val in zip(lengths, held, strict=True):
             if pending is not None:
@@ -382,15 +385,20 @@ def prepare(
     shard_tokens: int = 2**26,
     overwrite: bool = False,
     workers: int = 1,
+    append: bool = False,
 ) -> dict[str, Any]:
     """Tokenize `inputs` into `out_dir` (see the module docstring); returns the manifest.
 
     With `tokenizer=None` a byte-level BPE of `vocab_size` is trained on the inputs (on the first
     256 MiB of text for very large corpora); otherwise the given tokenizer.json is copied and used.
-    `workers` processes encode (the output is the same, byte for byte, for any number).
+    `workers` processes encode (the output is the same, byte for byte, for any number). With `append`,
+    `out_dir` is a prepared directory: the inputs are tokenised with its tokenizer into new shards after its
+    own, and its manifest then names them too (one rename: a reader sees the old corpus or the new one).
     """
     if workers < 1:
         raise ConfigError(f"--workers={workers} must be at least 1")
+    if append:
+        return _append(expand_inputs(inputs), Path(out_dir), tokenizer, text_field, shard_tokens, workers, val_fraction)
     out = Path(out_dir)
     if is_nonempty(out) and not overwrite:  # refused before any work
         raise ConfigError(f"{out} exists; pass --overwrite or choose another --out")
@@ -450,9 +458,61 @@ def _prepare_into(
         "sources": [{"path": str(path.resolve()), "num_documents": n} for path, n in zip(files, counts, strict=True)],
         "tokenizer": TOKENIZER_FILE,
         "tokenizer_sha256": _sha256_file(tmp / TOKENIZER_FILE),
+        "val_fraction": val_fraction,  # documents appended later are held out alike
     }
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
+
+
+def _append(
+    files: list[Path], out: Path, tokenizer, text_field: str, shard_tokens: int, workers: int, val_fraction: float
+) -> dict:
+    manifest = read_manifest(out)
+    for split in manifest["splits"]:
+        shard_paths(out, manifest, split)  # every shard there, of its size, before anything is added
+    tok_path = out / manifest["tokenizer"]
+    if tokenizer is not None and _sha256_file(_tokenizer_file(Path(tokenizer))) != manifest["tokenizer_sha256"]:
+        raise ConfigError(
+            f"--tokenizer={tokenizer} is not the tokenizer {out} was prepared with: appended documents must use "
+            f"the same one (leave --tokenizer out to use {tok_path})"
+        )
+    if manifest.get("loss_mask"):
+        raise ConfigError(f"{out} holds instruction data (plait finetune prepare): --append adds pre-training text")
+    known = {s["path"] for s in manifest.get("sources", [])}
+    again = [str(f) for f in files if str(f.resolve()) in known]
+    if again:
+        raise ConfigError(f"{again[0]} is already in {out} (its manifest's sources): append only new files")
+    tok = load_tokenizer(tok_path)
+    dtype = np.dtype(manifest["dtype"]).newbyteorder("<")
+    splits = manifest["splits"]
+    writers = {s: _ShardWriter(out, s, dtype, shard_tokens, first=len(splits[s]["shards"])) for s in splits}
+    counts = [0] * len(files)
+    val_fraction = manifest.get("val_fraction", val_fraction)  # the prepare's own (older manifests: as given)
+    first = sum(s["num_documents"] for s in splits.values())
+    with _progress(sum(p.stat().st_size for p in files)) as start:
+        task = start(f"appending ({workers} worker{'s' if workers > 1 else ''})")
+        docs = _documents(files, text_field, counts, task)
+        _tokenize_splits(
+            docs, tok, manifest["eos_id"], dtype, writers, val_fraction, workers, tok_path, task.tokens, first
+        )
+    for split, w in writers.items():
+        added = w.close()
+        splits[split]["shards"] += added["shards"]
+        splits[split]["num_tokens"] += added["num_tokens"]
+        splits[split]["num_documents"] += added["num_documents"]
+        for shard in added["shards"]:
+            os.chmod(out / shard["file"], 0o644)
+    new = [{"path": str(p.resolve()), "num_documents": n} for p, n in zip(files, counts, strict=True)]
+    manifest["sources"] = manifest.get("sources", []) + new
+    tmp = out / f".{MANIFEST}.{os.getpid()}"
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    os.chmod(tmp, 0o644)
+    tmp.replace(out / MANIFEST)
+    return manifest
+
+
+def _tokenizer_file(path: Path) -> Path:
+    return path / TOKENIZER_FILE if path.is_dir() else path
 
 
 # ---------------------------------------------------------------------------------------------- use
