@@ -424,3 +424,43 @@ def test_append_adds_new_shards_as_if_prepared_together(tmp_path: Path, docs: li
     with pytest.raises(ConfigError, match="is not the tokenizer"):
         prepare([write_jsonl(tmp_path / "c.jsonl", docs)], tmp_path / "grown", append=True,
                 tokenizer=tmp_path / "other" / "tokenizer.json")  # fmt: skip
+
+
+@pytest.mark.slow
+def test_an_interrupted_prepare_resumes_to_the_same_bytes(tmp_path: Path, data_dir: Path) -> None:
+    """`plait data prepare` killed mid-way (SIGKILL) leaves its work and a journal beside --out; the same
+    command continues from the journal (the documents already written are read, not tokenised, again) and
+    publishes what an uninterrupted prepare writes. Another command refuses the leftover work unless
+    --overwrite."""
+    import signal
+    import subprocess
+    import sys
+
+    from plait.data.prepare import bundled_corpus_path
+
+    with gzip.open(bundled_corpus_path(), "rt") as f:
+        speeches = [s for s in json.loads(f.readline())["text"].split("\n\n") if s.strip()]
+    src = write_jsonl(tmp_path / "c.jsonl", speeches * 6)  # ~30 MB: several seconds of tokenising
+    tok = str(Path(data_dir) / "tokenizer.json")
+    cmd = [sys.executable, "-m", "plait.cli", "data", "prepare", str(src), "--tokenizer", tok]
+    straight = prepare([src], tmp_path / "straight", tokenizer=tok, shard_tokens=2**26)
+    out = tmp_path / "resumed"
+    journal = tmp_path / ".resumed.partial" / "progress.json"
+    proc = subprocess.Popen([*cmd, "--out", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if journal.exists() and json.loads(journal.read_text())["documents"] > 3000:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the prepare ended before it could be interrupted"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done = json.loads(journal.read_text())["documents"]
+    assert 0 < done < len(speeches) * 6 and not out.exists()
+    refused = subprocess.run([*cmd[:-2], "--vocab-size", "300", "--out", str(out)], capture_output=True, text=True)
+    assert refused.returncode == 2 and "holds an interrupted prepare" in refused.stderr
+    finished = subprocess.run([*cmd, "--out", str(out)], capture_output=True, text=True)
+    assert finished.returncode == 0, finished.stderr[-1000:]
+    assert read_manifest(out) == straight and not journal.parent.exists()
+    for split in ("train", "val"):
+        assert np.array_equal(read_stream(out, split), read_stream(tmp_path / "straight", split))

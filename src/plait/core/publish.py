@@ -19,15 +19,18 @@ def is_nonempty(out: Path) -> bool:
 
 
 @contextlib.contextmanager
-def staged_dir(out: Path, *, overwrite: bool, exists_error: PlaitError) -> Iterator[Path]:
+def staged_dir(out: Path, *, overwrite: bool, exists_error: PlaitError, stage: Path | None = None) -> Iterator[Path]:
     """Yield an empty temporary sibling of `out` (0755); when the block ends without an error, its files are
     made readable by others (0644) and it becomes `out` by one rename. A non-empty `out` raises exists_error
     unless overwrite, in which case the old `out` is moved aside first and deleted only after the rename; on
-    any failure the temporary directory is removed and `out` is as it was."""
+    any failure the temporary directory is removed and `out` is as it was. With `stage`, that directory is
+    used (created if missing, its contents kept) and kept on a failure: work that resumes from what it holds."""
     if is_nonempty(out) and not overwrite:
         raise exists_error
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    if stage is not None:
+        stage.mkdir(exist_ok=True)
+    tmp = stage or Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the published directory is an ordinary one
     try:
         yield tmp
@@ -50,5 +53,6 @@ def staged_dir(out: Path, *, overwrite: bool, exists_error: PlaitError) -> Itera
         if old is not None:
             shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if stage is None:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise

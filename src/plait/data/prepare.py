@@ -211,6 +211,27 @@ class _ShardWriter:
             if self._count == self.shard_tokens:
                 self._finish_shard()
 
+    def state(self) -> dict[str, Any]:
+        """What a resumed prepare restores (restore): the shards, the open one's tokens so far (flushed)."""
+        if self._file is not None:
+            self._file.flush()
+        count = self._count if self._file is not None else None
+        return {"shards": [dict(s) for s in self.shards], "open_tokens": count, "num_documents": self.num_documents}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Continue from `state`: the open shard cut back to what it held then, later shard files removed."""
+        self.shards, self.num_documents = [dict(s) for s in state["shards"]], state["num_documents"]
+        n = len(self.shards)
+        for later in self.out_dir.glob(f"{self.split}_*.bin"):
+            if int(later.stem.rsplit("_", 1)[1]) >= self.first + n:
+                later.unlink()
+        if state["open_tokens"] is not None:
+            path = self.out_dir / self.shards[-1]["file"]
+            self._file = open(path, "r+b")  # noqa: SIM115 - kept open for the writes that follow
+            self._file.truncate(state["open_tokens"] * self.dtype.itemsize)
+            self._file.seek(0, os.SEEK_END)
+            self._hash, self._count = hashlib.sha256(path.read_bytes()), state["open_tokens"]
+
     def _finish_shard(self) -> None:
         self._file.close()
         self.shards[-1].update(num_tokens=self._count, sha256=self._hash.hexdigest())
@@ -312,6 +333,7 @@ def _tokenize_splits(
     tokenizer_path: Path | None = None,
     on_tokens: Callable[[int], None] = lambda n: None,
     first_index: int = 0,
+    on_chunk: Callable[[int], None] = lambda written: None,
 ) -> None:
     """Encode documents (in `workers` processes), append EOS, and route each to train or val, in the
     documents' order whatever the number of workers.
@@ -331,6 +353,7 @@ def _tokenize_splits(
             at += n
             index += 1
         on_tokens(len(ids))
+        on_chunk(first_index + index - 1)  # documents written (the last one is held back)
     if pending is None:
         return
     split, ids = pending
@@ -413,11 +436,50 @@ def prepare(
     given_tok = load_tokenizer(tokenizer) if tokenizer is not None else None
 
     exists = ConfigError(f"{out} exists; pass --overwrite or choose another --out")
-    with staged_dir(out, overwrite=overwrite, exists_error=exists) as tmp:
+    # An interrupted prepare left its work in `stage`, with a journal: the same command continues it.
+    stage = out.parent / f".{out.name}.partial"
+    signature = _signature(files, tokenizer, vocab_size, val_fraction, text_field, shard_tokens)
+    journal = _read_journal(stage)
+    if journal is not None and journal["signature"] != signature:
+        if not overwrite:
+            raise ConfigError(
+                f"{stage} holds an interrupted prepare of other inputs or settings: run that command again to "
+                f"resume it, or pass --overwrite to discard it"
+            )
+        journal = None
+    if journal is None and stage.exists():
+        shutil.rmtree(stage)
+    with staged_dir(out, overwrite=overwrite, exists_error=exists, stage=stage) as tmp:
         manifest = _prepare_into(
-            tmp, files, given_tok, tokenizer, vocab_size, val_fraction, text_field, shard_tokens, workers
-        )
+            tmp, files, given_tok, tokenizer, vocab_size, val_fraction, text_field, shard_tokens, workers,
+            journal=journal, signature=signature,
+        )  # fmt: skip
+        (tmp / JOURNAL).unlink()
     return manifest
+
+
+JOURNAL = "progress.json"
+
+
+def _signature(files, tokenizer, vocab_size, val_fraction, text_field, shard_tokens) -> dict[str, Any]:
+    """What makes two prepares the same work (a journal of another is not resumed)."""
+    inputs = [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files]
+    tok = _sha256_file(_tokenizer_file(Path(tokenizer))) if tokenizer is not None else None
+    return dict(inputs=inputs, tokenizer=tok, vocab_size=vocab_size, val_fraction=val_fraction,
+                text_field=text_field, shard_tokens=shard_tokens)  # fmt: skip
+
+
+def _read_journal(stage: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((stage / JOURNAL).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def _write_journal(stage: Path, journal: dict[str, Any]) -> None:
+    tmp = stage / f".{JOURNAL}.tmp"
+    tmp.write_text(json.dumps(journal))
+    tmp.replace(stage / JOURNAL)
 
 
 def _prepare_into(
@@ -430,11 +492,15 @@ def _prepare_into(
     text_field: str,
     shard_tokens: int,
     workers: int = 1,
+    journal: dict[str, Any] | None = None,
+    signature: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     total_bytes = sum(p.stat().st_size for p in files)
     counts = [0] * len(files)
     with _progress(total_bytes) as start:
-        if tok is None:
+        if journal is not None:  # resuming: the tokenizer is the one the interrupted prepare used
+            tok = load_tokenizer(tmp / TOKENIZER_FILE)
+        elif tok is None:
             docs = _documents(files, text_field, [0] * len(files), start("training tokenizer"))
             tok = train_bpe(_first_bytes(docs, _BPE_MAX_BYTES), vocab_size)
             tok.save(str(tmp / TOKENIZER_FILE))
@@ -448,7 +514,20 @@ def _prepare_into(
         writers = {split: _ShardWriter(tmp, split, dtype, shard_tokens) for split in ("train", "val")}
         task = start(f"tokenizing ({workers} worker{'s' if workers > 1 else ''})")
         docs = _documents(files, text_field, counts, task)
-        _tokenize_splits(docs, tok, eos, dtype, writers, val_fraction, workers, tmp / TOKENIZER_FILE, task.tokens)
+        done = 0
+        if journal is not None:
+            done = journal["documents"]
+            for split, w in writers.items():
+                w.restore(journal["writers"][split])
+            for _ in zip(range(done), docs, strict=False):  # read again, not tokenised
+                pass
+
+        def checkpoint(written: int) -> None:
+            state = {split: w.state() for split, w in writers.items()}
+            _write_journal(tmp, {"signature": signature, "documents": written, "writers": state})
+
+        _tokenize_splits(docs, tok, eos, dtype, writers, val_fraction, workers, tmp / TOKENIZER_FILE, task.tokens,
+                         done, checkpoint)  # fmt: skip
     manifest = {
         "format": FORMAT,
         "dtype": "uint16" if dtype.itemsize == 2 else "uint32",
