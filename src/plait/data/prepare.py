@@ -449,12 +449,19 @@ def prepare(
         journal = None
     if journal is None and stage.exists():
         shutil.rmtree(stage)
-    with staged_dir(out, overwrite=overwrite, exists_error=exists, stage=stage) as tmp:
-        manifest = _prepare_into(
-            tmp, files, given_tok, tokenizer, vocab_size, val_fraction, text_field, shard_tokens, workers,
-            journal=journal, signature=signature,
-        )  # fmt: skip
-        (tmp / JOURNAL).unlink()
+    try:
+        with staged_dir(out, overwrite=overwrite, exists_error=exists, stage=stage) as tmp:
+            manifest = _prepare_into(
+                tmp, files, given_tok, tokenizer, vocab_size, val_fraction, text_field, shard_tokens, workers,
+                journal=journal, signature=signature,
+            )  # fmt: skip
+            (tmp / JOURNAL).unlink()
+    except BaseException as e:
+        # Kept to resume: work interrupted after its first checkpoint (Ctrl-C, a crash; SIGKILL runs nothing
+        # here). Bad input is not resumed (fixing it is other work): nothing is left of it.
+        if isinstance(e, ConfigError) or _read_journal(stage) is None:
+            shutil.rmtree(stage, ignore_errors=True)
+        raise
     return manifest
 
 
