@@ -258,9 +258,11 @@ T1 = ModelArgs(  # Megatron-LM's 1T GPT shape (Narayanan et al. 2021), with a 12
 
 
 def test_search_for_1t_parameters_on_4096_devices_takes_seconds():
-    start = time.perf_counter()
+    # CPU seconds of this process, not wall time: another process sharing the cores (a suite beside this one)
+    # does not make the search slower by this measure (bench/plan_speed.py times it: 1.75 s through the CLI)
+    start = time.process_time()
     result = plan(Workload(T1, 2048, 4096), get_cluster("a100", nodes=512))
-    elapsed = time.perf_counter() - start
+    elapsed = time.process_time() - start
     assert T1.num_params() > 1e12 and elapsed < 10
     best = result.record(result.best)
     assert best["fits"] and best["mem_total_gib"] <= 80 and 0.2 < best["mfu"] < 0.6
