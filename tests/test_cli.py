@@ -242,3 +242,14 @@ def test_every_subcommand_help_shows_defaults(argv, shown, capsys):
     for text in shown:
         assert text in out, (text, out)
     assert "(default: None)" not in out and "(default: False)" not in out
+
+
+def test_train_and_validation_loss_share_one_panel():
+    from plait.engine.plot import figure
+
+    rows = [{"step": s, "train/loss": 5 - s / 10, "train/grad_norm": 1.0} for s in range(1, 11)]
+    rows += [{"step": 5, "val/loss": 4.8}, {"step": 10, "val/loss": 4.6}]
+    loss = figure({"run": rows}).axes[0]
+    assert loss.get_title() == "loss" and [line.get_label() for line in loss.get_lines()] == ["train", "validation"]
+    two = figure({"a": rows, "b": rows}).axes[0]
+    assert [line.get_label() for line in two.get_lines()] == ["a train", "a validation", "b train", "b validation"]

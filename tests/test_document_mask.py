@@ -1,7 +1,7 @@
 """Document masking (data.document_mask): each document of a packed sequence is attended alone, its positions
 from 0. The masked model's logits for a packed row equal each document run alone (fp32); a run with it
 differs from one without on a corpus of short documents; every layout that supports it (DDP, FSDP, TP+SP,
-EP, compiled) equals one process within test_parallel's tolerances; the layouts that do not yet (CP, PP) and
+EP, PP, compiled) equals one process within test_parallel's tolerances; the layout that does not yet (CP) and
 a model of your own are refused, naming why."""
 
 from __future__ import annotations
@@ -109,6 +109,8 @@ def test_every_supported_layout_equals_one_process_with_documents_masked(short_d
         "TP 2 + SP": ["parallel.tp_degree=2"],
         "FSDP 2, full AC": ["parallel.dp_shard_degree=2", "parallel.activation_checkpoint=full"],
         "TP 2, selective AC": ["parallel.tp_degree=2", "parallel.activation_checkpoint=selective"],
+        "PP 2, 1F1B (the later stage given the token ids)": ["parallel.pp_degree=2", "parallel.pp_schedule=1f1b"],
+        "PP 2, GPipe": ["parallel.pp_degree=2", "parallel.pp_schedule=gpipe"],
     }
     results = run_layouts(2, [job(short_docs, "data.document_mask=true", *extra) for extra in jobs.values()])
     for name, got in zip(jobs, results, strict=True):
@@ -138,7 +140,6 @@ def test_expert_parallel_moe_equals_one_process_with_documents_masked(short_docs
     "overrides,message",
     [
         (["parallel.cp_degree=2"], r"document_mask=true with parallel.cp_degree=2 is not supported yet \(the ring"),
-        (["parallel.pp_degree=2"], r"document_mask=true with parallel.pp_degree=2 is not supported yet \(later"),
     ],
 )
 def test_layouts_without_document_masking_yet_are_refused(overrides, message):

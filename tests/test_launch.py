@@ -84,6 +84,49 @@ def test_slurm_script(tmp_path):
     assert bad.returncode == 2 and "world size 3 is not divisible" in bad.stderr
 
 
+@pytest.mark.parametrize("how", ["stops by itself", "SIGTERM to the script"])
+def test_slurm_script_forwards_the_stop_and_requeues_on_exit_75(tmp_path, how):
+    """The generated script run by bash with stand-ins for srun / torchrun / scontrol: a run that ends with
+    exit 75 (stopped with a checkpoint), by itself or after Slurm's SIGTERM to the batch script (forwarded
+    to the trainer, which then exits 75), gets `scontrol requeue JOB`; --partition and --account are set;
+    --no-requeue leaves the job out of the queue."""
+    import signal
+    import time
+
+    root = os.path.dirname(os.path.dirname(__file__))
+    args = ["launch", "slurm", "--nodes", "1", "--gpus-per-node", "1", "--partition", "gpu", "--account", "ml"]
+    for requeue in ("--requeue", "--no-requeue"):
+        script = tmp_path / f"job{requeue}.sbatch"
+        made = run_cli(*args, requeue, "--out", str(script), "--model.preset=debug", cwd=root)
+        assert made.returncode == 0, made.stderr
+        text = script.read_text()
+        assert "#SBATCH --partition=gpu\n" in text and "#SBATCH --account=ml\n" in text
+        assert ("#SBATCH --requeue" in text) == (requeue == "--requeue")
+        bin_dir = tmp_path / "bin"
+        bin_dir.mkdir(exist_ok=True)
+        calls = tmp_path / "scontrol.calls"
+        stand_ins = {
+            "scontrol": f'echo "$@" >> {calls}; [ "$1" = show ] && echo node1; exit 0',
+            "srun": 'exec "$@"',
+            # the trainer: exits 75 at once, or on SIGTERM (finishing its step and checkpoint)
+            "torchrun": "trap 'exit 75' TERM; " + ("exit 75" if how == "stops by itself" else "sleep 30 & wait"),
+        }
+        for name, body in stand_ins.items():
+            (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+            (bin_dir / name).chmod(0o755)
+        calls.unlink(missing_ok=True)
+        env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "42",
+               "SLURM_JOB_NODELIST": "node1"}  # fmt: skip
+        job = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        if how == "SIGTERM to the script":
+            time.sleep(1.0)
+            job.send_signal(signal.SIGTERM)
+        job.wait(timeout=30)
+        assert job.returncode == 75
+        requeued = "requeue 42" in (calls.read_text() if calls.exists() else "")
+        assert requeued == (requeue == "--requeue"), (requeue, how)
+
+
 @pytest.mark.slow
 def test_random_lost_ranks_restart_and_end_bitwise_equal(tmp_path):
     """Kill a random rank at a random step, three times in one run (the i-th kill fires in elastic attempt

@@ -34,3 +34,14 @@ def test_progress_display_fits_and_shows_step_count_and_eta(width, tmp_path, mon
     if width == 80:
         assert "━" in last  # room for the bar too
     assert all(len(f.rstrip()) <= width for f in frames)
+
+
+def test_a_resumed_run_shows_its_step_from_the_start(tmp_path, monkeypatch):
+    """Resumed at step 250 of 400: the display says 250/400 before the first new step, never 0/400."""
+    out = io.StringIO()
+    monkeypatch.setattr(metrics, "console", Console(width=80, force_terminal=True, file=out, color_system=None))
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    logger = metrics.MetricsLogger(tmp_path, LogConfig(tensorboard=False), total_steps=400, start_step=250)
+    assert logger._progress is not None and "250/400" in logger._progress.render(80).plain
+    logger.close()
+    assert "0/400" not in out.getvalue().replace("250/400", "")

@@ -7,6 +7,7 @@ rendezvous; `plait launch slurm` writes a ready sbatch script for that.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import shlex
@@ -197,12 +198,12 @@ SBATCH = """#!/bin/bash
 #SBATCH --cpus-per-task={cpus}
 #SBATCH --time={time}
 #SBATCH --output=%x-%j.out
-# Written by `plait launch slurm`. One torchrun agent per node; they meet at the first node (c10d
+{extra}# Written by `plait launch slurm`. One torchrun agent per node; they meet at the first node (c10d
 # rendezvous) and restart the group up to {restarts} times if a worker or node is lost.
 #SBATCH --signal=B:TERM@120
-# 120 s before the time limit Slurm sends SIGTERM to this script, which forwards it to srun, srun to each
-# torchrun agent, each agent to its workers: they finish their step, write a checkpoint and exit 75;
-# submitting the same script again resumes from it.
+# 120 s before the time limit (or on preemption) Slurm sends SIGTERM to this script, which forwards it to
+# srun, srun to each torchrun agent, each agent to its workers: they finish their step, write a checkpoint
+# and exit 75. {requeue_note}
 set -euo pipefail
 head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export OMP_NUM_THREADS=1
@@ -213,8 +214,15 @@ srun torchrun \\
   --max-restarts={restarts} \\
   -m plait train {args} &
 trainer=$!
-trap 'kill -TERM "$trainer"; wait "$trainer"' TERM
-wait "$trainer"
+trap 'kill -TERM "$trainer" 2>/dev/null || true' TERM
+while kill -0 "$trainer" 2>/dev/null; do  # a trapped signal ends `wait` early: wait until the trainer ends
+  wait "$trainer" || true
+done
+wait "$trainer" && status=0 || status=$?  # its own exit status (bash keeps it)
+if [ "$status" -eq 75 ] && [ {requeue} -eq 1 ]; then
+  scontrol requeue "$SLURM_JOB_ID"  # stopped with a checkpoint: back in the queue, resuming from it
+fi
+exit "$status"
 """
 
 
@@ -222,12 +230,21 @@ def cmd_launch(argv: list[str]) -> int:
     parser = PlaitParser(prog="plait launch", description="Launch plait on a cluster.")
     sub = parser.add_subparsers(dest="target", required=True)
     p = sub.add_parser("slurm", help="Print (or write) an sbatch script running `plait train` on N nodes.")
-    p.add_argument("--nodes", type=int, required=True)
-    p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--cpus-per-task", type=int, default=64)
-    p.add_argument("--time", default="24:00:00", help="Slurm time limit.")
-    p.add_argument("--max-restarts", type=int, default=3)
-    p.add_argument("--name", default="plait")
+    p.add_argument("--nodes", type=int, required=True, help="Nodes of the job (one torchrun agent each).")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs (training processes) per node.")
+    p.add_argument("--cpus-per-task", type=int, default=64, help="CPU cores per node for its processes.")
+    p.add_argument("--time", default="24:00:00", help="Slurm time limit (the run stops 120 s before it).")
+    p.add_argument("--partition", help="Slurm partition (#SBATCH --partition); default: the cluster's.")
+    p.add_argument("--account", help="Slurm account to charge (#SBATCH --account); default: yours.")
+    p.add_argument(
+        "--requeue",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Put the job back in the queue when the run stopped with a checkpoint (exit 75: time limit or "
+        "preemption); it resumes from it.",
+    )
+    p.add_argument("--max-restarts", type=int, default=3, help="torchrun restarts after a lost worker or node.")
+    p.add_argument("--name", default="plait", help="Slurm job name.")
     p.add_argument("--out", help="Write the script here instead of printing it.")
     p.add_argument(
         "--gpu",
@@ -240,7 +257,13 @@ def cmd_launch(argv: list[str]) -> int:
         raise ConfigError("--nodes and --gpus-per-node must be at least 1")
     cfg = _validate_before_launch(train_args, a.nodes * a.gpus_per_node)
     print(_check_memory_on(a.gpu, cfg, a.nodes, a.gpus_per_node), file=sys.stderr)
+    extra = "".join(f"#SBATCH --{k}={v}\n" for k, v in (("partition", a.partition), ("account", a.account)) if v)
+    extra += "#SBATCH --requeue\n" if a.requeue else ""
+    note = "The job is then requeued and resumes from it." if a.requeue else "Submit the script again to resume."
     script = SBATCH.format(
+        extra=extra,
+        requeue=int(a.requeue),
+        requeue_note=note,
         name=a.name,
         nodes=a.nodes,
         gpus=a.gpus_per_node,

@@ -139,10 +139,7 @@ def mixture_shares(text: str) -> dict[str, float]:
 
 def _validate_data(cfg: Config) -> None:
     d, p = cfg.data, cfg.parallel
-    for name, degree, why in (
-        ("cp_degree", p.cp_degree, "the ring attention does not take document boundaries yet"),
-        ("pp_degree", p.pp_degree, "later pipeline stages receive hidden states, not the tokens that mark documents"),
-    ):
+    for name, degree, why in (("cp_degree", p.cp_degree, "the ring attention does not take document boundaries yet"),):
         if d.document_mask and degree > 1:
             raise ConfigError(
                 f"data.document_mask=true with parallel.{name}={degree} is not supported yet ({why}); set "

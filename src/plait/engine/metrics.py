@@ -75,6 +75,7 @@ class MetricsLogger:
         name: str = "",
         config: dict[str, Any] | None = None,
         run_id: str = "",
+        start_step: int = 0,
     ):
         self.cfg = cfg
         self.run_id = run_id  # in every record: a file appended by two runs (or by a resumed one) can be told apart
@@ -93,6 +94,7 @@ class MetricsLogger:
         self._trackers = open_trackers(run_dir, cfg, name or run_dir.name, config)  # TensorBoard, W&B, MLflow
         if cfg.progress and sys.stderr.isatty():
             progress = self._progress = ProgressLine(total_steps)
+            progress.completed = start_step  # a resumed run's bar starts where it resumed, not at 0
             self._live = Live(
                 get_renderable=lambda: progress.render(console.width),
                 console=console,

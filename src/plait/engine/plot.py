@@ -1,6 +1,6 @@
-"""Pictures of runs: loss (train and validation), learning rate and throughput over steps, from
-``metrics.jsonl``. `write_run_plot` writes ``<run>/loss.png`` (the trainer calls it at each evaluation and at
-the end); `plot_runs` overlays several runs in one picture (`plait plot RUN [RUN ...]`).
+"""Pictures of runs: loss (train and validation in one panel), gradient norm, learning rate and throughput
+over steps, from ``metrics.jsonl``. `write_run_plot` writes ``<run>/loss.png`` (the trainer calls it at each
+evaluation and at the end); `plot_runs` overlays several runs in one picture (`plait plot RUN [RUN ...]`).
 
 matplotlib's object API with the Agg canvas: no display, no global pyplot state."""
 
@@ -11,11 +11,11 @@ from pathlib import Path
 
 from plait.core.errors import PlaitError
 
-PANELS = (  # (title, metric key, log scale)
-    ("loss", "train/loss", False),
-    ("validation loss", "val/loss", False),
-    ("learning rate", "train/lr", False),
-    ("tokens / s", "train/tokens_per_s", False),
+PANELS = (  # (title, {metric key: line label}, log scale): train and validation loss on one scale
+    ("loss", {"train/loss": "train", "val/loss": "validation"}, False),
+    ("gradient norm", {"train/grad_norm": ""}, False),
+    ("learning rate", {"train/lr": ""}, False),
+    ("tokens / s", {"train/tokens_per_s": ""}, False),
 )
 
 
@@ -44,22 +44,35 @@ def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
 
 
 def plot_runs(runs: dict[str, list[dict]], out: Path) -> Path:
-    """One 2 x 2 figure, every run a line in each panel; written atomically (a viewer never sees half)."""
+    """One 2 x 2 figure (`figure`), written atomically (a viewer never sees half)."""
     if not can_draw():
         raise PlaitError(f"drawing needs matplotlib, which is not installed: {PLOT_EXTRA}")
+    fig = figure(runs)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp.png")
+    fig.savefig(tmp, dpi=100)
+    tmp.replace(out)
+    return out
+
+
+def figure(runs: dict[str, list[dict]]):
+    """The 2 x 2 panels of PANELS, every run's lines in each (train solid, validation dashed)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(11, 7), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(2, 2).flatten()
-    for ax, (title, key, log) in zip(axes, PANELS, strict=True):
-        drawn = False
+    for ax, (title, keys, log) in zip(axes, PANELS, strict=True):
+        drawn, labelled = False, False
         for name, rows in runs.items():
-            x, y = series(rows, key)
-            if x:
-                ax.plot(x, y, label=name, marker="o" if len(x) < 20 else None, markersize=3)
-                drawn = True
+            for key, what in keys.items():
+                x, y = series(rows, key)
+                if x:
+                    label = " ".join(filter(None, (name if len(runs) > 1 else "", what))) or name
+                    style = "--" if key.startswith("val/") else "-"
+                    ax.plot(x, y, style, label=label, marker="o" if len(x) < 20 else None, markersize=3)
+                    drawn, labelled = True, labelled or bool(what)
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
@@ -67,15 +80,11 @@ def plot_runs(runs: dict[str, list[dict]], out: Path) -> Path:
             ax.set_yscale("log")
         if not drawn:
             ax.text(0.5, 0.5, "not logged yet", ha="center", va="center", transform=ax.transAxes, color="grey")
-        elif len(runs) > 1:
+        elif len(runs) > 1 or labelled:
             ax.legend(fontsize=8)
     if len(runs) == 1:
         fig.suptitle(next(iter(runs)))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp.png")
-    fig.savefig(tmp, dpi=100)
-    tmp.replace(out)
-    return out
+    return fig
 
 
 PLOT_EXTRA = "pip install 'plait[plot]'"

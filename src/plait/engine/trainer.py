@@ -357,6 +357,8 @@ class Trainer:
         )  # fmt: skip
         if cfg.data.document_mask:
             mask_documents(self.t.parts, self._eos_id())
+            if self.t.pipeline is not None:
+                self.t.pipeline.documents = True
         plan.apply(env.is_main)  # every check has passed: now run.overwrite moves the old run aside
         if env.world_size > 1:
             dist.barrier()  # no rank writes into the run directory before it is in place
@@ -369,7 +371,7 @@ class Trainer:
         self._resume(candidates)
         self.metrics = MetricsLogger(
             cfg.run_dir, cfg.log, cfg.train.steps, enabled=env.is_main, name=cfg.run.name, config=to_dict(cfg),
-            run_id=self.lock.token[:12] if self.lock else "",
+            run_id=self.lock.token[:12] if self.lock else "", start_step=self.state.step,
         )  # fmt: skip
         stop = self.stop = StopRequest(announce=env.is_main)
         try:

@@ -26,7 +26,7 @@ def evaluate(t, loader, batches: int) -> float:
             x, y = context_shard(t.meshes, x, y)
             if t.pipeline is not None:
                 out: list[torch.Tensor] | None = [] if t.pipeline.has_last else None
-                kwargs = step_kwargs(t.pipeline, y, out)
+                kwargs = step_kwargs(t.pipeline, y, out, x)
                 t.pipeline.schedule.eval(*([x] if t.pipeline.has_first else []), **kwargs)
                 kept = [full_value(v).float() for v in out or []]  # the last stage's micro-batch losses
                 loss = torch.stack(kept).mean() if kept else torch.zeros((), device=x.device)

@@ -269,14 +269,20 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
 
     def forward(
-        self, tokens: torch.Tensor, cache: KVCache | None = None, targets: torch.Tensor | None = None
+        self,
+        tokens: torch.Tensor,
+        cache: KVCache | None = None,
+        targets: torch.Tensor | None = None,
+        documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        # A pipeline stage without the embedding receives hidden states (B, T, dim) instead of ids.
+        # A pipeline stage without the embedding receives hidden states (B, T, dim) instead of ids; under
+        # document masking it is also given the ids (`documents`), which say where each document starts.
         seqlen = tokens.shape[1]  # before the embedding: sequence parallelism may shard h on T
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        ids = documents if documents is not None else tokens if self.tok_embeddings is not None else None
         docs = None
-        if self.document_eos is not None and cache is None and self.tok_embeddings is not None:
-            docs = document_ids(tokens, self.document_eos)
+        if self.document_eos is not None and cache is None and ids is not None:
+            docs = document_ids(ids, self.document_eos)
             positions = document_positions(docs)
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # (B, T, head_dim)
         else:

@@ -112,6 +112,7 @@ class Pipeline:
     has_last: bool
     num_microbatches: int
     fused: bool = False  # the last stage's output is its micro-batch's summed loss (the fused head's)
+    documents: bool = False  # data.document_mask: every stage is given its micro-batch's token ids
 
 
 def build_pipeline(args: ModelArgs, meshes: Meshes, cfg: Config, device: torch.device, loss_fn) -> Pipeline:
@@ -160,11 +161,15 @@ def build_pipeline(args: ModelArgs, meshes: Meshes, cfg: Config, device: torch.d
 _KEEPS_OUTPUTS_UNLESS_TOLD = "return_outputs" in inspect.signature(ScheduleGPipe.step).parameters
 
 
-def step_kwargs(pipe: Pipeline, targets: torch.Tensor, losses: list | None) -> dict:
+def step_kwargs(pipe: Pipeline, targets: torch.Tensor, losses: list | None, tokens: torch.Tensor) -> dict:
     """The keyword arguments of this rank's schedule.step / eval: the targets and the list that collects the
     micro-batches' losses where the rank holds the last stage (whose model also takes the targets when its
-    head is fused: it returns the loss), and no merged outputs kept."""
+    head is fused: it returns the loss), and no merged outputs kept. Under document masking every stage also
+    takes its micro-batch's token ids (`documents`): where each document starts, for stages that receive
+    hidden states."""
     kwargs: dict[str, Any] = {"target": targets, "losses": losses} if pipe.has_last else {}
+    if pipe.documents:
+        kwargs["documents"] = tokens
     if pipe.fused and pipe.has_last:
         kwargs["targets"] = targets
     if _KEEPS_OUTPUTS_UNLESS_TOLD:  # else the last stage holds every micro-batch's output until the step ends
@@ -176,7 +181,7 @@ def pipeline_forward_backward(pipe: Pipeline, inputs: torch.Tensor, targets: tor
     """Run one step's micro-batches through the schedule; returns the batch-mean loss on every pp rank
     (the last stage computes it; a sum-all-reduce over the pp axis hands it to the others)."""
     losses: list[torch.Tensor] | None = [] if pipe.has_last else None
-    kwargs = step_kwargs(pipe, targets, losses)
+    kwargs = step_kwargs(pipe, targets, losses, inputs)
     if pipe.has_first:
         pipe.schedule.step(inputs, **kwargs)
     else:
