@@ -158,6 +158,9 @@ class CheckpointConfig:
     keep_every: int = 0
     """Also keep, forever, the first checkpoint at or after each multiple of this step (the multiple itself,
     unless its save was deferred behind a slow one) (0: off)."""
+    keep_best: bool = False
+    """Also keep the checkpoint with the lowest validation loss (among those saved at a step with an
+    evaluation: every_steps a multiple of eval.every_steps)."""
     async_enabled: bool = True
     """Write checkpoints in the background: the loop waits only while the state is copied to CPU memory."""
     dir: str = ""

@@ -29,6 +29,7 @@ def validate(cfg: Config) -> Config:
     _validate_guard(cfg)
     _validate_model(cfg)
     _validate_data(cfg)
+    _validate_keep_best(cfg)
     _validate_training(cfg)
     _validate_run(cfg)
     _validate_moe(cfg)
@@ -135,6 +136,19 @@ def mixture_shares(text: str) -> dict[str, float]:
     sources = data_sources(text)
     total = sum(w for _, _, w in sources)
     return {n: w / total for n, _, w in sources}
+
+
+def _validate_keep_best(cfg: Config) -> None:
+    c, every = cfg.checkpoint, cfg.eval.every_steps
+    if not c.keep_best:
+        return
+    if not every:
+        raise ConfigError("checkpoint.keep_best=true keeps the best validation loss: set eval.every_steps (e.g. 100)")
+    if c.every_steps % every:
+        raise ConfigError(
+            f"checkpoint.keep_best=true with checkpoint.every_steps={c.every_steps} and eval.every_steps={every}: "
+            f"saved steps would have no validation loss; make checkpoint.every_steps a multiple of {every}"
+        )
 
 
 def _validate_data(cfg: Config) -> None:

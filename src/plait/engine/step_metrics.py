@@ -39,6 +39,8 @@ class StepMetrics(Callback):
             )
             if problem := schedule_problem(cfg.optim, cfg.train.steps):
                 warn(problem)
+            if problem := epochs_problem(run.loader, cfg.train.steps - run.state.step):
+                warn(problem)
             if not can_draw():
                 info(f"loss.png is not drawn: matplotlib is not installed ({PLOT_EXTRA})")
         self._mark(run.state.step)
@@ -89,3 +91,22 @@ def _flops_per_token(run) -> tuple[float, int]:
         return run.cfg.model.flops_per_token(run.cfg.data.seq_len), run.cfg.model.num_params()
     params = sum(p.numel() for p in run.t.parameters())  # DTensor numel is the global size
     return 6.0 * params, params
+
+
+EPOCHS_WARNED = 4.0  # more passes over the same sequences than this: a small corpus for the run
+
+
+def epochs_problem(loader, steps: int) -> str | None:
+    """A warning when the steps still to run would pass over the training sequences more than EPOCHS_WARNED
+    times (a mixture: its sources together)."""
+    windows, batch = getattr(loader, "num_windows", 0), getattr(loader, "global_batch_size", 0)
+    if not windows or not batch or steps <= 0:
+        return None
+    epochs = steps * batch / windows
+    if epochs <= EPOCHS_WARNED:
+        return None
+    return (
+        f"the run passes over its training data {epochs:.1f} times ({steps:,} steps x {batch} sequences, "
+        f"{windows:,} sequences in the corpus): expect the validation loss to rise as it memorises; prepare "
+        f"more data, or lower train.steps to about {int(EPOCHS_WARNED * windows / batch):,}"
+    )

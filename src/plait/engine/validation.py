@@ -4,11 +4,16 @@ trainer as a callback."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
+from plait.data import unigram_entropy
+from plait.data.remote import is_remote_source
 from plait.engine.callbacks import Callback, RunState
 from plait.engine.loss import IGNORE_INDEX, MeanLoss, cross_entropy
+from plait.engine.metrics import warn
 from plait.parallel.context import context_shard
 from plait.parallel.norm import full_value
 from plait.parallel.pipeline import step_kwargs
@@ -48,7 +53,15 @@ def evaluate(t, loader, batches: int) -> float:
 
 
 class Validation(Callback):
-    """Measures the validation loss when due (run.final["val_loss"]) and calls every callback's after_eval."""
+    """Measures the validation loss when due (run.final["val_loss"]) and calls every callback's after_eval.
+    A checkpoint saved at a step with an evaluation records its loss (for checkpoint.keep_best)."""
+
+    def on_start(self, run: RunState) -> None:
+        self._evaluated: tuple[int, float] | None = None
+        run.checkpointer.describers.append(self._describe)
+
+    def _describe(self, step: int, t) -> dict[str, float]:
+        return {"val_loss": self._evaluated[1]} if self._evaluated and self._evaluated[0] == step else {}
 
     def after_step(self, run: RunState, step: int, result) -> None:
         every, steps = run.cfg.eval.every_steps, run.cfg.train.steps
@@ -62,4 +75,36 @@ class Validation(Callback):
             run.metrics.log(step, {f"loss_{name}": loss for name, loss in losses.items()}, prefix="val")
             run.final.update({f"val_loss_{name}": loss for name, loss in losses.items()})
         run.final["val_loss"] = total
+        self._evaluated = (step, total)
+        if run.env.is_main and (problem := self._above_baseline(run, total)):
+            warn(problem)
         run.callbacks.after_eval(run, step, run.final["val_loss"])
+
+    _baseline: float | None = None
+    _lowest = math.inf
+    _warned = False
+
+    def _above_baseline(self, run: RunState, loss: float) -> str | None:
+        """Once a run: a warning when the validation loss, having been below the unigram entropy of the
+        validation split, rises above it again (a model worse than token frequencies: memorising, or a
+        learning rate too high). For one local corpus; a mixture's or a remote corpus's split is not read."""
+        cfg = run.cfg
+        if self._warned or run.data_dir is None or cfg.data.sources or is_remote_source(cfg.data.source):
+            return None
+        if self._baseline is None:
+            self._baseline = unigram_entropy(run.data_dir, "val")
+        self._lowest, lowest = min(self._lowest, loss), self._lowest
+        if not rose_above(lowest, loss, self._baseline):
+            return None
+        self._warned = True
+        return (
+            f"validation loss {loss:.3f} is above the unigram entropy of the validation text ({self._baseline:.3f}): "
+            "the model predicts worse than token frequencies would; it is memorising its training data (see the "
+            "epochs warning, if any) or optim.lr is too high; keep the checkpoint with the best validation loss "
+            "(checkpoint.keep_best=true)"
+        )
+
+
+def rose_above(lowest: float, loss: float, baseline: float) -> bool:
+    """Whether a validation loss that was once below the baseline (`lowest` so far) is now above it."""
+    return lowest < baseline < loss

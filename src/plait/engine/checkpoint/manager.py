@@ -26,7 +26,15 @@ from torch.distributed.checkpoint.metadata import Metadata
 from plait.config import CheckpointConfig
 from plait.core import storage, torch_private
 from plait.core.storage import DCP_METADATA, Location
-from plait.engine.checkpoint.find import ANY_STEP_DIR, FORMAT, META, checkpoint_problems, classify, step_of
+from plait.engine.checkpoint.find import (
+    ANY_STEP_DIR,
+    FORMAT,
+    META,
+    checkpoint_problems,
+    classify,
+    read_meta,
+    step_of,
+)
 from plait.engine.checkpoint.load import NO_DIST_WARNING, load_state, rng_state, state_dicts
 from plait.engine.checkpoint.verify import flatten
 from plait.engine.checkpoint.wording import mb, one_line, short, warn
@@ -114,6 +122,7 @@ class CheckpointManager:
         # Called on every rank when a save begins, with (step, trainable): entries for that checkpoint's
         # plait.json (the lineage's weights hash, from the weights as they are saved; they may use collectives).
         self.describers: list[Callable[[int, Any], dict[str, Any]]] = []
+        self._val_losses: dict[str, float | None] = {}  # checkpoint name -> its recorded validation loss
         # Called on the main rank before a save is published, with its step (a test's fault injection).
         self.before_publish: list[Callable[[int], None]] = []
         warnings.filterwarnings("ignore", message=NO_DIST_WARNING)  # one process saves without a group: intended
@@ -477,6 +486,8 @@ class CheckpointManager:
         complete = [c for c in complete if not self._verified[c.name]]
         steps = [step_of(c) for c in complete]
         keep = set(steps[-max(1, self.cfg.keep_last) :]) | kept_forever(steps, self.cfg.keep_every)
+        if self.cfg.keep_best:
+            keep |= self._best(complete)
         for c in complete:
             if step_of(c) not in keep:
                 storage.remove_tree(c)
@@ -487,6 +498,16 @@ class CheckpointManager:
             # a partial save: step_<N>.tmp on a local disk, an unpublished step_<N> prefix on S3
             if name.endswith(".tmp") or (steps and step_of(self.dir / name) < steps[-1]):
                 storage.remove_tree(self.dir / name)
+
+    def _best(self, complete: list) -> set[int]:
+        """checkpoint.keep_best: the step of the checkpoint with the lowest validation loss its meta records
+        (each read once), or nothing when none records one."""
+        for c in complete:
+            if c.name not in self._val_losses:
+                with contextlib.suppress(Exception):  # unreadable: not a candidate (it is reported elsewhere)
+                    self._val_losses[c.name] = read_meta(c).get("val_loss")
+        scored = [(v, step_of(c)) for c in complete if (v := self._val_losses.get(c.name)) is not None]
+        return {min(scored)[1]} if scored else set()
 
     # ------------------------------------------------------------------------------------------- load
 
