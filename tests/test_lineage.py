@@ -200,6 +200,12 @@ def test_lookups_by_id_prefix_path_hash_and_name(family, tmp_path):
     with pytest.raises(PlaitError, match="nothing named 'zzz' in the lineage registry"):
         reg.find("zzz")
     assert find_registry(tmp_path / "runs" / "a" / "step_4") == tmp_path / "runs" / "lineage.sqlite"
+    # a directory holding recorded artifacts (a run directory after `plait ckpt import --out runs/x`, whose
+    # checkpoint is runs/x/checkpoints/step_00000000): its newest one
+    imported = reg.record("import", name="x", path=tmp_path / "runs" / "x" / "checkpoints" / "step_00000000")
+    assert reg.find(str(tmp_path / "runs" / "x")).id == imported
+    assert reg.newest_under(tmp_path / "runs" / "x" / "checkpoints").id == imported
+    assert reg.newest_under(tmp_path / "runs" / "xy") is None  # a prefix of the name is not the directory
 
 
 def test_lineage_cli(family, tmp_path, capsys):

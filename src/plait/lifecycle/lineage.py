@@ -274,6 +274,16 @@ class Registry:
                     return Artifact.from_row(row)
         return None
 
+    def newest_under(self, directory: str | Path) -> Artifact | None:
+        """The newest artifact recorded inside this directory (a run directory's checkpoints)."""
+        prefix = (_norm(directory) or "").rstrip("/") + "/"
+        with self._connect() as db:
+            row = db.execute(
+                "SELECT * FROM artifacts WHERE substr(path, 1, ?) = ? ORDER BY created DESC, rowid DESC LIMIT 1",
+                (len(prefix), prefix),
+            ).fetchone()
+        return Artifact.from_row(row) if row else None
+
     def by_weights(self, weights_hash: str) -> Artifact | None:
         """The oldest artifact with these weights (the one that made them)."""
         with self._connect() as db:
@@ -296,6 +306,9 @@ class Registry:
                     found = self.by_path(Path(ref).parent)
                     if found:
                         return found
+                found = self.newest_under(ref)  # a run directory: its newest checkpoint (or import, export)
+                if found:
+                    return found
             for column in ("id", "weights_hash"):
                 if len(ref) >= 4:
                     rows = db.execute(f"SELECT * FROM artifacts WHERE {column} LIKE ? ORDER BY created", (ref + "%",))
