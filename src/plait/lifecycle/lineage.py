@@ -375,12 +375,14 @@ def find_registry(start: str | Path) -> Path | None:
 
 
 def open_registry(explicit: str | None, near: str | Path | None = None, *, create: bool = False) -> Registry | None:
-    """The registry given with --registry, else the one covering ``near``, else ./runs/lineage.sqlite if it
-    exists; None when there is none (and ``create`` is false)."""
+    """The registry given with --registry, else the one covering ``near``, else (no path given: `plait lineage
+    list`) ./runs/lineage.sqlite if it exists; None when there is none (and ``create`` is false). A path
+    outside every registry is not recorded in the working directory's: that would mix other projects' work
+    (or a test's) into it."""
     if explicit:
         return Registry(explicit, create=create)
     found = find_registry(near) if near is not None and "://" not in str(near) else None
-    if found is None and Path("runs", REGISTRY_FILE).is_file():
+    if found is None and (near is None or "://" in str(near)) and Path("runs", REGISTRY_FILE).is_file():
         found = Path("runs", REGISTRY_FILE)
     return Registry(found, create=False) if found else None
 
