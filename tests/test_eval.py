@@ -192,3 +192,19 @@ def test_monitors_run_in_parallel_runs(setup, tmp_path, layout):
     assert got["completions"] == expected.completions
     assert [r["passed"] for r in got["results"]] == [r.passed for r in expected.results]
     assert got["failed"] == expected.failed > 0 and got["passed"] == expected.passed > 0
+
+
+def test_eval_perplexity_of_a_run_is_its_validation_loss(data_dir, tmp_path):
+    """`plait eval RUN` measures on the run's own validation setting (its data.seq_len, global batch size and
+    eval.num_batches of the first validation windows), so its loss is the run's last validation loss."""
+    from plait.api import train
+    from plait.config import load_config
+    from runs import debug_run
+
+    train(load_config(None, debug_run(data_dir, tmp_path, "r", 4, "eval.every_steps=4", "eval.num_batches=3")))
+    rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    val = [r["val/loss"] for r in rows if "val/loss" in r][-1]
+    out = tmp_path / "eval.json"
+    assert main(["eval", str(tmp_path / "r"), "--json", str(out)]) == 0
+    got = json.loads(out.read_text())["perplexity"]
+    assert got["loss"] == pytest.approx(val, rel=1e-5) and got["tokens"] == 3 * 8 * 32

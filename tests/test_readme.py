@@ -31,6 +31,14 @@ RUN = {
     "plait data prepare books/ notes.jsonl --out data/mine --vocab-size 8192": ([], ["data/mine"]),
     "plait train --data.source=data/mine --model.vocab_size=8192 --run.name=mine": (CAP, ["runs/mine/checkpoints"]),
     "plait data prepare books/ --out data/books --tokenizer data/mine/tokenizer.json": ([], ["data/books"]),
+    "plait data prepare books/ notes.jsonl --out data/mine --vocab-size 8192 --workers 2": (
+        ["--overwrite"],
+        ["with 2 workers", "data/mine"],
+    ),
+    "plait train --data.source=data/mine --model.vocab_size=8192 --data.document_mask=true --run.name=mine-docs": (
+        CAP,
+        ["runs/mine-docs/checkpoints"],
+    ),
     "plait train --data.sources=mine=data/mine:0.7,books=data/books:0.3 --model.vocab_size=8192 --run.name=mix": (
         CAP,
         ["data mixture mine 70%, books 30%", "runs/mix/checkpoints"],
@@ -60,6 +68,9 @@ SMOLLM2_TRAIN = (
     "--data.source=data-smollm2 --data.seq_len=128 --train.steps=12 --eval.suite=suite.yaml --run.name=smollm2-lora"
 )
 SKIPPED = {  # README line -> why it is not run here
+    "plait train --data.source=s3://my-bucket/corpus --checkpoint.s3_endpoint=http://127.0.0.1:8333": (
+        "needs an S3 server: tests/test_remote_data.py trains from the real one (SeaweedFS) on loopback"
+    ),
     f"{SLURM} && sbatch job.sbatch": "no Slurm here: the plait half runs above and its script is checked (bash -n)",
     SMOLLM2_TRAIN: "the SmolLM2 example's own steps (examples/smollm2_lora.py downloads the model)",
     "plait eval runs/smollm2-lora --suite suite.yaml --json eval.json": "the SmolLM2 example's own steps",

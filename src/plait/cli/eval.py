@@ -27,15 +27,22 @@ def cmd_eval(argv: list[str]) -> int:
     parser.add_argument("--suite", help="A behavioural test suite (YAML).")
     parser.add_argument("--data", help="A prepared data directory for perplexity; default: the model's training data.")
     parser.add_argument("--split", default="val", help="Split to measure perplexity on.")
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--batches", type=int, default=8, help="Batches of 4 sequences for perplexity.")
+    parser.add_argument(
+        "--seq-len", type=int, help="Tokens per sequence for perplexity; default: the run's data.seq_len (else 256)."
+    )
+    parser.add_argument(
+        "--batches",
+        type=int,
+        help="Batches for perplexity; default: the run's eval.num_batches of its global batch size (so the loss "
+        "is the run's validation loss), else 8 of 4 sequences.",
+    )
     parser.add_argument("--no-perplexity", action="store_true", help="Run only the suite.")
     parser.add_argument("--base", help="For an adapter: its base model (default: the path the adapter records).")
     parser.add_argument("--json", help="Write the full report (results, completions, perplexity) here.")
     parser.add_argument("--device", default="cpu")
     registry_arg(parser)
     a = parser.parse_args(argv)
-    if a.batches < 1 or a.seq_len < 2:
+    if (a.batches is not None and a.batches < 1) or (a.seq_len is not None and a.seq_len < 2):
         raise ConfigError(f"need --batches >= 1 and --seq-len >= 2 (got {a.batches}, {a.seq_len})")
     if a.json and Path(a.json).is_dir():
         raise ConfigError(f"--json {a.json} is a directory; give a file path, e.g. {Path(a.json) / 'eval.json'}")
@@ -48,7 +55,14 @@ def cmd_eval(argv: list[str]) -> int:
     report = Report(suite.name if suite else "", model=str(loaded.path))
     data_dir = None if a.no_perplexity else data_dir_of(a.data, loaded.config, loaded.model.args.vocab_size)
     if data_dir is not None:
-        report.perplexity = perplexity(loaded.model, data_dir, split=a.split, seq_len=a.seq_len, max_batches=a.batches)
+        # the run's own validation setting where the model has one: then the loss is its validation loss
+        run = loaded.config or {}
+        seq_len = a.seq_len or run.get("data", {}).get("seq_len", 256)
+        batch = run.get("train", {}).get("global_batch_size", 4) if a.batches is None else 4
+        batches = a.batches or run.get("eval", {}).get("num_batches", 8)
+        report.perplexity = perplexity(
+            loaded.model, data_dir, split=a.split, seq_len=seq_len, batch_size=batch, max_batches=batches
+        )
         report.perplexity["data"] = str(data_dir)
     if suite is not None:
         if loaded.tokenizer is None:
