@@ -175,3 +175,32 @@ def test_doctor_sees_a_cpu_hog_sharing_the_core(tmp_path):
     assert shared.returncode == 1 and "SHARED" in out, shared.stdout + shared.stderr
     assert "rank 0 (" in out and "shares its device" in out and "another process is using its cores" in out, out
     assert "threads waited for a core" in out, out  # read from the scheduler, not guessed from the times
+
+
+def test_a_shared_cpu_rank_trains_with_the_threads_its_free_cores_allow(monkeypatch):
+    """Beside a busy process (2.0x run-queue contention), a 2-thread CPU rank drops to 1 thread and says so;
+    a rank alone, a GPU rank and an OMP_NUM_THREADS choice are left as they are."""
+    from plait.features.health import HealthReport, fit_threads_to_free_cores, threads_for_free_cores
+
+    assert [threads_for_free_cores(t, c) for t, c in ((2, 2.0), (8, 2.0), (8, 1.3), (1, 3.0), (4, 0.5))] == [
+        1, 4, 6, 1, 4,
+    ]  # fmt: skip
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+
+    def report(contention):
+        shared = ComputeResult(0, "node", "cpu", 512, 0.1, 1e-7, 1e-9, "aaaa", 0.05, contention)
+        return HealthReport([shared], [], slow_ratio=2.0)
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert fit_threads_to_free_cores(report(1.0), 0, torch.device("cpu")) == ""  # alone
+        assert fit_threads_to_free_cores(report(2.0), 0, torch.device("cuda")) == ""  # a GPU rank
+        said = fit_threads_to_free_cores(report(2.0), 0, torch.device("cpu"))
+        assert torch.get_num_threads() == 1 and "training with 1 CPU thread instead of 2" in said
+        torch.set_num_threads(2)
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's choice stands
+        assert fit_threads_to_free_cores(report(2.0), 0, torch.device("cpu")) == ""
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
