@@ -199,8 +199,9 @@ def count_only_saved_ops(modes, saved) -> None:
 
 
 # torch._grouped_mm on the CPU: only where tests ask (this flag, or PLAIT_GROUPED_MM_ON_CPU=1 in the processes a
-# test starts); plait's CPU default is one matmul per expert.
-GROUPED_MM_ON_CPU = os.environ.get("PLAIT_GROUPED_MM_ON_CPU") == "1"
+# test starts, read at each call: a test's workers may have imported plait before it set the variable); plait's
+# CPU default is one matmul per expert.
+GROUPED_MM_ON_CPU = False
 """Tests set this to run `grouped_mm` on the CPU too (where torch has it, fp32, forward and backward), to check
 the path CUDA takes against the exact loop."""
 
@@ -222,7 +223,8 @@ def grouped_mm_runs(device, dtype, *widths: int) -> bool:
     size = torch.empty((), dtype=dtype).element_size()
     aligned = all(w * size % 16 == 0 for w in widths)
     if device.type == "cpu":
-        return GROUPED_MM_ON_CPU and aligned and dtype in (torch.float32, torch.bfloat16)
+        asked = GROUPED_MM_ON_CPU or os.environ.get("PLAIT_GROUPED_MM_ON_CPU") == "1"
+        return asked and aligned and dtype in (torch.float32, torch.bfloat16)
     return (
         device.type == "cuda"
         and dtype == torch.bfloat16
