@@ -1,4 +1,4 @@
-"""Every GPU measurement the open issues ask for, in three parts that each fit one 10-minute device call.
+"""Every GPU measurement the open issues ask for, in four parts that each fit one 10-minute device call.
 
 A session lent a GPU has 15 minutes of device time (one call, after the machine's start) and 10 minutes a
 call; the parts are in order of what the issues need most, one part per lent session:
@@ -10,6 +10,13 @@ call; the parts are in order of what the issues need most, one part per lent ses
             ring attention at cp 1 against SDPA on CUDA and llama3-1b at seq 32,768 (regression checks)
     part 3  the other peers (per-block compile, HF transformers), full activation checkpointing's effect on
             peak memory in one process, llama3-8b with CPU offload + full AC, an MoE model in bf16
+    part 4  real size (issue 30): `plait fit` of llama3-8b FSDP 8, llama3-70b TP 8 x FSDP 8, the Llama 3 405B
+            published layout (first and last stage), qwen3-30b-a3b EP 8, beside torch.compile probes with TP,
+            FSDP x TP and MoE blocks; then llama3-8b with CPU offload training; then the 1.9B MoE timed. Needs
+            an H200 (the 405B first stage is predicted at 78 GiB). One call, with the logs out of $OUT:
+
+        python3 bench/gpu_session.py --part 4 --out /tmp/res --logs /tmp/res/logs --budget 535; \
+        tar czf $OUT/part4.tgz -C /tmp res; cp /tmp/res/gpu_session_part4.json $OUT/
 
 Each step runs in its own process with a time limit; a step that would not finish before the part's deadline
 is skipped and said so. Logs and JSON results go to --out (default $OUT on the device machine, else
