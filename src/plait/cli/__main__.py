@@ -1,7 +1,5 @@
 """`python -m plait.cli COMMAND ...`: the plait command line."""
 
-import sys
+from plait.cli.main import exit_process, main
 
-from plait.cli.main import main
-
-sys.exit(main())
+exit_process(main())

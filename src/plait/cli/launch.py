@@ -56,12 +56,16 @@ def report_to_launcher(message: str, code: int = INPUT_ERROR_EXIT) -> bool:
     return True
 
 
+RAN_AGENT = [False]  # whether this process ran torch's elastic agent (plait.cli.main.exit_process)
+
+
 def elastic_run(entrypoint, argv: list[str], nproc: int, *, max_restarts: int = 0, name: str = "plait") -> None:
     """Run entrypoint(argv) in nproc local workers under torch's elastic agent (c10d rendezvous on
     loopback); a failed worker raises ChildFailedError after max_restarts restarts of the group."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     _quiet_elastic_logs()
+    RAN_AGENT[0] = True
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import os
 import sys
 
 from plait.cli.run import run_command
@@ -64,5 +65,24 @@ def main(argv: list[str] | None = None) -> int:
     return run_command(argv[0], getattr(importlib.import_module(module), function), argv[1:])
 
 
+def exit_process(code: int) -> None:
+    """End the `plait` process with `code`. A launcher that ran torch's elastic agent (`--nproc`) ends at once
+    once its output is flushed: its workers have ended and its run lock is released, and the interpreter's
+    teardown could meet the agent's store thread still running and abort ("terminate called without an active
+    exception", seen once in a loaded test run after a stop had been saved)."""
+    from plait.cli.launch import RAN_AGENT
+
+    if RAN_AGENT[0]:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
+def entry() -> None:
+    """The `plait` console command."""
+    exit_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())
