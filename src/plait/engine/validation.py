@@ -80,7 +80,7 @@ class Validation(Callback):
             warn(problem)
         run.callbacks.after_eval(run, step, run.final["val_loss"])
 
-    _baseline: float | None = None
+    _baseline: float | None = None  # (None again when unigram_baseline has none: asked once per evaluation)
     _lowest = math.inf
     _warned = False
 
@@ -88,11 +88,12 @@ class Validation(Callback):
         """Once a run: a warning when the validation loss, having been below the unigram entropy of the
         validation split, rises above it again (a model worse than token frequencies: memorising, or a
         learning rate too high). For one local corpus; a mixture's or a remote corpus's split is not read."""
-        cfg = run.cfg
-        if self._warned or run.data_dir is None or cfg.data.sources or is_remote_source(cfg.data.source):
+        if self._warned or run.data_dir is None:
             return None
         if self._baseline is None:
-            self._baseline = unigram_entropy(run.data_dir, "val")
+            self._baseline = unigram_baseline(run.cfg, run.data_dir)
+        if self._baseline is None:
+            return None
         self._lowest, lowest = min(self._lowest, loss), self._lowest
         if not rose_above(lowest, loss, self._baseline):
             return None
@@ -108,3 +109,21 @@ class Validation(Callback):
 def rose_above(lowest: float, loss: float, baseline: float) -> bool:
     """Whether a validation loss that was once below the baseline (`lowest` so far) is now above it."""
     return lowest < baseline < loss
+
+
+_BASELINES: dict[tuple[str, int], float] = {}
+
+
+def unigram_baseline(cfg, data_dir) -> float | None:
+    """The unigram entropy of the validation split of one local corpus, read once per prepared directory (its
+    manifest's mtime in the key) for the run's warning and its end report; None for a mixture (its total
+    weighs its sources) or a corpus on S3 (not downloaded for it)."""
+    if cfg.data.sources or is_remote_source(cfg.data.source):
+        return None
+    from pathlib import Path
+
+    manifest = Path(data_dir) / "manifest.json"
+    key = (str(Path(data_dir).resolve()), manifest.stat().st_mtime_ns)
+    if key not in _BASELINES:
+        _BASELINES[key] = unigram_entropy(data_dir, "val")
+    return _BASELINES[key]

@@ -9,12 +9,12 @@ from pathlib import Path
 import torch
 
 from plait.config import Config
-from plait.data import eos_id, load_tokenizer, unigram_entropy
-from plait.data.remote import is_remote_source
+from plait.data import eos_id, load_tokenizer
 from plait.engine.callbacks import Callback
 from plait.engine.checkpoint import checkpoint_dir, list_checkpoints
 from plait.engine.generate import generate
 from plait.engine.metrics import console, info
+from plait.engine.validation import unigram_baseline
 from plait.model import Transformer
 
 
@@ -38,8 +38,8 @@ def _report(
     if "val_loss" in final:
         # the unigram baseline reads the whole validation split: for one local corpus only (a mixture's
         # total weighs its sources; a corpus on S3 is not downloaded for it)
-        one_local = not cfg.data.sources and not is_remote_source(cfg.data.source)
-        baseline = f"unigram entropy of the corpus: {unigram_entropy(data_dir, 'val'):.3f}; " if one_local else ""
+        entropy = unigram_baseline(cfg, data_dir)
+        baseline = f"unigram entropy of the corpus: {entropy:.3f}; " if entropy is not None else ""
         info(
             f"validation loss {final['val_loss']:.3f} nats/token "
             f"({baseline}a model that learned nothing scores {math.log(cfg.model.vocab_size):.3f})"
