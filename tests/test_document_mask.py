@@ -1,8 +1,8 @@
 """Document masking (data.document_mask): each document of a packed sequence is attended alone, its positions
 from 0. The masked model's logits for a packed row equal each document run alone (fp32); a run with it
-differs from one without on a corpus of short documents; every layout that supports it (DDP, FSDP, TP+SP,
-EP, PP, compiled) equals one process within test_parallel's tolerances; the layout that does not yet (CP) and
-a model of your own are refused, naming why."""
+differs from one without on a corpus of short documents; every layout (DDP, FSDP, TP+SP, CP's ring, EP, PP,
+compiled, and CP with each of the others) equals one process within test_parallel's tolerances; a model of
+your own is refused, naming why."""
 
 from __future__ import annotations
 
@@ -111,10 +111,33 @@ def test_every_supported_layout_equals_one_process_with_documents_masked(short_d
         "TP 2, selective AC": ["parallel.tp_degree=2", "parallel.activation_checkpoint=selective"],
         "PP 2, 1F1B (the later stage given the token ids)": ["parallel.pp_degree=2", "parallel.pp_schedule=1f1b"],
         "PP 2, GPipe": ["parallel.pp_degree=2", "parallel.pp_schedule=gpipe"],
+        "CP 2 (documents crossing the ranks' chunks)": ["parallel.cp_degree=2"],
+        "CP 2, full AC": ["parallel.cp_degree=2", "parallel.activation_checkpoint=full"],
+        "CP 2, compiled (the ring: an opaque op given the documents)": [
+            "parallel.cp_degree=2",
+            "compile.enabled=true",
+            "compile.strict=true",
+        ],
     }
     results = run_layouts(2, [job(short_docs, "data.document_mask=true", *extra) for extra in jobs.values()])
     for name, got in zip(jobs, results, strict=True):
         check(name, got, masked)
+
+
+@pytest.mark.slow
+def test_context_parallel_with_each_other_layout_equals_one_process_with_documents_masked(short_docs, masked_reference):
+    jobs = {
+        "FSDP 2 x CP 2": ["parallel.dp_shard_degree=2", "parallel.cp_degree=2"],
+        "TP 2 x CP 2, selective AC": [
+            "parallel.tp_degree=2",
+            "parallel.cp_degree=2",
+            "parallel.activation_checkpoint=selective",
+        ],
+        "PP 2 x CP 2 (each stage gathers its micro-batch's ids)": ["parallel.pp_degree=2", "parallel.cp_degree=2"],
+    }
+    results = run_layouts(4, [job(short_docs, "data.document_mask=true", *extra) for extra in jobs.values()])
+    for name, got in zip(jobs, results, strict=True):
+        check(name, got, masked_reference[0])
 
 
 @pytest.mark.slow
@@ -134,17 +157,6 @@ def test_expert_parallel_moe_equals_one_process_with_documents_masked(short_docs
     train(load_config(None, [*job(short_docs, *moe), f"run.out_dir={tmp_path}", "run.name=moe"]))
     (got,) = run_layouts(2, [job(short_docs, *moe, "parallel.dp_shard_degree=2", "parallel.ep_degree=2")])
     check("EP 2", got, read_metrics(tmp_path / "moe"))
-
-
-@pytest.mark.parametrize(
-    "overrides,message",
-    [
-        (["parallel.cp_degree=2"], r"document_mask=true with parallel.cp_degree=2 is not supported yet \(the ring"),
-    ],
-)
-def test_layouts_without_document_masking_yet_are_refused(overrides, message):
-    with pytest.raises(ConfigError, match=message):
-        load_config(None, ["model.preset=debug", "data.document_mask=true", *overrides])
 
 
 def test_a_model_of_your_own_is_refused(data_dir, tmp_path):

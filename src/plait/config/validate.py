@@ -152,13 +152,7 @@ def _validate_keep_best(cfg: Config) -> None:
 
 
 def _validate_data(cfg: Config) -> None:
-    d, p = cfg.data, cfg.parallel
-    for name, degree, why in (("cp_degree", p.cp_degree, "the ring attention does not take document boundaries yet"),):
-        if d.document_mask and degree > 1:
-            raise ConfigError(
-                f"data.document_mask=true with parallel.{name}={degree} is not supported yet ({why}); set "
-                f"parallel.{name}=1 or data.document_mask=false"
-            )
+    d = cfg.data
     if not d.sources:
         return
     if d.source != "shakespeare":

@@ -191,8 +191,7 @@ class Attention(nn.Module):
             k, v = cache.update(self.layer_id, k, v)  # (B, start + T, n_kv_heads, head_dim)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, head_dim)
         if docs is not None:
-            mask = document_mask(docs, self.sliding_window)
-            out = F.scaled_dot_product_attention(q, *self.repeat_kv(k, v), attn_mask=mask)
+            out = self.within_documents(q, k, v, docs)
         elif start == 0 and not 0 < self.sliding_window < seqlen:  # plain causal: SDPA's fastest kernels
             out = self.causal(q, k, v)
         else:
@@ -204,6 +203,12 @@ class Attention(nn.Module):
         """Causal attention of the whole sequence: q (B, n_heads, T, head_dim), k / v with n_kv_heads.
         Context parallelism replaces it with the ring over the cp ranks (plait.parallel.context)."""
         return F.scaled_dot_product_attention(q, *self.repeat_kv(k, v), is_causal=True)
+
+    def within_documents(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: torch.Tensor) -> torch.Tensor:
+        """Causal attention of packed documents, each alone: docs (B, T) from `Transformer.documents`. Context
+        parallelism replaces it with the ring that skips the blocks no document spans (plait.parallel.context)."""
+        mask = document_mask(docs, self.sliding_window)
+        return F.scaled_dot_product_attention(q, *self.repeat_kv(k, v), attn_mask=mask)
 
     def repeat_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Grouped-query attention: each kv head serves n_rep query heads (B, heads, T, head_dim)."""
@@ -282,8 +287,7 @@ class Transformer(nn.Module):
         ids = documents if documents is not None else tokens if self.tok_embeddings is not None else None
         docs = None
         if self.document_eos is not None and cache is None and ids is not None:
-            docs = document_ids(ids, self.document_eos)
-            positions = document_positions(docs)
+            docs, positions = self.documents(ids)
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # (B, T, head_dim)
         else:
             cos, sin = self.rope(cache.pos if cache is not None else 0, seqlen)
@@ -299,6 +303,14 @@ class Transformer(nn.Module):
                 raise TypeError(f"the fused head takes a plain nn.Linear output, not {type(self.output).__name__}")
             return self.head_loss(h, self.output.weight, targets)
         return self.output(h)
+
+    def documents(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Document masking: (the document ids the attention takes, each token's position in its document)
+        of token ids (B, T). Context parallelism replaces it: its ranks hold parts of each sequence, and the ids
+        are then those of the whole sequence (plait.parallel.context)."""
+        assert self.document_eos is not None
+        docs = document_ids(ids, self.document_eos)
+        return docs, document_positions(docs)
 
     def rope(self, start: int, seqlen: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The rotary tables (cos, sin) of positions start .. start + seqlen - 1. Context parallelism replaces
