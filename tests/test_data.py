@@ -161,8 +161,26 @@ def test_prepare_formats_agree_and_manifest(tmp_path: Path, docs: list[str]) -> 
     assert sorted(train + val) == sorted(docs)
     assert train == [d for d in docs if d in set(train)] and val == [d for d in docs if d in set(val)]
 
+    table = pa.table({"id": list(range(len(docs))), "body": docs})
+    stream, arrow_file = tmp_path / "c.stream.arrow", tmp_path / "c.file.arrow"
+    with pa.ipc.new_stream(stream, table.schema) as w:  # stream format, as datasets writes it
+        for batch in table.to_batches(max_chunksize=5):
+            w.write_batch(batch)
+    with pa.ipc.new_file(arrow_file, table.schema) as w:
+        w.write_table(table, max_chunksize=9)
+    datasets = pytest.importorskip("datasets")
+    saved = tmp_path / "saved"  # a datasets Dataset saved to disk in 3 files: read in the dataset's order
+    datasets.Dataset.from_dict({"body": docs}).save_to_disk(str(saved), num_shards=3)
+
     # Same documents through every reader and the same tokenizer: byte-identical shards.
-    for name, src, field in [("jsonl", jsonl, "text"), ("gz", jsonl_gz, "text"), ("pq", parquet, "body")]:
+    for name, src, field in [
+        ("jsonl", jsonl, "text"),
+        ("gz", jsonl_gz, "text"),
+        ("pq", parquet, "body"),
+        ("arrow stream", stream, "body"),
+        ("arrow file", arrow_file, "body"),
+        ("datasets save_to_disk", saved, "body"),
+    ]:
         m = prepare([src], tmp_path / name, tokenizer=tok_path, text_field=field)
         assert m["splits"] == ref["splits"], name
         assert m["tokenizer_sha256"] == ref["tokenizer_sha256"]
@@ -208,6 +226,8 @@ def test_prepare_refuses_to_overwrite(tmp_path: Path, docs: list[str]) -> None:
         ("hello", "notes.md", "text", "unsupported type"),
         (None, "missing.jsonl", "text", "does not exist"),
         (None, "nocol.parquet", "text", "has no column 'text'"),
+        ("not arrow", "bad.arrow", "text", "is not an Arrow stream or file"),
+        (None, "nocol.arrow", "text", "has no column 'text'"),
     ],
 )
 def test_prepare_input_errors(tmp_path: Path, content: str | None, name: str, field: str, match: str) -> None:
@@ -215,12 +235,25 @@ def test_prepare_input_errors(tmp_path: Path, content: str | None, name: str, fi
     path.parent.mkdir()
     if name == "nocol.parquet":
         pq.write_table(pa.table({"body": ["a"]}), path)
+    elif name == "nocol.arrow":
+        with pa.ipc.new_stream(path, pa.schema([("body", pa.string())])) as w:
+            w.write_table(pa.table({"body": ["a"]}))
     elif content is not None:
         path.write_text(content)
     with pytest.raises(ConfigError, match=match) as info:
         prepare([path], tmp_path / "out", vocab_size=VOCAB, text_field=field)
     assert name in str(info.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in"], "nothing written on failure"
+
+
+def test_a_dataset_with_splits_asks_for_one(tmp_path: Path, docs: list[str]) -> None:
+    datasets = pytest.importorskip("datasets")
+    ds = datasets.Dataset.from_dict({"text": docs})
+    datasets.DatasetDict(train=ds, test=ds).save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(ConfigError, match=r"is a dataset with splits \['test', 'train'\]: pass the split"):
+        prepare([tmp_path / "dd"], tmp_path / "out", vocab_size=VOCAB)
+    m = prepare([tmp_path / "dd" / "train"], tmp_path / "out", vocab_size=VOCAB)
+    assert sum(split["num_documents"] for split in m["splits"].values()) == len(docs)
 
 
 # ---------------------------------------------------------------------------------------------- dataset

@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -106,3 +107,34 @@ def test_a_mixture_may_read_some_sources_from_s3(s3, corpus, data_dir, tmp_path)
         return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
 
     assert mixed("remote", corpus) == mixed("local", str(data_dir))
+
+
+def test_prepare_reads_its_inputs_from_an_s3_prefix(s3, tmp_path):
+    """`plait data prepare s3://bucket/prefix`: the prefix's supported objects by key (others skipped), each
+    copied to a scratch file while read: the same shards as the same files prepared locally."""
+    from plait.core.errors import ConfigError
+    from plait.data.prepare import prepare
+
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    for i in range(3):
+        lines = [json.dumps({"text": f"document {i}.{j}: " + "words of the shard " * (j % 7 + 1)}) for j in range(40)]
+        (raw / f"part-{i}.jsonl").write_text("\n".join(lines) + "\n")
+    url = f"s3://{s3.bucket}/raw/text"
+    for f in raw.iterdir():
+        copy_in(f, location(f"{url}/{f.name}", s3.endpoint))
+    copy_in(raw / "part-0.jsonl", location(f"{url}/README.md", s3.endpoint))  # not a supported type: skipped
+    local = prepare([raw], tmp_path / "local", vocab_size=300)
+    remote = prepare([url], tmp_path / "remote", vocab_size=300, s3_endpoint=s3.endpoint, workers=2)
+    assert remote["splits"] == local["splits"] and remote["tokenizer_sha256"] == local["tokenizer_sha256"]
+    assert [s["path"] for s in remote["sources"]] == [f"{url}/part-{i}.jsonl" for i in range(3)]
+    assert not list(Path(tempfile.gettempdir()).glob("plait-prepare-*-part-*")), "scratch copies left"
+    with pytest.raises(ConfigError, match="holds no objects: check the bucket and prefix"):
+        prepare([f"s3://{s3.bucket}/no/such/prefix"], tmp_path / "none", s3_endpoint=s3.endpoint)
+
+    secret = "wrong-secret-do-not-print"
+    cmd = [sys.executable, "-m", "plait.cli", "data", "prepare", url, "--out", str(tmp_path / "refused"),
+           "--s3-endpoint", s3.endpoint]  # fmt: skip
+    refused = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "AWS_SECRET_ACCESS_KEY": secret})
+    assert refused.returncode == 2 and "S3 refused access" in refused.stderr, refused.stderr[-800:]
+    assert secret not in refused.stderr + refused.stdout and not (tmp_path / "refused").exists()

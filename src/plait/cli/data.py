@@ -9,13 +9,23 @@ from plait.core.errors import ConfigError
 def cmd_data(argv: list[str]) -> int:
     parser = PlaitParser(prog="plait data", description="Prepare data for training.")
     sub = parser.add_subparsers(dest="action", required=True)
-    p = sub.add_parser("prepare", help="Tokenise text / JSONL / Parquet into memory-mapped token shards.")
-    p.add_argument("inputs", nargs="+", help="Files or directories (.txt, .jsonl, .jsonl.gz, .parquet).")
+    p = sub.add_parser("prepare", help="Tokenise text / JSONL / Parquet / Arrow into memory-mapped token shards.")
+    p.add_argument(
+        "inputs",
+        nargs="+",
+        help="Files, directories (.txt, .jsonl, .jsonl.gz, .parquet, .arrow), datasets saved with save_to_disk, "
+        "or s3://bucket/prefix.",
+    )
     p.add_argument("--out", required=True, help="Output directory (must not exist or be empty).")
     p.add_argument("--tokenizer", help="An existing tokenizer.json; default: train a byte-level BPE.")
     p.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size when training one.")
     p.add_argument("--val-fraction", type=float, default=0.05, help="Share of documents held out.")
-    p.add_argument("--text-field", default="text", help="Field / column holding the text in JSONL / Parquet.")
+    p.add_argument("--text-field", default="text", help="Field / column holding the text in JSONL / Parquet / Arrow.")
+    p.add_argument(
+        "--s3-endpoint",
+        default="",
+        help="Endpoint URL of s3:// inputs (e.g. a MinIO server); default AWS_ENDPOINT_URL, else AWS itself.",
+    )
     p.add_argument("--overwrite", action="store_true", help="Replace an existing output directory.")
     p.add_argument(
         "--workers", type=int, default=1, help="Processes that tokenise (the output is the same for any number)."
@@ -38,7 +48,7 @@ def cmd_data(argv: list[str]) -> int:
     from plait.data import prepare
     from plait.data.prepare import expand_inputs
 
-    size = sum(p.stat().st_size for p in expand_inputs(a.inputs))
+    size = sum(f.size for f in expand_inputs(a.inputs, a.s3_endpoint))
     started = time.perf_counter()
     manifest = prepare(
         a.inputs,
@@ -50,6 +60,7 @@ def cmd_data(argv: list[str]) -> int:
         overwrite=a.overwrite,
         workers=a.workers,
         append=a.append,
+        s3_endpoint=a.s3_endpoint,
     )
     seconds = time.perf_counter() - started
     splits = manifest["splits"]

@@ -9,9 +9,7 @@ reader never sees a half-written one.
 from __future__ import annotations
 
 import contextlib
-import gzip
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
@@ -27,10 +25,10 @@ from tokenizers import Tokenizer
 
 from plait.core.errors import ConfigError
 from plait.core.publish import is_nonempty, staged_dir
+from plait.data.inputs import Input, documents, expand_inputs, needs_pyarrow
 from plait.data.loader import FORMAT, MANIFEST, read_manifest, shard_paths
 from plait.data.tokenizer import eos_id, load_tokenizer, train_bpe
 
-SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", ".parquet")
 TOKENIZER_FILE = "tokenizer.json"
 
 _PROGRESS_MIN_BYTES = 1 << 20  # below this the work takes about a second: a bar would only flicker
@@ -39,130 +37,10 @@ _ENCODE_CHUNK_CHARS = 4 << 20  # encode_batch parallelises within a chunk; chunk
 _ENCODE_CHUNK_DOCS = 1024
 _HASH_CHUNK = 1 << 20
 
-Advance = Callable[[int], None]  # reports how many bytes of the current input file were consumed
-
 
 def bundled_corpus_path() -> Path:
     """The bundled corpus: 42 Shakespeare works, JSONL with field "text"."""
     return Path(__file__).parent / "corpus" / "shakespeare.jsonl.gz"
-
-
-# ---------------------------------------------------------------------------------------------- inputs
-
-
-def _suffix(path: Path) -> str | None:
-    name = path.name.lower()
-    return next((s for s in SUFFIXES if name.endswith(s)), None)
-
-
-def expand_inputs(inputs: Sequence[str | Path]) -> list[Path]:
-    """Input files in order; directories expand to their supported files, sorted, recursively."""
-    files: list[Path] = []
-    for item in inputs:
-        path = Path(item)
-        if path.is_dir():
-            found = sorted(p for p in path.rglob("*") if p.is_file() and _suffix(p))
-            if not found:
-                raise ConfigError(f"input directory {path} has no {', '.join(SUFFIXES)} files")
-            files.extend(found)
-        elif not path.exists():
-            raise ConfigError(f"input {path} does not exist")
-        elif _suffix(path) is None:
-            raise ConfigError(f"input {path} has an unsupported type: use one of {', '.join(SUFFIXES)}")
-        else:
-            files.append(path)
-    if not files:
-        raise ConfigError("no inputs given: pass at least one text, JSONL or Parquet file or directory")
-    return files
-
-
-def _check_text(value: Any, where: str, field: str) -> str:
-    if value is None:
-        return ""
-    if not isinstance(value, str):
-        raise ConfigError(f"{where}: field {field!r} is a {type(value).__name__}, expected a string")
-    return value
-
-
-def _read_txt(path: Path, field: str, advance: Advance) -> Iterator[str]:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{path} is not UTF-8 text ({e})") from e
-    advance(path.stat().st_size)
-    yield text
-
-
-def jsonl_records(path: Path, advance: Advance | None = None) -> Iterator[tuple[str, dict]]:
-    """('file:line', record) for each non-blank line of a .jsonl or .jsonl.gz file; a line that is not a JSON
-    object, or a corrupt or truncated gzip, is a ConfigError naming where. advance(bytes read) for progress.
-    The one JSONL reader (pre-training text and instruction data)."""
-    with open(path, "rb") as raw:
-        # Binary reads keep raw.tell() usable for progress (compressed bytes for .gz).
-        lines = gzip.GzipFile(fileobj=raw) if path.name.lower().endswith(".gz") else raw
-        try:
-            for lineno, line in enumerate(lines, 1):
-                if not line.strip():
-                    continue
-                where = f"{path}:{lineno}"
-                try:
-                    record = json.loads(line)
-                except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                    raise ConfigError(f"{where} is not valid JSON ({e})") from None
-                if not isinstance(record, dict):
-                    raise ConfigError(f"{where} is a JSON {type(record).__name__}, not an object")
-                if advance is not None:
-                    advance(raw.tell())
-                yield where, record
-        except (OSError, EOFError) as e:  # corrupt or truncated gzip
-            raise ConfigError(f"{path} cannot be read ({e})") from e
-
-
-def _read_jsonl(path: Path, field: str, advance: Advance) -> Iterator[str]:
-    for where, record in jsonl_records(path, advance):
-        if field not in record:
-            raise ConfigError(f"{where} has no field {field!r} (found {sorted(record)}): set text_field")
-        yield _check_text(record[field], where, field)
-
-
-def _read_parquet(path: Path, field: str, advance: Advance) -> Iterator[str]:
-    try:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise ConfigError(f"{path}: reading Parquet needs pyarrow: pip install 'plait[parquet]'") from None
-    try:
-        pf = pq.ParquetFile(path)
-    except (pa.ArrowException, OSError) as e:
-        raise ConfigError(f"{path} is not a readable Parquet file ({e})") from e
-    names = pf.schema_arrow.names
-    if field not in names:
-        raise ConfigError(f"{path} has no column {field!r} (columns: {names}): set text_field")
-    ctype = pf.schema_arrow.field(field).type
-    if not (pa.types.is_string(ctype) or pa.types.is_large_string(ctype) or pa.types.is_string_view(ctype)):
-        raise ConfigError(f"{path}: column {field!r} has type {ctype}, expected a string column")
-    size = path.stat().st_size
-    for rg in range(pf.num_row_groups):  # one row group at a time bounds memory on large files
-        column = pf.read_row_group(rg, columns=[field]).column(0)
-        advance(size * (rg + 1) // pf.num_row_groups)
-        yield from (text or "" for text in column.to_pylist())
-
-
-_READERS = {".txt": _read_txt, ".jsonl": _read_jsonl, ".jsonl.gz": _read_jsonl, ".parquet": _read_parquet}
-
-
-def _documents(files: list[Path], field: str, counts: list[int], advance: Advance) -> Iterator[str]:
-    """Non-empty documents of all files in order; `advance` gets bytes consumed across all files."""
-    done = 0
-    for i, path in enumerate(files):
-        reader = _READERS[_suffix(path) or ""]
-        for text in reader(path, field, lambda pos, done=done: advance(done + pos)):
-            if text.strip():
-                counts[i] += 1
-                yield text
-        if counts[i] == 0:
-            raise ConfigError(f"input {path} has no non-empty documents (text field {field!r})")
-        done += path.stat().st_size
 
 
 def _first_bytes(docs: Iterator[str], limit: int) -> Iterator[str]:
@@ -409,6 +287,7 @@ def prepare(
     overwrite: bool = False,
     workers: int = 1,
     append: bool = False,
+    s3_endpoint: str = "",
 ) -> dict[str, Any]:
     """Tokenize `inputs` into `out_dir` (see the module docstring); returns the manifest.
 
@@ -417,11 +296,13 @@ def prepare(
     `workers` processes encode (the output is the same, byte for byte, for any number). With `append`,
     `out_dir` is a prepared directory: the inputs are tokenised with its tokenizer into new shards after its
     own, and its manifest then names them too (one rename: a reader sees the old corpus or the new one).
+    Inputs on S3 (s3://bucket/prefix) are reached through `s3_endpoint` (default: AWS_ENDPOINT_URL, then AWS).
     """
     if workers < 1:
         raise ConfigError(f"--workers={workers} must be at least 1")
     if append:
-        return _append(expand_inputs(inputs), Path(out_dir), tokenizer, text_field, shard_tokens, workers, val_fraction)
+        files = expand_inputs(inputs, s3_endpoint)
+        return _append(files, Path(out_dir), tokenizer, text_field, shard_tokens, workers, val_fraction)
     out = Path(out_dir)
     if is_nonempty(out) and not overwrite:  # refused before any work
         raise ConfigError(f"{out} exists; pass --overwrite or choose another --out")
@@ -429,10 +310,8 @@ def prepare(
         raise ConfigError(f"val_fraction={val_fraction} must be in [0, 1)")
     if shard_tokens < 1:
         raise ConfigError(f"shard_tokens={shard_tokens} must be positive")
-    files = expand_inputs(inputs)
-    parquet = [f for f in files if _suffix(f) == ".parquet"]
-    if parquet and importlib.util.find_spec("pyarrow") is None:
-        raise ConfigError(f"{parquet[0]}: reading Parquet needs pyarrow: pip install 'plait[parquet]'")
+    files = expand_inputs(inputs, s3_endpoint)
+    needs_pyarrow(files)
     given_tok = load_tokenizer(tokenizer) if tokenizer is not None else None
 
     exists = ConfigError(f"{out} exists; pass --overwrite or choose another --out")
@@ -470,7 +349,7 @@ JOURNAL = "progress.json"
 
 def _signature(files, tokenizer, vocab_size, val_fraction, text_field, shard_tokens) -> dict[str, Any]:
     """What makes two prepares the same work (a journal of another is not resumed)."""
-    inputs = [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files]
+    inputs = [[f.where, f.size, f.stamp] for f in files]
     tok = _sha256_file(_tokenizer_file(Path(tokenizer))) if tokenizer is not None else None
     return dict(inputs=inputs, tokenizer=tok, vocab_size=vocab_size, val_fraction=val_fraction,
                 text_field=text_field, shard_tokens=shard_tokens)  # fmt: skip
@@ -491,7 +370,7 @@ def _write_journal(stage: Path, journal: dict[str, Any]) -> None:
 
 def _prepare_into(
     tmp: Path,
-    files: list[Path],
+    files: list[Input],
     tok: Tokenizer | None,
     tokenizer_path: str | Path | None,
     vocab_size: int,
@@ -502,13 +381,13 @@ def _prepare_into(
     journal: dict[str, Any] | None = None,
     signature: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    total_bytes = sum(p.stat().st_size for p in files)
+    total_bytes = sum(f.size for f in files)
     counts = [0] * len(files)
     with _progress(total_bytes) as start:
         if journal is not None:  # resuming: the tokenizer is the one the interrupted prepare used
             tok = load_tokenizer(tmp / TOKENIZER_FILE)
         elif tok is None:
-            docs = _documents(files, text_field, [0] * len(files), start("training tokenizer"))
+            docs = documents(files, text_field, [0] * len(files), start("training tokenizer"))
             tok = train_bpe(_first_bytes(docs, _BPE_MAX_BYTES), vocab_size)
             tok.save(str(tmp / TOKENIZER_FILE))
         else:
@@ -520,7 +399,7 @@ def _prepare_into(
         dtype = np.dtype("<u2") if vocab <= 65535 else np.dtype("<u4")
         writers = {split: _ShardWriter(tmp, split, dtype, shard_tokens) for split in ("train", "val")}
         task = start(f"tokenizing ({workers} worker{'s' if workers > 1 else ''})")
-        docs = _documents(files, text_field, counts, task)
+        docs = documents(files, text_field, counts, task)
         done = 0
         if journal is not None:
             done = journal["documents"]
@@ -541,7 +420,7 @@ def _prepare_into(
         "vocab_size": vocab,
         "eos_id": eos,
         "splits": {split: w.close() for split, w in writers.items()},
-        "sources": [{"path": str(path.resolve()), "num_documents": n} for path, n in zip(files, counts, strict=True)],
+        "sources": [{"path": f.where, "num_documents": n} for f, n in zip(files, counts, strict=True)],
         "tokenizer": TOKENIZER_FILE,
         "tokenizer_sha256": _sha256_file(tmp / TOKENIZER_FILE),
         "val_fraction": val_fraction,  # documents appended later are held out alike
@@ -551,7 +430,7 @@ def _prepare_into(
 
 
 def _append(
-    files: list[Path], out: Path, tokenizer, text_field: str, shard_tokens: int, workers: int, val_fraction: float
+    files: list[Input], out: Path, tokenizer, text_field: str, shard_tokens: int, workers: int, val_fraction: float
 ) -> dict:
     manifest = read_manifest(out)
     for split in manifest["splits"]:
@@ -565,7 +444,7 @@ def _append(
     if manifest.get("loss_mask"):
         raise ConfigError(f"{out} holds instruction data (plait finetune prepare): --append adds pre-training text")
     known = {s["path"] for s in manifest.get("sources", [])}
-    again = [str(f) for f in files if str(f.resolve()) in known]
+    again = [f.where for f in files if f.where in known]
     if again:
         raise ConfigError(f"{again[0]} is already in {out} (its manifest's sources): append only new files")
     tok = load_tokenizer(tok_path)
@@ -575,9 +454,9 @@ def _append(
     counts = [0] * len(files)
     val_fraction = manifest.get("val_fraction", val_fraction)  # the prepare's own (older manifests: as given)
     first = sum(s["num_documents"] for s in splits.values())
-    with _progress(sum(p.stat().st_size for p in files)) as start:
+    with _progress(sum(f.size for f in files)) as start:
         task = start(f"appending ({workers} worker{'s' if workers > 1 else ''})")
-        docs = _documents(files, text_field, counts, task)
+        docs = documents(files, text_field, counts, task)
         _tokenize_splits(
             docs, tok, manifest["eos_id"], dtype, writers, val_fraction, workers, tok_path, task.tokens, first
         )
@@ -588,7 +467,7 @@ def _append(
         splits[split]["num_documents"] += added["num_documents"]
         for shard in added["shards"]:
             os.chmod(out / shard["file"], 0o644)
-    new = [{"path": str(p.resolve()), "num_documents": n} for p, n in zip(files, counts, strict=True)]
+    new = [{"path": f.where, "num_documents": n} for f, n in zip(files, counts, strict=True)]
     manifest["sources"] = manifest.get("sources", []) + new
     tmp = out / f".{MANIFEST}.{os.getpid()}"
     tmp.write_text(json.dumps(manifest, indent=2) + "\n")

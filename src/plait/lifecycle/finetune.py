@@ -29,7 +29,7 @@ from plait.config import Config
 from plait.core.errors import ConfigError, PlaitError
 from plait.core.publish import staged_dir
 from plait.core.storage import Location
-from plait.data.prepare import jsonl_records
+from plait.data.inputs import jsonl_records
 from plait.engine.callbacks import Callback
 from plait.engine.checkpoint import list_checkpoints, load_model_weights, read_meta, resolve_checkpoint
 from plait.lifecycle.lora import apply_lora_config, is_lora_param
