@@ -7,7 +7,8 @@ call; the parts are in order of what the issues need most, one part per lent ses
             table's core: the hand-written whole-model-compile loop and plait in one run (bench/gpu_peers.py),
             plait's side with its warm start and a profile of three steps; float8 where time is left
     part 2  float8 with torchao's choice of layers against the hand-written loop; plait's plain head; the
-            ring attention at cp 1 against SDPA on CUDA and llama3-1b at seq 32,768 (regression checks)
+            ring attention at cp 1 against SDPA on CUDA and llama3-1b at seq 32,768 (regression checks);
+            document masking's flex_attention path on CUDA (parity, then its cost against causal attention)
     part 3  the other peers (per-block compile, HF transformers), full activation checkpointing's effect on
             peak memory in one process, llama3-8b with CPU offload + full AC, an MoE model in bf16
     part 4  real size (issue 30): `plait fit` of llama3-8b FSDP 8, llama3-70b TP 8 x FSDP 8, the Llama 3 405B
@@ -192,6 +193,19 @@ def parts(peers: Path) -> dict[int, list[Step]]:
                 25,  # measured 13 s
             ),
             seq32k,
+            # document masking on CUDA: flex_attention's path against the masked one, forward and backward;
+            # then its cost in attention against causal flash attention (bench/document_mask.py)
+            Step(
+                "document-mask-cuda",
+                ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_document_mask.py", "-k", "cuda"],
+                40,
+            ),
+            Step(
+                "document-mask-cost",
+                ["bench/document_mask.py", "--device=cuda", "--json={out}/document_mask_cuda.json"],
+                60,
+                "document_mask_cuda.json",
+            ),
         ],
         3: [
             # three peer sides at about 60 s each (bare-model measured 54 s on an H200)

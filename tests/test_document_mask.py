@@ -55,6 +55,52 @@ def test_a_packed_row_equals_each_document_alone(overrides):
     assert (m(packed) - alone).abs().max() > 1e-2  # unmasked, later documents see earlier ones
 
 
+@pytest.mark.parametrize("overrides", [{}, dict(sliding_window=4)])
+def test_the_block_sparse_path_equals_the_masked_one(monkeypatch, overrides):
+    """Where flex_attention runs (CUDA: flex_runs), the model takes the documents' block mask instead of the
+    (B, 1, T, T) one: the same logits. Forward on the CPU (flex_attention has no CPU backward); the GPU
+    sessions run it with its backward (bench/gpu_session.py)."""
+    from plait.model import llama
+
+    torch.manual_seed(0)
+    m = model(**overrides)
+    m.document_eos = 0
+    tokens = torch.randint(1, 128, (2, 40))
+    tokens[0, [4, 17, 18, 30]] = 0
+    tokens[1, [9]] = 0
+    with torch.no_grad():
+        masked = m(tokens)
+        monkeypatch.setattr(llama, "flex_runs", lambda device: True)
+        assert isinstance(m.documents(tokens)[0], llama.BlockMask)
+        block_sparse = m(tokens)
+    torch.testing.assert_close(block_sparse, masked, rtol=1e-5, atol=1e-5)  # fp32: the same sums, other orders
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the GPU sessions run it)")
+def test_cuda_block_sparse_path_equals_the_masked_one_forward_and_backward(monkeypatch):
+    """On CUDA the model takes flex_attention (compiled) with the documents' block mask: logits and every
+    gradient equal the (B, 1, T, T) masked SDPA path's (fp32; 1e-4: the kernels sum in other orders)."""
+    from plait.model import llama
+
+    torch.manual_seed(0)
+    m = model().cuda()
+    m.document_eos = 0
+    tokens = torch.randint(1, 128, (2, 64), device="cuda")
+    tokens[0, [4, 17, 18, 30, 50]] = 0
+    tokens[1, [33]] = 0
+    results = []
+    for flex in (True, False):
+        monkeypatch.setattr(llama, "flex_runs", lambda device, flex=flex: flex)
+        m.zero_grad()
+        logits = m(tokens)
+        logits.square().mean().backward()
+        results.append((logits.detach(), [p.grad.clone() for p in m.parameters()]))
+    (flex_logits, flex_grads), (ref_logits, ref_grads) = results
+    torch.testing.assert_close(flex_logits, ref_logits, rtol=1e-4, atol=1e-4)
+    for got, want in zip(flex_grads, ref_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 # ------------------------------------------------------------------------------------------- training
 
 

@@ -67,6 +67,7 @@ class TokenDataset:
         manifest = read_manifest(self.data_dir)
         self.vocab_size: int = manifest["vocab_size"]
         self.eos_id: int = manifest["eos_id"]
+        self.num_documents: int = int(manifest["splits"].get(split, {}).get("num_documents", 0))
         # Little-endian is part of the on-disk format, whatever this machine's byte order.
         dtype = np.dtype(manifest["dtype"]).newbyteorder("<")
         # A corpus on S3 (plait.data.remote): its manifest, mirrored here, names where the shards are.

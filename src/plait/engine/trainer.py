@@ -322,6 +322,19 @@ class Trainer:
             )
         return data.eos_id
 
+    def _document_lengths(self) -> str:
+        """data.document_mask: what happens to documents longer than a window, with the corpus's mean length."""
+        datasets = self.train_data.datasets if isinstance(self.train_data, Mixture) else [self.train_data]
+        tokens = sum(d.num_tokens for d in datasets if isinstance(d, TokenDataset))
+        docs = sum(d.num_documents for d in datasets if isinstance(d, TokenDataset))
+        mean = f"{tokens / docs:,.0f} tokens on average" if docs else "of unrecorded length"
+        seq_len = self.cfg.data.seq_len
+        return (
+            f"document masking: each document attended alone, positions from its first token (documents here: "
+            f"{mean}); a document longer than data.seq_len={seq_len} is cut at each window's end, and each piece "
+            "is attended alone from position 0"
+        )
+
     def _local(self, source: str) -> Path:
         """A prepared directory here: the directory itself, or the local description of one on S3."""
         if not is_remote_source(source):
@@ -357,6 +370,8 @@ class Trainer:
         )  # fmt: skip
         if cfg.data.document_mask:
             mask_documents(self.t.parts, self._eos_id())
+            if env.is_main:
+                info(self._document_lengths())
             if self.t.pipeline is not None:
                 self.t.pipeline.documents = True
         plan.apply(env.is_main)  # every check has passed: now run.overwrite moves the old run aside

@@ -21,6 +21,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from plait.model.args import ModelArgs
 from plait.model.head import linear_cross_entropy
@@ -139,6 +140,37 @@ def document_mask(docs: torch.Tensor, window: int) -> torch.Tensor:
     return (same & attention_mask(0, docs.shape[1], docs.shape[1], window, docs.device))[:, None]
 
 
+def flex_runs(device: torch.device) -> bool:
+    """Whether document masking runs torch's block-sparse attention (flex_attention) on this device: on CUDA,
+    where its compiled kernel skips the blocks no document spans, forward and backward. Elsewhere (the CPU:
+    flex_attention has no backward there) SDPA takes the (B, 1, T, T) mask."""
+    return device.type == "cuda"
+
+
+def document_block_mask(docs: torch.Tensor, window: int) -> BlockMask:
+    """document_mask as flex_attention's block mask: built once per forward, shared by every layer."""
+    batch, length = docs.shape
+
+    def same_document(b, h, q, k):
+        keep = (docs[b, q] == docs[b, k]) & (k <= q)
+        return keep & (q - k < window) if window > 0 else keep
+
+    return create_block_mask(same_document, batch, None, length, length, device=docs.device)
+
+
+_flex_compiled = None
+
+
+def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask, gqa: bool) -> torch.Tensor:
+    """flex_attention, compiled where it runs for speed (CUDA; torch's fused kernel), eager elsewhere."""
+    global _flex_compiled
+    if q.device.type != "cuda":
+        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+    if _flex_compiled is None:
+        _flex_compiled = torch.compile(flex_attention, dynamic=False)
+    return _flex_compiled(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+
+
 def attention_mask(start: int, q_len: int, kv_len: int, window: int, device) -> torch.Tensor:
     """(q_len, kv_len) boolean mask, True where query i (at position start + i) may see key j: causally
     (j <= start + i) and, with a sliding window, within it (start + i - j < window: itself and the window - 1
@@ -204,9 +236,12 @@ class Attention(nn.Module):
         Context parallelism replaces it with the ring over the cp ranks (plait.parallel.context)."""
         return F.scaled_dot_product_attention(q, *self.repeat_kv(k, v), is_causal=True)
 
-    def within_documents(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: torch.Tensor) -> torch.Tensor:
-        """Causal attention of packed documents, each alone: docs (B, T) from `Transformer.documents`. Context
-        parallelism replaces it with the ring that skips the blocks no document spans (plait.parallel.context)."""
+    def within_documents(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs) -> torch.Tensor:
+        """Causal attention of packed documents, each alone: docs from `Transformer.documents`, the document
+        ids (B, T) or their block mask (flex_runs). Context parallelism replaces it with the ring that skips
+        the blocks no document spans (plait.parallel.context)."""
+        if isinstance(docs, BlockMask):
+            return _flex(q, k, v, docs, self.n_rep > 1)
         mask = document_mask(docs, self.sliding_window)
         return F.scaled_dot_product_attention(q, *self.repeat_kv(k, v), attn_mask=mask)
 
@@ -304,13 +339,17 @@ class Transformer(nn.Module):
             return self.head_loss(h, self.output.weight, targets)
         return self.output(h)
 
-    def documents(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Document masking: (the document ids the attention takes, each token's position in its document)
-        of token ids (B, T). Context parallelism replaces it: its ranks hold parts of each sequence, and the ids
-        are then those of the whole sequence (plait.parallel.context)."""
+    def documents(self, ids: torch.Tensor) -> tuple[torch.Tensor | BlockMask, torch.Tensor]:
+        """Document masking: (what the attention takes: the document ids, or their block mask where
+        flex_attention runs; each token's position in its document) of token ids (B, T). Context parallelism
+        replaces it: its ranks hold parts of each sequence, and the ids are then those of the whole sequence
+        (plait.parallel.context)."""
         assert self.document_eos is not None
         docs = document_ids(ids, self.document_eos)
-        return docs, document_positions(docs)
+        positions = document_positions(docs)
+        if flex_runs(docs.device):
+            return document_block_mask(docs, self.args.sliding_window), positions
+        return docs, positions
 
     def rope(self, start: int, seqlen: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The rotary tables (cos, sin) of positions start .. start + seqlen - 1. Context parallelism replaces
