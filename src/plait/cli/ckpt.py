@@ -35,6 +35,7 @@ from plait.cli.args import PlaitParser
 from plait.config import Config, to_dict, to_toml, validate
 from plait.core.errors import ConfigError, PlaitError
 from plait.core.storage import Location, dcp_writer, file_sizes
+from plait.data.chat import chat_files
 from plait.engine.checkpoint import (
     META,
     list_checkpoints,
@@ -180,6 +181,8 @@ def _publish_weights(ckpt_dir: Path, save, *, config: dict, tokenizer_path: Path
         (tmp / META).write_text(json.dumps(meta, indent=1))
         if tokenizer_path is not None:
             shutil.copyfile(tokenizer_path, tmp / "tokenizer.json")
+            for path in chat_files(tokenizer_path):  # an instruct model's chat template comes along
+                shutil.copyfile(path, tmp / path.name)
         tmp.rename(ckpt_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

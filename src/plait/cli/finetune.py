@@ -17,11 +17,23 @@ from plait.core.errors import ConfigError, PlaitError
 def cmd_finetune(argv: list[str]) -> int:
     parser = PlaitParser(prog="plait finetune", description="Instruction data, adapters, serving.")
     sub = parser.add_subparsers(dest="action", required=True)
-    p = sub.add_parser("prepare", help="Tokenise {prompt, response} JSONL with the prompt masked out of the loss.")
-    p.add_argument("inputs", nargs="+", help=".jsonl / .jsonl.gz files of records with prompt and response.")
+    p = sub.add_parser(
+        "prepare", help="Tokenise conversations or {prompt, response} JSONL: only the assistant's turns are learned."
+    )
+    p.add_argument(
+        "inputs", nargs="+", help=".jsonl / .jsonl.gz files of records: {messages: [...]} or prompt and response."
+    )
     p.add_argument("--out", required=True)
-    p.add_argument("--tokenizer", required=True, help="The base model's tokenizer.json.")
-    p.add_argument("--template", help="Prompt format with {prompt}; default: '### Instruction: ... ### Response:'.")
+    p.add_argument(
+        "--tokenizer",
+        required=True,
+        help="The base model's tokenizer directory (its chat template renders the records) or tokenizer.json.",
+    )
+    p.add_argument(
+        "--template",
+        help="Prompt format with {prompt} for prompt/response records, in place of the chat template; without "
+        "either: '### Instruction: ... ### Response:'.",
+    )
     p.add_argument("--prompt-field", default="prompt")
     p.add_argument("--response-field", default="response")
     p.add_argument("--val-fraction", type=float, default=0.1)
@@ -46,13 +58,13 @@ def cmd_finetune(argv: list[str]) -> int:
 
 
 def _ft_prepare(a) -> int:
-    from plait.lifecycle.finetune import DEFAULT_TEMPLATE, prepare_instructions
+    from plait.lifecycle.finetune import prepare_instructions
 
     manifest = prepare_instructions(
         a.inputs,
         a.out,
         tokenizer=a.tokenizer,
-        template=a.template.replace("\\n", "\n") if a.template else DEFAULT_TEMPLATE,  # a literal \n in a shell
+        template=a.template.replace("\\n", "\n") if a.template else None,  # a literal \n in a shell
         prompt_field=a.prompt_field,
         response_field=a.response_field,
         val_fraction=a.val_fraction,
@@ -60,7 +72,14 @@ def _ft_prepare(a) -> int:
         overwrite=a.overwrite,
     )
     s = manifest["splits"]
+    chat = manifest["loss_mask"]["chat_template"]
+    rendered = (
+        f"the chat template of {chat['source']}"
+        if chat
+        else f"the prompt template {manifest['loss_mask']['template']!r}"
+    )
     print(
+        f"rendered with {rendered}\n"
         f"wrote {a.out}: train {s['train']['num_documents']} examples / {s['train']['num_tokens']:,} tokens "
         f"({s['train']['num_target_tokens']:,} in the loss), val {s['val']['num_documents']} examples\n"
         f"fine-tune on it with: plait train BASE_RUN/config.toml --finetune.init_from=BASE_RUN "

@@ -29,6 +29,7 @@ from plait.config import Config
 from plait.core.errors import ConfigError, PlaitError
 from plait.core.publish import staged_dir
 from plait.core.storage import Location
+from plait.data.chat import ChatTemplate, chat_files, chat_tokens, check_messages, load_chat_template
 from plait.data.inputs import jsonl_records
 from plait.engine.callbacks import Callback
 from plait.engine.checkpoint import list_checkpoints, load_model_weights, read_meta, resolve_checkpoint
@@ -148,14 +149,27 @@ def check_same_model(found: ModelArgs, expected: ModelArgs, where: str) -> None:
 
 
 def _records(path: Path, prompt_field: str, response_field: str):
+    """(where, a conversation: list of {role, content}, whether the record is one) per record: its "messages",
+    or its prompt and response as a user turn and an assistant turn."""
     for where, record in jsonl_records(path):
+        if "messages" in record:
+            yield where, check_messages(record["messages"], where), True
+            continue
         if not all(isinstance(record.get(k), str) for k in (prompt_field, response_field)):
-            raise ConfigError(f"{where} needs string fields {prompt_field!r} and {response_field!r}")
-        yield record[prompt_field], record[response_field]
+            raise ConfigError(
+                f"{where} needs string fields {prompt_field!r} and {response_field!r}, or 'messages' (a conversation)"
+            )
+        turns = [
+            {"role": "user", "content": record[prompt_field]},
+            {"role": "assistant", "content": record[response_field]},
+        ]
+        yield where, turns, False
 
 
-def _is_val(index: int, prompt: str, response: str, val_fraction: float) -> bool:
-    digest = hashlib.sha1(f"{index}\0{prompt}\0{response}".encode("utf-8", "surrogatepass")).digest()
+def _is_val(index: int, messages: list[dict], val_fraction: float) -> bool:
+    # index, then each turn's text: for {prompt, response} records the same digest as ever (the same split)
+    texts = [m["content"] for m in messages]
+    digest = hashlib.sha1("\0".join([str(index), *texts]).encode("utf-8", "surrogatepass")).digest()
     return int.from_bytes(digest[:8], "big") / 2**64 < val_fraction
 
 
@@ -164,18 +178,24 @@ def prepare_instructions(
     out_dir: str | Path,
     *,
     tokenizer: str | Path,
-    template: str = DEFAULT_TEMPLATE,
+    template: str | None = None,
     prompt_field: str = "prompt",
     response_field: str = "response",
     val_fraction: float = 0.1,
     train_on_prompt: bool = False,
     overwrite: bool = False,
 ) -> dict[str, Any]:
-    """Tokenise prompt/response records into a prepared directory with loss masks; returns its manifest.
+    """Tokenise instruction records into a prepared directory with loss masks; returns its manifest.
 
-    Each record becomes ``template.format(prompt=...)`` + response + EOS. The mask is 0 on the formatted
-    prompt and 1 on the response and its EOS (all 1 with ``train_on_prompt``). The directory has the
-    ``plait-tokens-v1`` layout the trainer reads (``--data.source=DIR``), plus ``<split>_mask_*.bin`` files.
+    A record is a conversation (``{"messages": [{"role", "content"}, ...]}``) or a prompt and a response (a
+    user turn and an assistant turn). With the tokenizer's chat template (plait.data.chat; a tokenizer
+    directory) each conversation is rendered as it is served, its ids those of ``apply_chat_template``, and
+    only the assistant turns are learned. With ``template`` (a format with {prompt}), or where the tokenizer
+    has no chat template, a prompt/response record becomes ``template.format(prompt=...)`` + response
+    (default: DEFAULT_TEMPLATE) and the response is learned; conversations then need a chat template.
+    Each record ends with EOS (unless its tokens already do), learned where its last turn is the assistant's.
+    ``train_on_prompt`` learns every token. The directory has the ``plait-tokens-v1`` layout the trainer
+    reads (``--data.source=DIR``), plus ``<split>_mask_*.bin`` files.
     """
     from plait.data import eos_id, load_tokenizer
     from plait.data.loader import FORMAT, MANIFEST
@@ -183,7 +203,7 @@ def prepare_instructions(
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ConfigError(f"{out} exists; pass --overwrite or choose another --out")
-    if "{prompt}" not in template:
+    if template is not None and "{prompt}" not in template:
         raise ConfigError(f"the prompt template {template!r} must contain {{prompt}}")
     if not 0 <= val_fraction < 1:
         raise ConfigError(f"val_fraction={val_fraction} must be in [0, 1)")
@@ -195,15 +215,19 @@ def prepare_instructions(
     eos = eos_id(tok)
     vocab = tok.get_vocab_size(with_added_tokens=True)
     dtype = np.dtype("<u2") if vocab <= 65535 else np.dtype("<u4")
+    chat = load_chat_template(tokenizer) if template is None else None
     docs, sources = _tokenised(
-        files, tok, eos, dtype, template, prompt_field, response_field, val_fraction, train_on_prompt
-    )
+        files, tok, eos, dtype, chat or template or DEFAULT_TEMPLATE, prompt_field, response_field, val_fraction,
+        train_on_prompt,
+    )  # fmt: skip
     exists = ConfigError(f"{out} exists; pass --overwrite or choose another --out")
     with staged_dir(out, overwrite=overwrite, exists_error=exists) as tmp:
         splits = {split: _write_split(tmp, split, items, dtype) for split, items in docs.items()}
         shutil.copyfile(
             Path(tokenizer) / "tokenizer.json" if Path(tokenizer).is_dir() else tokenizer, tmp / "tokenizer.json"
         )
+        for path in chat_files(tokenizer) if chat is not None else []:  # runs on this data carry the template on
+            shutil.copyfile(path, tmp / path.name)
         manifest = {
             "format": FORMAT,
             "dtype": "uint16" if dtype.itemsize == 2 else "uint32",
@@ -213,16 +237,23 @@ def prepare_instructions(
             "sources": sources,
             "tokenizer": "tokenizer.json",
             "tokenizer_sha256": hashlib.sha256((tmp / "tokenizer.json").read_bytes()).hexdigest(),
-            "loss_mask": {"template": template, "train_on_prompt": train_on_prompt},
+            "loss_mask": {
+                "template": template or DEFAULT_TEMPLATE if chat is None else None,
+                "chat_template": None
+                if chat is None
+                else {"source": chat.source, "sha256": hashlib.sha256(chat.text.encode()).hexdigest()},
+                "train_on_prompt": train_on_prompt,
+            },
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
 
 
-def _tokenised(files, tok, eos: int, dtype, template: str, prompt_field: str, response_field: str,
+def _tokenised(files, tok, eos: int, dtype, template: ChatTemplate | str, prompt_field: str, response_field: str,
                val_fraction: float, train_on_prompt: bool):  # fmt: skip
-    """({"train": [(ids, mask), ...], "val": [...]}, the sources): each record's prompt (masked out unless
-    train_on_prompt), response and EOS, its split drawn from its content."""
+    """({"train": [(ids, mask), ...], "val": [...]}, the sources): each record's tokens (rendered with the
+    chat template, or the prompt template for prompt/response records), its mask (1 on what is learned: the
+    assistant turns, or everything with train_on_prompt) and EOS, its split drawn from its content."""
     docs: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {"train": [], "val": []}
     sources, index = [], 0
     for path in files:
@@ -230,18 +261,35 @@ def _tokenised(files, tok, eos: int, dtype, template: str, prompt_field: str, re
         if not records:
             raise ConfigError(f"{path} has no records")
         sources.append({"path": str(path.resolve()), "num_documents": len(records)})
-        prompts = tok.encode_batch([template.format(prompt=p) for p, _ in records], add_special_tokens=False)
-        responses = tok.encode_batch([r for _, r in records], add_special_tokens=False)
-        for (p, r), pe, re_ in zip(records, prompts, responses, strict=True):
-            ids = np.array([*pe.ids, *re_.ids, eos], dtype=dtype)
-            mask = np.ones(len(ids), dtype=np.uint8)
-            if not train_on_prompt:
-                mask[: len(pe.ids)] = 0
-            docs["val" if _is_val(index, p, r, val_fraction) else "train"].append((ids, mask))
+        for where, messages, conversation in records:
+            if isinstance(template, ChatTemplate):
+                ids, mask = chat_tokens(tok, template, messages, where)
+            elif conversation:
+                raise ConfigError(
+                    f"{where} is a conversation ('messages'): it is rendered with the tokenizer's chat template; "
+                    "pass --tokenizer as a tokenizer directory with one (tokenizer_config.json 'chat_template' or "
+                    "chat_template.jinja), and no --template"
+                )
+            else:
+                ids, mask = _formatted(tok, template, messages)
+            if not ids or ids[-1] != eos:  # the document separator, learned after a final assistant turn
+                ids = [*ids, eos]
+                mask = np.append(mask, np.uint8(messages[-1]["role"] == "assistant"))
+            if train_on_prompt:
+                mask[:] = 1
+            split = "val" if _is_val(index, messages, val_fraction) else "train"
+            docs[split].append((np.array(ids, dtype=dtype), mask))
             index += 1
     if val_fraction > 0 and not docs["val"] and len(docs["train"]) >= 2:
         docs["val"].append(docs["train"].pop())
     return docs, sources
+
+
+def _formatted(tok, template: str, messages: list[dict]) -> tuple[list[int], np.ndarray]:
+    """A prompt/response record through a prompt template: template(prompt) then the response, learned."""
+    prompt = tok.encode(template.format(prompt=messages[0]["content"]), add_special_tokens=False).ids
+    response = tok.encode(messages[1]["content"], add_special_tokens=False).ids
+    return [*prompt, *response], np.array([0] * len(prompt) + [1] * len(response), dtype=np.uint8)
 
 
 def _write_split(tmp: Path, split: str, items: list, dtype) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from plait.config import CheckpointConfig
 from plait.core import storage, torch_private
 from plait.core.storage import DCP_METADATA, Location
+from plait.data.chat import chat_files
 from plait.engine.checkpoint.find import (
     ANY_STEP_DIR,
     FORMAT,
@@ -426,6 +427,8 @@ class CheckpointManager:
             hook(step)
         if self.tokenizer_path is not None:
             storage.copy_in(self.tokenizer_path, target / "tokenizer.json")
+            for path in chat_files(self.tokenizer_path):  # the chat template, where the data was rendered with one
+                storage.copy_in(path, target / path.name)
         meta = {**meta, "dcp_metadata_sha256": hashlib.sha256(storage.read_bytes(target / DCP_METADATA)).hexdigest()}
         text = json.dumps(meta, indent=1).encode()
         final = self.dir / f"step_{step:08d}"

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from plait.core.errors import ConfigError, PlaitError
 from plait.core.publish import staged_dir
+from plait.data.chat import load_chat_template
 from plait.interop.hf.config import hf_config, hf_family
 from plait.interop.hf.names import (
     BOS_TOKENS,
@@ -153,6 +154,9 @@ def _write_hf_files(
             "clean_up_tokenization_spaces": False,
             **{key: token for key, (token, _) in special.items()},
         }
+        chat = load_chat_template(tokenizer_path)
+        if chat is not None:  # served with the template it was fine-tuned with
+            tok_config["chat_template"] = chat.text
         _write_json(tmp / "tokenizer_config.json", tok_config)
 
 
