@@ -1,6 +1,7 @@
-"""A lean install: `pip install plait` without extras still trains (matplotlib, tensorboard and pyarrow are
-the `plot`, `tensorboard` and `parquet` extras, and what needs one says which), and the torch versions plait
-was tested on are the ones its requirement admits."""
+"""A lean install: `pip install plait` without extras still trains, checkpoints and exports to transformers'
+format (matplotlib, tensorboard and pyarrow are the `plot`, `tensorboard` and `parquet` extras, and what needs
+one says which; huggingface_hub is not needed at all), and the torch versions plait was tested on are the
+ones its requirement admits."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-EXTRAS = ("matplotlib", "tensorboard", "pyarrow")
+EXTRAS = ("matplotlib", "tensorboard", "pyarrow", "huggingface_hub")
 
 # The process runs as if the extras were not installed: each import of them fails, find_spec finds none.
 WITHOUT_EXTRAS = (
@@ -40,6 +41,12 @@ def test_plait_train_runs_without_the_extras_and_says_what_it_leaves_out(data_di
     run = tmp_path / "lean"
     assert (run / "checkpoints" / "step_00000003").is_dir() and (run / "metrics.jsonl").is_file()
     assert not (run / "loss.png").exists() and not (run / "tb").exists()
+
+    export = plait_without_extras(
+        "ckpt", "export", str(run), "--out", str(tmp_path / "hf"), "--max-shard-size", "100KB", cwd=tmp_path
+    )
+    assert export.returncode == 0, export.stderr[-3000:]
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
 
     plot = plait_without_extras("plot", str(run), "--out", str(tmp_path / "p.png"), cwd=tmp_path)
     assert plot.returncode == 2 and "pip install 'plait[plot]'" in plot.stderr and "Traceback" not in plot.stderr

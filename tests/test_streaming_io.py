@@ -79,6 +79,27 @@ def test_shard_sizes_read_as_transformers_reads_them(text):
     assert parse_shard_size(123456) == 123456
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_shards_split_as_huggingface_hub_splits_them(seed):
+    """plait's splitter (no huggingface_hub needed to export) against the one save_pretrained calls: random
+    tensor sizes and limits, tensors larger than the limit included."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    from plait.interop.shards import split_into_shards
+
+    gen = torch.Generator().manual_seed(seed)
+    shapes = {f"t{i}": (int(torch.randint(1, 300, (1,), generator=gen)),) for i in range(int(5 + 10 * seed))}
+    limit = int(torch.randint(100, 1500, (1,), generator=gen))
+    meta = {k: torch.empty(v, dtype=torch.float32, device="meta") for k, v in shapes.items()}
+    theirs = split_torch_state_dict_into_shards(
+        meta, filename_pattern="model{suffix}.safetensors", max_shard_size=limit
+    )
+    ours = split_into_shards({k: 4 * v[0] for k, v in shapes.items()}, limit)
+    assert ours.filename_to_tensors == {k: list(v) for k, v in theirs.filename_to_tensors.items()}
+    assert ours.tensor_to_filename == theirs.tensor_to_filename and ours.metadata == theirs.metadata
+    assert ours.is_sharded == theirs.is_sharded
+
+
 @pytest.mark.parametrize("text", ["5XB", "GB", "five GB", "0", "0MB", "-1GB", "", "5GiB", "1e3", "5 G B"])
 def test_bad_shard_sizes_are_refused_with_exit_2(text, tmp_path, capsys):
     from test_interop import tiny_model

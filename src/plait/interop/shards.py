@@ -9,6 +9,7 @@ import re
 import struct
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -47,12 +48,50 @@ def parse_shard_size(size: int | str) -> int:
     return value
 
 
+@dataclass
+class ShardSplit:
+    filename_to_tensors: dict[str, list[str]]
+    tensor_to_filename: dict[str, str]
+    metadata: dict[str, int]
+
+    @property
+    def is_sharded(self) -> bool:
+        return len(self.filename_to_tensors) > 1
+
+
+def split_into_shards(sizes: Mapping[str, int], max_bytes: int) -> ShardSplit:
+    """Which tensor (of `sizes` bytes, in order) goes to which file: huggingface_hub's splitter, which
+    transformers' save_pretrained calls (equal to it: tests/test_hf_export.py). Tensors fill a file in order
+    until the next would pass max_bytes; one larger than max_bytes gets a file of its own, placed before the
+    file being filled. One file: model.safetensors; more: model-0000i-of-0000N.safetensors."""
+    files: list[list[str]] = []
+    current: list[str] = []
+    current_bytes = 0
+    for name, nbytes in sizes.items():
+        if nbytes > max_bytes:
+            files.append([name])
+            continue
+        if current_bytes + nbytes > max_bytes:
+            files.append(current)
+            current, current_bytes = [], 0
+        current.append(name)
+        current_bytes += nbytes
+    if current:
+        files.append(current)
+    if len(files) == 1:
+        names = {"model.safetensors": files[0]}
+    else:
+        names = {f"model-{i + 1:05d}-of-{len(files):05d}.safetensors": f for i, f in enumerate(files)}
+    where = {tensor: filename for filename, tensors in names.items() for tensor in tensors}
+    return ShardSplit(names, where, {"total_size": sum(sizes.values())})
+
+
 class SafetensorsShards:
     """Weight files written one tensor at a time: ``model.safetensors`` when everything fits ``max_bytes``,
     else ``model-0000i-of-0000N.safetensors`` plus ``model.safetensors.index.json``. Which tensor goes to which
-    file is decided by huggingface_hub's splitter (what transformers' ``save_pretrained`` calls) over meta
-    tensors in the order of ``shapes``, so names, sizes and the index are transformers' own; a tensor larger
-    than ``max_bytes`` gets a file of its own, as there.
+    file is decided as huggingface_hub's splitter (what transformers' ``save_pretrained`` calls) decides it
+    (``split_into_shards``) in the order of ``shapes``, so names, sizes and the index are transformers' own; a
+    tensor larger than ``max_bytes`` gets a file of its own, as there.
 
     safetensors writes a file only from all of its tensors at once. Here every file's header (each name,
     dtype, shape and byte range: all known from the shapes) is written first, and each tensor, in any order,
@@ -61,15 +100,11 @@ class SafetensorsShards:
     """
 
     def __init__(self, directory: Path, shapes: Mapping[str, Sequence[int]], dtype: torch.dtype, max_bytes: int):
-        from huggingface_hub import split_torch_state_dict_into_shards
-
         if sys.byteorder != "little":
             raise PlaitError("safetensors files are little-endian; exporting on a big-endian machine is not supported")
         self.directory, self.dtype, self.shapes = directory, dtype, {k: tuple(v) for k, v in shapes.items()}
-        meta = {name: torch.empty(shape, dtype=dtype, device="meta") for name, shape in self.shapes.items()}
-        self.split = split_torch_state_dict_into_shards(
-            meta, filename_pattern="model{suffix}.safetensors", max_shard_size=max_bytes
-        )
+        sizes = {name: _numel(shape) * dtype.itemsize for name, shape in self.shapes.items()}
+        self.split = split_into_shards(sizes, max_bytes)
         self._place: dict[str, tuple[str, int]] = {}  # tensor -> (file, byte offset in it), until written
         self._left: dict[str, int] = {}  # file -> tensors still to come
         for filename, names in self.split.filename_to_tensors.items():
