@@ -418,3 +418,73 @@ def test_lora_under_fsdp_reproduces_the_single_process_run(runs, corpus, tmp_pat
     for step, loss in ref["loss"].items():
         assert got["loss"][step] == pytest.approx(loss, rel=1e-5), step
         assert got["grad_norm"][step] == pytest.approx(ref["grad_norm"][step], rel=1e-5), step
+
+
+# ---------------------------------------------------------------------------------------------- PEFT format
+
+
+def test_a_lora_run_exports_as_a_peft_adapter_that_peft_loads_to_the_same_logits(runs, tmp_path):
+    """`plait ckpt export RUN --format peft`: PEFT's PeftModel loads it onto the transformers export of the
+    base, and gives the fine-tuned plait model's logits (fp32; test_interop's LOGITS_ATOL)."""
+    peft = pytest.importorskip("peft")
+    from test_interop import LOGITS_ATOL, hf_from_pretrained
+
+    base_hf, adapter = tmp_path / "base-hf", tmp_path / "adapter"
+    assert main(["ckpt", "export", str(runs["base"]), "--out", str(base_hf)]) == 0
+    assert main(["ckpt", "export", str(runs["lora"]), "--format", "peft", "--out", str(adapter),
+                 "--base", str(base_hf)]) == 0  # fmt: skip
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], sorted(config["target_modules"])) == (
+        4,
+        16.0,
+        ["down_proj", "q_proj", "v_proj"],
+    )
+    assert {oct(p.stat().st_mode & 0o777) for p in adapter.iterdir()} == {"0o644"}
+    served = peft.PeftModel.from_pretrained(hf_from_pretrained(base_hf), str(adapter)).eval()
+    tuned = load_model(runs["lora"]).model
+    x = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (served(x).logits - tuned(x)).abs().max() < LOGITS_ATOL
+        assert (hf_from_pretrained(base_hf)(x).logits - tuned(x)).abs().max() > 100 * LOGITS_ATOL  # it adapts
+
+
+def test_a_peft_adapter_trained_elsewhere_continues_in_plait(runs, corpus, tmp_path):
+    """An adapter made by PEFT (random A and B) is loaded by finetune.init_from: the plait model equals
+    PeftModel's logits, a run continues training it, and other LoRA settings are refused naming the adapter's."""
+    peft = pytest.importorskip("peft")
+    from plait.config import load_config
+    from plait.lifecycle.finetune import apply_finetune
+    from test_interop import LOGITS_ATOL, hf_from_pretrained
+
+    base_hf, adapter = tmp_path / "base-hf", tmp_path / "elsewhere"
+    assert main(["ckpt", "export", str(runs["base"]), "--out", str(base_hf)]) == 0
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    trained = peft.get_peft_model(hf_from_pretrained(base_hf), config).eval()
+    trained.save_pretrained(str(adapter))
+    settings = ["--finetune.lora_rank=4", "--finetune.lora_alpha=8", "--finetune.lora_targets=wq,wv"]
+    cfg = load_config(
+        None, [a.removeprefix("--") for a in args(corpus, "peft", f"--finetune.init_from={adapter}", *settings)]
+    )
+    model = load_model(runs["base"]).model
+    apply_finetune(cfg, [model])
+    x = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (trained(x).logits - model(x)).abs().max() < LOGITS_ATOL
+    assert main(["train", *args(corpus, "peft", f"--finetune.init_from={adapter}", *settings)]) == 0
+    continued = load_model(corpus / "runs" / "peft").model
+    start = dict(lora_tensors(model))
+    assert any(not torch.equal(v, start[k]) for k, v in lora_tensors(continued).items())  # it trained on
+    with pytest.raises(
+        ConfigError, match="continue it with finetune.lora_rank=4 finetune.lora_alpha=8 finetune.lora_targets=wq,wv"
+    ):
+        apply_finetune(
+            load_config(
+                None,
+                [
+                    a.removeprefix("--")
+                    for a in args(corpus, "x", f"--finetune.init_from={adapter}", "--finetune.lora_rank=8")
+                ],
+            ),
+            [load_model(runs["base"]).model],
+        )

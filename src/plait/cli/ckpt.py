@@ -73,10 +73,16 @@ def cmd_ckpt(argv: list[str]) -> int:
     p.add_argument("path", help="A checkpoint directory, or a run directory (its newest checkpoint).")
     p.add_argument(
         "--format",
-        choices=["hf", "safetensors"],
+        choices=["hf", "safetensors", "peft"],
         default="hf",
         help="'hf': a transformers directory, of the family that computes what the model does ("
-        f"{', '.join(ARCHITECTURES.values())}); 'safetensors': one file with plait's names.",
+        f"{', '.join(ARCHITECTURES.values())}); 'safetensors': one file with plait's names; 'peft': a LoRA "
+        "run's adapter (PATH: the run, one of its checkpoints or an adapter file) as a PEFT adapter directory.",
+    )
+    p.add_argument(
+        "--base",
+        help="peft: the transformers directory of the adapter's base, for adapter_config.json's "
+        "base_model_name_or_path (default: the base the adapter recorded).",
     )
     p.add_argument("--out", required=True, help="Output directory (for safetensors also a path ending .safetensors).")
     p.add_argument("--dtype", choices=list(_DTYPES), default="fp32", help="Data type of the written weights.")
@@ -379,7 +385,11 @@ def _bytes(n: int) -> str:
 
 def _export(a: argparse.Namespace) -> int:
     if a.max_shard_size is not None and a.format != "hf":
-        raise ConfigError("--max-shard-size applies to --format hf; --format safetensors writes one file")
+        raise ConfigError(f"--max-shard-size applies to --format hf; --format {a.format} writes one weight file")
+    if a.base is not None and a.format != "peft":
+        raise ConfigError("--base names a PEFT adapter's base: it applies to --format peft")
+    if a.format == "peft":
+        return _export_peft(a)
     max_shard_size = parse_shard_size(DEFAULT_MAX_SHARD_SIZE if a.max_shard_size is None else a.max_shard_size)
     ckpt = resolve_checkpoint(a.path)
     out = Path(a.out)
@@ -411,6 +421,46 @@ def _export(a: argparse.Namespace) -> int:
             hashes = source, model_weights_hash(model.to(dtype).float()) if dtype != torch.float32 else source
     recorded = _record_export(a, registry, ckpt, target, *hashes) if registry is not None else ""
     print(f"wrote {target} ({a.format}, {a.dtype}) from {ckpt}; {hint}{recorded}")
+    return 0
+
+
+def _export_peft(a: argparse.Namespace) -> int:
+    """A LoRA run's adapter (its newest, that of one of its checkpoints, or an adapter file) as PEFT's format."""
+    from plait.interop.peft import write_peft_adapter
+    from plait.lifecycle.lora import parse_targets, read_adapter, resolve_adapter
+
+    if a.registry is not None:
+        raise ConfigError("--registry records model exports; a LoRA run records its adapters itself: leave it out")
+    path = Path(a.path)
+    if path.parent.name == "checkpoints" and (path / META).is_file():  # a checkpoint of a LoRA run: its adapter
+        path = path.parent.parent / "adapters" / f"{path.name}.safetensors"
+    adapter = resolve_adapter(path)
+    meta, tensors = read_adapter(adapter)
+    out = Path(a.out)
+    if _occupied(out) and not a.overwrite:
+        raise ConfigError(f"{out} exists; pass --overwrite or choose another --out")
+    base = a.base or meta.get("base_path", "")
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    write_peft_adapter(
+        tmp,
+        {k: v.to(_DTYPES[a.dtype]) for k, v in tensors.items()},
+        rank=int(meta["rank"]),
+        alpha=float(meta["alpha"]),
+        dropout=float(meta.get("dropout", 0.0) or 0.0),
+        targets=parse_targets(meta["targets"]),
+        base=base,
+        metadata={"base_weights_hash": meta.get("base_weights_hash", ""), "plait_adapter": str(adapter)},
+    )
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    print(
+        f"wrote {out} (PEFT LoRA adapter, r={meta['rank']}, lora_alpha={float(meta['alpha']):g}, {a.dtype}) from "
+        f"{adapter}\nload it onto the transformers export of its base: peft.PeftModel.from_pretrained("
+        f"AutoModelForCausalLM.from_pretrained(BASE_HF), {str(out)!r})"
+        + (f", with BASE_HF written by: plait ckpt export {base} --out BASE_HF" if base and not a.base else "")
+    )
     return 0
 
 

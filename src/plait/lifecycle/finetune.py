@@ -33,7 +33,8 @@ from plait.data.chat import ChatTemplate, chat_files, chat_tokens, check_message
 from plait.data.inputs import jsonl_records
 from plait.engine.callbacks import Callback
 from plait.engine.checkpoint import list_checkpoints, load_model_weights, read_meta, resolve_checkpoint
-from plait.lifecycle.lora import apply_lora_config, is_lora_param
+from plait.interop.peft import PeftAdapter, is_peft_adapter, read_peft_adapter
+from plait.lifecycle.lora import apply_lora_config, is_lora_param, parse_targets
 from plait.model.llama import ModelArgs, canonical_name
 
 DEFAULT_TEMPLATE = "### Instruction:\n{prompt}\n\n### Response:\n"
@@ -58,13 +59,57 @@ def apply_finetune(cfg: Config, parts: list[nn.Module], meshes=None) -> None:
             f"{cfg.run_dir} holds an imported (weights-only) checkpoint; a LoRA fine-tune writes a run of its own: "
             f"pass --finetune.init_from={cfg.run_dir} --run.name=<a new name>"
         )
+    peft = read_peft_adapter(f.init_from) if f.init_from and is_peft_adapter(f.init_from) else None
+    if peft is not None:
+        _check_peft_settings(peft, f)
     if f.init_from and not ckpts:  # with checkpoints the trainer resumes them instead
-        load_init_weights(parts, f.init_from, cfg.model)
+        load_init_weights(parts, peft.base if peft is not None else f.init_from, cfg.model)
     if f.lora_rank:
         for part in parts:
             apply_lora_config(part, f, cfg.run.seed)
+            if peft is not None and not ckpts:  # continue the adapter trained elsewhere
+                _load_peft_tensors(part, peft, f.init_from)
         if meshes is not None and meshes.dims.dp_cp > 1:
             _sync_adapter_grads(parts, meshes.loss.get_group(), meshes.dims.dp_cp)
+
+
+def base_weights_ref(init_from: str) -> str:
+    """The weights a fine-tune starts from: finetune.init_from, or a PEFT adapter's base."""
+    return read_peft_adapter(init_from).base if is_peft_adapter(init_from) else init_from
+
+
+def _check_peft_settings(peft: PeftAdapter, f) -> None:
+    """A PEFT adapter continues with its own rank, scale and targets, and from a base on this machine."""
+    targets = ",".join(peft.targets)
+    if (f.lora_rank, f.lora_alpha, sorted(parse_targets(f.lora_targets))) != (
+        peft.rank, peft.alpha, sorted(peft.targets)
+    ):  # fmt: skip
+        raise ConfigError(
+            f"finetune.init_from={f.init_from} is a PEFT adapter of rank {peft.rank}, lora_alpha {peft.alpha:g} on "
+            f"{targets}: continue it with finetune.lora_rank={peft.rank} finetune.lora_alpha={peft.alpha:g} "
+            f"finetune.lora_targets={targets}"
+        )
+    if not peft.base or not Path(peft.base).exists():
+        raise ConfigError(
+            f"the PEFT adapter {f.init_from} names its base as {peft.base!r} (adapter_config.json's "
+            "base_model_name_or_path), which is not a directory here: set it to the base's transformers "
+            "directory (or plait run)"
+        )
+
+
+def _load_peft_tensors(part: nn.Module, peft: PeftAdapter, where: str) -> None:
+    params = {canonical_name(n): p for n, p in part.named_parameters() if is_lora_param(n)}
+    if set(params) != set(peft.tensors):
+        missing, extra = sorted(set(params) - set(peft.tensors))[:3], sorted(set(peft.tensors) - set(params))[:3]
+        raise ConfigError(f"the PEFT adapter {where} does not fit this model (missing {missing}, unexpected {extra})")
+    with torch.no_grad():
+        for name, param in params.items():
+            value = peft.tensors[name]
+            if tuple(value.shape) != tuple(param.shape):
+                raise ConfigError(
+                    f"the PEFT adapter {where}: {name} is {tuple(value.shape)}, the model's {tuple(param.shape)}"
+                )
+            param.copy_(value.to(param.dtype))
 
 
 class Finetune(Callback):

@@ -86,10 +86,10 @@ class RunLineage:
         if self.lora and self.hashable:
             self.base_hash = start_hash if start_hash and not resuming else model_weights_hash(t.model)
         if f.init_from:
-            from plait.lifecycle.finetune import resolve_weights
+            from plait.lifecycle.finetune import base_weights_ref, resolve_weights
 
             with contextlib.suppress(PlaitError):  # a resumed run need not still have its init_from
-                where = resolve_weights(f.init_from)[1]
+                where = resolve_weights(base_weights_ref(f.init_from))[1]
                 self.base_path = str(where.resolve() if isinstance(where, Path) else where)
         if cfg.eval.suite:
             from plait.data import load_tokenizer
@@ -213,6 +213,7 @@ class RunLineage:
                 alpha=f.lora_alpha,
                 targets=f.lora_targets,
                 base_path=self.base_path,
+                extra={"dropout": repr(float(f.lora_dropout))},
             )
         if self.registry is None:
             return

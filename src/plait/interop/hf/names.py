@@ -101,6 +101,22 @@ def hf_name(name: str, family: str = "llama") -> str:
     return f"model.layers.{layer}.{_MOE_NAMES.get(family, {}).get(rest) or _LAYER_NAMES[rest]}"
 
 
+def layer_hf_name(name: str) -> str:
+    """The Hugging Face name of a block's dense tensor: layers.<i>.attention.wq.weight ->
+    model.layers.<i>.self_attn.q_proj.weight (the same in every family plait exports)."""
+    _, layer, rest = name.split(".", 2)
+    return f"model.layers.{layer}.{_LAYER_NAMES[rest]}"
+
+
+def layer_plait_name(name: str) -> str | None:
+    """layer_hf_name's inverse; None for a name that is not one of a block's dense tensors."""
+    parts = name.split(".", 3)
+    if len(parts) != 4 or parts[:2] != ["model", "layers"] or not parts[2].isdigit():
+        return None
+    rest = {hf: plait for plait, hf in _LAYER_NAMES.items()}.get(parts[3])
+    return f"layers.{parts[2]}.{rest}" if rest else None
+
+
 def hf_pieces(name: str, shape: Sequence[int], family: str = "llama") -> list[tuple[str, int | None]]:
     """The Hugging Face tensors a plait tensor is made of: [(name, None)] for one tensor; [(expert e's name, e)]
     for stacked experts (plait's (experts, ...) is one tensor per expert in Mixtral's and Qwen3-MoE's files);
