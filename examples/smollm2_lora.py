@@ -150,6 +150,8 @@ def main() -> None:
                 str(tuned),
                 "--bits",
                 "8",
+                "--format",
+                "plait",  # the measured example's format (the default, torchao's, needs torchao installed)
                 "--out",
                 str(work / "smollm2-lora-int8"),
                 "--data",

@@ -105,7 +105,8 @@ def test_quantization_keeps_the_qkv_biases(tmp_path):
 def test_quantize_reports_size_speed_and_perplexity_deltas(trained, tmp_path, bits, max_size_ratio, max_ppl_change):
     run, data = trained
     out = tmp_path / f"int{bits}"
-    assert main(["compress", "quantize", str(run), "--bits", str(bits), "--group-size", "32", "--out", str(out)]) == 0
+    argv = ["compress", "quantize", str(run), "--bits", str(bits), "--group-size", "32", "--format", "plait"]
+    assert main([*argv, "--out", str(out)]) == 0
     r = report(out)
     before, after = r["before"], r["after"]
     # Embeddings stay fp32; every linear shrinks 4x (int8) or ~7x (int4 with fp32 group scales).
@@ -119,6 +120,35 @@ def test_quantize_reports_size_speed_and_perplexity_deltas(trained, tmp_path, bi
     art = reg.find(str(out))
     assert art.kind == "quantized" and reg.get(art.parent_id).kind == "checkpoint"
     assert art.metrics["perplexity_after"] == after["perplexity"]
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_torchao_quantized_models_load_in_transformers_and_generate_plaits_greedy_tokens(trained, tmp_path, bits):
+    """The default --format torchao: a transformers directory that from_pretrained loads quantized (torchao's
+    tensors), whose greedy tokens equal plait's own evaluation of the same quantization; the report gives
+    perplexity and size against the source and bf16."""
+    transformers = pytest.importorskip("transformers")
+    from plait.engine.generate import generate
+    from plait.lifecycle.compress import torchao_quantize
+
+    run, _ = trained
+    out = tmp_path / f"ao{bits}"
+    assert main(["compress", "quantize", str(run), "--bits", str(bits), "--group-size", "32", "--out", str(out)]) == 0
+    r = report(out)
+    info, before, after = r["info"], r["before"], r["after"]
+    assert info["format"] == "torchao" and info["loads_in_transformers"] and info["bf16_mb"] > 0
+    assert after["size_mb"] < before["size_mb"] and abs(after["perplexity"] / before["perplexity"] - 1) < 0.25
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    weight = hf.model.layers[0].self_attn.q_proj.weight
+    assert type(weight).__module__.startswith("torchao"), type(weight)  # loaded quantized, not dequantized
+    plait = torchao_quantize(load_model(run).model, bits, 32)
+    prompts = torch.randint(1, 300, (2, 6), generator=torch.Generator().manual_seed(0))
+    theirs = hf.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=16, do_sample=False,
+                         eos_token_id=None, pad_token_id=0, min_new_tokens=16)  # fmt: skip
+    ours = generate(plait, prompts.tolist(), max_new_tokens=16, temperature=0.0)
+    assert theirs.tolist() == ours
+    with torch.no_grad():
+        assert (hf(prompts).logits - plait(prompts)).abs().max() < LOGITS_ATOL  # the same kernels on the same weights
 
 
 def test_magnitude_pruning_keeps_its_zeros_through_the_fine_tune(trained, tmp_path):

@@ -25,6 +25,13 @@ def _parser() -> PlaitParser:
     q.add_argument("model")
     q.add_argument("--bits", type=int, choices=[8, 4], default=8)
     q.add_argument("--group-size", type=int, default=64, help="int4: input columns per scale.")
+    q.add_argument(
+        "--format",
+        choices=["torchao", "plait"],
+        default="torchao",
+        help="torchao: a transformers directory of torchao-quantized weights (from_pretrained loads it); "
+        "plait: plait-quant-v1 (plait's own loader).",
+    )
     p = sub.add_parser("prune", help="Magnitude (unstructured) or structured (MLP channels) pruning.")
     p.add_argument("model")
     p.add_argument("--method", choices=["magnitude", "structured"], default="magnitude")
@@ -69,9 +76,18 @@ def cmd_compress(argv: list[str]) -> int:
     before = C.measure(source.model, data_dir, seq_len=a.seq_len, batches=a.batches)
     start = time.perf_counter()
     info: dict[str, Any] = {"method": a.action}
-    if a.action == "quantize":
+    if a.action == "quantize" and a.format == "torchao":
+        C.check_torchao(source.model, a.bits, a.group_size)
+        written, digest = C.save_torchao(
+            source.model, out, bits=a.bits, group_size=a.group_size, tokenizer=source.tokenizer
+        )
+        model = C.torchao_quantize(copy.deepcopy(source.model), a.bits, a.group_size)
+        info.update(bits=a.bits, group_size=a.group_size, format="torchao", loads_in_transformers=True,
+                    weight_files_mb=written / 2**20, bf16_mb=C.weights_bytes(source.model) / 2 / 2**20)  # fmt: skip
+        kind = "quantized"
+    elif a.action == "quantize":
         model = C.quantize_model(copy.deepcopy(source.model), a.bits, a.group_size)
-        info.update(bits=a.bits, group_size=a.group_size, loads_in_transformers=False)
+        info.update(bits=a.bits, group_size=a.group_size, format="plait", loads_in_transformers=False)
         meta = {"source": str(source.path), "config": source.config}
         digest = C.save_quantized(
             model, out, bits=a.bits, group_size=a.group_size, meta=meta, tokenizer=source.tokenizer
@@ -89,6 +105,8 @@ def cmd_compress(argv: list[str]) -> int:
             info["loads_in_transformers"] = True
     info["seconds"] = time.perf_counter() - start
     after = C.measure(model, data_dir, seq_len=a.seq_len, batches=a.batches)
+    if info.get("format") == "torchao":  # torchao's tensors report their float size: the files' is the truth
+        after["size_mb"] = info["weight_files_mb"]
     C.print_comparison(f"{kind}: {source.path} -> {out}", C.compare(before, after), console)
     report = {"source": str(source.path), "out": str(out.resolve()), "info": info, "before": before, "after": after}
     for path in (out / "compress.json", *([Path(a.json)] if a.json else [])):

@@ -36,7 +36,15 @@ def cmd_eval(argv: list[str]) -> int:
         help="Batches for perplexity; default: the run's eval.num_batches of its global batch size (so the loss "
         "is the run's validation loss), else 8 of 4 sequences.",
     )
-    parser.add_argument("--no-perplexity", action="store_true", help="Run only the suite.")
+    parser.add_argument("--no-perplexity", action="store_true", help="Run only the suite (and --lm-eval).")
+    parser.add_argument(
+        "--lm-eval",
+        metavar="TASKS",
+        help="lm-evaluation-harness tasks, comma-separated (e.g. hellaswag,arc_easy): scored on this model.",
+    )
+    parser.add_argument("--lm-eval-include", metavar="DIR", help="A directory of task YAMLs of your own.")
+    parser.add_argument("--limit", type=int, help="--lm-eval: at most this many examples per task.")
+    parser.add_argument("--num-fewshot", type=int, help="--lm-eval: few-shot examples (default: each task's).")
     parser.add_argument("--base", help="For an adapter: its base model (default: the path the adapter records).")
     parser.add_argument("--json", help="Write the full report (results, completions, perplexity) here.")
     parser.add_argument("--device", default="cpu")
@@ -49,6 +57,12 @@ def cmd_eval(argv: list[str]) -> int:
     from plait.lifecycle.evaluate import Report, load_suite, perplexity, print_report, run_suite, write_json
     from plait.lifecycle.models import describe, load_model
 
+    if (a.lm_eval_include or a.limit is not None or a.num_fewshot is not None) and not a.lm_eval:
+        raise ConfigError("--lm-eval-include, --limit and --num-fewshot apply to --lm-eval TASKS: give the tasks")
+    if a.lm_eval:
+        from plait.lifecycle.harness import _harness
+
+        _harness()  # installed, before the model loads
     suite = load_suite(a.suite) if a.suite else None  # check the suite before loading a model
     loaded = load_model(a.model, device=a.device, base=a.base)
     console.print(describe(loaded), highlight=False)
@@ -71,6 +85,16 @@ def cmd_eval(argv: list[str]) -> int:
 
         ran = run_suite(loaded.model, load_tokenizer(loaded.tokenizer), suite)
         report.results, report.completions = ran.results, ran.completions
+    if a.lm_eval:
+        if loaded.tokenizer is None:
+            raise PlaitError(f"{loaded.path} has no tokenizer.json; the harness's tasks are text")
+        from plait.lifecycle.harness import run_lm_eval
+
+        tasks = [t.strip() for t in a.lm_eval.split(",") if t.strip()]
+        report.lm_eval = run_lm_eval(
+            loaded.model, loaded.tokenizer, tasks, include_path=a.lm_eval_include, limit=a.limit,
+            num_fewshot=a.num_fewshot, device=a.device,
+        )  # fmt: skip
     print_report(report, console)
     if a.json:
         write_json(report, a.json)
@@ -82,6 +106,8 @@ def cmd_eval(argv: list[str]) -> int:
         metrics: dict[str, Any] = {"passed": report.passed, "failed": report.failed}
         if report.perplexity:
             metrics.update(perplexity=report.perplexity["perplexity"], loss=report.perplexity["loss"])
+        for task, values in report.lm_eval.items():
+            metrics.update({f"{task}/{k}": v for k, v in values.items() if isinstance(v, (int, float))})
         reg.record(
             "eval",
             name=suite.name if suite else "perplexity",

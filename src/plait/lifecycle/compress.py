@@ -9,6 +9,14 @@ throughput (tokens/s on a fixed batch) and perplexity on held-out data, and repo
   the gain is memory, not speed (weight-only int8 kernels pay off on GPUs with bf16 activations). The result
   is a plait format (``model.safetensors`` + ``tokenizer.json``) that plait loads; transformers has no loader
   for it.
+- ``quantize`` in torchao's format (the default): the same schemes through torchao (int8 weight-only per
+  channel, ``Int8WeightOnlyConfig``; int4 weight-only per group of ``group_size``, ``IntxWeightOnlyConfig``)
+  on the block linears (the output projection and embeddings stay fp32, as transformers' TorchAoConfig leaves
+  them). Written as a transformers directory whose config.json carries the quantization config and whose
+  safetensors hold torchao's tensors: ``AutoModelForCausalLM.from_pretrained`` loads it quantized (vLLM
+  reads the same). plait measures it with the same torchao quantization of its own model: the same weights,
+  the same kernels, so both give the same greedy tokens. ``plait-quant-v1`` directories (``--format
+  plait``, and older ones) are still read and written as before.
 - ``prune``: 'magnitude' zeroes the smallest weights of every block linear (unstructured, per layer);
   'structured' removes the least important SwiGLU channels (the same number in every layer), which gives a
   smaller dense model. Either can be fine-tuned for a few steps afterwards (magnitude pruning keeps its zeros).
@@ -138,6 +146,68 @@ def quantize_model(model: Transformer, bits: int, group_size: int = 64) -> Trans
     return model
 
 
+def torchao_config(bits: int, group_size: int):
+    """torchao's config of a weight-only scheme: int8 per output channel, or int4 per group of input columns."""
+    try:
+        from torchao.quantization import Int8WeightOnlyConfig, IntxWeightOnlyConfig
+        from torchao.quantization.granularity import PerGroup
+    except ImportError:
+        raise ConfigError("--format torchao needs torchao and transformers: pip install 'plait[quant]'") from None
+    if bits == 8:
+        return Int8WeightOnlyConfig()
+    return IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(group_size))
+
+
+def check_torchao(model: Transformer, bits: int, group_size: int) -> None:
+    """What torchao's format cannot hold, refused before any work."""
+    if model.args.moe_experts:
+        raise ConfigError("--format torchao quantizes dense models; a mixture of experts quantizes with --format plait")
+    widths = {model.get_submodule(n).in_features for n in _quant_targets(model) if n != "output"}
+    if bits == 4 and any(w % group_size for w in widths):
+        raise ConfigError(
+            f"--group-size={group_size} must divide every quantized layer's input width ({sorted(widths)}), e.g. 32"
+        )
+
+
+def torchao_quantize(model: Transformer, bits: int, group_size: int) -> Transformer:
+    """The block linears of `model` quantized in place by torchao, as transformers' TorchAoConfig quantizes
+    the exported model's; returns the model."""
+    from torchao.quantization import quantize_
+
+    targets = {n for n in _quant_targets(model) if n != "output"}
+    quantize_(model, torchao_config(bits, group_size), filter_fn=lambda module, fqn: fqn in targets)
+    return model
+
+
+def save_torchao(
+    model: Transformer, out_dir: Path, *, bits: int, group_size: int, tokenizer: Path | None
+) -> tuple[int, str]:
+    """Write `model` (float) as a torchao-quantized transformers directory; returns its weight files' bytes and
+    their sha256 (the artifact's content hash)."""
+    import hashlib
+    import tempfile
+
+    try:
+        from transformers import AutoModelForCausalLM, TorchAoConfig
+    except ImportError:
+        raise ConfigError("--format torchao needs torchao and transformers: pip install 'plait[quant]'") from None
+    from plait.interop.hf import export_hf
+
+    with tempfile.TemporaryDirectory(prefix="plait-quant-") as tmp:
+        export_hf(model, Path(tmp) / "float", tokenizer_path=tokenizer)
+        config = TorchAoConfig(quant_type=torchao_config(bits, group_size), modules_to_not_convert=["lm_head"])
+        hf = AutoModelForCausalLM.from_pretrained(Path(tmp) / "float", dtype=torch.float32, quantization_config=config)
+        hf.save_pretrained(out_dir)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            if (Path(tmp) / "float" / name).is_file():
+                shutil.copyfile(Path(tmp) / "float" / name, out_dir / name)
+    files = sorted(out_dir.glob("model*.safetensors"))
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(path.read_bytes())
+    return sum(p.stat().st_size for p in files), digest.hexdigest()
+
+
 def save_quantized(
     model: Transformer, out_dir: Path, *, bits: int, group_size: int, meta: dict, tokenizer: Path | None
 ) -> str:
@@ -236,12 +306,17 @@ def measure(model: nn.Module, data_dir: Path | None, *, seq_len: int, batches: i
     out = {
         "size_mb": weights_bytes(model) / 2**20,
         "params_m": (sum(p.numel() for p in model.parameters()) + logical) / 1e6,
-        "nonzero_m": (sum(int((p != 0).sum()) for p in model.parameters()) + logical) / 1e6,
+        "nonzero_m": (sum(_nonzero(p) for p in model.parameters()) + logical) / 1e6,
         "tokens_per_s": throughput(model, seq_len),
     }
     if data_dir is not None:
         out["perplexity"] = perplexity(model, data_dir, seq_len=seq_len, max_batches=batches)["perplexity"]
     return out
+
+
+def _nonzero(p: torch.Tensor) -> int:
+    """Non-zero values of a parameter; a quantized one (torchao's tensor subclasses) counts as dense."""
+    return int((p != 0).sum()) if type(p.detach()) is torch.Tensor else p.numel()
 
 
 def compare(before: dict[str, float], after: dict[str, float]) -> dict[str, dict[str, float]]:

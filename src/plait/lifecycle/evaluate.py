@@ -182,6 +182,7 @@ class Report:
     completions: dict[str, list[str]] = field(default_factory=dict)
     perplexity: dict[str, float] | None = None
     model: str = ""
+    lm_eval: dict[str, dict[str, Any]] = field(default_factory=dict)  # lm-evaluation-harness: task -> metrics
 
     @property
     def passed(self) -> int:
@@ -200,6 +201,7 @@ class Report:
             "perplexity": self.perplexity,
             "results": [asdict(r) for r in self.results],
             "completions": self.completions,
+            "lm_eval": self.lm_eval,
         }
 
 
@@ -356,6 +358,11 @@ def print_report(report: Report, console=None) -> None:
     if report.perplexity:
         p = report.perplexity
         console.print(f"perplexity {p['perplexity']:.3f} (loss {p['loss']:.4f} nats/token over {p['tokens']:,} tokens)")
+    for task, metrics in report.lm_eval.items():
+        shown = ", ".join(
+            f"{k.split(',')[0]} {v:.4f}" for k, v in metrics.items() if isinstance(v, float) and "stderr" not in k
+        )
+        console.print(f"lm-eval {task}: {shown}")
     if not report.results:
         return
     table = Table(title=f"suite {report.suite}", title_justify="left")

@@ -1,0 +1,137 @@
+"""plait models in lm-evaluation-harness (`plait eval MODEL --lm-eval TASKS`): the harness's tasks, scored
+on a plait checkpoint (from any training layout: checkpoints load whole), a run, an adapter or a Hugging
+Face directory plait reads.
+
+`PlaitLM` is the harness's model interface (a TemplateLM, registered as "plait"): log-likelihoods of
+continuations, rolling log-likelihoods (perplexity tasks) and greedy generation until a stop string, with
+plait's tokenizer. Its choices follow the harness's own transformers model (HFLM), so a plait model and its
+transformers export score the same: the context and continuation are encoded whole and split, an empty
+context is conditioned on BOS (or EOS where the tokenizer has none), inputs keep their last max_seq_len + 1
+tokens, rolling windows are the harness's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from plait.core.errors import ConfigError
+
+
+def _harness():
+    try:
+        import lm_eval
+        from lm_eval.api.model import TemplateLM
+    except ImportError:
+        raise ConfigError("--lm-eval needs lm-evaluation-harness: pip install 'plait[lm-eval]'") from None
+    return lm_eval, TemplateLM
+
+
+def plait_lm(model, tokenizer, *, device: str = "cpu"):
+    """A harness model of a plait Transformer and its tokenizer (tokenizers.Tokenizer)."""
+    _, TemplateLM = _harness()
+    from plait.data import eos_id
+    from plait.engine.generate import generate
+    from plait.interop.hf.names import BOS_TOKENS
+
+    class PlaitLM(TemplateLM):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model, self.tok = model.eval(), tokenizer
+            self.max_length = model.args.max_seq_len
+            self._device = device
+            self._eos = eos_id(tokenizer)
+            bos = next((i for t in BOS_TOKENS if (i := tokenizer.token_to_id(t)) is not None), None)
+            self._prefix = bos if bos is not None else self._eos
+
+        @property
+        def eot_token_id(self) -> int:
+            return self._eos
+
+        @property
+        def prefix_token_id(self) -> int:
+            return self._prefix
+
+        def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+            return self.tok.encode(string, add_special_tokens=bool(add_special_tokens)).ids
+
+        def tok_decode(self, tokens: list[int]) -> str:
+            return self.tok.decode(tokens, skip_special_tokens=False)
+
+        @torch.no_grad()
+        def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+            results = []
+            for _, context, continuation in requests:
+                ids = (context + continuation)[-(self.max_length + 1) :][:-1]
+                x = torch.tensor([ids], device=self._device)
+                logprobs = F.log_softmax(self.model(x)[0, -len(continuation) :].float(), dim=-1)
+                target = torch.tensor(continuation, device=self._device)
+                total = float(logprobs.gather(1, target[:, None]).sum())
+                results.append((total, bool((logprobs.argmax(-1) == target).all())))
+            return results
+
+        def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+            from lm_eval import utils
+
+            out = []
+            for (string,) in [r.args for r in requests]:
+                windows = map(
+                    utils.make_disjoint_window,
+                    utils.get_rolling_token_windows(
+                        token_list=self.tok_encode(string),
+                        prefix_token=self.prefix_token_id,
+                        max_seq_len=self.max_length,
+                        context_len=1,
+                    ),
+                )
+                scored = self._loglikelihood_tokens([(None, c, t) for c, t in windows])
+                out.append(sum(lp for lp, _ in scored))
+            return out
+
+        def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+            out = []
+            for context, gen_kwargs in [r.args for r in requests]:
+                kwargs: dict[str, Any] = dict(gen_kwargs)
+                until = kwargs.pop("until", None) or []
+                until = [until] if isinstance(until, str) else list(until)
+                max_new = int(kwargs.pop("max_gen_toks", 256))
+                ids = self.tok_encode(context)[-(self.max_length - max_new) :] or [self.prefix_token_id]
+                tokens = generate(self.model, [ids], max_new_tokens=max_new, temperature=0.0, eos_id=self._eos)
+                text = self.tok_decode([t for t in tokens[0][len(ids) :] if t != self._eos])
+                for stop in until:
+                    text = text.split(stop)[0]
+                out.append(text)
+            return out
+
+    return PlaitLM()
+
+
+def run_lm_eval(
+    model,
+    tokenizer: str | Path,
+    tasks: list[str],
+    *,
+    include_path: str | None = None,
+    limit: int | None = None,
+    num_fewshot: int | None = None,
+    device: str = "cpu",
+) -> dict[str, dict[str, Any]]:
+    """The harness's results per task (metric -> value) for a plait model and its tokenizer.json."""
+    lm_eval, _ = _harness()
+    from lm_eval.tasks import TaskManager
+
+    from plait.data import load_tokenizer
+
+    manager = TaskManager(include_path=include_path) if include_path else TaskManager()
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        where = f"--lm-eval-include {include_path}" if include_path else "no --lm-eval-include"
+        raise ConfigError(f"--lm-eval: no task {unknown[0]!r} in the harness ({where})")
+    lm = plait_lm(model, load_tokenizer(tokenizer), device=device)
+    out = lm_eval.simple_evaluate(
+        model=lm, tasks=tasks, task_manager=manager, limit=limit, num_fewshot=num_fewshot, bootstrap_iters=0
+    )
+    return {task: {k: v for k, v in metrics.items() if k != "alias"} for task, metrics in out["results"].items()}
