@@ -11,6 +11,7 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,3 +72,30 @@ def test_the_core_requirements_leave_the_extras_out_and_bound_torch_to_the_teste
     assert all(tuple(map(int, low.split("."))) <= v < tuple(map(int, high.split("."))) for v in tested), bound
     assert max(tested) < tuple(map(int, high.split("."))) <= (max(tested)[0], max(tested)[1] + 1), bound
     assert running in tested, f"torch {torch.__version__} is not one plait was tested on: {sorted(tested)}"
+
+
+@pytest.mark.slow
+def test_a_fresh_venv_with_the_core_requirements_alone_trains_and_names_each_missing_extra(data_dir, tmp_path):
+    """`pip install -e .` into an empty venv (torch first, as the README says): what pyproject declares is
+    enough to train and checkpoint, no extra is there, and a run that wants one says which to install."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    python, plait = venv / "bin" / "python", venv / "bin" / "plait"
+    pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    torch_version = torch.__version__.split("+")[0]
+    for requirement in ([f"torch=={torch_version}"], ["-e", str(ROOT)]):
+        done = subprocess.run([*pip, *requirement], capture_output=True, text=True, timeout=1200)
+        assert done.returncode == 0, done.stderr[-3000:]
+    probe = "import importlib.util as u, sys; print([n for n in sys.argv[1:] if u.find_spec(n)])"
+    found = subprocess.run([str(python), "-c", probe, *EXTRAS], capture_output=True, text=True, timeout=60)
+    assert found.stdout.strip() == "[]", found.stdout  # a lean install: none of the extras came along
+    run = subprocess.run(
+        [str(plait), "train", "--model.preset=debug", f"--data.source={data_dir}", "--train.steps=2",
+         "--data.seq_len=32", "--train.global_batch_size=4", "--eval.every_steps=0", "--sample.max_new_tokens=0",
+         "--run.device=cpu", "--log.tensorboard=true", f"--run.out_dir={tmp_path}", "--run.name=fresh"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=900,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    text = " ".join(run.stderr.split())
+    assert "pip install 'plait[tensorboard]'" in text and "pip install 'plait[plot]'" in text, text[-2000:]
+    assert (tmp_path / "fresh" / "checkpoints" / "step_00000002").is_dir()

@@ -9,7 +9,8 @@ import pytest
 from plait.cli import main
 from plait.config import load_config
 from plait.core.errors import ConfigError
-from plait.planner.preflight import WARN_FRACTION, Machine, check_memory, predict
+from plait.planner.cost import MEMORY_FRACTION
+from plait.planner.preflight import Machine, check_memory, predict
 
 H100_NODE = Machine(
     device_bytes=85_520_809_984, host_bytes=1800 * 2**30, name="NVIDIA H100 80GB HBM3", bf16_native=True
@@ -60,9 +61,9 @@ def test_every_remedy_offered_fits_and_the_check_can_be_turned_off():
 def test_close_to_the_limit_is_a_warning_and_host_memory_counts_under_offload():
     cfg = load_config(None, LLAMA3_8B)
     eight = predict(cfg, 8, 8, bf16=True)["total"]
-    tight = Machine(int(eight / (WARN_FRACTION + 0.05)), H100_NODE.host_bytes, "a tight GPU", True)
+    tight = Machine(int(eight / (MEMORY_FRACTION + 0.05)), H100_NODE.host_bytes, "a tight GPU", True)
     assert "close to the limit" in check_memory(cfg, 8, 8, tight)
-    roomy = Machine(int(eight / (WARN_FRACTION - 0.05)), H100_NODE.host_bytes, "a roomy GPU", True)
+    roomy = Machine(int(eight / (MEMORY_FRACTION - 0.05)), H100_NODE.host_bytes, "a roomy GPU", True)
     assert check_memory(cfg, 8, 8, roomy) is None
     # CPU offload puts 8 processes' states in host memory: 8 x 15 GiB does not go into 64 GiB
     offload = load_config(None, [*LLAMA3_8B, "parallel.cpu_offload=true"])
@@ -127,3 +128,24 @@ def test_a_slurm_script_is_checked_against_the_gpu_it_names(tmp_path, capsys):
     job.unlink()
     assert main(slurm) == 0  # the GPU unknown: said, and left to the workers
     assert "memory: not checked before submitting" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name,nodes,batch", [("llama3-8b", 1, 32), ("llama3-70b", 8, 256), ("llama3-405b", 64, 1024)])
+def test_the_plans_layouts_pass_the_launchs_preflight_quietly(name, nodes, batch):
+    """One memory rule (MEMORY_FRACTION): each of `plait plan`'s five best layouts is one the launch's preflight
+    lets through without "an out-of-memory error is likely" (it once chose a 70B layout at 97.7% of an H100
+    that the launch then warned about)."""
+    import numpy as np
+
+    from plait.model.presets import preset_args
+    from plait.planner.cluster import get_cluster
+    from plait.planner.cost import Workload
+    from plait.planner.search import layout_config, plan
+
+    result = plan(Workload(preset_args(name), 8192, batch), get_cluster("h100", nodes=nodes))
+    for i in result.top(5):
+        result.order = np.asarray([i])
+        record = result.record(i)
+        assert result.metrics["mem_total"][i] <= MEMORY_FRACTION * H100_NODE.device_bytes, record
+        note = check_memory(layout_config(result), nodes * 8, 8, H100_NODE)
+        assert note is None or "likely" not in note, (record, note)

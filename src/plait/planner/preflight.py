@@ -16,11 +16,9 @@ import itertools
 
 from plait.config import Config
 from plait.core.errors import ConfigError
+from plait.planner.cost.memory import MEMORY_FRACTION
 
 GiB = 2**30
-WARN_FRACTION = 0.9
-"""Predicted above this fraction of the limit: warned about (the model is within 5% of the measured
-activations; fragmentation beyond its allowance, and other processes, take the rest)."""
 CPU_PROCESS_GIB = 0.5
 """A CPU worker's own memory before its model: the interpreter, torch, plait, the tokenizer, the data loader
 and collective buffers. Measured (2-core x86-64, torch 2.13): the memory available fell 0.92 GiB for 4
@@ -173,7 +171,7 @@ def check_memory(cfg: Config, world_size: int, local_size: int, machine: Machine
                 except ConfigError:
                     continue  # not a valid layout here (reducing every micro-batch without FSDP, say)
                 got, got_needs, _, _ = over(changed, layout)
-                if got <= WARN_FRACTION:
+                if got <= MEMORY_FRACTION:
                     fits.append((settings, got_needs))
         if fits:
             advice = "it fits with " + " or ".join(f"{' '.join(sorted(s))} ({need})" for s, need in fits[:3])
@@ -190,7 +188,7 @@ def check_memory(cfg: Config, world_size: int, local_size: int, machine: Machine
                 "share the same memory: a smaller model, or GPUs (`plait plan` chooses a layout)"
             )
         raise ConfigError(f"this run will not fit: {said}; {advice}; or run.memory_check=false to start anyway")
-    if share > WARN_FRACTION:
+    if share > MEMORY_FRACTION:
         return (
             f"memory: {said}: close to the limit, an out-of-memory error is likely; `plait fit` runs one rank of "
             f"this job here and measures it (plait fit CONFIG --world-size {world_size})"

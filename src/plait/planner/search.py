@@ -29,7 +29,15 @@ from plait.parallel.rules import (
     tp_whole,
 )
 from plait.planner.cluster import Cluster, GiB
-from plait.planner.cost import AC_MODES, SCHEDULES, Layouts, Workload, evaluate
+from plait.planner.cost import (
+    AC_MODES,
+    HOST_MEMORY_FRACTION,
+    MEMORY_FRACTION,
+    SCHEDULES,
+    Layouts,
+    Workload,
+    evaluate,
+)
 
 CP_MIN_LOCAL_TOKENS = 1024
 """Context parallel degrees are searched where each rank keeps at least this many tokens of a sequence: below
@@ -367,17 +375,18 @@ def _no_fit_message(work, cluster, lay, metrics, hints: bool) -> str:
     on_device = np.where(lay.offload, np.inf, metrics["mem_total"])
     rec = record(int(np.argmin(on_device)))
     lines = [
-        f"no layout fits in {cluster.memory_gib:g} GiB per device. The leanest, {layout_name(rec)}, needs "
+        f"no layout fits in {MEMORY_FRACTION:.0%} of {cluster.memory_gib:g} GiB per device (the rest is the "
+        f"prediction's margin). The leanest, {layout_name(rec)}, needs "
         f"{_memory(rec)}."
     ]
-    offloaded = np.nonzero(lay.offload & (metrics["mem_total"] <= cluster.memory_gib * GiB))[0]
+    offloaded = np.nonzero(lay.offload & (metrics["mem_total"] <= MEMORY_FRACTION * cluster.memory_gib * GiB))[0]
     if len(offloaded):
         host = record(int(offloaded[np.argmin(metrics["mem_host"][offloaded])]))
         per_node = host["mem_host_gib"] * cluster.devices_per_node
         lines.append(
             f"With CPU offload ({layout_name(host)}) the device needs {host['mem_total_gib']:.1f} GiB but "
-            f"the "
-            f"host {per_node:,.0f} GiB per node, over 90% of its {cluster.host_memory_gib:g} GiB."
+            f"the host {per_node:,.0f} GiB per node, over {HOST_MEMORY_FRACTION:.0%} of its "
+            f"{cluster.host_memory_gib:g} GiB."
         )
     if work.model.moe_experts and rec["mem_buffers_gib"] > rec["mem_states_gib"]:
         lines.append(

@@ -34,6 +34,8 @@ from plait.planner.cost.layouts import AC_MODES, SCHEDULES, Columns, Layouts, Wo
 from plait.planner.cost.memory import (
     ALLOCATOR_OVERHEAD,
     EMBED_ACTIVATION_BYTES,
+    HOST_MEMORY_FRACTION,
+    MEMORY_FRACTION,
     RESERVED_GIB,
     ZERO_BUBBLE_LAST_MARGIN,
     head_activation_bytes,
@@ -60,12 +62,42 @@ from plait.planner.cost.time import (
 )
 
 __all__ = [
-    "AC_MODES", "ALLOCATOR_OVERHEAD", "EMBED_ACTIVATION_BYTES", "GEMM_KNEE", "OPTIMIZER_BYTES_PER_PARAM",
-    "RESERVED_GIB", "SCHEDULES", "SELECTIVE_RECOMPUTE", "ZERO_BUBBLE_LAST_MARGIN", "Layouts", "Workload",
-    "a2a_bytes", "allreduce_time", "block_numel", "embed_params", "evaluate", "head_activation_bytes",
-    "head_flops_per_token", "head_params", "head_transient_bytes", "held_chunks", "layer_activation_bytes",
-    "layer_flops_per_token", "layer_params", "local_numel", "matmul_params", "moe_mlp_bytes", "moe_params",
-    "peak_activations", "ring_bytes", "ring_time", "sharded_numel", "split_stages", "train_flops_per_token",
+    "AC_MODES",
+    "ALLOCATOR_OVERHEAD",
+    "EMBED_ACTIVATION_BYTES",
+    "GEMM_KNEE",
+    "OPTIMIZER_BYTES_PER_PARAM",
+    "HOST_MEMORY_FRACTION",
+    "MEMORY_FRACTION",
+    "RESERVED_GIB",
+    "SCHEDULES",
+    "SELECTIVE_RECOMPUTE",
+    "ZERO_BUBBLE_LAST_MARGIN",
+    "Layouts",
+    "Workload",
+    "a2a_bytes",
+    "allreduce_time",
+    "block_numel",
+    "embed_params",
+    "evaluate",
+    "head_activation_bytes",
+    "head_flops_per_token",
+    "head_params",
+    "head_transient_bytes",
+    "held_chunks",
+    "layer_activation_bytes",
+    "layer_flops_per_token",
+    "layer_params",
+    "local_numel",
+    "matmul_params",
+    "moe_mlp_bytes",
+    "moe_params",
+    "peak_activations",
+    "ring_bytes",
+    "ring_time",
+    "sharded_numel",
+    "split_stages",
+    "train_flops_per_token",
     "zero_bubble_residue",
 ]  # fmt: skip
 
@@ -83,8 +115,10 @@ def evaluate(work: Workload, cluster: Cluster, lay: Layouts) -> dict[str, np.nda
     worst_first = mem["first"]["total"] >= mem["last"]["total"]
     for key in ("states", "buffers", "activations", "transient", "peak", "allocator", "total", "host"):
         out[f"mem_{key}"] = np.where(worst_first, mem["first"][key], mem["last"][key])
-    out["fits_host"] = out["mem_host"] * cluster.devices_per_node <= 0.9 * cluster.host_memory_gib * GiB
-    out["fits"] = (out["mem_total"] <= cluster.memory_gib * GiB) & out["fits_host"]
+    out["fits_host"] = (
+        out["mem_host"] * cluster.devices_per_node <= HOST_MEMORY_FRACTION * cluster.host_memory_gib * GiB
+    )
+    out["fits"] = (out["mem_total"] <= MEMORY_FRACTION * cluster.memory_gib * GiB) & out["fits_host"]
     links = Links.of(cluster, c)
     out["tp_cross_node"] = links.tp_spans
     per_rank = {name: rank_time(work, cluster, lay, c, links, rank) for name, rank in mem.items()}

@@ -29,6 +29,17 @@ ALLOCATOR_OVERHEAD = 0.10
 RESERVED_GIB = 2.0
 """Per-device memory the model never sees: CUDA context, NCCL channels and cuBLAS workspaces."""
 
+MEMORY_FRACTION = 0.95
+"""The share of a device's memory a job may be predicted to use: the one rule of `plait plan` (which layouts
+fit) and of the launch's preflight (above it: a warning; a remedy must bring a run under it). The prediction
+already holds the allocator's slack (ALLOCATOR_OVERHEAD) and the CUDA context (RESERVED_GIB); the 5% left is
+the model's own error (within 5% of measured activations). Meta's Llama 3 405B layout is predicted at 94.9% of
+an H100: it fits, as it ran. (`plait fit` measures a rank's real peak and compares it with the whole device.)"""
+
+HOST_MEMORY_FRACTION = 0.9
+"""The share of a node's host memory the CPU-offloaded states of its ranks may take (the OS, the data loaders
+and the page cache keep the rest)."""
+
 
 # ---------------------------------------------------------------------------------------------- activations
 
