@@ -386,12 +386,26 @@ def test_lora_run_resumes(runs, corpus, capsys):
     assert after.keys() == before.keys() and any(not torch.equal(after[k], before[k]) for k in after)  # trained on
 
 
-def test_lora_under_fsdp_reproduces_the_single_process_run(runs, corpus, tmp_path):
-    """dp_shard=2: the frozen base sharded by FSDP2, the adapters replicated with averaged gradients. Same
+@pytest.mark.parametrize("start", ["plait base", "PEFT adapter"])
+def test_lora_under_fsdp_reproduces_the_single_process_run(runs, corpus, tmp_path, start):
+    """dp_shard=2: the frozen base sharded by FSDP2, the adapters replicated with averaged gradients; from a
+    plait base, or continuing a PEFT adapter made by peft (on the base's transformers export). Same
     tolerance and reason as tests/test_parallel.py: a reordering of fp32 sums only."""
     from parallel_harness import read_metrics, run_layouts
     from plait.api import train
     from plait.config import load_config
+
+    init_from = runs["base"]
+    if start == "PEFT adapter":
+        peft = pytest.importorskip("peft")
+        from test_interop import hf_from_pretrained
+
+        assert main(["ckpt", "export", str(runs["base"]), "--out", str(tmp_path / "base-hf")]) == 0
+        torch.manual_seed(0)
+        config = peft.LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"],
+                                 init_lora_weights=False)  # fmt: skip
+        peft.get_peft_model(hf_from_pretrained(tmp_path / "base-hf"), config).save_pretrained(str(tmp_path / "peft"))
+        init_from = tmp_path / "peft"
 
     job = [
         o.removeprefix("--")
@@ -399,7 +413,7 @@ def test_lora_under_fsdp_reproduces_the_single_process_run(runs, corpus, tmp_pat
         if not o.startswith(("--run.", "--eval.", "--train.steps", "--optim.warmup"))
     ]
     job += [
-        f"finetune.init_from={runs['base']}",
+        f"finetune.init_from={init_from}",
         "finetune.lora_rank=4",
         "finetune.lora_targets=wq,wv,w2",
         "train.steps=4",
