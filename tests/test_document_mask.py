@@ -57,7 +57,7 @@ def test_a_packed_row_equals_each_document_alone(overrides):
 
 @pytest.mark.parametrize("overrides", [{}, dict(sliding_window=4)])
 def test_the_block_sparse_path_equals_the_masked_one(monkeypatch, overrides):
-    """Where flex_attention runs (CUDA: flex_runs), the model takes the documents' block mask instead of the
+    """Where flex_attention runs (CUDA, flex_runs), the model takes the documents' block mask instead of the
     (B, 1, T, T) one: the same logits. Forward on the CPU (flex_attention has no CPU backward); the GPU
     sessions run it with its backward (bench/gpu_session.py)."""
     from plait.model import llama
@@ -78,8 +78,9 @@ def test_the_block_sparse_path_equals_the_masked_one(monkeypatch, overrides):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the GPU sessions run it)")
 def test_cuda_block_sparse_path_equals_the_masked_one_forward_and_backward(monkeypatch):
-    """On CUDA the model takes flex_attention (compiled) with the documents' block mask: logits and every
-    gradient equal the (B, 1, T, T) masked SDPA path's (fp32; 1e-4: the kernels sum in other orders)."""
+    """On CUDA the block-sparse path (flex_attention, compiled, with the documents' block mask): logits and
+    every gradient equal the (B, 1, T, T) masked SDPA path's (fp32; 1e-4: the kernels sum in other orders).
+    Its pass on a torch release is what FLEX_VERIFIED_ON_CUDA records."""
     from plait.model import llama
 
     torch.manual_seed(0)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
@@ -140,11 +141,21 @@ def document_mask(docs: torch.Tensor, window: int) -> torch.Tensor:
     return (same & attention_mask(0, docs.shape[1], docs.shape[1], window, docs.device))[:, None]
 
 
+FLEX_VERIFIED_ON_CUDA: set[tuple[int, int]] = set()
+"""torch releases on which a GPU session has run document masking through flex_attention against the masked
+SDPA path, forward and backward (tests/test_document_mask.py, in bench/gpu_session.py part 2): none yet. Until
+then CUDA keeps the masked SDPA path, which runs there already; PLAIT_FLEX_ATTENTION=1 turns flex on."""
+
+
 def flex_runs(device: torch.device) -> bool:
     """Whether document masking runs torch's block-sparse attention (flex_attention) on this device: on CUDA,
-    where its compiled kernel skips the blocks no document spans, forward and backward. Elsewhere (the CPU:
-    flex_attention has no backward there) SDPA takes the (B, 1, T, T) mask."""
-    return device.type == "cuda"
+    where its compiled kernel skips the blocks no document spans, forward and backward, once verified for this
+    torch release (FLEX_VERIFIED_ON_CUDA) or asked for. Elsewhere (the CPU: flex_attention has no backward
+    there) SDPA takes the (B, 1, T, T) mask."""
+    if device.type != "cuda":
+        return False
+    release = tuple(int(x) for x in torch.__version__.split(".")[:2])
+    return release in FLEX_VERIFIED_ON_CUDA or os.environ.get("PLAIT_FLEX_ATTENTION") == "1"
 
 
 def document_block_mask(docs: torch.Tensor, window: int) -> BlockMask:
