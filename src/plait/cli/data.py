@@ -35,7 +35,21 @@ def cmd_data(argv: list[str]) -> int:
         action="store_true",
         help="Add the inputs to the prepared directory --out (its tokenizer; new shards; nothing re-tokenised).",
     )
+    r = sub.add_parser(
+        "retrieve",
+        help="Build a prepared directory's retrieval database: chunks, their frozen embeddings, a faiss index "
+        "and each chunk's nearest neighbours (RETRO).",
+    )
+    r.add_argument("data", help="A prepared directory (plait data prepare): the database sits beside its shards.")
+    r.add_argument("--encoder", required=True, help="A frozen model: plait checkpoint / run or HF decoder directory.")
+    r.add_argument("--chunk", type=int, default=64, help="Tokens per chunk (RETRO: 64).")
+    r.add_argument("--k", type=int, default=2, help="Neighbours per chunk.")
+    r.add_argument("--batch", type=int, default=64, help="Chunks per encoder forward.")
+    r.add_argument("--device", default="cpu")
+    r.add_argument("--overwrite", action="store_true", help="Build again over an existing database.")
     a = parser.parse_args(argv)
+    if a.action == "retrieve":
+        return _retrieve(a)
     if a.append and a.overwrite:
         raise ConfigError("--append adds to --out and --overwrite replaces it: give one")
     if a.vocab_size < 260:
@@ -72,5 +86,48 @@ def cmd_data(argv: list[str]) -> int:
         f"{splits['train']['num_documents']} documents, val {splits['val']['num_tokens']:,} tokens / "
         f"{splits['val']['num_documents']} documents, vocabulary {manifest['vocab_size']}\n"
         f"train on it with: plait train --data.source={a.out} --model.vocab_size={manifest['vocab_size']}"
+    )
+    return 0
+
+
+def _retrieve(a) -> int:
+    import time
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from plait.data.loader import read_manifest
+    from plait.data.retrieval import RETRIEVAL_DIR, build_database
+    from plait.lifecycle.retrieval import load_encoder
+
+    if a.batch < 1:
+        raise ConfigError(f"--batch={a.batch} must be at least 1")
+    corpus = read_manifest(a.data)
+    encode, described = load_encoder(a.encoder, corpus, a.device)
+    started = time.perf_counter()
+    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[rate]}"),
+               TimeRemainingColumn()]  # fmt: skip
+    with Progress(*columns, transient=True) as bar:
+        tasks: dict[str, tuple[int, float]] = {}
+
+        def progress(stage: str, done: int, total: int) -> None:
+            if stage not in tasks:
+                tasks[stage] = (bar.add_task(stage, total=total, rate=""), time.perf_counter())
+            task, since = tasks[stage]
+            rate = f"{done / max(time.perf_counter() - since, 1e-9):,.0f} chunks/s"
+            bar.update(task, completed=done, rate=rate)
+
+        manifest = build_database(
+            a.data, encode, encoder=described, chunk=a.chunk, k=a.k, batch=a.batch, overwrite=a.overwrite,
+            progress=progress,
+        )  # fmt: skip
+    seconds = time.perf_counter() - started
+    chunks = sum(manifest["chunks"].values())
+    from pathlib import Path
+
+    index_mb = (Path(a.data) / RETRIEVAL_DIR / "index.faiss").stat().st_size / 1e6
+    print(
+        f"wrote {Path(a.data) / RETRIEVAL_DIR}: {manifest['database_chunks']:,} database chunks of {a.chunk} tokens, "
+        f"{a.k} neighbours for each of {chunks:,} chunks (train and val) in {seconds:.1f} s ({chunks / seconds:,.0f} "
+        f"chunks/s), index {index_mb:.1f} MB"
     )
     return 0

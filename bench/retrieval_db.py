@@ -1,0 +1,94 @@
+"""The retrieval database's build (plait data retrieve) on the bundled corpus: chunks/s of the encoder and of
+the neighbour search, the index's size, written to bench/results/retrieval_db.json.
+
+    python bench/retrieval_db.py [--encoder RUN] [--chunk 64] [--k 2]
+
+Without --encoder, plait's default model (preset tiny, 3.1M) is trained 100 steps on the corpus first (not
+timed): an encoder of the corpus's tokenizer, as the database needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--encoder")
+    p.add_argument("--chunk", type=int, default=64)
+    p.add_argument("--k", type=int, default=2)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--json", default="bench/results/retrieval_db.json")
+    p.add_argument("--dry-run", action="store_true")
+    a = p.parse_args()
+    if a.dry_run:
+        print(f"would build a database of the bundled corpus: chunk {a.chunk}, k {a.k}")
+        return 0
+    from plait.api import train
+    from plait.config import load_config
+    from plait.data.loader import read_manifest
+    from plait.data.prepare import ensure_prepared
+    from plait.data.retrieval import RETRIEVAL_DIR, build_database
+    from plait.lifecycle.retrieval import load_encoder
+
+    work = Path(tempfile.mkdtemp(prefix="plait-retrieval-bench-"))
+    data = work / "data"
+    shutil.copytree(ensure_prepared("shakespeare", Path.home() / ".cache" / "plait" / "data", 4096), data)
+    encoder = a.encoder
+    if encoder is None:
+        overrides = [f"data.source={data}", "train.steps=100", "eval.every_steps=0", "sample.max_new_tokens=0",
+                     "log.tensorboard=false", f"run.out_dir={work}", "run.name=encoder"]  # fmt: skip
+        train(load_config(None, overrides))
+        encoder = str(work / "encoder")
+    encode, described = load_encoder(encoder, read_manifest(data))
+    started = time.perf_counter()
+    stages: dict[str, list[float]] = {}  # stage -> [its start (the previous stage's end), its last update, chunks]
+
+    def progress(stage: str, done: int, total: int) -> None:
+        now = time.perf_counter()
+        if stage not in stages:
+            stages[stage] = [max((v[1] for v in stages.values()), default=started), now, 0]
+        stages[stage][1:] = [now, done]
+
+    manifest = build_database(data, encode, encoder=described, chunk=a.chunk, k=a.k, batch=a.batch, progress=progress)
+    seconds = time.perf_counter() - started
+    chunks = sum(manifest["chunks"].values())
+    index = (data / RETRIEVAL_DIR / "index.faiss").stat().st_size
+    stored = sum(f.stat().st_size for f in (data / RETRIEVAL_DIR).iterdir())
+    record = {
+        "machine": f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}",
+        "stage_chunks_per_s": {k: c / max(t1 - t0, 1e-9) for k, (t0, t1, c) in stages.items()},
+        "encoder": described,
+        "chunk": a.chunk,
+        "k": a.k,
+        "chunks": manifest["chunks"],
+        "database_chunks": manifest["database_chunks"],
+        "seconds": seconds,
+        "chunks_per_s": chunks / seconds,
+        "index_bytes": index,
+        "database_bytes": stored,
+        "corpus_token_bytes": sum(f.stat().st_size for f in data.glob("*_0*.bin")),
+    }
+    print(
+        f"{chunks:,} chunks of {a.chunk} tokens (database {manifest['database_chunks']:,}) in {seconds:.1f} s: "
+        f"{chunks / seconds:,.0f} chunks/s; index {index / 1e6:.1f} MB, database files {stored / 1e6:.1f} MB"
+    )
+    for stage, rate in record["stage_chunks_per_s"].items():
+        print(f"  {stage}: {rate:,.0f} chunks/s")
+    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.json).write_text(json.dumps(record, indent=2) + "\n")
+    shutil.rmtree(work)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

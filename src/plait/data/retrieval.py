@@ -1,0 +1,226 @@
+"""A retrieval database beside a prepared corpus (`plait data retrieve`): RETRO's chunks, their neighbours.
+
+Each split's token stream is cut into chunks of `chunk` tokens (64 by default). The database is the train
+split's chunks that have a continuation (the chunk after them): a neighbour is a chunk and its continuation,
+2 x chunk tokens, as in RETRO. Every chunk gets a frozen embedding (an encoder of the caller's: a callable from
+(n, chunk) token ids to (n, d) vectors); the database's embeddings, L2-normalised, go into a faiss index
+(exact inner product: cosine similarity), and for every chunk of both splits its k nearest database chunks are
+found and stored. A neighbour that shares a document with the query chunk (its chunk or its continuation
+touches one of the documents the query touches) is excluded: it would leak the text the model must predict.
+Validation chunks are never in the database, so the held-out split's documents are never retrieved.
+
+Layout, beside the token shards: `retrieval/manifest.json` (chunk, k, encoder, the corpus it was built from:
+its tokenizer's and shards' hashes, the index and the exclusion rule), `retrieval/index.faiss`,
+`retrieval/{split}_neighbours.npy` (int32, (chunks, k): database chunk numbers; the tokens are read from the
+train stream) and `retrieval/{split}_embeddings.npy`. Plain arrays (numpy's format, read without pickle) and
+faiss's own index file. The build works in `retrieval.partial/` with a journal after every batch, so an
+interrupted build continues where it stopped when the same command runs again; the directory is renamed into
+place at the end.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from plait.core.errors import ConfigError
+from plait.data.loader import TokenDataset, read_manifest
+
+RETRIEVAL_DIR = "retrieval"
+FORMAT = "plait-retrieval-v1"
+JOURNAL = "progress.json"
+SEARCH_BLOCK = 4096  # query chunks per faiss search
+
+Encoder = Callable[[np.ndarray], np.ndarray]  # (n, chunk) token ids -> (n, d) embeddings
+
+
+@dataclass
+class Chunks:
+    """A split cut into chunks: the tokens (chunks, chunk) and the first and last document of each."""
+
+    tokens: np.ndarray
+    first_doc: np.ndarray
+    last_doc: np.ndarray
+
+
+def chunk_split(data_dir: Path, split: str, chunk: int) -> Chunks:
+    """The whole chunks of a split's stream, each with the documents it touches (a document ends with, and
+    includes, its EOS token)."""
+    data = TokenDataset(data_dir, split)
+    n = data.num_tokens // chunk
+    # window 0 of length n x chunk - 1 holds the first n x chunk tokens (a window carries one more: its targets)
+    stream = data.sample(0, n * chunk - 1) if n else np.zeros(0, dtype=np.int64)
+    ends = stream == data.eos_id
+    docs = np.cumsum(ends) - ends  # each token's document
+    docs = docs.reshape(n, chunk) if n else docs.reshape(0, chunk)
+    return Chunks(stream.reshape(n, chunk), docs[:, 0].copy(), docs[:, -1].copy())
+
+
+def corpus_digest(manifest: dict[str, Any]) -> str:
+    """What a database was built from: the tokenizer's and every shard's hashes."""
+    parts = [manifest.get("tokenizer_sha256", "")]
+    for split in sorted(manifest["splits"]):
+        parts += [s.get("sha256", "") for s in manifest["splits"][split]["shards"]]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+
+
+def build_database(
+    data_dir: str | Path,
+    encode: Encoder,
+    *,
+    encoder: dict[str, Any],
+    chunk: int = 64,
+    k: int = 2,
+    batch: int = 64,
+    overwrite: bool = False,
+    progress: Callable[[str, int, int], None] = lambda stage, done, total: None,
+) -> dict[str, Any]:
+    """Build (or continue building) the retrieval database of a prepared directory; returns its manifest.
+    `encoder` describes the encoder (recorded); progress(stage, done, total) after every batch."""
+    try:
+        import faiss
+    except ImportError:
+        raise ConfigError("plait data retrieve needs faiss: pip install 'plait[retrieval]'") from None
+    data_dir = Path(data_dir)
+    corpus = read_manifest(data_dir)
+    out, stage = data_dir / RETRIEVAL_DIR, data_dir / f"{RETRIEVAL_DIR}.partial"
+    if out.exists() and not overwrite:
+        raise ConfigError(f"{out} exists; pass --overwrite to build it again")
+    if chunk < 1 or k < 1:
+        raise ConfigError(f"--chunk={chunk} and --k={k} must be positive, e.g. --chunk 64 --k 2")
+    splits = {split: chunk_split(data_dir, split, chunk) for split in ("train", "val")}
+    stored = len(splits["train"].tokens) - 1  # the last train chunk has no continuation
+    if k > stored - 1:
+        raise ConfigError(
+            f"--k={k} neighbours but the database holds {max(stored, 0)} chunks of {chunk} tokens: at most "
+            f"{max(stored - 1, 0)} (or a smaller --chunk)"
+        )
+    settings = dict(chunk=chunk, k=k, corpus=corpus_digest(corpus), encoder=encoder)
+    journal = _journal(stage)
+    if journal is not None and journal["settings"] != settings:
+        shutil.rmtree(stage)
+        journal = None
+    stage.mkdir(exist_ok=True)
+    journal = journal or {"settings": settings, "done": {}}
+
+    def save_journal() -> None:
+        tmp = stage / f".{JOURNAL}.tmp"
+        tmp.write_text(json.dumps(journal))
+        tmp.replace(stage / JOURNAL)
+
+    embeddings = {}
+    for split, chunks in splits.items():  # embeddings, batch after batch
+        key, total = f"{split}_embeddings", len(chunks.tokens)
+        done = journal["done"].get(key, 0)
+        arr = None
+        for start in range(done, total, batch):
+            vectors = np.asarray(encode(chunks.tokens[start : start + batch]), dtype=np.float32)
+            if arr is None:
+                arr = _array(stage / f"{key}.npy", (total, vectors.shape[1]), np.float32, fresh=done == 0)
+            norms = np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+            arr[start : start + len(vectors)] = vectors / norms
+            arr.flush()
+            journal["done"][key] = start + len(vectors)
+            save_journal()
+            progress(f"embedding {split}", start + len(vectors), total)
+        embeddings[split] = np.load(stage / f"{key}.npy", mmap_mode="r")
+
+    train = splits["train"]
+    index = faiss.IndexFlatIP(embeddings["train"].shape[1])
+    index.add(np.ascontiguousarray(embeddings["train"][:stored]))
+    # a neighbour (chunk j and its continuation j + 1) spans documents first_doc[j] .. last_doc[j + 1]
+    span_first, span_last = train.first_doc[:stored], train.last_doc[1 : stored + 1]
+    for split, chunks in splits.items():
+        key, total = f"{split}_neighbours", len(chunks.tokens)
+        done = journal["done"].get(key, 0)
+        out_arr = _array(stage / f"{key}.npy", (total, k), np.int32, fresh=done == 0)
+        for start in range(done, total, SEARCH_BLOCK):
+            stop = min(start + SEARCH_BLOCK, total)
+            query = np.ascontiguousarray(embeddings[split][start:stop])
+            own = (chunks.first_doc[start:stop], chunks.last_doc[start:stop]) if split == "train" else None
+            out_arr[start:stop] = _search(index, query, k, own, span_first, span_last, stored)
+            out_arr.flush()
+            journal["done"][key] = stop
+            save_journal()
+            progress(f"neighbours of {split}", stop, total)
+    faiss.write_index(index, str(stage / "index.faiss"))
+    manifest = {
+        "format": FORMAT,
+        **settings,
+        "corpus_tokenizer_sha256": corpus.get("tokenizer_sha256", ""),
+        "chunks": {split: len(c.tokens) for split, c in splits.items()},
+        "database_chunks": stored,
+        "index": {"type": "faiss.IndexFlatIP", "metric": "cosine (L2-normalised embeddings)", "exact": True},
+        "neighbour_tokens": 2 * chunk,
+        "excluded": "database chunks whose chunk or continuation shares a document with the query chunk",
+    }
+    (stage / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    (stage / JOURNAL).unlink()
+    if out.exists():
+        shutil.rmtree(out)
+    stage.rename(out)
+    return manifest
+
+
+def _search(index, query, k: int, own, span_first, span_last, stored: int) -> np.ndarray:
+    """The k nearest database chunks of each query row, those sharing a document with it left out (own: the
+    query chunks' first and last documents, or None for validation queries)."""
+    want = k if own is None else min(stored, 4 * k + 8)
+    while True:
+        _, found = index.search(query, want)
+        if own is None:
+            return found[:, :k].astype(np.int32)
+        first, last = own
+        safe = found >= 0
+        clipped = np.where(safe, found, 0)
+        overlaps = (span_first[clipped] <= last[:, None]) & (span_last[clipped] >= first[:, None])
+        keep = safe & ~overlaps
+        if (keep.sum(1) >= k).all() or want >= stored:
+            if (keep.sum(1) < k).any():
+                raise ConfigError(
+                    f"some chunks have fewer than k={k} neighbours outside their own document: use a smaller --k"
+                )
+            order = np.argsort(~keep, axis=1, kind="stable")[:, :k]  # the first k kept, nearest first
+            return np.take_along_axis(found, order, axis=1).astype(np.int32)
+        want = min(stored, want * 4)
+
+
+def _array(path: Path, shape: tuple[int, ...], dtype, fresh: bool) -> np.ndarray:
+    if fresh or not path.exists():
+        return np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape)
+    return np.load(path, mmap_mode="r+")
+
+
+def _journal(stage: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((stage / JOURNAL).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def read_database(data_dir: str | Path) -> dict[str, Any]:
+    """A prepared directory's retrieval manifest, checked against the corpus it sits beside."""
+    data_dir = Path(data_dir)
+    path = data_dir / RETRIEVAL_DIR / "manifest.json"
+    if not path.is_file():
+        raise ConfigError(f"{data_dir} has no retrieval database: build it with plait data retrieve {data_dir} ...")
+    manifest = json.loads(path.read_text())
+    if manifest.get("format") != FORMAT:
+        raise ConfigError(f"{path} is not a {FORMAT} manifest: build the database again")
+    if manifest["corpus"] != corpus_digest(read_manifest(data_dir)):
+        raise ConfigError(
+            f"the retrieval database of {data_dir} was built from other data or another tokenizer: build it again"
+        )
+    return manifest
+
+
+def neighbours(data_dir: str | Path, split: str) -> np.ndarray:
+    """(chunks, k) database chunk numbers of each chunk of a split (read-only, memory-mapped, no pickle)."""
+    return np.load(Path(data_dir) / RETRIEVAL_DIR / f"{split}_neighbours.npy", mmap_mode="r", allow_pickle=False)

@@ -1,0 +1,63 @@
+"""Encoders for the retrieval database (plait.data.retrieval): a frozen plait model, or any Hugging Face
+decoder directory plait reads, embeds a chunk as the mean of its tokens' final hidden states (after the last
+norm, before the output projection), computed on the chunk alone."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from plait.core.errors import ConfigError
+
+
+def plait_encoder(model, device: str = "cpu"):
+    """encode((n, chunk) token ids) -> (n, dim) float32 embeddings of a plait Transformer, frozen."""
+    model.eval()
+
+    @torch.no_grad()
+    def encode(tokens: np.ndarray) -> np.ndarray:
+        head, model.output = model.output, None  # the final hidden states, not the logits
+        try:
+            hidden = model(torch.from_numpy(np.ascontiguousarray(tokens, dtype=np.int64)).to(device))
+        finally:
+            model.output = head
+        return hidden.float().mean(1).cpu().numpy()
+
+    return encode
+
+
+def load_encoder(ref: str, corpus_manifest: dict[str, Any], device: str = "cpu"):
+    """(encode, its description for the database's manifest) of the model at `ref`, refused when it reads
+    another tokenizer's ids than the corpus's."""
+    from plait.lifecycle.models import load_model
+
+    loaded = load_model(ref, device=device)
+    vocab = corpus_manifest["vocab_size"]
+    if loaded.model.args.vocab_size < vocab:
+        raise ConfigError(
+            f"the encoder {ref} has a vocabulary of {loaded.model.args.vocab_size}, the corpus {vocab}: encode with "
+            "a model of the corpus's tokenizer"
+        )
+    tokenizer_hash = None
+    if loaded.tokenizer is not None:
+        tokenizer_hash = hashlib.sha256(Path(loaded.tokenizer).read_bytes()).hexdigest()
+        if corpus_manifest.get("tokenizer_sha256") and tokenizer_hash != corpus_manifest["tokenizer_sha256"]:
+            raise ConfigError(
+                f"the encoder {ref} was trained with another tokenizer than the corpus (tokenizer.json hashes "
+                f"{tokenizer_hash[:12]} and {corpus_manifest['tokenizer_sha256'][:12]}): encode with a model of "
+                "the corpus's tokenizer"
+            )
+    from plait.lifecycle.lora import model_weights_hash
+
+    description = {
+        "path": str(Path(loaded.path).resolve()) if not str(loaded.path).startswith("s3://") else str(loaded.path),
+        "kind": loaded.kind,
+        "weights_hash": model_weights_hash(loaded.model),
+        "dim": loaded.model.args.dim,
+        "pooling": "mean of the final hidden states",
+    }
+    return plait_encoder(loaded.model, device), description

@@ -1,0 +1,121 @@
+"""The retrieval database (plait.data.retrieval, `plait data retrieve`): chunks of a prepared corpus, their
+embeddings by a frozen plait model, an exact faiss index, and for every chunk its nearest database chunks,
+those of its own documents left out; equal to a brute-force search, never anything of the held-out split, an
+interrupted build continues to the same files, and bad input is refused naming why."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from plait.cli import main
+from plait.core.errors import ConfigError
+
+faiss = pytest.importorskip("faiss")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory, data_dir) -> tuple[Path, Path]:
+    """(prepared speeches of the bundled text, a debug model trained a little on them as the encoder)."""
+    from plait.api import train
+    from plait.config import load_config
+    from plait.data.prepare import bundled_corpus_path, prepare
+    from runs import debug_run
+
+    root = tmp_path_factory.mktemp("retrieval")
+    with gzip.open(bundled_corpus_path(), "rt") as f:
+        text = json.loads(f.readline())["text"]
+    speeches = [s for s in text.split("\n\n") if s.strip()][:1500]
+    (root / "speeches.jsonl").write_text("\n".join(json.dumps({"text": s}) for s in speeches) + "\n")
+    prepare([root / "speeches.jsonl"], root / "data", tokenizer=Path(data_dir) / "tokenizer.json", val_fraction=0.1)
+    train(load_config(None, debug_run(root / "data", root, "encoder", 10)))
+    return root / "data", root / "encoder"
+
+
+def build(data: Path, encoder: Path, **kw):
+    from plait.data.loader import read_manifest
+    from plait.data.retrieval import build_database
+    from plait.lifecycle.retrieval import load_encoder
+
+    encode, described = load_encoder(str(encoder), read_manifest(data))
+    return build_database(data, kw.pop("encode", encode), encoder=described, **kw)
+
+
+def test_neighbours_are_the_nearest_chunks_outside_their_own_documents(corpus, tmp_path):
+    from plait.data.retrieval import RETRIEVAL_DIR, chunk_split, neighbours, read_database
+
+    data = tmp_path / "data"
+    shutil.copytree(corpus[0], data)
+    manifest = build(data, corpus[1], chunk=16, k=3)
+    assert read_database(data) == manifest and manifest["database_chunks"] == manifest["chunks"]["train"] - 1
+    db = np.load(data / RETRIEVAL_DIR / "train_embeddings.npy")[: manifest["database_chunks"]]
+    train = chunk_split(data, "train", 16)
+    span_first, span_last = train.first_doc[:-1], train.last_doc[1:]
+    for split in ("train", "val"):
+        found = neighbours(data, split)
+        queries = np.load(data / RETRIEVAL_DIR / f"{split}_embeddings.npy")
+        chunks = chunk_split(data, split, 16)
+        assert found.shape == (len(chunks.tokens), 3) and found.max() < len(db)
+        for q in np.random.default_rng(0).choice(len(queries), 40, replace=False):
+            scores = db @ queries[q]
+            if split == "train":  # its own documents' chunks (and continuations) are never offered
+                own = (span_first <= chunks.last_doc[q]) & (span_last >= chunks.first_doc[q])
+                assert not own[found[q]].any()
+                scores = np.where(own, -np.inf, scores)
+            best = np.sort(scores)[::-1][:3]
+            np.testing.assert_allclose(scores[found[q]], best, rtol=1e-5, atol=1e-6)  # the exact nearest
+
+
+def test_an_interrupted_build_continues_to_the_same_files(corpus, tmp_path):
+    from plait.data.loader import read_manifest
+    from plait.data.retrieval import RETRIEVAL_DIR
+    from plait.lifecycle.retrieval import load_encoder
+
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    for d in (whole, cut):
+        shutil.copytree(corpus[0], d)
+    encode, _ = load_encoder(str(corpus[1]), read_manifest(cut))
+    every = []
+    build(whole, corpus[1], chunk=16, k=2, batch=32, encode=lambda t: every.append(1) or encode(t))
+    calls = []
+
+    def dies(tokens):
+        calls.append(1)
+        if len(calls) == 7:
+            raise KeyboardInterrupt
+        return encode(tokens)
+
+    with pytest.raises(KeyboardInterrupt):
+        build(cut, corpus[1], chunk=16, k=2, batch=32, encode=dies)
+    assert (cut / f"{RETRIEVAL_DIR}.partial" / "progress.json").is_file() and not (cut / RETRIEVAL_DIR).exists()
+    again = []
+    build(cut, corpus[1], chunk=16, k=2, batch=32, encode=lambda t: again.append(1) or encode(t))
+    assert len(again) == len(every) - 6  # continued: the six finished batches are not encoded again
+    for name in ("train_neighbours.npy", "val_neighbours.npy", "train_embeddings.npy", "index.faiss"):
+        assert (whole / RETRIEVAL_DIR / name).read_bytes() == (cut / RETRIEVAL_DIR / name).read_bytes(), name
+
+
+def test_the_command_reports_its_speed_and_bad_input_is_refused(corpus, tmp_path, capsys):
+    from plait.data.loader import read_manifest
+    from plait.data.retrieval import read_database
+    from plait.lifecycle.retrieval import load_encoder
+
+    data = tmp_path / "data"
+    shutil.copytree(corpus[0], data)
+    assert main(["data", "retrieve", str(data), "--encoder", str(corpus[1]), "--k", "2"]) == 0
+    assert "chunks/s" in capsys.readouterr().out
+    assert main(["data", "retrieve", str(data), "--encoder", str(corpus[1])]) == 2
+    assert "exists; pass --overwrite" in capsys.readouterr().err
+    assert main(["data", "retrieve", str(data), "--encoder", str(corpus[1]), "--k", "100000", "--overwrite"]) == 2
+    assert "at most" in capsys.readouterr().err
+    other = {**read_manifest(data), "tokenizer_sha256": "0" * 64}
+    with pytest.raises(ConfigError, match="another tokenizer than the corpus"):
+        load_encoder(str(corpus[1]), other)
+    (data / "manifest.json").write_text(json.dumps({**read_manifest(data), "tokenizer_sha256": "0" * 64}))
+    with pytest.raises(ConfigError, match="built from other data or another tokenizer"):
+        read_database(data)
