@@ -80,7 +80,7 @@ def test_ids_equal_apply_chat_template(tmp_path, data_dir, template, in_file):
     assert chat is not None
     tok = Tokenizer.from_file(str(root / "tokenizer.json"))
     for messages in CONVERSATIONS:
-        ids, mask = chat_tokens(tok, chat, messages, "test")
+        ((ids, mask),) = chat_tokens(tok, chat, [(messages, "test")])
         assert ids == hf_ids(hf, messages)
         assert chat.render(messages, add_generation_prompt=True) == hf.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=True
@@ -96,7 +96,7 @@ def test_only_assistant_turns_are_learned_as_transformers_marks_them(tmp_path, d
     chat = load_chat_template(root)
     tok = Tokenizer.from_file(str(root / "tokenizer.json"))
     for messages in CONVERSATIONS:
-        _, mask = chat_tokens(tok, chat, messages, "test")
+        ((_, mask),) = chat_tokens(tok, chat, [(messages, "test")])
         marked = hf.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
         assert mask.tolist() == list(marked["assistant_masks"])
 

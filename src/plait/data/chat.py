@@ -133,10 +133,8 @@ def check_messages(messages: Any, where: str) -> list[dict]:
     return messages
 
 
-def chat_tokens(
-    tok: Tokenizer, template: ChatTemplate, messages: list[dict], where: str
-) -> tuple[list[int], np.ndarray]:
-    """The conversation's token ids (apply_chat_template's) and a 0/1 mask: 1 on the assistant turns."""
+def rendered(template: ChatTemplate, messages: list[dict], where: str) -> tuple[str, list[tuple[int, int]]]:
+    """The conversation's text and the character span of each assistant turn in it."""
     text = template.render(messages)
     spans = []
     for i, m in enumerate(messages):
@@ -151,9 +149,22 @@ def chat_tokens(
                 "turns cannot be located to be learned; use a template that renders conversations incrementally"
             )
         spans.append((len(before), len(through)))
-    encoding = tok.encode(text, add_special_tokens=False)
-    offsets = np.array(encoding.offsets, dtype=np.int64).reshape(-1, 2)
-    mask = np.zeros(len(offsets), dtype=np.uint8)
-    for lo, hi in spans:  # a token with any character of the turn (transformers' assistant mask does the same)
-        mask[(offsets[:, 0] < hi) & (offsets[:, 1] > lo)] = 1
-    return list(encoding.ids), mask
+    return text, spans
+
+
+def chat_tokens(
+    tok: Tokenizer, template: ChatTemplate, conversations: list[tuple[list[dict], str]]
+) -> list[tuple[list[int], np.ndarray]]:
+    """Each conversation's (messages, where) token ids (apply_chat_template's) and 0/1 mask, 1 on the assistant
+    turns; the texts are tokenised in one batch (the tokenizer's threads)."""
+    texts = [rendered(template, messages, where) for messages, where in conversations]
+    out = []
+    for encoding, (_, spans) in zip(
+        tok.encode_batch([t for t, _ in texts], add_special_tokens=False), texts, strict=True
+    ):
+        offsets = np.array(encoding.offsets, dtype=np.int64).reshape(-1, 2)
+        mask = np.zeros(len(offsets), dtype=np.uint8)
+        for lo, hi in spans:  # a token with any character of the turn (transformers' assistant mask does the same)
+            mask[(offsets[:, 0] < hi) & (offsets[:, 1] > lo)] = 1
+        out.append((list(encoding.ids), mask))
+    return out

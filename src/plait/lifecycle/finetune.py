@@ -306,17 +306,18 @@ def _tokenised(files, tok, eos: int, dtype, template: ChatTemplate | str, prompt
         if not records:
             raise ConfigError(f"{path} has no records")
         sources.append({"path": str(path.resolve()), "num_documents": len(records)})
-        for where, messages, conversation in records:
-            if isinstance(template, ChatTemplate):
-                ids, mask = chat_tokens(tok, template, messages, where)
-            elif conversation:
+        if isinstance(template, ChatTemplate):
+            encoded = chat_tokens(tok, template, [(messages, where) for where, messages, _ in records])
+        else:
+            talks = [where for where, _, conversation in records if conversation]
+            if talks:
                 raise ConfigError(
-                    f"{where} is a conversation ('messages'): it is rendered with the tokenizer's chat template; "
+                    f"{talks[0]} is a conversation ('messages'): it is rendered with the tokenizer's chat template; "
                     "pass --tokenizer as a tokenizer directory with one (tokenizer_config.json 'chat_template' or "
                     "chat_template.jinja), and no --template"
                 )
-            else:
-                ids, mask = _formatted(tok, template, messages)
+            encoded = _formatted(tok, template, [messages for _, messages, _ in records])
+        for (_, messages, _), (ids, mask) in zip(records, encoded, strict=True):
             if not ids or ids[-1] != eos:  # the document separator, learned after a final assistant turn
                 ids = [*ids, eos]
                 mask = np.append(mask, np.uint8(messages[-1]["role"] == "assistant"))
@@ -330,11 +331,17 @@ def _tokenised(files, tok, eos: int, dtype, template: ChatTemplate | str, prompt
     return docs, sources
 
 
-def _formatted(tok, template: str, messages: list[dict]) -> tuple[list[int], np.ndarray]:
-    """A prompt/response record through a prompt template: template(prompt) then the response, learned."""
-    prompt = tok.encode(template.format(prompt=messages[0]["content"]), add_special_tokens=False).ids
-    response = tok.encode(messages[1]["content"], add_special_tokens=False).ids
-    return [*prompt, *response], np.array([0] * len(prompt) + [1] * len(response), dtype=np.uint8)
+def _formatted(tok, template: str, conversations: list[list[dict]]) -> list[tuple[list[int], np.ndarray]]:
+    """Prompt/response records through a prompt template: template(prompt) then the response, learned (the
+    prompts and the responses each tokenised in one batch)."""
+    prompts = tok.encode_batch(
+        [template.format(prompt=m[0]["content"]) for m in conversations], add_special_tokens=False
+    )
+    responses = tok.encode_batch([m[1]["content"] for m in conversations], add_special_tokens=False)
+    return [
+        ([*p.ids, *r.ids], np.array([0] * len(p.ids) + [1] * len(r.ids), dtype=np.uint8))
+        for p, r in zip(prompts, responses, strict=True)
+    ]
 
 
 def _write_split(tmp: Path, split: str, items: list, dtype) -> dict[str, Any]:
