@@ -106,7 +106,13 @@ def run_bench(cfg: Config, steps: int, warmup: int, profile_dir: Path | None = N
             "data.source to one of its directories"
         )
     data_dir = ensure_prepared(cfg.data.source, Path(cfg.data.cache_dir).expanduser(), cfg.model.vocab_size)
-    dataset = TokenDataset(data_dir, "train")
+    if cfg.model.retrieval_ids:  # RETRO: windows with their chunks' neighbours (plait data retrieve)
+        from plait.data.retrieval import RetrievalDataset
+
+        m = cfg.model
+        dataset: TokenDataset = RetrievalDataset(data_dir, "train", chunk=m.retrieval_chunk, k=m.retrieval_k)
+    else:
+        dataset = TokenDataset(data_dir, "train")
     torch.manual_seed(cfg.run.seed)
 
     # with --profile, where the start-up's host time goes, phase by phase (plait.core.profiling.StackSampler)

@@ -35,7 +35,47 @@ def validate(cfg: Config) -> Config:
     _validate_moe(cfg)
     _validate_finetune(cfg)
     _validate_compile(cfg)
+    _validate_retrieval(cfg)
     return cfg
+
+
+def _validate_retrieval(cfg: Config) -> None:
+    """RETRO (model.retrieval_layers): blocks that exist, and the layouts that carry its input as it is."""
+    m, p = cfg.model, cfg.parallel
+    if not m.retrieval_layers.strip():
+        return
+    try:
+        ids = m.retrieval_ids
+    except ValueError:
+        raise ConfigError(
+            f"model.retrieval_layers={m.retrieval_layers!r} must list block indices, e.g. '1,3'"
+        ) from None
+    if not ids or ids[0] < 0 or ids[-1] >= m.n_layers:
+        raise ConfigError(
+            f"model.retrieval_layers={m.retrieval_layers!r} must name blocks 0 to {m.n_layers - 1} (model.n_layers="
+            f"{m.n_layers}), e.g. '{m.n_layers // 2}'"
+        )
+    _positive("model", m, ["retrieval_chunk", "retrieval_k", "retrieval_encoder_layers"])
+    if cfg.data.seq_len % m.retrieval_chunk:
+        raise ConfigError(
+            f"data.seq_len={cfg.data.seq_len} is not a multiple of model.retrieval_chunk={m.retrieval_chunk}: a "
+            f"sequence is retrieved for chunk by chunk"
+        )
+    if 2 * m.retrieval_chunk > m.max_seq_len:
+        raise ConfigError(
+            f"model.retrieval_chunk={m.retrieval_chunk}: a neighbour (2 chunks) must fit model.max_seq_len="
+            f"{m.max_seq_len}"
+        )
+    for name, degree, why in (
+        ("tp_degree", p.tp_degree, "its chunked cross-attention and encoder have no tensor-parallel plan yet"),
+        ("pp_degree", p.pp_degree, "the neighbours' encoder is not split into pipeline stages yet"),
+        ("cp_degree", p.cp_degree, "a sequence's neighbours follow its tokens in one row, which CP would cut"),
+    ):
+        if degree > 1:
+            raise ConfigError(
+                f"model.retrieval_layers with parallel.{name}={degree} is not supported yet ({why}); use data "
+                f"parallelism (parallel.dp_shard_degree / dp_replicate_degree)"
+            )
 
 
 def _validate_ranges(cfg: Config) -> None:

@@ -98,9 +98,15 @@ class TokenDataset:
         else:
             self._masks = [np.memmap(self.data_dir / s["mask_file"], dtype=np.uint8, mode="r") for s in shards]
 
+    def stride(self, seq_len: int) -> int:
+        """Tokens from one window's start to the next's: seq_len + 1 (windows do not overlap)."""
+        return seq_len + 1
+
     def num_samples(self, seq_len: int) -> int:
         """Number of whole windows of `seq_len + 1` tokens; the remainder of the stream is dropped."""
-        return self.num_tokens // (seq_len + 1)
+        if self.num_tokens < seq_len + 1:
+            return 0
+        return (self.num_tokens - seq_len - 1) // self.stride(seq_len) + 1
 
     def check_seq_len(self, seq_len: int) -> None:
         if seq_len < 1:
@@ -112,13 +118,17 @@ class TokenDataset:
             )
 
     def sample(self, i: int, seq_len: int, *, loss_mask: bool = False) -> np.ndarray:
-        """Window `i`: tokens [i*(seq_len+1), (i+1)*(seq_len+1)) of the stream as int64, across shards (with
+        """Window `i`: tokens [i*stride, i*stride + seq_len + 1) of the stream as int64, across shards (with
         loss_mask=True the window of the loss mask instead)."""
-        source = self._masks if loss_mask else self._shards
         if not 0 <= i < self.num_samples(seq_len):
             raise IndexError(f"window {i} out of range for {self.num_samples(seq_len)} windows")
-        start, end = i * (seq_len + 1), (i + 1) * (seq_len + 1)
-        out = np.empty(seq_len + 1, dtype=np.int64)
+        start = i * self.stride(seq_len)
+        return self.tokens(start, start + seq_len + 1, loss_mask=loss_mask)
+
+    def tokens(self, start: int, end: int, *, loss_mask: bool = False) -> np.ndarray:
+        """Tokens [start, end) of the stream as int64, across shards (or of the loss mask)."""
+        source = self._masks if loss_mask else self._shards
+        out = np.empty(end - start, dtype=np.int64)
         k = int(np.searchsorted(self._starts, start, side="right")) - 1
         pos = start
         while pos < end:  # usually one iteration; more only when the window crosses shard boundaries
@@ -183,6 +193,9 @@ def batch_of(windows: list[tuple[TokenDataset, int]], seq_len: int, pin: bool) -
     for j, (dataset, w) in enumerate(windows):
         rows[j] = dataset.sample(w, seq_len)
     inputs = torch.from_numpy(np.ascontiguousarray(rows[:, :-1]))  # (B, T)
+    if any(hasattr(dataset, "neighbour_tokens") for dataset, _ in windows):  # RETRO: the neighbours follow
+        extra = np.stack([dataset.neighbour_tokens(w, seq_len) for dataset, w in windows])  # type: ignore[attr-defined]
+        inputs = torch.from_numpy(np.concatenate([rows[:, :-1], extra], axis=1))
     targets = torch.from_numpy(np.ascontiguousarray(rows[:, 1:]))  # (B, T)
     if any(dataset.has_loss_mask for dataset, _ in windows):  # a new array: targets may share the inputs' memory
         masks = np.stack(

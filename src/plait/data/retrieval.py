@@ -55,8 +55,7 @@ def chunk_split(data_dir: Path, split: str, chunk: int) -> Chunks:
     includes, its EOS token)."""
     data = TokenDataset(data_dir, split)
     n = data.num_tokens // chunk
-    # window 0 of length n x chunk - 1 holds the first n x chunk tokens (a window carries one more: its targets)
-    stream = data.sample(0, n * chunk - 1) if n else np.zeros(0, dtype=np.int64)
+    stream = data.tokens(0, n * chunk)
     ends = stream == data.eos_id
     docs = np.cumsum(ends) - ends  # each token's document
     docs = docs.reshape(n, chunk) if n else docs.reshape(0, chunk)
@@ -224,3 +223,47 @@ def read_database(data_dir: str | Path) -> dict[str, Any]:
 def neighbours(data_dir: str | Path, split: str) -> np.ndarray:
     """(chunks, k) database chunk numbers of each chunk of a split (read-only, memory-mapped, no pickle)."""
     return np.load(Path(data_dir) / RETRIEVAL_DIR / f"{split}_neighbours.npy", mmap_mode="r", allow_pickle=False)
+
+
+class RetrievalDataset(TokenDataset):
+    """A split whose windows come with their chunks' neighbours (a RETRO model's input, plait.model.retrieval):
+    windows start on chunk boundaries (every seq_len + chunk tokens: the chunk - 1 tokens after each window's
+    last target are skipped), and `neighbour_tokens` gives each of the window's seq_len / chunk chunks its k
+    neighbours, each a database chunk and its continuation (2 chunk tokens of the train stream). The loader
+    appends them to the window's inputs; its sample order, resumption and data-parallel split are the token
+    loader's own."""
+
+    def __init__(self, data_dir: str | Path, split: str, *, chunk: int, k: int, remote_cache_mb: int = 256) -> None:
+        super().__init__(data_dir, split, remote_cache_mb)
+        db = read_database(data_dir)
+        if db["chunk"] != chunk:
+            raise ConfigError(
+                f"model.retrieval_chunk={chunk} but the retrieval database of {data_dir} has chunks of {db['chunk']} "
+                f"tokens: set model.retrieval_chunk={db['chunk']}, or build the database again with --chunk {chunk}"
+            )
+        if k > db["k"]:
+            raise ConfigError(
+                f"model.retrieval_k={k} but the retrieval database of {data_dir} holds {db['k']} neighbours per chunk: "
+                f"set model.retrieval_k <= {db['k']}, or build it again with --k {k}"
+            )
+        self.chunk, self.k = chunk, k
+        self.neighbours = neighbours(data_dir, split)[:, :k]
+        self.store = self if split == "train" else TokenDataset(data_dir, "train", remote_cache_mb)
+
+    def stride(self, seq_len: int) -> int:
+        return seq_len + self.chunk
+
+    def check_seq_len(self, seq_len: int) -> None:
+        super().check_seq_len(seq_len)
+        if seq_len % self.chunk:
+            raise ConfigError(
+                f"data.seq_len={seq_len} is not a multiple of model.retrieval_chunk={self.chunk}: a sequence is "
+                f"retrieved for chunk by chunk; e.g. data.seq_len={max(self.chunk, seq_len // self.chunk * self.chunk)}"
+            )
+
+    def neighbour_tokens(self, i: int, seq_len: int) -> np.ndarray:
+        """(seq_len / chunk x k x 2 chunk,) token ids: the neighbours of window i's chunks, in order."""
+        c = self.chunk
+        first = i * self.stride(seq_len) // c
+        ids = self.neighbours[first : first + seq_len // c]  # (chunks, k) database chunk numbers
+        return np.concatenate([self.store.tokens(int(j) * c, (int(j) + 2) * c) for j in ids.reshape(-1)])

@@ -80,6 +80,11 @@ def load_for_generation(path: str | Path, device: str = "auto"):
 
     found = resolve_checkpoint(path)
     cfg = read_config(found)
+    if cfg.model.retrieval_ids:
+        raise PlaitError(
+            f"{found} is a retrieval model: generation with it (new neighbours every chunk, from its database) is "
+            "not built yet; its validation loss is in the run's metrics (plait eval MODEL measures perplexity)"
+        )
     with torch.device("meta"):
         model = Transformer(cfg.model)
     model.to_empty(device=resolve_device(device))

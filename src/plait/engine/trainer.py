@@ -26,6 +26,7 @@ from plait.core.storage import Location
 from plait.data import TokenDataset, TokenLoader, ensure_prepared
 from plait.data.mixture import Mixture, MixtureLoader, open_mixture
 from plait.data.remote import is_remote_source, mirror
+from plait.data.retrieval import RetrievalDataset
 from plait.data.samples import SampleLoader
 from plait.engine.callbacks import Callback, Callbacks
 from plait.engine.checkpoint import CheckpointManager, TrainState, checkpoint_dir, list_checkpoints
@@ -281,6 +282,11 @@ class Trainer:
         if self.data is not None:
             self.train_data, self.val_split = self.data, self.val_data
             return
+        if cfg.data.sources and cfg.model.retrieval_ids:
+            raise ConfigError(
+                "model.retrieval_layers reads one prepared directory and its retrieval database: set data.source, "
+                "not data.sources"
+            )
         if cfg.data.sources:  # a weighted mixture of prepared directories
             sources = [(n, str(self._local(p)), w) for n, p, w in data_sources(cfg.data.sources)]
             mb = cfg.data.remote_cache_mb
@@ -303,7 +309,14 @@ class Trainer:
         data_dir = Path(prepared)
         self.data_dir = data_dir
         mb = cfg.data.remote_cache_mb
-        self.train_data, self.val_split = TokenDataset(data_dir, "train", mb), TokenDataset(data_dir, "val", mb)
+        if cfg.model.retrieval_ids:  # RETRO: windows on chunk boundaries, each with its chunks' neighbours
+            m = cfg.model
+            self.train_data, self.val_split = (
+                RetrievalDataset(data_dir, split, chunk=m.retrieval_chunk, k=m.retrieval_k, remote_cache_mb=mb)
+                for split in ("train", "val")
+            )
+        else:
+            self.train_data, self.val_split = TokenDataset(data_dir, "train", mb), TokenDataset(data_dir, "val", mb)
         if self.train_data.vocab_size > cfg.model.vocab_size:
             raise ConfigError(
                 f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "
@@ -311,6 +324,8 @@ class Trainer:
             )
         for split in (self.train_data, self.val_split):  # fail now, not at the first batch, if they cannot be cut
             split.num_samples(cfg.data.seq_len)
+            if cfg.model.retrieval_ids:
+                split.check_seq_len(cfg.data.seq_len)
 
     def _eos_id(self) -> int:
         """The corpus's document separator (data.document_mask)."""

@@ -48,6 +48,9 @@ def _report(
     if ckpts:
         info(f"checkpoint: {ckpts[-1]}")
     sampling = cfg.sample.prompt and cfg.sample.max_new_tokens
+    if sampling and cfg.model.retrieval_ids:
+        info("no sample: generation with a retrieval model (new neighbours every chunk) is not built yet")
+        return
     if model is None and sampling and ckpts and cfg.model.num_params() <= SAMPLE_FROM_CHECKPOINT_MAX_PARAMS:
         from plait.engine.generate import load_for_generation
 

@@ -328,7 +328,16 @@ def perplexity(
     """exp(mean token NLL) over the first windows of a prepared split (loss-masked targets are not counted)."""
     from plait.data import TokenDataset, TokenLoader
 
-    dataset = TokenDataset(data_dir, split)
+    args = model.args
+    if args.retrieval_ids:  # RETRO: each window with its chunks' neighbours, the window a whole number of chunks
+        from plait.data.retrieval import RetrievalDataset
+
+        dataset = RetrievalDataset(data_dir, split, chunk=args.retrieval_chunk, k=args.retrieval_k)
+        seq_len = max(
+            args.retrieval_chunk, min(seq_len, args.max_seq_len) // args.retrieval_chunk * args.retrieval_chunk
+        )
+    else:
+        dataset = TokenDataset(data_dir, split)
     seq_len = min(seq_len, model.args.max_seq_len, max(1, dataset.num_tokens - 1))
     batch_size = max(1, min(batch_size, dataset.num_samples(seq_len)))
     loader = TokenLoader(

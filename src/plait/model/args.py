@@ -74,6 +74,21 @@ class ModelArgs:
     much towards balance (up if it got fewer tokens than the mean, down if more); the bias only picks experts,
     it never weights them. 0 = off."""
 
+    retrieval_layers: str = ""
+    """RETRO: the blocks (comma-separated indices, e.g. "1,3") that cross-attend, chunk by chunk, to the
+    encoded neighbours retrieved for the chunk before (plait data retrieve); "" = no retrieval."""
+    retrieval_chunk: int = 64
+    """RETRO: tokens per chunk (the retrieval database's --chunk)."""
+    retrieval_k: int = 2
+    """RETRO: neighbours per chunk (at most the database's --k)."""
+    retrieval_encoder_layers: int = 2
+    """RETRO: bidirectional blocks of the neighbours' encoder (sharing the token embedding)."""
+
+    @property
+    def retrieval_ids(self) -> tuple[int, ...]:
+        """The blocks with chunked cross-attention (retrieval_layers as numbers)."""
+        return tuple(sorted({int(x) for x in self.retrieval_layers.split(",") if x.strip()}))
+
     @property
     def head_dim(self) -> int:
         return self.attention_head_dim or self.dim // self.n_heads
@@ -117,6 +132,10 @@ class ModelArgs:
         embed = self.vocab_size * self.dim
         output = 0 if self.tie_embeddings else self.vocab_size * self.dim
         total = self.n_layers * (attn + 2 * self.dim) + mlps + self.dim + embed + output
+        if self.retrieval_ids:  # chunked cross-attention (its projections and norm) and the neighbours' encoder
+            cross = self.dim * q_dim * 2 + self.dim * kv_dim * 2 + self.dim
+            encoder = self.retrieval_encoder_layers * (attn + 2 * self.dim + 3 * self.dim * self.hidden_dim)
+            total += len(self.retrieval_ids) * cross + encoder + self.dim
         return total - (embed if exclude_embeddings else 0)
 
     def matmul_params(self) -> float:
@@ -140,7 +159,30 @@ class ModelArgs:
         """Training FLOPs per token (forward + backward = 3 x forward): 6 N over the matmul weights (the output
         projection included, tied or not) plus attention 12 L d s, the PaLM / Megatron estimate for a causal
         model without discounting the mask. The one FLOPs rule: MFU in training, bench and the planner."""
-        return 3 * (self.n_layers * self.layer_flops_per_token(seq_len) + self.head_flops_per_token())
+        return 3 * (
+            self.n_layers * self.layer_flops_per_token(seq_len)
+            + self.head_flops_per_token()
+            + self.retrieval_flops_per_token()
+        )
+
+    def retrieval_flops_per_token(self) -> float:
+        """Forward FLOPs of RETRO's parts per token of the sequence: each chunk of c tokens brings k neighbours
+        of 2c tokens (2k encoder tokens per sequence token, each through the encoder's blocks: 2 per matmul
+        weight and 4 d (2c) for bidirectional attention over 2c tokens), and each cross-attending block
+        projects them to keys and values (2k tokens x 2 kv projections) beside the token's own query and
+        output projections and its attention over k 2c keys."""
+        if not self.retrieval_ids:
+            return 0.0
+        q, kv, c, k = (
+            self.n_heads * self.head_dim,
+            self.n_kv_heads * self.head_dim,
+            self.retrieval_chunk,
+            self.retrieval_k,
+        )
+        dense = self.dim * (2 * q + 2 * kv) + 3 * self.dim * self.hidden_dim
+        encoder = 2 * k * self.retrieval_encoder_layers * (2 * dense + 4 * self.dim * 2 * c)
+        cross = 2 * (2 * self.dim * q) + 2 * k * 2 * (2 * self.dim * kv) + 4 * q * k * 2 * c
+        return encoder + len(self.retrieval_ids) * cross
 
 
 def recompute_units_pay(dim, hidden_dim, tp):

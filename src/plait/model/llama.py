@@ -13,6 +13,7 @@ from that format without permuting q/k rows.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import os
@@ -28,6 +29,7 @@ from plait.model.args import ModelArgs
 from plait.model.head import linear_cross_entropy
 from plait.model.mlp import FeedForward
 from plait.model.moe import MoE
+from plait.model.retrieval import ChunkedCrossAttention, split_retrieved
 
 
 def rope_tables(args: ModelArgs, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -263,18 +265,31 @@ class Attention(nn.Module):
         return k.repeat_interleave(self.n_rep, dim=1), v.repeat_interleave(self.n_rep, dim=1)
 
 
+class BidirectionalAttention(Attention):
+    """Attention of every token to every other (RETRO's neighbour encoder)."""
+
+    def causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, *self.repeat_kv(k, v))
+
+
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs, layer_id: int):
+    def __init__(self, args: ModelArgs, layer_id: int, bidirectional: bool = False):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args, layer_id)
+        self.attention = (BidirectionalAttention if bidirectional else Attention)(args, layer_id)
+        # RETRO (model.retrieval_layers): chunked cross-attention to the encoded neighbours (plait.model.retrieval)
+        retrieves = layer_id in args.retrieval_ids and not bidirectional
+        self.cross_norm = RMSNorm(args.dim, args.norm_eps) if retrieves else None
+        self.cross = ChunkedCrossAttention(args) if retrieves else None
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward: FeedForward | MoE = (
             MoE(args) if args.is_moe_layer(layer_id) else FeedForward(args.dim, args.hidden_dim)
         )
 
-    def forward(self, x, cos, sin, cache: KVCache | None = None, docs=None):
+    def forward(self, x, cos, sin, cache: KVCache | None = None, docs=None, retrieved=None):
         h = x + self.attention.wo(self.attend(x, cos, sin, cache, docs))
+        if self.cross is not None and retrieved is not None:
+            h = h + self.cross(self.cross_norm(h), retrieved)
         if isinstance(self.feed_forward, MoE):
             return h + self.feed_forward(self.ffn_norm(h))
         return h + self.feed_forward.w2(self.gated(h))
@@ -289,6 +304,24 @@ class TransformerBlock(nn.Module):
         return self.feed_forward.gate(self.ffn_norm(h))
 
 
+class NeighbourEncoder(nn.Module):
+    """RETRO's encoder: bidirectional blocks over each neighbour's 2c embedded tokens, then a norm
+    (plait.model.retrieval)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        plain = dataclasses.replace(args, sliding_window=0, moe_experts=0, retrieval_layers="")
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerBlock(plain, i, bidirectional=True) for i in range(args.retrieval_encoder_layers)}
+        )
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        for block in self.layers.values():
+            h = block(h, cos, sin)
+        return self.norm(h)
+
+
 class Transformer(nn.Module):
     """Token ids (B, T) -> logits (B, T, vocab), or with targets (B, T) the summed next-token loss through the
     fused head (plait.model.head: no (B, T, vocab) logits). Build it under ``torch.device("meta")``, then
@@ -301,6 +334,7 @@ class Transformer(nn.Module):
         # A dict keyed by the global layer index keeps parameter names stable when a pipeline stage
         # deletes the layers it does not own.
         self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i) for i in range(args.n_layers)})
+        self.retrieval_encoder: NeighbourEncoder | None = NeighbourEncoder(args) if args.retrieval_ids else None
         self.norm: RMSNorm | None = RMSNorm(args.dim, args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie_weights()
@@ -328,8 +362,16 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         # A pipeline stage without the embedding receives hidden states (B, T, dim) instead of ids; under
         # document masking it is also given the ids (`documents`), which say where each document starts.
-        seqlen = tokens.shape[1]  # before the embedding: sequence parallelism may shard h on T
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        retrieved = None
+        if self.retrieval_encoder is not None and cache is not None:
+            raise NotImplementedError(
+                "generation with a retrieval model (retrieving new neighbours every chunk) is not built yet"
+            )
+        if self.retrieval_encoder is not None:  # RETRO: the tokens, then their chunks' neighbours
+            tokens, h, retrieved = self.embed_retrieved(tokens)
+        else:
+            h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        seqlen = tokens.shape[1]  # sequence parallelism may shard h on T: the length is the ids
         ids = documents if documents is not None else tokens if self.tok_embeddings is not None else None
         docs = None
         if self.document_eos is not None and cache is None and ids is not None:
@@ -338,7 +380,10 @@ class Transformer(nn.Module):
         else:
             cos, sin = self.rope(cache.pos if cache is not None else 0, seqlen)
         for layer in self.layers.values():
-            h = layer(h, cos, sin, cache=cache, docs=docs) if docs is not None else layer(h, cos, sin, cache=cache)
+            kwargs = {"docs": docs} if docs is not None else {}
+            if retrieved is not None and layer.cross is not None:
+                kwargs["retrieved"] = retrieved
+            h = layer(h, cos, sin, cache=cache, **kwargs)
         if cache is not None:
             cache.pos += seqlen
         h = self.norm(h) if self.norm is not None else h
@@ -349,6 +394,20 @@ class Transformer(nn.Module):
                 raise TypeError(f"the fused head takes a plain nn.Linear output, not {type(self.output).__name__}")
             return self.head_loss(h, self.output.weight, targets)
         return self.output(h)
+
+    def embed_retrieved(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """RETRO: (the token ids (B, T), their embeddings, the encoded neighbours of each chunk (B, T / c, k 2c,
+        dim)) of an input of token ids followed by the neighbours' (plait.model.retrieval). One embedding
+        lookup for both (a sharded embedding gathers once)."""
+        assert self.tok_embeddings is not None and self.retrieval_encoder is not None
+        tokens, neighbours = split_retrieved(x, self.args)
+        embedded = self.tok_embeddings(x)
+        bsz, groups, k, width = neighbours.shape
+        cos, sin = self.rope(0, width)  # each neighbour's own positions
+        encoded = self.retrieval_encoder(
+            embedded[:, tokens.shape[1] :].reshape(-1, width, embedded.shape[-1]), cos, sin
+        )
+        return tokens, embedded[:, : tokens.shape[1]], encoded.reshape(bsz, groups, k * width, -1)
 
     def documents(self, ids: torch.Tensor) -> tuple[torch.Tensor | BlockMask, torch.Tensor]:
         """Document masking: (what the attention takes: the document ids, or their block mask where

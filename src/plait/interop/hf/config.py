@@ -18,6 +18,11 @@ def hf_family(args: ModelArgs) -> str:
     blocks allowed), else mixtral (softmax router, renormalised top-k, every block MoE); neither has shared
     experts. Dense: qwen3 with q/k norms, qwen2 with q/k/v biases (windowed or not), mistral with a sliding
     window, else llama."""
+    if args.retrieval_ids:
+        raise ConfigError(
+            "a retrieval model (model.retrieval_layers) has no transformers format: its chunked cross-attention and "
+            "neighbour encoder are plait's; export it with --format safetensors"
+        )
     if args.moe_experts:
         qwen3 = args.qk_norm
         family = "qwen3_moe" if qwen3 else "mixtral"

@@ -1,0 +1,156 @@
+"""RETRO's model (model.retrieval_layers, plait.model.retrieval): chunked cross-attention keeps causality at
+chunk granularity (a chunk's neighbours reach only the tokens from its last one on), the neighbours change
+what the model computes, the parameter count from the shape is the model's, and its FLOPs are counted."""
+
+from __future__ import annotations
+
+import torch
+
+from plait.model.args import ModelArgs
+from plait.model.llama import Transformer
+
+C, K = 4, 2
+ARGS = dict(dim=32, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=32, retrieval_layers="1,2",
+            retrieval_chunk=C, retrieval_k=K, retrieval_encoder_layers=1)  # fmt: skip
+
+
+def model(**overrides) -> Transformer:
+    with torch.device("meta"):
+        m = Transformer(ModelArgs(**{**ARGS, **overrides}))
+    m.to_empty(device="cpu")
+    m.init_weights(0)
+    return m.eval()
+
+
+def packed(tokens: torch.Tensor, neighbours: torch.Tensor) -> torch.Tensor:
+    return torch.cat([tokens, neighbours.flatten(1)], dim=1)
+
+
+def test_a_chunks_neighbours_reach_only_the_tokens_from_its_last_one_on():
+    torch.manual_seed(0)
+    m = model()
+    T = 16
+    tokens = torch.randint(0, 64, (2, T))
+    neighbours = torch.randint(0, 64, (2, T // C, K, 2 * C))
+    base = m(packed(tokens, neighbours))
+    for u in range(T // C):
+        other = neighbours.clone()
+        other[:, u] = torch.randint(0, 64, other[:, u].shape)
+        changed = (m(packed(tokens, other)) - base).abs().amax(dim=(0, 2)) > 1e-6
+        first = (u + 1) * C - 1  # the chunk's last token: the first that may see its neighbours
+        assert not changed[:first].any(), (u, changed)
+        assert changed[first:].all(), (u, changed)  # later blocks carry it on to every later token
+
+
+def test_the_shapes_parameters_and_flops_are_counted():
+    m = model()
+    args = m.args
+    assert sum(p.numel() for p in m.parameters()) == args.num_params()
+    plain = ModelArgs(**{**ARGS, "retrieval_layers": ""})
+    assert args.num_params() > plain.num_params() and args.flops_per_token(16) > plain.flops_per_token(16)
+    assert args.retrieval_ids == (1, 2) and plain.retrieval_ids == ()
+    assert m.layers["0"].cross is None and m.layers["1"].cross is not None
+
+
+# ------------------------------------------------------------------------------------------- training
+
+import gzip  # noqa: E402
+import json  # noqa: E402
+import shutil  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+from parallel_harness import read_metrics, run_layouts  # noqa: E402
+from test_parallel import GRAD_NORM_RTOL, LOSS_RTOL  # noqa: E402
+
+RETRO = [
+    "model.retrieval_layers=1",
+    "model.retrieval_chunk=8",
+    "model.retrieval_k=2",
+    "model.retrieval_encoder_layers=1",
+]
+
+
+@pytest.fixture(scope="module")
+def retro_data(tmp_path_factory, data_dir) -> Path:
+    """Speeches of the bundled text, prepared, with a retrieval database of 8-token chunks (k = 2) built by a
+    debug model trained a few steps on them."""
+    pytest.importorskip("faiss")
+    from plait.api import train
+    from plait.config import load_config
+    from plait.data.loader import read_manifest
+    from plait.data.prepare import bundled_corpus_path, prepare
+    from plait.data.retrieval import build_database
+    from plait.lifecycle.retrieval import load_encoder
+    from runs import debug_run
+
+    root = tmp_path_factory.mktemp("retro")
+    with gzip.open(bundled_corpus_path(), "rt") as f:
+        text = json.loads(f.readline())["text"]
+    speeches = [s for s in text.split("\n\n") if s.strip()][:3000]
+    (root / "speeches.jsonl").write_text("\n".join(json.dumps({"text": s}) for s in speeches) + "\n")
+    prepare([root / "speeches.jsonl"], root / "data", tokenizer=Path(data_dir) / "tokenizer.json", val_fraction=0.1)
+    train(load_config(None, debug_run(root / "data", root, "encoder", 10)))
+    encode, described = load_encoder(str(root / "encoder"), read_manifest(root / "data"))
+    build_database(root / "data", encode, encoder=described, chunk=8, k=2)
+    return root / "data"
+
+
+def job(data: Path, out: Path, name: str, *extra: str) -> list[str]:
+    from runs import debug_run
+
+    return [*debug_run(data, out, name, 6, "eval.every_steps=3", "eval.num_batches=2", "checkpoint.every_steps=3"),
+            *RETRO, *extra]  # fmt: skip
+
+
+def test_a_retrieval_model_trains_resumes_bitwise_and_fsdp_equals_one_process(retro_data, tmp_path):
+    """One process, 6 steps with validation; resumed from its step-3 checkpoint it ends bitwise as the
+    uninterrupted run; FSDP 2 equals one process within test_parallel's tolerances."""
+    from plait.api import train
+    from plait.config import load_config
+
+    train(load_config(None, job(retro_data, tmp_path, "ref", "sample.max_new_tokens=8")))  # no sample: said so
+    ref = read_metrics(tmp_path / "ref")
+    assert len(ref["loss"]) == 6 and ref["loss"][6] < ref["loss"][1] and ref["val_loss"]
+    cut = tmp_path / "cut"
+    shutil.copytree(tmp_path / "ref", cut)
+    shutil.rmtree(cut / "checkpoints" / "step_00000006")
+    (cut / "metrics.jsonl").write_text(
+        "".join(
+            line + "\n"
+            for line in (cut / "metrics.jsonl").read_text().splitlines()
+            if json.loads(line).get("step", 0) <= 3
+        )
+    )
+    train(load_config(None, job(retro_data, tmp_path, "cut")))
+    resumed = read_metrics(cut)
+    assert resumed["loss"] == ref["loss"] and resumed["val_loss"] == ref["val_loss"]  # bitwise
+    from plait.cli import main
+
+    assert main(["eval", str(tmp_path / "ref"), "--seq-len", "32", "--batches", "2"]) == 0  # with its neighbours
+    assert main(["generate", str(tmp_path / "ref"), "--prompt", "ROMEO:"]) == 2  # not built yet: said so
+    assert main(["ckpt", "export", str(tmp_path / "ref"), "--out", str(tmp_path / "hf")]) == 2  # no HF format
+    (got,) = run_layouts(
+        2, [[c for c in job(retro_data, tmp_path, "x") if not c.startswith("run.")] + ["parallel.dp_shard_degree=2"]]
+    )
+    assert "error" not in got, got.get("error")
+    for step, loss in ref["loss"].items():
+        assert got["loss"][step] == pytest.approx(loss, rel=LOSS_RTOL), step
+        assert got["grad_norm"][step] == pytest.approx(ref["grad_norm"][step], rel=GRAD_NORM_RTOL), step
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["parallel.tp_degree=2"], "retrieval_layers with parallel.tp_degree=2 is not supported yet"),
+        (["data.seq_len=30"], "not a multiple of model.retrieval_chunk=8"),
+        (["model.retrieval_layers=9"], "must name blocks 0 to"),
+    ],
+)
+def test_what_a_retrieval_model_cannot_take_is_refused(extra, message):
+    from plait.config import load_config
+    from plait.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, ["model.preset=debug", "data.seq_len=32", *RETRO, *extra])
