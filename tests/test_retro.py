@@ -104,9 +104,11 @@ def job(data: Path, out: Path, name: str, *extra: str) -> list[str]:
             *RETRO, *extra]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_a_retrieval_model_trains_resumes_bitwise_and_fsdp_equals_one_process(retro_data, tmp_path):
     """One process, 6 steps with validation; resumed from its step-3 checkpoint it ends bitwise as the
-    uninterrupted run; FSDP 2 equals one process within test_parallel's tolerances."""
+    uninterrupted run; FSDP 2, DDP 2 with full activation checkpointing and FSDP 2 with selective checkpointing
+    and compiled blocks equal one process within test_parallel's tolerances."""
     from plait.api import train
     from plait.config import load_config
 
@@ -131,13 +133,23 @@ def test_a_retrieval_model_trains_resumes_bitwise_and_fsdp_equals_one_process(re
     assert main(["eval", str(tmp_path / "ref"), "--seq-len", "32", "--batches", "2"]) == 0  # with its neighbours
     assert main(["generate", str(tmp_path / "ref"), "--prompt", "ROMEO:"]) == 2  # not built yet: said so
     assert main(["ckpt", "export", str(tmp_path / "ref"), "--out", str(tmp_path / "hf")]) == 2  # no HF format
-    (got,) = run_layouts(
-        2, [[c for c in job(retro_data, tmp_path, "x") if not c.startswith("run.")] + ["parallel.dp_shard_degree=2"]]
-    )
-    assert "error" not in got, got.get("error")
-    for step, loss in ref["loss"].items():
-        assert got["loss"][step] == pytest.approx(loss, rel=LOSS_RTOL), step
-        assert got["grad_norm"][step] == pytest.approx(ref["grad_norm"][step], rel=GRAD_NORM_RTOL), step
+    base = [c for c in job(retro_data, tmp_path, "x") if not c.startswith("run.")]
+    layouts = {
+        "FSDP 2": ["parallel.dp_shard_degree=2"],
+        "DDP 2, full AC": ["parallel.dp_replicate_degree=2", "parallel.activation_checkpoint=full"],
+        "FSDP 2, selective AC, compiled blocks": [
+            "parallel.dp_shard_degree=2",
+            "parallel.activation_checkpoint=selective",
+            "compile.enabled=true",
+            "compile.strict=true",
+        ],
+    }
+    results = run_layouts(2, [[*base, *extra] for extra in layouts.values()])
+    for name, got in zip(layouts, results, strict=True):
+        assert "error" not in got, (name, got.get("error"))
+        for step, loss in ref["loss"].items():
+            assert got["loss"][step] == pytest.approx(loss, rel=LOSS_RTOL), (name, step)
+            assert got["grad_norm"][step] == pytest.approx(ref["grad_norm"][step], rel=GRAD_NORM_RTOL), (name, step)
 
 
 @pytest.mark.parametrize(
