@@ -1,7 +1,7 @@
 """A lean install: `pip install plait` without extras still trains, checkpoints and exports to transformers'
 format (matplotlib, tensorboard and pyarrow are the `plot`, `tensorboard` and `parquet` extras, and what needs
-one says which; huggingface_hub is not plait's requirement, though tokenizers brings it), and the torch versions plait was tested on are the
-ones its requirement admits."""
+one says which; huggingface_hub is not plait's requirement, though tokenizers brings it), and the torch
+versions plait was tested on are the ones its requirement admits."""
 
 from __future__ import annotations
 

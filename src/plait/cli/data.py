@@ -1,4 +1,5 @@
-"""`plait data prepare INPUTS --out DIR`: tokenise a corpus into memory-mapped token shards."""
+"""`plait data prepare INPUTS --out DIR`: tokenise a corpus into memory-mapped token shards; `plait data retrieve
+DIR --encoder MODEL`: its retrieval database."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from plait.cli.args import PlaitParser
 from plait.core.errors import ConfigError
 
 
-def cmd_data(argv: list[str]) -> int:
+def _parser() -> PlaitParser:
     parser = PlaitParser(prog="plait data", description="Prepare data for training.")
     sub = parser.add_subparsers(dest="action", required=True)
     p = sub.add_parser("prepare", help="Tokenise text / JSONL / Parquet / Arrow into memory-mapped token shards.")
@@ -47,7 +48,11 @@ def cmd_data(argv: list[str]) -> int:
     r.add_argument("--batch", type=int, default=64, help="Chunks per encoder forward.")
     r.add_argument("--device", default="cpu")
     r.add_argument("--overwrite", action="store_true", help="Build again over an existing database.")
-    a = parser.parse_args(argv)
+    return parser
+
+
+def cmd_data(argv: list[str]) -> int:
+    a = _parser().parse_args(argv)
     if a.action == "retrieve":
         return _retrieve(a)
     if a.append and a.overwrite:

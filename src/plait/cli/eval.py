@@ -16,7 +16,7 @@ max_length (characters), max_perplexity (of 'text'), equivalent (paraphrases agr
 'temperature' is set. Exit status: 0 all passed, 1 some failed, 2 usage error."""
 
 
-def cmd_eval(argv: list[str]) -> int:
+def _parser() -> PlaitParser:
     parser = PlaitParser(
         prog="plait eval",
         description="Perplexity on held-out data and a behavioural test suite.",
@@ -49,7 +49,11 @@ def cmd_eval(argv: list[str]) -> int:
     parser.add_argument("--json", help="Write the full report (results, completions, perplexity) here.")
     parser.add_argument("--device", default="cpu")
     registry_arg(parser)
-    a = parser.parse_args(argv)
+    return parser
+
+
+def cmd_eval(argv: list[str]) -> int:
+    a = _parser().parse_args(argv)
     if (a.batches is not None and a.batches < 1) or (a.seq_len is not None and a.seq_len < 2):
         raise ConfigError(f"need --batches >= 1 and --seq-len >= 2 (got {a.batches}, {a.seq_len})")
     if a.json and Path(a.json).is_dir():
@@ -86,15 +90,7 @@ def cmd_eval(argv: list[str]) -> int:
         ran = run_suite(loaded.model, load_tokenizer(loaded.tokenizer), suite)
         report.results, report.completions = ran.results, ran.completions
     if a.lm_eval:
-        if loaded.tokenizer is None:
-            raise PlaitError(f"{loaded.path} has no tokenizer.json; the harness's tasks are text")
-        from plait.lifecycle.harness import run_lm_eval
-
-        tasks = [t.strip() for t in a.lm_eval.split(",") if t.strip()]
-        report.lm_eval = run_lm_eval(
-            loaded.model, loaded.tokenizer, tasks, include_path=a.lm_eval_include, limit=a.limit,
-            num_fewshot=a.num_fewshot, device=a.device,
-        )  # fmt: skip
+        report.lm_eval = _lm_eval(a, loaded)
     print_report(report, console)
     if a.json:
         write_json(report, a.json)
@@ -118,3 +114,16 @@ def cmd_eval(argv: list[str]) -> int:
             events=[(None, "eval", report.to_dict())],
         )
     return 1 if report.failed else 0
+
+
+def _lm_eval(a, loaded) -> dict[str, dict[str, Any]]:
+    """--lm-eval TASKS: the harness's scores of the loaded model, task -> metric -> value."""
+    if loaded.tokenizer is None:
+        raise PlaitError(f"{loaded.path} has no tokenizer.json; the harness's tasks are text")
+    from plait.lifecycle.harness import run_lm_eval
+
+    tasks = [t.strip() for t in a.lm_eval.split(",") if t.strip()]
+    return run_lm_eval(
+        loaded.model, loaded.tokenizer, tasks, include_path=a.lm_eval_include, limit=a.limit,
+        num_fewshot=a.num_fewshot, device=a.device,
+    )  # fmt: skip

@@ -102,53 +102,25 @@ def build_database(
             f"{max(stored - 1, 0)} (or a smaller --chunk)"
         )
     settings = dict(chunk=chunk, k=k, corpus=corpus_digest(corpus), encoder=encoder)
-    journal = _journal(stage)
-    if journal is not None and journal["settings"] != settings:
-        shutil.rmtree(stage)
-        journal = None
-    stage.mkdir(exist_ok=True)
-    journal = journal or {"settings": settings, "done": {}}
-
-    def save_journal() -> None:
-        tmp = stage / f".{JOURNAL}.tmp"
-        tmp.write_text(json.dumps(journal))
-        tmp.replace(stage / JOURNAL)
-
-    embeddings = {}
-    for split, chunks in splits.items():  # embeddings, batch after batch
-        key, total = f"{split}_embeddings", len(chunks.tokens)
-        done = journal["done"].get(key, 0)
-        arr = None
-        for start in range(done, total, batch):
-            vectors = np.asarray(encode(chunks.tokens[start : start + batch]), dtype=np.float32)
-            if arr is None:
-                arr = _array(stage / f"{key}.npy", (total, vectors.shape[1]), np.float32, fresh=done == 0)
-            norms = np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
-            arr[start : start + len(vectors)] = vectors / norms
-            arr.flush()
-            journal["done"][key] = start + len(vectors)
-            save_journal()
-            progress(f"embedding {split}", start + len(vectors), total)
-        embeddings[split] = np.load(stage / f"{key}.npy", mmap_mode="r")
-
+    journal = _Journal.open(stage, settings)
+    embeddings = {
+        split: _embed(journal, f"{split}_embeddings", chunks.tokens, encode, batch, f"embedding {split}", progress)
+        for split, chunks in splits.items()
+    }
     train = splits["train"]
     index = faiss.IndexFlatIP(embeddings["train"].shape[1])
     index.add(np.ascontiguousarray(embeddings["train"][:stored]))
     # a neighbour (chunk j and its continuation j + 1) spans documents first_doc[j] .. last_doc[j + 1]
     span_first, span_last = train.first_doc[:stored], train.last_doc[1 : stored + 1]
     for split, chunks in splits.items():
-        key, total = f"{split}_neighbours", len(chunks.tokens)
-        done = journal["done"].get(key, 0)
-        out_arr = _array(stage / f"{key}.npy", (total, k), np.int32, fresh=done == 0)
-        for start in range(done, total, SEARCH_BLOCK):
-            stop = min(start + SEARCH_BLOCK, total)
-            query = np.ascontiguousarray(embeddings[split][start:stop])
-            own = (chunks.first_doc[start:stop], chunks.last_doc[start:stop]) if split == "train" else None
-            out_arr[start:stop] = _search(index, query, k, own, span_first, span_last, stored)
-            out_arr.flush()
-            journal["done"][key] = stop
-            save_journal()
-            progress(f"neighbours of {split}", stop, total)
+        own = (chunks.first_doc, chunks.last_doc) if split == "train" else None  # validation: none in the database
+
+        def search(rows: slice, own=own, split=split) -> np.ndarray:
+            query = np.ascontiguousarray(embeddings[split][rows])
+            mine = (own[0][rows], own[1][rows]) if own is not None else None
+            return _search(index, query, k, mine, span_first, span_last, stored)
+
+        _in_blocks(journal, f"{split}_neighbours", len(chunks.tokens), k, search, f"neighbours of {split}", progress)
     faiss.write_index(index, str(stage / "index.faiss"))
     manifest = {
         "format": FORMAT,
@@ -161,7 +133,7 @@ def build_database(
         "excluded": "database chunks whose chunk or continuation shares a document with the query chunk",
     }
     (stage / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-    (stage / JOURNAL).unlink()
+    journal.close()
     if out.exists():
         shutil.rmtree(out)
     stage.rename(out)
@@ -189,6 +161,62 @@ def _search(index, query, k: int, own, span_first, span_last, stored: int) -> np
             order = np.argsort(~keep, axis=1, kind="stable")[:, :k]  # the first k kept, nearest first
             return np.take_along_axis(found, order, axis=1).astype(np.int32)
         want = min(stored, want * 4)
+
+
+class _Journal:
+    """A build's progress in its stage directory: the rows finished of each array, saved after every batch."""
+
+    def __init__(self, stage: Path, state: dict[str, Any]) -> None:
+        self.stage, self.state = stage, state
+
+    @classmethod
+    def open(cls, stage: Path, settings: dict[str, Any]) -> _Journal:
+        """The interrupted build of the same settings, or a fresh one (another's work is discarded)."""
+        state = _journal(stage)
+        if state is not None and state["settings"] != settings:
+            shutil.rmtree(stage)
+            state = None
+        stage.mkdir(exist_ok=True)
+        return cls(stage, state or {"settings": settings, "done": {}})
+
+    def done(self, key: str) -> int:
+        return self.state["done"].get(key, 0)
+
+    def finished(self, key: str, rows: int) -> None:
+        self.state["done"][key] = rows
+        tmp = self.stage / f".{JOURNAL}.tmp"
+        tmp.write_text(json.dumps(self.state))
+        tmp.replace(self.stage / JOURNAL)
+
+    def close(self) -> None:
+        (self.stage / JOURNAL).unlink()
+
+
+def _embed(journal: _Journal, key: str, tokens: np.ndarray, encode: Encoder, batch: int, what: str, progress):
+    """The L2-normalised embeddings of every chunk (rows already done kept), read back memory-mapped."""
+    total, done = len(tokens), journal.done(key)
+    arr = None
+    for start in range(done, total, batch):
+        vectors = np.asarray(encode(tokens[start : start + batch]), dtype=np.float32)
+        if arr is None:
+            arr = _array(journal.stage / f"{key}.npy", (total, vectors.shape[1]), np.float32, fresh=done == 0)
+        arr[start : start + len(vectors)] = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+        arr.flush()
+        journal.finished(key, start + len(vectors))
+        progress(what, start + len(vectors), total)
+    return np.load(journal.stage / f"{key}.npy", mmap_mode="r")
+
+
+def _in_blocks(journal: _Journal, key: str, total: int, k: int, search, what: str, progress) -> None:
+    """The (total, k) neighbours array filled block by block by search(rows) (rows already done kept)."""
+    done = journal.done(key)
+    out = _array(journal.stage / f"{key}.npy", (total, k), np.int32, fresh=done == 0)
+    for start in range(done, total, SEARCH_BLOCK):
+        stop = min(start + SEARCH_BLOCK, total)
+        out[start:stop] = search(slice(start, stop))
+        out.flush()
+        journal.finished(key, stop)
+        progress(what, stop, total)
 
 
 def _array(path: Path, shape: tuple[int, ...], dtype, fresh: bool) -> np.ndarray:
