@@ -15,10 +15,17 @@ ARGS = dict(dim=32, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_
 
 
 def model(**overrides) -> Transformer:
+    """A retrieval model with its cross-attention switched on: its output projections start at zero (so a
+    retrieval model starts as the plain one: checked here), here drawn as the other projections are."""
     with torch.device("meta"):
         m = Transformer(ModelArgs(**{**ARGS, **overrides}))
     m.to_empty(device="cpu")
     m.init_weights(0)
+    crossing = [block.cross for block in m.layers.values() if block.cross is not None]
+    assert crossing and all(torch.equal(c.wo.weight, torch.zeros_like(c.wo.weight)) for c in crossing)
+    with torch.no_grad():
+        for c in crossing:
+            c.wo.weight.normal_(0, 0.02, generator=torch.Generator().manual_seed(1))
     return m.eval()
 
 

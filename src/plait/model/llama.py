@@ -437,7 +437,9 @@ class Transformer(nn.Module):
         ``rows(start, stop)``, the parameter's rows start:stop, and a parallelised model passes one that draws
         only the rows of its local shard (start-up cost and memory independent of the full model's size).
         Linear and embedding weights ~ N(0, 0.02) truncated at 3 sigma; the projections that write into
-        the residual stream (wo, w2) are scaled by 1/sqrt(2 n_layers) (GPT-2); norms start at one, biases at zero.
+        the residual stream (wo, w2) are scaled by 1/sqrt(2 n_layers) (GPT-2); norms start at one, biases at zero,
+        and RETRO's cross-attention output projections at zero (a retrieval model starts as the same model
+        without retrieval, and learns how much to take from its neighbours).
         """
         self.tie_weights()
         cos, sin = rope_tables(self.args, device=self.rope_cos.device)
@@ -453,8 +455,8 @@ class Transformer(nn.Module):
             name = canonical_name(name)
             if name.endswith("norm.weight"):
                 rows = partial(_ones_rows, tuple(param.shape))
-            elif name.endswith(".bias"):
-                rows = partial(_zeros_rows, tuple(param.shape))
+            elif name.endswith((".bias", "cross.wo.weight")):  # RETRO's cross-attention starts silent: the
+                rows = partial(_zeros_rows, tuple(param.shape))  # model starts as the one without retrieval
             else:
                 std = residual_std if name.endswith(("wo.weight", "w2.weight", "experts.w2")) else 0.02
                 rows = partial(init_rows, tuple(param.shape), std, _name_seed(seed, name))
