@@ -141,7 +141,7 @@ def read_peft_adapter(path: str | Path) -> PeftAdapter:
         rank=int(config["r"]),
         alpha=float(config.get("lora_alpha", config["r"])),
         dropout=float(config.get("lora_dropout", 0.0)),
-        targets=[leaves[m] for m in modules],
+        targets=sorted((leaves[m] for m in modules), key=list(leaves.values()).index),  # plait's order, not PEFT's set
         tensors=tensors,
         base=str(config.get("base_model_name_or_path") or ""),
         metadata=metadata,
