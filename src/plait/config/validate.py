@@ -66,16 +66,23 @@ def _validate_retrieval(cfg: Config) -> None:
             f"model.retrieval_chunk={m.retrieval_chunk}: a neighbour (2 chunks) must fit model.max_seq_len="
             f"{m.max_seq_len}"
         )
-    for name, degree, why in (
-        ("tp_degree", p.tp_degree, "its chunked cross-attention and encoder have no tensor-parallel plan yet"),
-        ("pp_degree", p.pp_degree, "the neighbours' encoder is not split into pipeline stages yet"),
-        ("cp_degree", p.cp_degree, "a sequence's neighbours follow its tokens in one row, which CP would cut"),
-    ):
+    _refuse_degrees(
+        "model.retrieval_layers with",
+        [
+            ("tp_degree", p.tp_degree, "its chunked cross-attention and encoder have no tensor-parallel plan yet"),
+            ("pp_degree", p.pp_degree, "the neighbours' encoder is not split into pipeline stages yet"),
+            ("cp_degree", p.cp_degree, "a sequence's neighbours follow its tokens in one row, which CP would cut"),
+        ],
+        lambda name: "use data parallelism (parallel.dp_shard_degree / dp_replicate_degree)",
+    )
+
+
+def _refuse_degrees(what: str, reasons: list[tuple[str, int, str]], remedy) -> None:
+    """ConfigError for the first parallel degree above 1 among `reasons` (name, degree, why it is refused):
+    "<what> parallel.<name>=<degree> is not supported yet (<why>); <remedy(name)>"."""
+    for name, degree, why in reasons:
         if degree > 1:
-            raise ConfigError(
-                f"model.retrieval_layers with parallel.{name}={degree} is not supported yet ({why}); use data "
-                f"parallelism (parallel.dp_shard_degree / dp_replicate_degree)"
-            )
+            raise ConfigError(f"{what} parallel.{name}={degree} is not supported yet ({why}); {remedy(name)}")
 
 
 def _validate_ranges(cfg: Config) -> None:
@@ -307,18 +314,19 @@ def _validate_moe_compile(cfg: Config) -> None:
             "compile.enabled=true with a mixture-of-experts model needs train.mixed_precision='bf16' (or 'auto' on "
             "a bf16 GPU): compiled experts run as grouped bf16 matmuls; set it, or compile.enabled=false"
         )
-    for name, degree, why in (
-        ("ep_degree", p.ep_degree, "the all-to-all's split sizes are read on the host in every block"),
-        ("tp_degree", p.tp_degree, "the balancing loss sums routing counts over the ranks inside the block"),
-        ("cp_degree", p.cp_degree, "the balancing loss sums routing counts over the ranks inside the block"),
-        ("pp_degree", p.pp_degree, "a stage's shape inference runs the blocks without counting (a recompile)"),
-    ):
-        if degree > 1:
-            raise ConfigError(
-                f"compile.enabled=true with a mixture-of-experts model and parallel.{name}={degree} is not "
-                f"supported yet ({why}); compiled MoE runs on data-parallel layouts (DDP, FSDP, HSDP): set "
-                f"parallel.{name}=1 or compile.enabled=false"
-            )
+    _refuse_degrees(
+        "compile.enabled=true with a mixture-of-experts model and",
+        [
+            ("ep_degree", p.ep_degree, "the all-to-all's split sizes are read on the host in every block"),
+            ("tp_degree", p.tp_degree, "the balancing loss sums routing counts over the ranks inside the block"),
+            ("cp_degree", p.cp_degree, "the balancing loss sums routing counts over the ranks inside the block"),
+            ("pp_degree", p.pp_degree, "a stage's shape inference runs the blocks without counting (a recompile)"),
+        ],
+        lambda name: (
+            f"compiled MoE runs on data-parallel layouts (DDP, FSDP, HSDP): set parallel.{name}=1 or "
+            "compile.enabled=false"
+        ),
+    )
 
 
 def _validate_compile(cfg: Config) -> None:
