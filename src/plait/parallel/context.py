@@ -21,9 +21,9 @@ end on another, and positions restart per document as in one process. The ring t
 of (query chunk, key chunk) from the chunks' first and last document ids (ids grow along a sequence): a
 block no document spans is skipped, forward and backward (no kernel; the keys still travel the ring: most
 blocks once documents are shorter than a chunk); a block inside one document runs the plain kernel; the rest
-run the fp32 math kernel with the block's document mask. The classification is one small table per forward, read to the host
-once and kept for every layer and the backward while the same document ids are alive. No document length
-rule: a document may be any length, cross chunks and ranks.
+run the fp32 math kernel with the block's document mask. The classification is one small table per forward,
+read to the host once and kept for every layer and the backward while the same document ids are alive. No
+document length rule: a document may be any length, cross chunks and ranks.
 
 Kernels: on the CPU the blocks run torch's flash attention for CPU (the kernel SDPA itself uses there, so
 at cp = 1 the ring is SDPA); elsewhere a plain fp32 matmul/log-sum-exp kernel computes the same. Grouped-query
