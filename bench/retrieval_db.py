@@ -21,6 +21,26 @@ from pathlib import Path
 import torch
 
 
+def corpus_and_encoder(work: Path, encoder: str | None = None):
+    """(a copy of the prepared bundled corpus in `work`, encode, its description): the encoder given, or
+    plait's default model trained 100 steps on the corpus (an encoder of its tokenizer)."""
+    from plait.api import train
+    from plait.config import load_config
+    from plait.data.loader import read_manifest
+    from plait.data.prepare import ensure_prepared
+    from plait.lifecycle.retrieval import load_encoder
+
+    data = work / "data"
+    shutil.copytree(ensure_prepared("shakespeare", Path.home() / ".cache" / "plait" / "data", 4096), data)
+    if encoder is None:
+        overrides = [f"data.source={data}", "train.steps=100", "eval.every_steps=0", "sample.max_new_tokens=0",
+                     "log.tensorboard=false", f"run.out_dir={work}", "run.name=encoder"]  # fmt: skip
+        train(load_config(None, overrides))
+        encoder = str(work / "encoder")
+    encode, described = load_encoder(encoder, read_manifest(data))
+    return data, encode, described
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--encoder")
@@ -33,23 +53,10 @@ def main() -> int:
     if a.dry_run:
         print(f"would build a database of the bundled corpus: chunk {a.chunk}, k {a.k}")
         return 0
-    from plait.api import train
-    from plait.config import load_config
-    from plait.data.loader import read_manifest
-    from plait.data.prepare import ensure_prepared
     from plait.data.retrieval import RETRIEVAL_DIR, build_database
-    from plait.lifecycle.retrieval import load_encoder
 
     work = Path(tempfile.mkdtemp(prefix="plait-retrieval-bench-"))
-    data = work / "data"
-    shutil.copytree(ensure_prepared("shakespeare", Path.home() / ".cache" / "plait" / "data", 4096), data)
-    encoder = a.encoder
-    if encoder is None:
-        overrides = [f"data.source={data}", "train.steps=100", "eval.every_steps=0", "sample.max_new_tokens=0",
-                     "log.tensorboard=false", f"run.out_dir={work}", "run.name=encoder"]  # fmt: skip
-        train(load_config(None, overrides))
-        encoder = str(work / "encoder")
-    encode, described = load_encoder(encoder, read_manifest(data))
+    data, encode, described = corpus_and_encoder(work, a.encoder)
     started = time.perf_counter()
     stages: dict[str, list[float]] = {}  # stage -> [its start (the previous stage's end), its last update, chunks]
 

@@ -52,19 +52,11 @@ def main() -> int:
     if a.dry_run:
         print(f"would train {2 * len(seeds)} runs of {a.steps} steps (chunk {a.chunk}, k {a.k})")
         return 0
-    from plait.api import train
-    from plait.config import load_config
-    from plait.data.loader import read_manifest
-    from plait.data.prepare import ensure_prepared
     from plait.data.retrieval import build_database
-    from plait.lifecycle.retrieval import load_encoder
+    from retrieval_db import corpus_and_encoder  # bench/: the same corpus and encoder as the build's benchmark
 
     work = Path(tempfile.mkdtemp(prefix="plait-retrieval-quality-"))
-    data = work / "data"
-    shutil.copytree(ensure_prepared("shakespeare", Path.home() / ".cache" / "plait" / "data", 4096), data)
-    train(load_config(None, [f"data.source={data}", "train.steps=100", "eval.every_steps=0", "sample.max_new_tokens=0",
-                             "log.tensorboard=false", f"run.out_dir={work}", "run.name=encoder"]))  # fmt: skip
-    encode, described = load_encoder(str(work / "encoder"), read_manifest(data))
+    data, encode, described = corpus_and_encoder(work)
     build_database(data, encode, encoder=described, chunk=a.chunk, k=a.k)
     retro = [*RETRO, f"model.retrieval_chunk={a.chunk}", f"model.retrieval_k={a.k}"]
     results: dict[str, list[dict]] = {"plain": [], "retrieval": []}
