@@ -77,3 +77,21 @@ def test_the_runtime_refuses_a_misplaced_tensor_before_the_first_step():
     cfg = load_config(None, ["run.device=cpu", "train.fused_head=false"])
     with pytest.raises(PlaitError, match=r"buffer scale: on meta, not cpu.*init_weights\(\)"):
         build_trainable(cfg, torch.device("cpu"), model=_StrayBuffer, loss=lambda out, y: out.mean())
+
+
+def test_saved_activations_name_a_tensor_off_the_device_but_not_a_host_scalar():
+    """plait fit's check of what the forward saves: a tensor on another device is named with its shape; a 0-dim
+    CPU tensor (a host scalar, such as the RNG seed flash attention returns beside its output) is not flagged."""
+    from plait.parallel.activations import SavedBytes
+
+    w = torch.randn(4, 4, device="meta", requires_grad=True)
+    with SavedBytes() as scalars_only:
+        (w * torch.tensor(2.0)).sum()  # saves the CPU scalar for w's gradient
+        (w @ w).sum()
+    assert scalars_only.devices == {torch.device("meta")}
+    z = torch.randn(2, 3, requires_grad=True)
+    with SavedBytes() as misplaced:
+        (w @ w).sum()
+        (z * z).sum()
+    assert misplaced.devices == {torch.device("meta"), torch.device("cpu")}
+    assert misplaced.placed[torch.device("cpu")] == "(2, 3) float32"

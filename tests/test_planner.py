@@ -234,6 +234,51 @@ def test_pipeline_bubble_and_memory_follow_the_schedules():
     assert r["zero_bubble", 2]["t_bubble"] < r["interleaved_1f1b", 2]["t_bubble"]
 
 
+def _walk_the_schedule(schedule, p, v, m, r):
+    """A plain walk over rank r's actions (cost._rank_actions), one state per moment, written apart from the
+    vectorised cost.held_chunks: held / done micro-batches, gradients exist, a backward starting, a later
+    backward ending (columns as held_chunks documents them)."""
+    ops, stages = cost.memory._rank_actions(schedule, p, v, m, r)
+    held, done, backwards = [0] * v, [0] * v, [0] * v
+    forward_ends, in_backward = [], []
+    for i, (op, s) in enumerate(zip(ops.tolist(), stages.tolist(), strict=True)):
+        grads = [int(b > 0) for b in backwards]
+        makes_grads = op in (1, 3)  # a full backward or a weight gradient
+        if makes_grads and (i > 0 and ops[i - 1] == 0 or backwards[s] < 2):
+            in_backward.append(held + done + grads + [int(t == s) for t in range(v)] + [0] * v)
+        held[s] += 1 if op == 0 else -1 if makes_grads else 0
+        done[s] += op == 3
+        backwards[s] += makes_grads
+        grads = [int(b > 0) for b in backwards]
+        if makes_grads and (i > 0 and ops[i - 1] == 0 or backwards[s] <= 2):
+            in_backward.append(held + done + grads + [0] * v + [int(t == s and backwards[s] > 1) for t in range(v)])
+        if op == 0 and (i + 1 == len(ops) or ops[i + 1] != 0):
+            forward_ends.append(held + done + grads + [0] * 2 * v)
+    return np.array(forward_ends, dtype=float), np.array(in_backward, dtype=float)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"])
+def test_the_schedule_moments_the_planner_keeps_hold_every_peak(schedule):
+    """held_chunks keeps only the moments that can be a peak (repeats dropped, and of moments alike but for
+    the weight gradients done, the last): for any non-negative price per column, its largest row equals the
+    largest over every moment of a plain walk through the schedule, and a long schedule keeps few of them."""
+    rng = np.random.default_rng(0)
+    for p, v, m in [(2, 1, 1), (2, 2, 4), (4, 1, 8), (4, 2, 8), (4, 3, 12), (3, 2, 6), (8, 2, 32)]:
+        if schedule in ("gpipe", "1f1b") and v > 1:
+            continue
+        for r in range(p):
+            walked = _walk_the_schedule(schedule, p, v, m, r)
+            kept = cost.held_chunks(schedule, p, v, m, r)
+            for all_rows, rows in zip(walked, kept, strict=True):
+                prices = rng.random((5 * v, 64))
+                assert np.allclose((rows @ prices).max(0), (all_rows @ prices).max(0)), (p, v, m, r)
+                assert len(rows) <= len(all_rows)
+    if schedule != "gpipe":  # (whose few moments are all different)
+        v = 1 if schedule == "1f1b" else 4
+        long, walked = cost.held_chunks(schedule, 8, v, 512, 0), _walk_the_schedule(schedule, 8, v, 512, 0)
+        assert sum(map(len, long)) < 0.2 * sum(map(len, walked))
+
+
 def test_cross_node_tensor_parallel_is_slow():
     """tp=8 inside an 8-device node against tp=8 spread over two 4-device nodes."""
     work = Workload(preset_args("llama3-70b"), 4096, 64)

@@ -111,8 +111,13 @@ class Experts(nn.Module):
         order = flat.argsort(stable=True)  # the (token, slot) pairs grouped by expert
         rows = order // picked.shape[1]
         counts = expert_counts(flat, self.w1.shape[0])
-        routed = self.grouped(tokens[rows], counts) * weights.flatten()[order, None]
-        return torch.zeros_like(tokens).index_add_(0, rows, routed)
+        routed = self.grouped(tokens[rows], counts)  # (N k, dim), in expert order
+        # Back to (token, slot) order by a gather, whose backward keeps only the index, then each token's k
+        # results weighted and summed. (Adding the weighted rows into zeros, index_add_, keeps its whole source
+        # for backward: k copies of the token in fp32 under autocast, the largest thing a block kept.)
+        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        mixed = routed[inverse].view(*picked.shape, -1)  # (N, k, dim)
+        return (mixed * weights.unsqueeze(-1)).sum(1).type_as(tokens)
 
     def grouped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Each expert on its tokens: x (sum(counts), dim) holds counts[e] tokens for expert e, in expert order.

@@ -35,12 +35,18 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 class SavedBytes:
     """Bytes saved for backward inside the `with` statement: `total` over the whole pass, `per_block` inside
     the blocks of model.layers (their sum), `blocks` the number of block calls, `devices` the devices the
-    counted tensors were on (one: the compute device, or something was left elsewhere)."""
+    counted tensors were on (one: the compute device, or something was left elsewhere), `placed` one
+    description (shape, dtype) per device of a tensor saved there.
+
+    0-dim tensors on the CPU are host scalars, which CUDA kernels take as arguments and may return: the RNG seed
+    and offset of flash attention, say, which selective checkpointing caches with the attention's output.
+    They are counted, not taken as a sign of something left on the host."""
 
     def __init__(self, model: nn.Module | None = None):
         self.model = model
         self.total = self.per_block = self.blocks = 0
         self.devices: set[torch.device] = set()
+        self.placed: dict[torch.device, str] = {}
         self._seen: set = set()
         self._caches: list = []
         self._in_block = False
@@ -67,7 +73,10 @@ class SavedBytes:
         self._seen.add(key)
         if self.model is not None and key in self._parameter_storages():
             return  # a parameter used through a view of its local tensor (expert parallelism's experts)
-        self.devices.add(_local(tensor).device)
+        local = _local(tensor)
+        if local.dim() > 0 or local.device.type != "cpu":
+            self.devices.add(local.device)
+            self.placed.setdefault(local.device, f"{tuple(local.shape)} {str(local.dtype).removeprefix('torch.')}")
         self.total += size
         if in_block:
             self.per_block += size

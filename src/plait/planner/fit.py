@@ -67,6 +67,7 @@ def fit_rank(cfg: Config, world_size: int, rank: int, steps: int = 3) -> RankFit
     from plait.core.hardware import device_memory_bytes, host_memory_bytes
     from plait.core.torch_private import init_fake_process_group
     from plait.parallel import Meshes
+    from plait.planner.cost import HOST_MEMORY_FRACTION
 
     if steps < 1:
         raise ConfigError(f"--steps={steps} must be at least 1 (the first step also allocates the optimizer's states)")
@@ -83,6 +84,15 @@ def fit_rank(cfg: Config, world_size: int, rank: int, steps: int = 3) -> RankFit
     if device.type == "cpu" and capacity and predicted["peak"] > capacity:
         # The kernel's OOM killer would end this process without a word; the GPU's allocator raises instead.
         note = f"not run: predicted {predicted['peak'] / GiB:.1f} GiB, {capacity / GiB:.1f} GiB available"
+        return RankFit(coordinates={}, measured={}, predicted=predicted, step_s=None, compute_s=compute_s, fits=False,
+                       note=note, **base)  # fmt: skip
+    host_free = host_memory_bytes("MemAvailable")
+    if device.type == "cuda" and host_free and predicted["host"] > HOST_MEMORY_FRACTION * host_free:
+        # CPU offload's states live in host memory, where the OOM killer ends a process without a word
+        note = (
+            f"not run: CPU offload's states are predicted at {predicted['host'] / GiB:.1f} GiB of host memory, "
+            f"over {HOST_MEMORY_FRACTION:.0%} of the {host_free / GiB:.1f} GiB available on this machine"
+        )
         return RankFit(coordinates={}, measured={}, predicted=predicted, step_s=None, compute_s=compute_s, fits=False,
                        note=note, **base)  # fmt: skip
     if device.type == "cuda":
@@ -246,11 +256,12 @@ def _saved_bytes(t, inputs, targets, cfg: Config, device: torch.device) -> int:
         loss.backward()
     for opt in t.optimizers:
         opt.zero_grad(set_to_none=True)
-    elsewhere = {d for d in saved.devices if d.type != device.type}
+    elsewhere = sorted(str(d) for d in saved.devices if d.type != device.type)
     if elsewhere:
+        named = "; ".join(f"{d}: e.g. a tensor of shape {saved.placed[torch.device(d)]}" for d in elsewhere)
         raise PlaitError(
-            f"activations saved for backward on {', '.join(sorted(map(str, elsewhere)))}, not on {device}: a "
-            "tensor the forward reads is not on the compute device"
+            f"activations saved for backward on {', '.join(elsewhere)}, not on {device} ({named}): a tensor the "
+            "forward reads is not on the compute device"
         )
     # The fused head computes the output weight's gradient in forward and keeps it for backward: the planner
     # counts it with the gradients (model states), not as an activation.

@@ -132,7 +132,7 @@ def check_memory(cfg: Config, world_size: int, local_size: int, machine: Machine
     if cfg.model.retrieval_ids:
         return "memory: not predicted for a retrieval model (the planner does not model its encoder yet)"
     from plait.core.hardware import bf16_for
-    from plait.planner.cost import RESERVED_GIB
+    from plait.planner.cost import HOST_MEMORY_FRACTION, RESERVED_GIB
 
     machine = machine or Machine.here(cfg)
     on_gpu, host = machine.device_bytes is not None, machine.host_bytes
@@ -152,8 +152,11 @@ def check_memory(cfg: Config, world_size: int, local_size: int, machine: Machine
         share = m["total"] / machine.device_bytes
         if host is not None and m["host"] > 0:  # CPU offload: the states of every local process in host memory
             need = local_size * m["host"]
-            limits += f"; {need / GiB:.1f} GiB of host memory for {procs}, {host / GiB:.1f} GiB available"
-            share = max(share, need / host)
+            limits += (
+                f"; {need / GiB:.1f} GiB of host memory for {procs}, {host / GiB:.1f} GiB available (offloaded "
+                f"states may take {HOST_MEMORY_FRACTION:.0%}: the host's OOM killer ends a process without a word)"
+            )
+            share = max(share, need / (HOST_MEMORY_FRACTION * host))
         return share, needs, limits, m
 
     share, needs, limits, m = over(cfg, layout_of(cfg, world_size))

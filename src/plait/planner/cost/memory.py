@@ -99,13 +99,13 @@ def layer_activation_bytes(a: ModelArgs, e: int, tp, ac, cp=1, ep=1) -> np.ndarr
 def moe_mlp_bytes(a: ModelArgs, e: int) -> tuple[float, float]:
     """Bytes per token an MoE block's MLP keeps (measured on plait.model.moe.MoE: tests/test_plan_vs_runtime.py),
     as (no AC, selective AC beyond the one h e the block's formula counts for the MLP's output). Per routed copy
-    (k per token): without AC the expert's SwiGLU tensors (4 F e), the gathered token, the expert output and
-    its weighted copy (3 h e) and two int64 indices with their inverse (32); selective keeps the w1 and w3
-    outputs and the w2 output (2 F e + h e). Per token: the fp32 router scores and their top-k weights
-    (4 E + 4; selective: the router's output, E e); a shared expert as a dense SwiGLU of its width."""
+    (k per token): without AC the expert's SwiGLU tensors (4 F e), the gathered token and the expert output
+    back in token order (2 h e) and int64 indices (32); selective keeps the w1 and w3 outputs and the w2 output
+    (2 F e + h e). Per token: the fp32 router scores and their top-k weights (4 E + 8; selective: the router's
+    output, E e); a shared expert as a dense SwiGLU of its width."""
     h, k, fe, experts = a.dim, a.moe_top_k, a.expert_hidden_dim, a.moe_experts
     shared = a.expert_hidden_dim * a.moe_shared_experts
-    none = k * (4 * fe * e + 3 * h * e + 32) + 4 * experts + 4 + 4 * shared * e
+    none = k * (4 * fe * e + 2 * h * e + 32) + 4 * experts + 8 + 4 * shared * e
     kept = k * (2 * fe * e + h * e) + experts * e + (2 * shared * e + h * e if shared else 0) - h * e
     return none, kept
 
@@ -200,26 +200,88 @@ def _rank_actions(schedule: str, p: int, v: int, m: int, r: int) -> tuple[np.nda
 
 
 @functools.lru_cache(maxsize=4096)
-def held_chunks(schedule: str, p: int, v: int, m: int, r: int) -> np.ndarray:
-    """How rank r's activations stack up: one row per forward, holding per local stage (first v columns)
-    the micro-batches whose forward is done and whose backward (zero bubble: weight gradient) is not, and
-    (last v columns) those whose zero-bubble weight gradient is done. The rank's activation peak is the
-    largest row weighted by the bytes one micro-batch of each stage keeps in each state."""
+def held_chunks(schedule: str, p: int, v: int, m: int, r: int) -> tuple[np.ndarray, np.ndarray]:
+    """How rank r's memory stacks up over its schedule, at the moments that can be its peak. One row per
+    moment, five groups of v columns (one per local stage): the micro-batches whose forward is done and whose
+    backward (zero bubble: weight gradient) is not; those whose zero-bubble weight gradient is done; 1 where
+    the stage's gradients exist (its first backward has run); 1 for the stage whose backward starts now (its
+    gradients before their reduction: FSDP's fresh ones); 1 for the stage whose backward, not its first, just
+    ended (a gradient made whole and being added to the kept one). The moments: the end of each run of
+    forwards, and the start and end of each backward that follows one, and of each stage's first two.
+    Returned apart, (forward ends, moments in backward): the rank's peak is the largest row, weighted by
+    what each column's unit costs (peak_activations), with what the moment works in (rank_memory)."""
     ops, stages = _rank_actions(schedule, p, v, m, r)
-    delta = np.zeros((len(ops), 2 * v), dtype=np.int64)
-    rows = np.arange(len(ops))
-    delta[rows, stages] = np.select([ops == _F, (ops == _B) | (ops == _W)], [1, -1], 0)
-    delta[rows, v + stages] = ops == _W
-    # Peaks come right after a forward that the next action does not extend (a B or W lowers the total).
-    peak = (ops == _F) & (np.append(ops[1:], _B) != _F)
-    return np.cumsum(delta, axis=0)[peak].astype(np.float64)  # (deduplicating the rows costs more than it saves)
+    n = len(ops)
+    time = np.arange(n)
+    makes_grads = (ops == _B) | (ops == _W)  # the input-gradient pass (zero bubble) makes none
+    held_step = np.select([ops == _F, makes_grads], [1, -1], 0)
+    # each stage's first and second backward (n where it has none): its gradients exist from the first on
+    grad_ops = np.nonzero(makes_grads)[0]
+    first_at, second_at = np.full(v, n), np.full(v, n)
+    seen, at = np.unique(stages[grad_ops], return_index=True)
+    first_at[seen] = grad_ops[at]
+    rest = grad_ops[grad_ops != first_at[stages[grad_ops]]]
+    seen, at = np.unique(stages[rest], return_index=True)
+    second_at[seen] = rest[at]
+    first = time == first_at[stages]
+    follows_forward = np.append(False, ops[:-1] == _F)
+    peak = np.nonzero((ops == _F) & (np.append(ops[1:], _B) != _F))[0]
+    backward = np.nonzero(makes_grads & (follows_forward | first | (time == second_at[stages])))[0]
+    none, ended = np.full(len(backward), -1), np.where(first[backward], -1, stages[backward])
+    # moments as (time after which, stage starting its backward, stage ending a later backward, in backward):
+    # forward ends, then backward starts and ends in time order
+    ends = len(peak) + 2 * len(backward)
+    at = np.concatenate([peak, np.stack([backward - 1, backward], axis=1).ravel()])
+    start = np.concatenate([np.full(len(peak), -1), np.stack([stages[backward], none], axis=1).ravel()])
+    later = np.concatenate([np.full(len(peak), -1), np.stack([none, ended], axis=1).ravel()])
+    keep = _distinct_moments(at, start, later, np.arange(ends) >= len(peak), held_step, first, stages)
+    at, start, later = at[keep], start[keep], later[keep]
+    # held, then done, per stage after each kept moment: each action's step summed into the first moment at
+    # or after it, then accumulated over the moments (cheaper than accumulating over every action)
+    chosen = np.sort(at)
+    into = np.searchsorted(chosen, time) * 2 * v + stages
+    size = (len(chosen) + 1) * 2 * v
+    counts = np.bincount(into, held_step, size) + np.bincount(into + v, ops == _W, size)
+    counts = np.cumsum(counts.reshape(-1, 2 * v)[:-1], axis=0)[np.searchsorted(chosen, at)]
+    rows = np.zeros((len(at), 5 * v))
+    rows[:, : 2 * v] = counts
+    rows[:, 2 * v : 3 * v] = at[:, None] >= first_at
+    rows[np.nonzero(start >= 0)[0], 3 * v + start[start >= 0]] = 1
+    rows[np.nonzero(later >= 0)[0], 4 * v + later[later >= 0]] = 1
+    in_backward = keep >= len(peak)
+    return rows[~in_backward], rows[in_backward]
 
 
-def peak_activations(schedule, pp, virtual, m, rank_is_last: bool, weight) -> np.ndarray:
-    """Per layout (pp > 1): the peak over the schedule of sum over local stages s of held(s) x bytes(s) +
-    done(s) x residue(s), where ``weight(s, mask)`` returns (bytes, residue) of one micro-batch of stage s
-    for the layouts in ``mask``, on the first or the last pipeline rank. 0 where pp = 1."""
-    out = np.zeros(len(pp), dtype=np.float64)
+_HASH_WEIGHTS = np.random.default_rng(0).integers(1, 2**63, size=(2, 4, 1024), dtype=np.uint64) | np.uint64(1)
+
+
+def _distinct_moments(at, start, later, in_backward, held_step, first, stages) -> np.ndarray:
+    """Which of a schedule's moments (after action ``at``, a stage starting its backward or -1, one ending a
+    later backward or -1; forward ends, then moments in backward, each in time order) can be a peak, in
+    order: a steady state repeats its moments, and the planner weighs each for every layout. Of moments alike
+    but for their count of weight gradients done (which only grows, and costs bytes >= 0), only the last can
+    be the largest. Alike: equal in two 64-bit hashes, linear in a moment's columns, so that a sum over the
+    actions makes them (a false match: odds of 2**-128 per pair)."""
+    w = _HASH_WEIGHTS[:, :, : int(stages.max(initial=0)) + 1]
+    steps = held_step.astype(np.uint64) * w[:, 0, stages] + first.astype(np.uint64) * w[:, 1, stages]
+    key = np.cumsum(steps, axis=1)[:, at] + np.where(start >= 0, w[:, 2, start], 0)
+    key += np.where(later >= 0, w[:, 3, later], 0) + in_backward * _HASH_WEIGHTS[:, 3, -1:]
+    h1, h2 = key[:, ::-1]  # latest first: unique keeps the first of each run of equals
+    _, latest, group = np.unique(h1, return_index=True, return_inverse=True)
+    if not np.array_equal(h2[latest][group], h2):  # the first hash matched where the second did not: odds 2**-64
+        _, latest = np.unique(np.ascontiguousarray(key[:, ::-1].T).view(np.dtype((np.void, 16))), return_index=True)
+    return np.sort(len(at) - 1 - latest)
+
+
+def peak_activations(schedule, pp, virtual, m, rank_is_last: bool, weight) -> dict[str, np.ndarray]:
+    """Per layout (pp > 1), at the end of a forward ('f') and in a backward ('b'), at the schedule's largest
+    such moment (held_chunks): the activations ('acts_f', 'acts_b'), sum over local stages s of held(s) x
+    bytes(s) + done(s) x residue(s), and the gradients then ('grads_f', 'grads_b'), those of the stages whose
+    backward has begun plus a backward's fresh ones; ``weight(idx, v)`` returns, shaped (5, v, layouts), per
+    local stage s the bytes and residue of one micro-batch, its kept gradients, the fresh ones at a backward's
+    start and at a later backward's end, for the layouts ``idx``, on the first or the last pipeline rank. 0
+    where pp = 1."""
+    out = {k: np.zeros(len(pp), dtype=np.float64) for k in ("acts_f", "grads_f", "acts_b", "grads_b")}
     piped = np.nonzero(pp > 1)[0]
     # one int64 per layout (schedule: 3 bits, pp: 21, virtual: 8, micro-batches: 31): a 1-D sort, not rows'
     columns = [np.asarray(x, dtype=np.int64)[piped] for x in (schedule, pp, virtual, m)]
@@ -231,9 +293,15 @@ def peak_activations(schedule, pp, virtual, m, rank_is_last: bool, weight) -> np
     for g in range(len(keys)):
         sched, p, v, mb = (int(x[first[g]]) for x in columns)
         idx = piped[order[bounds[g] : bounds[g + 1]]]  # the layouts with this schedule, pp, v and m
-        rows = held_chunks(SCHEDULES[sched], p, v, mb, p - 1 if rank_is_last else 0)
-        held, residue = zip(*(weight(s, idx) for s in range(v)), strict=True)
-        out[idx] = np.max(rows @ np.stack([*held, *residue]), axis=0)  # (v held + v done) x layouts in the group
+        units = weight(idx, v)
+        kept_units, made_units = units[:2].reshape(2 * v, -1), units[2:].reshape(3 * v, -1)
+        cols = np.arange(len(idx))
+        for moment, rows in zip(
+            "fb", held_chunks(SCHEDULES[sched], p, v, mb, p - 1 if rank_is_last else 0), strict=True
+        ):
+            kept, made = rows[:, : 2 * v] @ kept_units, rows[:, 2 * v :] @ made_units  # (rows, layouts)
+            at = np.argmax(kept + made, axis=0)
+            out[f"acts_{moment}"][idx], out[f"grads_{moment}"][idx] = kept[at, cols], made[at, cols]
     return out
 
 
@@ -282,16 +350,18 @@ def rank_memory(work: Workload, lay: Layouts, c: Columns, name: str) -> dict[str
     gathered_f, gathered_b = (
         np.where(c.held, unsharded, g) for g in _resharding_gathered(a, tp, layer_u, emb_u, head_u, fused)
     )
-    params_f, params_b = (np.where(c.fsdp, e * g, 0.0) for g in (gathered_f, gathered_b))
-    # GPipe runs every forward before the first backward: no gradient exists yet at either moment below.
-    gpipe = (pp > 1) & (lay.schedule == GPIPE)
-    accumulate = c.accumulate & ~gpipe
-    accumulated = np.where(c.fsdp & accumulate, 4.0 * unsharded, 0.0)  # fp32, kept between micro-batches
-    # Unsharded gradients at the start of backward, before their reduce-scatter: two blocks' and the output
-    # projection's (the embedding's come at the end of backward, when the activations are gone); GPipe's first
-    # backward: its block's alone (nothing is reduced before the last micro-batch).
-    fresh = np.where(gpipe, e * layer_u, e * (2 * layer_u + np.where(has_head, head_u, emb_u)))
-    grads_buf = np.where(c.fsdp, np.where(accumulate, accumulated, fresh), 0.0)
+    # Without FSDP, bf16 autocast makes a bf16 copy of every fp32 weight it multiplies, held to backward
+    # (autocast's cache; MoE experts cast theirs for grouped_mm, which saves them): the gathered parameters' part.
+    casts = np.where(e < 4, e * unsharded, 0.0)
+    params_f, params_b = (np.where(c.fsdp, e * g, casts) for g in (gathered_f, gathered_b))
+    # Without a pipeline (in one, per stage: _pipeline_grads): the fp32 gradients FSDP accumulates unsharded
+    # between micro-batches; else the unsharded ones at the start of backward, before their reduce-scatter: two
+    # blocks' and the output projection's (the embedding's come at the end of backward, when the activations
+    # are gone).
+    piped = pp > 1
+    accumulated = np.where(c.fsdp & c.accumulate & ~piped, 4.0 * unsharded, 0.0)
+    fresh = e * (2 * layer_u + np.where(has_head, head_u, emb_u))
+    grads_buf = np.where(c.fsdp & ~piped, np.where(c.accumulate, accumulated, fresh), 0.0)
     tp_buf = np.where(tp > 1, 2 * T * a.dim * e, 0.0)
     # Pipeline receive buffers live only while their micro-batch does (plait.core.torch_private.
     # bounded_receive_stage): a received activation is the stage's input, saved by its first block (an
@@ -302,20 +372,24 @@ def rank_memory(work: Workload, lay: Layouts, c: Columns, name: str) -> dict[str
     hand_off = T * a.dim * e / tp  # sequence shards under TP
     single_stage = (lay.schedule == GPIPE) | (lay.schedule == ONE_F_ONE_B)
     pp_buf = np.where(pp > 1, (2 * v - 1 + (single_stage & is_first)) * hand_off, 0.0)
-    acts = _activations(work, lay, c, layers, rank_last=not is_first, has_head=has_head, hand_off=hand_off)
-    acts = acts + np.where(has_embed, c.m * T * EMBED_ACTIVATION_BYTES, 0)  # the token ids of all micro-batches
+    stage_grads = _pipeline_grads(c, lay, e, (layer_s, layer_u), (root_s, root_u), head_u, emb_u)
+    at = _activations(work, lay, c, layers, rank_last=not is_first, hand_off=hand_off, stage_grads=stage_grads)
+    ids = np.where(has_embed, c.m * T * EMBED_ACTIVATION_BYTES, 0)  # the token ids of all micro-batches
+    acts_f, acts_b = at["acts_f"] + ids, at["acts_b"] + ids
     transient_f, transient_b = _transient(work, lay, c, has_head)
     # The peak (the allocator's high-water mark, measured by `plait fit`): the larger of two moments with every
     # activation alive, the end of the last micro-batch's forward (the head's) and the start of its backward,
     # each with what it gathers and works in; or the optimizer's step, with all the states. The states at the
     # first two hold no gradients (zero_grad frees them: the step's are made in backward and freed after the
-    # optimizer) unless they outlive a micro-batch: reduced after each one, or without FSDP.
-    kept_grads = ((c.m > 1) | (pp > 1)) & (lay.sync_each | ~c.fsdp) & ~gpipe
+    # optimizer) unless they outlive a micro-batch: reduced after each one, or without FSDP. In a pipeline,
+    # those of the stages whose backward has begun by the schedule's peak (_activations).
+    kept_grads = (c.m > 1) & (lay.sync_each | ~c.fsdp) & ~piped
     states_at_peak = np.where(lay.offload, 0.0, np.where(kept_grads, 16.0, 12.0) * sharded)
-    common = tp_buf + pp_buf + acts
-    dynamic = np.maximum(params_f + accumulated + transient_f, params_b + grads_buf + transient_b) + common
+    at_forward_end = params_f + accumulated + transient_f + acts_f + at["grads_f"]
+    dynamic = np.maximum(at_forward_end, params_b + grads_buf + transient_b + acts_b + at["grads_b"]) + tp_buf + pp_buf
     peak = np.maximum(states_at_peak + dynamic, states)
-    buffers = np.maximum(params_f, params_b) + grads_buf + tp_buf + pp_buf
+    acts = np.maximum(acts_f, acts_b)
+    buffers = np.maximum(params_f, params_b) + grads_buf + tp_buf + pp_buf  # (a pipeline's gradients: states)
     return dict(
         states=states,
         buffers=buffers,
@@ -325,12 +399,30 @@ def rank_memory(work: Workload, lay: Layouts, c: Columns, name: str) -> dict[str
         allocator=dynamic * ALLOCATOR_OVERHEAD + RESERVED_GIB * GiB,
         total=peak + dynamic * ALLOCATOR_OVERHEAD + RESERVED_GIB * GiB,
         host=np.where(lay.offload, 16.0 * sharded, 0.0),
-        host_at_peak=np.where(lay.offload, np.where(kept_grads, 16.0, 12.0) * sharded, 0.0),  # offloaded states then
+        host_at_peak=np.where(lay.offload, np.where(kept_grads | piped, 16.0, 12.0) * sharded, 0.0),  # offloaded then
         sharded=sharded,
         unsharded=unsharded,
         layers=layers,
         root_unsharded=root_u,
         has_output=not is_first,  # the last rank holds the output projection (without a pipeline, both do)
+    )
+
+
+def _pipeline_grads(c: Columns, lay: Layouts, e: int, layer, root, head_u, emb_u) -> dict[str, np.ndarray]:
+    """A pipeline stage's gradients (fp32), which exist from its first backward on: unsharded while FSDP
+    accumulates them (no-sync: on the device, offload or not), else sharded (with offload in host memory);
+    per layer ('layer') and of the stage's embedding or head ('root'). Fresh ones: at a backward's start,
+    where FSDP reduces after each micro-batch, the unsharded gradients of two blocks ('start') and of the
+    output projection ('start_head') before their reduction; at the end of a later backward the embedding's
+    ('end_embed'), made whole and then added to the kept one. layer, root: (sharded, unsharded) numels."""
+    grad_of = np.where(lay.offload, 0.0, 4.0)
+    unsharded_grads, reduced_each = c.fsdp & ~lay.sync_each, c.fsdp & lay.sync_each
+    return dict(
+        layer=np.where(unsharded_grads, 4.0 * layer[1], grad_of * layer[0]),
+        root=np.where(unsharded_grads, 4.0 * root[1], grad_of * root[0]),
+        start=np.where(reduced_each, e * 2 * layer[1], 0.0),
+        start_head=np.where(reduced_each, e * head_u, 0.0),
+        end_embed=np.where(c.fsdp, e, grad_of) * emb_u,
     )
 
 
@@ -351,9 +443,12 @@ def _resharding_gathered(a: ModelArgs, tp, layer_u, emb_u, head_u, fused: bool):
     return 2 * layer_u + out_u + a.dim, 2 * layer_u + out_u + a.dim
 
 
-def _activations(work: Workload, lay: Layouts, c: Columns, layers, *, rank_last: bool, has_head, hand_off):
-    """Activations kept for backward at the rank's peak: one micro-batch without a pipeline, else the
-    schedule's peak over the micro-batches each of this rank's v stages holds (peak_activations)."""
+def _activations(work: Workload, lay: Layouts, c: Columns, layers, *, rank_last: bool, hand_off, stage_grads):
+    """Activations kept for backward at the rank's peaks, at the end of a forward and in a backward
+    (peak_activations' keys): one micro-batch without a pipeline, else the schedule's peak over the
+    micro-batches each of this rank's v stages holds; and the gradients that exist then in a pipeline (0
+    without one). stage_grads: gradient bytes, kept (per layer, of the rank's embedding or head) and fresh
+    (see rank_memory)."""
     a, e, fused, T, v = work.model, work.act_bytes, work.fused_head, c.T, c.v
     chunk = layers / v * layer_activation_bytes(a, e, c.tp, lay.ac, c.cp, c.ep) * T
     # One micro-batch of one of this rank's v stages: its layers, its input (received, except on the first
@@ -369,23 +464,34 @@ def _activations(work: Workload, lay: Layouts, c: Columns, layers, *, rank_last:
         zero_bubble_residue(a, e, c.tp, layers / v, True, fused),
     )
 
-    def stage_bytes(s, idx):
-        first_stage, last_stage = s == 0 and not rank_last, rank_last and s == int(v[idx][0]) - 1
+    def stage_units(idx, v_local: int) -> np.ndarray:
+        """(5, v, layouts): per local stage s, stage_bytes' five units for the layouts idx."""
+        g = {k: np.broadcast_to(x, c.pp.shape)[idx] for k, x in stage_grads.items()}
+        full = lay.ac[idx] == FULL_AC  # full AC: the zero-bubble residue is recomputed, not kept
         # (the layers' bytes already count the stage input, which the first block's norm saves)
-        held = chunk[idx] + (head[idx] if last_stage else hand_off[idx])
+        held = chunk[idx] + hand_off[idx]
         # zero bubble: a stage that received its input keeps it as long as the rest of the residue
-        residue = 0 * held if first_stage else zb[1 if last_stage else 0][idx] * T[idx] + hand_off[idx]
-        residue = np.where(lay.ac[idx] == FULL_AC, 0, residue)  # full AC: the residue is recomputed, not kept
-        return held, residue
+        residue = np.where(full, 0, zb[0][idx] * T[idx] + hand_off[idx])
+        made = layers[idx] / v_local * g["layer"]
+        units = np.stack([held, residue, made, g["start"], 0 * held])[:, None].repeat(v_local, axis=1)
+        if rank_last:  # its last local stage is the model's last: the head's
+            units[0, -1] = chunk[idx] + head[idx]
+            units[1, -1] = np.where(full, 0, zb[1][idx] * T[idx] + hand_off[idx])
+            units[2, -1] += g["root"]
+            units[3, -1] += g["start_head"]
+        else:  # its first local stage is the model's first: the embedding's, with no input received
+            units[1, 0] = 0
+            units[2, 0] += g["root"]
+            units[4, 0] = g["end_embed"]
+        return units
 
-    acts = np.where(
-        c.single,
-        chunk + np.where(has_head, head_activation_bytes(a, e, c.tp, fused) * T, 0),
-        peak_activations(lay.schedule, c.pp, v, c.m, rank_last, stage_bytes),
-    )
+    piped = peak_activations(lay.schedule, c.pp, v, c.m, rank_last, stage_units)
+    single = chunk + head_activation_bytes(a, e, c.tp, fused) * T  # (without a pipeline a rank holds the head)
+    out = {k: np.where(c.single, single if k.startswith("acts") else 0.0, x) for k, x in piped.items()}
     if rank_last:
-        acts = np.where(lay.schedule == ZERO_BUBBLE, acts * ZERO_BUBBLE_LAST_MARGIN, acts)
-    return acts
+        for k in ("acts_f", "acts_b"):
+            out[k] = np.where(lay.schedule == ZERO_BUBBLE, out[k] * ZERO_BUBBLE_LAST_MARGIN, out[k])
+    return out
 
 
 def _transient(work: Workload, lay: Layouts, c: Columns, has_head):
