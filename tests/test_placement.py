@@ -80,13 +80,16 @@ def test_the_runtime_refuses_a_misplaced_tensor_before_the_first_step():
 
 
 def test_saved_activations_name_a_tensor_off_the_device_but_not_a_host_scalar():
-    """plait fit's check of what the forward saves: a tensor on another device is named with its shape; a 0-dim
-    CPU tensor (a host scalar, such as the RNG seed flash attention returns beside its output) is not flagged."""
+    """plait fit's check of what the forward saves: a tensor on another device is named with its shape; a CPU
+    tensor of at most two elements (a host scalar, such as the RNG seed flash attention returns beside its
+    output, or an empty placeholder, which the same kernels save under checkpointing) is not flagged."""
     from plait.parallel.activations import SavedBytes
 
     w = torch.randn(4, 4, device="meta", requires_grad=True)
     with SavedBytes() as scalars_only:
         (w * torch.tensor(2.0)).sum()  # saves the CPU scalar for w's gradient
+        for n in (0, 2):  # an empty placeholder and a seed-and-offset pair
+            (torch.ones(n, requires_grad=True) * torch.ones(n)).sum()
         (w @ w).sum()
     assert scalars_only.devices == {torch.device("meta")}
     z = torch.randn(2, 3, requires_grad=True)
