@@ -39,6 +39,9 @@ MOE = {
     | dict(moe_dense_layers=1),
 }
 MOE_OVERRIDES = {name: [f"model.{k}={v}" for k, v in args.items()] for name, args in MOE.items()}
+# Qwen3's attention: heads of their own width (n_heads x head_dim = 2 dim) with per-head q / k norms
+QWEN_ATTENTION = dict(attention_head_dim=32, qk_norm=True)
+QWEN_OVERRIDES = [f"model.{k}={v}" for k, v in QWEN_ATTENTION.items()]
 
 # (name, overrides, planner layout)
 LAYOUTS = [
@@ -76,6 +79,18 @@ LAYOUTS = [
         dict(cp=2, tp=2, ac="selective"),
     ),
     ("CP 4, full AC", ["parallel.cp_degree=4", "parallel.activation_checkpoint=full"], dict(cp=4, ac="full")),
+    *(
+        (f"Qwen3 attention, {what}", [*QWEN_OVERRIDES, *over], dict(model=QWEN_ATTENTION, **lay))
+        for what, over, lay in (
+            ("FSDP 4", ["parallel.dp_shard_degree=4"], dict(dp_shard=4)),
+            (
+                "TP 2, selective AC",
+                ["parallel.tp_degree=2", "parallel.activation_checkpoint=selective"],
+                dict(tp=2, ac="selective"),
+            ),
+            ("CP 2", ["parallel.cp_degree=2"], dict(cp=2)),
+        )
+    ),
     *(
         (
             f"MoE{name}, FSDP 4{ac_name}",

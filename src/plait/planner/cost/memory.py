@@ -54,9 +54,11 @@ def layer_activation_bytes(a: ModelArgs, e: int, tp, ac, cp=1, ep=1) -> np.ndarr
     """Bytes kept for backward per token per block (measured on the real model: tests/test_planner.py).
 
     none: two norms, each (norm_bytes h + 4 for rsqrt) + its output h e (the input of the next matmul);
-        q, k, v (k and v after the GQA repeat: h wide each) and the attention output h e each; logsumexp
-        4 H; SwiGLU keeps w1 x, silu(w1 x), w3 x and their product: 4 F e. Under sequence parallel every
-        term is split over tp except the two matmul inputs, which are all-gathered (2 h e).
+        q, k, v (k and v after the GQA repeat) and the attention output, each Q = H x head_dim wide (h, but
+        for a head width of its own: Qwen3's 4096 beside h = 2048), Q e each; logsumexp 4 H; with per-head
+        q/k norms (qk_norm), their inputs, (Q + KV) e, and inverse RMS, 4 (H + H_kv); SwiGLU keeps w1 x,
+        silu(w1 x), w3 x and their product: 4 F e. Under sequence parallel every term is split over tp except
+        the two matmul inputs, which are all-gathered (2 h e).
     full: the block input only, sequence-sharded: h e / tp.
     selective (plait's policy: keep matmul and attention outputs), as one region per block: the input,
         q/k/v, attention output and logsumexp, w1 and w3 outputs, each split over tp, and the row-parallel
@@ -72,9 +74,11 @@ def layer_activation_bytes(a: ModelArgs, e: int, tp, ac, cp=1, ep=1) -> np.ndarr
         selective AC also both all-to-alls' outputs (kept so that the recompute does not send them again).
     """
     h, f, heads = a.dim, a.hidden_dim, a.n_heads
-    kv = a.n_kv_heads * a.head_dim
+    q, kv = heads * a.head_dim, a.n_kv_heads * a.head_dim
     nb = _norm_bytes(e)
-    attention = np.where(np.asarray(cp) > 1, 2 * e * h + 2 * e * kv, 4 * e * h)  # q, k, v and the output
+    attention = np.where(np.asarray(cp) > 1, 2 * e * q + 2 * e * kv, 4 * e * q)  # q, k, v and the output
+    if a.qk_norm:  # the per-head norms' inputs and inverse RMS
+        attention = attention + nb * (q + kv) + 4 * (heads + a.n_kv_heads)
     moe = a.n_moe_layers / a.n_layers
     mlp_none, mlp_kept = moe_mlp_bytes(a, e)
     common = 2 * nb * h + attention + 4 * heads + 8
@@ -83,7 +87,7 @@ def layer_activation_bytes(a: ModelArgs, e: int, tp, ac, cp=1, ep=1) -> np.ndarr
     none_dense = (common + 4 * e * f) / tp + 2 * e * h
     none_moe = (common + mlp_none + e * h) / tp + e * h
     full = e * h / tp
-    kept = e * h + e * (h + 2 * kv) + e * h + 4 * heads  # input, q/k/v, attention: the attention half's
+    kept = e * h + e * (q + 2 * kv) + e * q + 4 * heads  # input, q/k/v, attention: the attention half's
     kept_dense = kept + 2 * e * f  # + the w1 and w3 outputs
     selective_dense = np.where(
         recompute_units_pay(h, f, tp), (kept_dense + e * h + e * f) / tp, kept_dense / tp + 2 * e * h
@@ -152,17 +156,19 @@ EMBED_ACTIVATION_BYTES = 8
 def split_stages(a: ModelArgs, seq_len: int, pp, virtual):
     """Layers on the first and on the last pipeline rank, as the runtime splits them (model.args.split_layers,
     'cost': FLOPs balanced, the output projection on the last stage); a rank holds stages r, r + p, ... of the
-    p x v. Returns (n_first, n_last) arrays; with pp = 1 both are L (one rank holds everything)."""
+    p x v. Returns (n_first, n_last, edge_first, edge_last) arrays: the ranks' layers, and those of the
+    model's first and last stage among them; with pp = 1 all are L (one rank holds everything)."""
     pp, virtual = np.broadcast_arrays(np.asarray(pp, dtype=np.int64), np.asarray(virtual, dtype=np.int64))
-    n_first, n_last = np.full(pp.shape, a.n_layers, np.int64), np.full(pp.shape, a.n_layers, np.int64)
+    out = [np.full(pp.shape, a.n_layers, np.int64) for _ in range(4)]
     for p, v in set(zip(pp.ravel().tolist(), virtual.ravel().tolist(), strict=True)):
         if p == 1:
             continue
         stages = split_layers(a, p * v, "cost", seq_len)
         at = (pp == p) & (virtual == v)
-        n_first[at] = sum(len(stages[s]) for s in range(0, p * v, p))
-        n_last[at] = sum(len(stages[s]) for s in range(p - 1, p * v, p))
-    return n_first, n_last
+        out[0][at] = sum(len(stages[s]) for s in range(0, p * v, p))
+        out[1][at] = sum(len(stages[s]) for s in range(p - 1, p * v, p))
+        out[2][at], out[3][at] = len(stages[0]), len(stages[-1])
+    return tuple(out)
 
 
 _F, _B, _I, _W = 0, 1, 2, 3  # forward, full backward, input gradient, weight gradient
@@ -332,7 +338,8 @@ def rank_memory(work: Workload, lay: Layouts, c: Columns, name: str) -> dict[str
     a, e, fused = work.model, work.act_bytes, work.fused_head
     tp, pp, v, T = c.tp, c.pp, c.v, c.T
     is_first = name == "first"
-    layers = split_stages(a, work.seq_len, pp, v)[0 if is_first else 1]
+    split = split_stages(a, work.seq_len, pp, v)
+    layers, edge = (split[0], split[2]) if is_first else (split[1], split[3])
     block_s, block_u = block_numel(a, tp, c.fsdp_shard, c.ep)
     layer_s, layer_u = sum(block_s.values()), sum(block_u.values())
     emb_s, emb_u = sharded_numel(embed_params(a), tp, c.fsdp_shard), local_numel(embed_params(a), tp)
@@ -373,7 +380,7 @@ def rank_memory(work: Workload, lay: Layouts, c: Columns, name: str) -> dict[str
     single_stage = (lay.schedule == GPIPE) | (lay.schedule == ONE_F_ONE_B)
     pp_buf = np.where(pp > 1, (2 * v - 1 + (single_stage & is_first)) * hand_off, 0.0)
     stage_grads = _pipeline_grads(c, lay, e, (layer_s, layer_u), (root_s, root_u), head_u, emb_u)
-    at = _activations(work, lay, c, layers, rank_last=not is_first, hand_off=hand_off, stage_grads=stage_grads)
+    at = _activations(work, lay, c, (layers, edge), rank_last=not is_first, hand_off=hand_off, stage_grads=stage_grads)
     ids = np.where(has_embed, c.m * T * EMBED_ACTIVATION_BYTES, 0)  # the token ids of all micro-batches
     acts_f, acts_b = at["acts_f"] + ids, at["acts_b"] + ids
     transient_f, transient_b = _transient(work, lay, c, has_head)
@@ -447,10 +454,13 @@ def _activations(work: Workload, lay: Layouts, c: Columns, layers, *, rank_last:
     """Activations kept for backward at the rank's peaks, at the end of a forward and in a backward
     (peak_activations' keys): one micro-batch without a pipeline, else the schedule's peak over the
     micro-batches each of this rank's v stages holds; and the gradients that exist then in a pipeline (0
-    without one). stage_grads: gradient bytes, kept (per layer, of the rank's embedding or head) and fresh
-    (see rank_memory)."""
+    without one). layers: (the rank's, those of its edge stage: the model's first or last); stage_grads:
+    gradient bytes, kept (per layer, of the rank's embedding or head) and fresh (see rank_memory)."""
     a, e, fused, T, v = work.model, work.act_bytes, work.fused_head, c.T, c.v
-    chunk = layers / v * layer_activation_bytes(a, e, c.tp, lay.ac, c.cp, c.ep) * T
+    layers, edge = layers
+    per_layer = layer_activation_bytes(a, e, c.tp, lay.ac, c.cp, c.ep) * T
+    # The rank's stages but its edge one split the rest of its layers evenly (split_layers balances them)
+    others = np.where(v > 1, (layers - edge) / np.maximum(v - 1, 1), edge)
     # One micro-batch of one of this rank's v stages: its layers, its input (received, except on the first
     # stage), and its output until the backward: the stage that sends keeps it, the final stage keeps its
     # logits (the schedule's stage output) and the loss's activations. The last stage's output: the logits
@@ -459,34 +469,33 @@ def _activations(work: Workload, lay: Layouts, c: Columns, layers, *, rank_last:
     # backward.
     head_grad = a.vocab_size / c.tp * a.dim * np.where(c.fsdp, e, 4)
     head = head_activation_bytes(a, e, c.tp, fused) * T + (head_grad if fused else T * a.vocab_size / c.tp * e)
-    zb = (
-        zero_bubble_residue(a, e, c.tp, layers / v, False, fused),
-        zero_bubble_residue(a, e, c.tp, layers / v, True, fused),
-    )
 
     def stage_units(idx, v_local: int) -> np.ndarray:
         """(5, v, layouts): per local stage s, stage_bytes' five units for the layouts idx."""
         g = {k: np.broadcast_to(x, c.pp.shape)[idx] for k, x in stage_grads.items()}
+        n, n_edge, tp, t = others[idx], edge[idx], np.broadcast_to(c.tp, c.pp.shape)[idx], T[idx]
         full = lay.ac[idx] == FULL_AC  # full AC: the zero-bubble residue is recomputed, not kept
+
+        def residue(n_layers, has_head):  # zero bubble: a stage that received its input keeps it as long
+            return np.where(full, 0, zero_bubble_residue(a, e, tp, n_layers, has_head, fused) * t + hand_off[idx])
+
         # (the layers' bytes already count the stage input, which the first block's norm saves)
-        held = chunk[idx] + hand_off[idx]
-        # zero bubble: a stage that received its input keeps it as long as the rest of the residue
-        residue = np.where(full, 0, zb[0][idx] * T[idx] + hand_off[idx])
-        made = layers[idx] / v_local * g["layer"]
-        units = np.stack([held, residue, made, g["start"], 0 * held])[:, None].repeat(v_local, axis=1)
+        units = np.stack([n * per_layer[idx] + hand_off[idx], residue(n, False), n * g["layer"], g["start"], 0 * n])
+        units = units[:, None].repeat(v_local, axis=1)
         if rank_last:  # its last local stage is the model's last: the head's
-            units[0, -1] = chunk[idx] + head[idx]
-            units[1, -1] = np.where(full, 0, zb[1][idx] * T[idx] + hand_off[idx])
-            units[2, -1] += g["root"]
-            units[3, -1] += g["start_head"]
+            units[0, -1] = n_edge * per_layer[idx] + head[idx]
+            units[1, -1] = residue(n_edge, True)
+            units[2, -1] = n_edge * g["layer"] + g["root"]
+            units[3, -1] = g["start"] + g["start_head"]
         else:  # its first local stage is the model's first: the embedding's, with no input received
+            units[0, 0] = n_edge * per_layer[idx] + hand_off[idx]
             units[1, 0] = 0
-            units[2, 0] += g["root"]
+            units[2, 0] = n_edge * g["layer"] + g["root"]
             units[4, 0] = g["end_embed"]
         return units
 
     piped = peak_activations(lay.schedule, c.pp, v, c.m, rank_last, stage_units)
-    single = chunk + head_activation_bytes(a, e, c.tp, fused) * T  # (without a pipeline a rank holds the head)
+    single = layers * per_layer + head_activation_bytes(a, e, c.tp, fused) * T  # (one rank: all, and the head)
     out = {k: np.where(c.single, single if k.startswith("acts") else 0.0, x) for k, x in piped.items()}
     if rank_last:
         for k in ("acts_f", "acts_b"):
