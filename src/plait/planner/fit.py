@@ -116,25 +116,29 @@ def fit_rank(cfg: Config, world_size: int, rank: int, steps: int = 3) -> RankFit
                    compute_s=compute_s, fits=fits, note=note, **base)  # fmt: skip
 
 
-def predict_rank(cfg: Config, world_size: int, rank: int) -> dict[str, float]:
-    """The planner's bytes for rank `rank` (the layout checked as the runtime checks it), without running it."""
-    device, dims, bf16 = _layout(cfg, world_size, rank)
+def predict_rank(cfg: Config, world_size: int, rank: int, device: torch.device | None = None) -> dict[str, float]:
+    """The planner's bytes for rank `rank` (the layout checked as the runtime checks it), without running it;
+    on `device` (default: the config's, which must exist here): a GPU's figures are computed on any machine."""
+    device, dims, bf16 = _layout(cfg, world_size, rank, device)
     return _predict(cfg, world_size, dims, rank, bf16, device, timed=False)[0]
 
 
-def _layout(cfg: Config, world_size: int, rank: int):
+def _layout(cfg: Config, world_size: int, rank: int, device: torch.device | None = None):
     """(device, ParallelDims, bf16) of rank `rank` of a `world_size`-rank job, its layout checked as the runtime
     checks it (ConfigError naming the setting)."""
-    from plait.core.hardware import resolve_device, uses_bf16
+    from plait.core.hardware import bf16_for, resolve_device, uses_bf16
     from plait.parallel import ParallelDims
     from plait.parallel.dims import validate_layout
 
     if not 0 <= rank < world_size:
         raise ConfigError(f"--rank={rank} is not a rank of a {world_size}-rank job; give 0 to {world_size - 1}")
-    device = resolve_device(cfg.run.device)
+    described = device is not None and device.type == "cuda" and not torch.cuda.is_available()  # not present
+    device = device or resolve_device(cfg.run.device)
     dims = ParallelDims.from_config(cfg.parallel, world_size, cfg.model)
     validate_layout(cfg, dims)
-    return device, dims, uses_bf16(cfg.train.mixed_precision, device)
+    # a GPU described, not present: of the kinds plait plans for, all with native bf16
+    bf16 = bf16_for(cfg.train.mixed_precision, True) if described else uses_bf16(cfg.train.mixed_precision, device)
+    return device, dims, bf16
 
 
 def _device_name(device: torch.device) -> str:

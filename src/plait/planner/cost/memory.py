@@ -205,6 +205,11 @@ def _rank_actions(schedule: str, p: int, v: int, m: int, r: int) -> tuple[np.nda
     return ops, stages
 
 
+STEADY_MICRO_BATCHES = 4
+"""Without zero bubble's weight-gradient counts, a longer steady state only repeats moments: the distinct
+moments of m micro-batches (a multiple of p) are those of 4 p from 3 p on (tests/test_planner.py walks them)."""
+
+
 @functools.lru_cache(maxsize=4096)
 def held_chunks(schedule: str, p: int, v: int, m: int, r: int) -> tuple[np.ndarray, np.ndarray]:
     """How rank r's memory stacks up over its schedule, at the moments that can be its peak. One row per
@@ -216,6 +221,8 @@ def held_chunks(schedule: str, p: int, v: int, m: int, r: int) -> tuple[np.ndarr
     forwards, and the start and end of each backward that follows one, and of each stage's first two.
     Returned apart, (forward ends, moments in backward): the rank's peak is the largest row, weighted by
     what each column's unit costs (peak_activations), with what the moment works in (rank_memory)."""
+    if schedule in ("1f1b", "interleaved_1f1b") and m > STEADY_MICRO_BATCHES * p and m % p == 0:
+        return held_chunks(schedule, p, v, STEADY_MICRO_BATCHES * p, r)
     ops, stages = _rank_actions(schedule, p, v, m, r)
     n = len(ops)
     time = np.arange(n)
@@ -470,10 +477,13 @@ def _activations(work: Workload, lay: Layouts, c: Columns, layers, *, rank_last:
     head_grad = a.vocab_size / c.tp * a.dim * np.where(c.fsdp, e, 4)
     head = head_activation_bytes(a, e, c.tp, fused) * T + (head_grad if fused else T * a.vocab_size / c.tp * e)
 
+    grads = {k: np.broadcast_to(x, c.pp.shape) for k, x in stage_grads.items()}
+    tps = np.broadcast_to(c.tp, c.pp.shape)
+
     def stage_units(idx, v_local: int) -> np.ndarray:
         """(5, v, layouts): per local stage s, stage_bytes' five units for the layouts idx."""
-        g = {k: np.broadcast_to(x, c.pp.shape)[idx] for k, x in stage_grads.items()}
-        n, n_edge, tp, t = others[idx], edge[idx], np.broadcast_to(c.tp, c.pp.shape)[idx], T[idx]
+        g = {k: x[idx] for k, x in grads.items()}
+        n, n_edge, tp, t = others[idx], edge[idx], tps[idx], T[idx]
         full = lay.ac[idx] == FULL_AC  # full AC: the zero-bubble residue is recomputed, not kept
 
         def residue(n_layers, has_head):  # zero bubble: a stage that received its input keeps it as long
