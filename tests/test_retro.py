@@ -138,7 +138,6 @@ def test_a_retrieval_model_trains_resumes_bitwise_and_fsdp_equals_one_process(re
     from plait.cli import main
 
     assert main(["eval", str(tmp_path / "ref"), "--seq-len", "32", "--batches", "2"]) == 0  # with its neighbours
-    assert main(["generate", str(tmp_path / "ref"), "--prompt", "ROMEO:"]) == 2  # not built yet: said so
     assert main(["ckpt", "export", str(tmp_path / "ref"), "--out", str(tmp_path / "hf")]) == 2  # no HF format
     base = [c for c in job(retro_data, tmp_path, "x") if not c.startswith("run.")]
     layouts = {
@@ -173,3 +172,43 @@ def test_what_a_retrieval_model_cannot_take_is_refused(extra, message):
 
     with pytest.raises(ConfigError, match=message):
         load_config(None, ["model.preset=debug", "data.seq_len=32", *RETRO, *extra])
+
+
+def test_a_retrieval_model_generates_with_the_neighbours_of_each_chunk(retro_data, tmp_path, capsys):
+    """plait generate with a retrieval model: each complete chunk's neighbours come from the database it trained
+    with (printed with --show-neighbours); greedy decoding is the choice of one forward of the whole text with
+    every chunk's neighbours, as training sees it (so a token is conditioned on the chunks that end at or before
+    it, and on no later one), and it repeats itself."""
+    import numpy as np
+    import torch
+
+    from plait.api import train
+    from plait.cli import main
+    from plait.cli.generate import _retriever
+    from plait.config import load_config
+    from plait.engine.generate import generate, load_for_generation
+
+    run = tmp_path / "gen"
+    train(load_config(None, job(retro_data, tmp_path, "gen")))
+    greedy = ["--prompt", "ROMEO:", "--max-new-tokens", "20", "--temperature", "0"]
+    assert main(["generate", str(run), *greedy, "--show-neighbours"]) == 0
+    printed = capsys.readouterr().out
+    assert "chunk 0" in printed and "chunk 1" in printed and "database chunk" in printed
+    model, tok, _ = load_for_generation(run, "cpu")
+    retrieve, used = _retriever(str(run), "", model, "cpu"), []
+    prompt = tok.encode("ROMEO:").ids
+    out = generate(model, [prompt], max_new_tokens=20, temperature=0, retrieve=retrieve, used=used)[0]
+    assert tok.decode(out) in printed  # the command's text
+    c, k = model.args.retrieval_chunk, model.args.retrieval_k
+    chunks = len(out) // c
+    assert [chunk for _, chunk, _ in used] == list(range(chunks))
+    ids, tokens = retrieve(np.array(out[: chunks * c]).reshape(chunks, c))
+    assert all((found == ids[chunk]).all() for _, chunk, found in used)
+    padded = -(-len(out) // c) * c
+    x = torch.zeros(1, padded + padded // c * k * 2 * c, dtype=torch.long)
+    x[0, : len(out)] = torch.tensor(out)
+    x[0, padded : padded + chunks * k * 2 * c] = torch.from_numpy(tokens.reshape(-1))
+    with torch.no_grad():
+        choice = model(x)[0, : len(out) - 1].argmax(-1).tolist()
+    assert choice[len(prompt) - 1 :] == out[len(prompt) :]
+    assert generate(model, [prompt], max_new_tokens=20, temperature=0, retrieve=retrieve)[0] == out

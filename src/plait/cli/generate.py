@@ -17,6 +17,14 @@ def cmd_generate(argv: list[str]) -> int:
     parser.add_argument("--num-samples", type=int, default=1, help="Independent samples of the prompt.")
     parser.add_argument("--seed", type=int, default=0, help="Sampling seed (the same seed, the same text).")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (a GPU if there is one).")
+    parser.add_argument(
+        "--data",
+        default="",
+        help="A retrieval model's prepared directory with its database (default: the one it trained on).",
+    )
+    parser.add_argument(
+        "--show-neighbours", action="store_true", help="A retrieval model: print the neighbours each chunk retrieved."
+    )
     a = parser.parse_args(argv)
     for flag, value, ok, valid in (
         ("--temperature", a.temperature, a.temperature >= 0, "0 or more (0: greedy), e.g. 0.8"),
@@ -35,6 +43,13 @@ def cmd_generate(argv: list[str]) -> int:
         raise ConfigError("--prompt is empty after tokenisation; give some text")
     if len(ids) >= model.args.max_seq_len:
         raise ConfigError(f"--prompt has {len(ids)} tokens; the model supports {model.args.max_seq_len}")
+    retrieve, used = (
+        (_retriever(a.checkpoint, a.data, model, a.device), []) if model.args.retrieval_ids else (None, None)
+    )
+    if retrieve is None and (a.data or a.show_neighbours):
+        raise ConfigError(
+            f"{a.checkpoint} retrieves nothing (no model.retrieval_layers): drop --data / --show-neighbours"
+        )
     outs = generate(
         model,
         [ids] * a.num_samples,
@@ -44,9 +59,40 @@ def cmd_generate(argv: list[str]) -> int:
         top_p=a.top_p,
         eos_id=eos,
         seed=a.seed,
+        retrieve=retrieve,
+        used=used,
     )
     for i, out in enumerate(outs):
         if a.num_samples > 1:
             print(f"--- sample {i + 1}")
         print(tok.decode(out))
+        if a.show_neighbours:
+            _print_neighbours(tok, out, [(chunk, found) for row, chunk, found in used or [] if row == i], retrieve)
     return 0
+
+
+def _retriever(checkpoint: str, data: str, model, device: str):
+    """The database a retrieval model reads (--data, or the prepared directory it trained on), with the
+    encoder it was built with."""
+    from plait.core.hardware import resolve_device
+    from plait.data.loader import read_manifest
+    from plait.data.retrieval import Retriever, read_database
+    from plait.engine.checkpoint import read_config, resolve_checkpoint
+    from plait.lifecycle.retrieval import load_encoder
+
+    data = data or read_config(resolve_checkpoint(checkpoint)).data.source
+    if data == "shakespeare" or "," in data:
+        raise ConfigError(f"{checkpoint} trained on {data!r}, which has no retrieval database: give --data DIR")
+    encoder = read_database(data)["encoder"]["path"]
+    encode, _ = load_encoder(encoder, read_manifest(data), str(resolve_device(device)))
+    return Retriever(data, encode, chunk=model.args.retrieval_chunk, k=model.args.retrieval_k)
+
+
+def _print_neighbours(tok, out: list[int], found: list, retrieve) -> None:
+    """Each retrieved chunk's text and its neighbours' (database chunk number, text of chunk + continuation)."""
+    c = retrieve.chunk
+    for chunk, ids in found:
+        print(f"  chunk {chunk} {tok.decode(out[chunk * c : (chunk + 1) * c])!r} retrieved:")
+        for j in ids.tolist():
+            text = tok.decode(retrieve.store.tokens(j * c, (j + 2) * c).tolist())
+            print(f"    database chunk {j}: {text!r}")

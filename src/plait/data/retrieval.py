@@ -248,6 +248,46 @@ def read_database(data_dir: str | Path) -> dict[str, Any]:
     return manifest
 
 
+def database_for(data_dir: str | Path, chunk: int, k: int) -> dict[str, Any]:
+    """The database's manifest, refused when a model of `chunk`-token chunks and k neighbours cannot read it."""
+    db = read_database(data_dir)
+    if db["chunk"] != chunk:
+        raise ConfigError(
+            f"model.retrieval_chunk={chunk} but the retrieval database of {data_dir} has chunks of {db['chunk']} "
+            f"tokens: set model.retrieval_chunk={db['chunk']}, or build the database again with --chunk {chunk}"
+        )
+    if k > db["k"]:
+        raise ConfigError(
+            f"model.retrieval_k={k} but the retrieval database of {data_dir} holds {db['k']} neighbours per chunk: "
+            f"set model.retrieval_k <= {db['k']}, or build it again with --k {k}"
+        )
+    return db
+
+
+class Retriever:
+    """Neighbours of new chunks (text being generated) from a prepared directory's database: each chunk
+    embedded by `encode` (the database's own encoder), normalised as the database's, its k nearest database
+    chunks found in the index, and each read with its continuation from the train stream (2 chunk tokens).
+    `retriever(chunks (n, chunk))` -> (database chunk numbers (n, k), their tokens (n, k, 2 chunk))."""
+
+    def __init__(self, data_dir: str | Path, encode: Encoder, *, chunk: int, k: int) -> None:
+        try:
+            import faiss
+        except ImportError:
+            raise ConfigError("retrieval needs faiss: pip install 'plait[retrieval]'") from None
+        database_for(data_dir, chunk, k)
+        self.index = faiss.read_index(str(Path(data_dir) / RETRIEVAL_DIR / "index.faiss"))
+        self.store, self.encode, self.chunk, self.k = TokenDataset(data_dir, "train"), encode, chunk, k
+
+    def __call__(self, chunks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        vectors = np.asarray(self.encode(np.asarray(chunks, dtype=np.int64)), dtype=np.float32)
+        vectors /= np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+        _, found = self.index.search(np.ascontiguousarray(vectors), self.k)
+        c = self.chunk
+        tokens = [self.store.tokens(int(j) * c, (int(j) + 2) * c) for j in found.reshape(-1)]
+        return found.astype(np.int32), np.stack(tokens).reshape(len(found), self.k, 2 * c)
+
+
 def neighbours(data_dir: str | Path, split: str) -> np.ndarray:
     """(chunks, k) database chunk numbers of each chunk of a split (read-only, memory-mapped, no pickle)."""
     return np.load(Path(data_dir) / RETRIEVAL_DIR / f"{split}_neighbours.npy", mmap_mode="r", allow_pickle=False)
@@ -263,17 +303,7 @@ class RetrievalDataset(TokenDataset):
 
     def __init__(self, data_dir: str | Path, split: str, *, chunk: int, k: int, remote_cache_mb: int = 256) -> None:
         super().__init__(data_dir, split, remote_cache_mb)
-        db = read_database(data_dir)
-        if db["chunk"] != chunk:
-            raise ConfigError(
-                f"model.retrieval_chunk={chunk} but the retrieval database of {data_dir} has chunks of {db['chunk']} "
-                f"tokens: set model.retrieval_chunk={db['chunk']}, or build the database again with --chunk {chunk}"
-            )
-        if k > db["k"]:
-            raise ConfigError(
-                f"model.retrieval_k={k} but the retrieval database of {data_dir} holds {db['k']} neighbours per chunk: "
-                f"set model.retrieval_k <= {db['k']}, or build it again with --k {k}"
-            )
+        database_for(data_dir, chunk, k)
         self.chunk, self.k = chunk, k
         self.neighbours = neighbours(data_dir, split)[:, :k]
         self.store = self if split == "train" else TokenDataset(data_dir, "train", remote_cache_mb)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from plait.core.errors import PlaitError
@@ -40,12 +42,23 @@ def generate(
     top_p: float = 0.95,
     eos_id: int | None = None,
     seed: int = 0,
+    retrieve: Retrieve | None = None,
+    used: list[tuple[int, int, np.ndarray]] | None = None,
 ) -> list[list[int]]:
     """Continue each prompt (all of the same length) by up to max_new_tokens; stops early at eos_id.
 
     The prompt is run once (prefill); each new token then costs one single-position forward that reads
-    the cached keys and values of all earlier positions.
+    the cached keys and values of all earlier positions. A retrieval model (model.retrieval_layers) needs
+    `retrieve` (plait.data.retrieval.Retriever) and runs `_generate_retrieving` instead; `used` collects the
+    neighbours it retrieved.
     """
+    if model.args.retrieval_ids:
+        if retrieve is None:
+            raise PlaitError(
+                "a retrieval model generates with neighbours from its database: pass retrieve=Retriever(...)"
+            )
+        sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id, seed=seed)
+        return _generate_retrieving(model, prompt_ids, max_new_tokens, retrieve, used, **sampling)
     model.eval()
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
@@ -72,6 +85,50 @@ def generate(
     return out
 
 
+Retrieve = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]  # chunks (n, c) -> ids (n, k), tokens (n, k, 2c)
+
+
+@torch.no_grad()
+def _generate_retrieving(model: Transformer, prompt_ids, max_new_tokens: int, retrieve: Retrieve, used, **sampling):
+    """RETRO's generation: each time a chunk of c tokens is complete, its k neighbours are retrieved (once per
+    sample and chunk), and every new token is one forward of the whole sequence so far, right-padded to whole
+    chunks, with the neighbours of its complete chunks (a token sees those of the chunks ending at or before
+    it, so the padding and the last chunk's empty neighbours reach nothing before it: no cache of keys and
+    values across chunk boundaries). `used` gets (sample, chunk, database chunk numbers) per retrieval."""
+    model.eval()
+    device = next(model.parameters()).device
+    c, k = model.args.retrieval_chunk, model.args.retrieval_k
+    if len({len(p) for p in prompt_ids}) != 1 or not prompt_ids[0]:
+        raise ValueError("prompts must be non-empty and of equal length")
+    rows, length = [list(p) for p in prompt_ids], len(prompt_ids[0])
+    total = min(length + max_new_tokens, model.args.max_seq_len // c * c)
+    gen = torch.Generator().manual_seed(sampling["seed"])
+    out, done = [list(p) for p in prompt_ids], [False] * len(rows)
+    found = np.zeros((len(rows), total // c, k, 2 * c), dtype=np.int64)  # the neighbours of complete chunks
+    retrieved = 0  # chunks whose neighbours are in `found`
+    while length < total and not all(done):
+        if length // c > retrieved:  # a chunk is complete in every row (they grow together)
+            chunks = np.array([r[retrieved * c : (retrieved + 1) * c] for r in rows])
+            ids, found[:, retrieved] = retrieve(chunks)
+            for i, row_ids in enumerate(ids):
+                if used is not None:
+                    used.append((i, retrieved, row_ids))
+            retrieved += 1
+        padded = -(-length // c) * c
+        tokens = torch.zeros(len(rows), padded, dtype=torch.long)
+        tokens[:, :length] = torch.tensor(rows)
+        neighbours = torch.from_numpy(found[:, : padded // c]).reshape(len(rows), -1)
+        logits = model(torch.cat([tokens, neighbours], 1).to(device))[:, length - 1]
+        nxt = sample_next(logits, sampling["temperature"], sampling["top_k"], sampling["top_p"], gen).tolist()
+        for i, t in enumerate(nxt):
+            rows[i].append(t)
+            if not done[i]:
+                out[i].append(t)
+                done[i] = sampling["eos_id"] is not None and t == sampling["eos_id"]
+        length += 1
+    return out
+
+
 def load_for_generation(path: str | Path, device: str = "auto"):
     """(model, tokenizer, eos id) from a checkpoint directory, or from a run directory's newest checkpoint."""
     from plait.core.hardware import resolve_device
@@ -80,11 +137,6 @@ def load_for_generation(path: str | Path, device: str = "auto"):
 
     found = resolve_checkpoint(path)
     cfg = read_config(found)
-    if cfg.model.retrieval_ids:
-        raise PlaitError(
-            f"{found} is a retrieval model: generation with it (new neighbours every chunk, from its database) is "
-            "not built yet; its validation loss is in the run's metrics (plait eval MODEL measures perplexity)"
-        )
     with torch.device("meta"):
         model = Transformer(cfg.model)
     model.to_empty(device=resolve_device(device))

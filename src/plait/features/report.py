@@ -49,7 +49,7 @@ def _report(
         info(f"checkpoint: {ckpts[-1]}")
     sampling = cfg.sample.prompt and cfg.sample.max_new_tokens
     if sampling and cfg.model.retrieval_ids:
-        info("no sample: generation with a retrieval model (new neighbours every chunk) is not built yet")
+        info(f"no sample here (a retrieval model samples with its database's encoder): plait generate {cfg.run_dir}")
         return
     if model is None and sampling and ckpts and cfg.model.num_params() <= SAMPLE_FROM_CHECKPOINT_MAX_PARAMS:
         from plait.engine.generate import load_for_generation

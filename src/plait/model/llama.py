@@ -365,7 +365,8 @@ class Transformer(nn.Module):
         retrieved = None
         if self.retrieval_encoder is not None and cache is not None:
             raise NotImplementedError(
-                "generation with a retrieval model (retrieving new neighbours every chunk) is not built yet"
+                "a retrieval model decodes without a KV cache: each token sees the neighbours of the chunks "
+                "before it (plait.engine.generate generates with them)"
             )
         if self.retrieval_encoder is not None:  # RETRO: the tokens, then their chunks' neighbours
             tokens, h, retrieved = self.embed_retrieved(tokens)
