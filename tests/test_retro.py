@@ -212,3 +212,13 @@ def test_a_retrieval_model_generates_with_the_neighbours_of_each_chunk(retro_dat
         choice = model(x)[0, : len(out) - 1].argmax(-1).tolist()
     assert choice[len(prompt) - 1 :] == out[len(prompt) :]
     assert generate(model, [prompt], max_new_tokens=20, temperature=0, retrieve=retrieve)[0] == out
+    # lineage: the run records the database it trained with; an export carries a pointer to it
+    from plait.data.retrieval import read_database
+    from plait.lifecycle.lineage import REGISTRY_FILE, Registry
+
+    db = read_database(retro_data)
+    recorded = Registry(tmp_path / REGISTRY_FILE).by_path(run, kinds=("run",)).data["retrieval"]
+    assert recorded["present"] and recorded["corpus"] == db["corpus"] and recorded["encoder"] == db["encoder"]
+    assert main(["ckpt", "export", str(run), "--format", "safetensors", "--out", str(tmp_path / "st")]) == 0
+    pointer = json.loads((tmp_path / "st" / "model.retrieval.json").read_text())
+    assert pointer["manifest_sha256"] == recorded["manifest_sha256"] and pointer["chunk"] == c

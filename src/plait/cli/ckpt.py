@@ -413,6 +413,8 @@ def _export(a: argparse.Namespace) -> int:
         model = load_checkpoint_model(ckpt)
         export_safetensors(model, target, dtype=dtype, overwrite=a.overwrite)
         hint = f"load it with plait.interop.load_safetensors({str(target)!r})"
+        if model.args.retrieval_ids:  # the weights alone do not retrieve: a pointer to the database beside them
+            hint += f"; its retrieval database: {_retrieval_pointer(ckpt, target)}"
         hashes = None
         if registry is not None:
             from plait.lifecycle.lora import model_weights_hash
@@ -422,6 +424,19 @@ def _export(a: argparse.Namespace) -> int:
     recorded = _record_export(a, registry, ckpt, target, *hashes) if registry is not None else ""
     print(f"wrote {target} ({a.format}, {a.dtype}) from {ckpt}; {hint}{recorded}")
     return 0
+
+
+def _retrieval_pointer(ckpt: Path, target: Path) -> Path:
+    """Write `<weights>.retrieval.json` beside an exported retrieval model: the database it trained with
+    (plait.data.retrieval.database_record), which generation reads (plait generate --data DIR)."""
+    from plait.data.retrieval import database_record
+    from plait.engine.checkpoint import read_config
+
+    source = read_config(ckpt).data.source
+    record = {"trained_on": source, **database_record(source)}
+    pointer = target.with_name(f"{target.stem}.retrieval.json")
+    pointer.write_text(json.dumps(record, indent=2) + "\n")
+    return pointer
 
 
 def _export_peft(a: argparse.Namespace) -> int:

@@ -264,6 +264,25 @@ def database_for(data_dir: str | Path, chunk: int, k: int) -> dict[str, Any]:
     return db
 
 
+def database_record(data_dir: str | Path) -> dict[str, Any]:
+    """What a retrieval model trained with, for its lineage and beside its exports: the database's place, the
+    hash of its manifest, and the manifest's chunk, k, corpus digest, encoder and index (present: False when
+    the directory holds no readable database)."""
+    path = Path(data_dir) / RETRIEVAL_DIR / "manifest.json"
+    try:
+        text = path.read_text()
+        manifest = json.loads(text)
+    except (OSError, ValueError):
+        return {"dir": str(Path(data_dir).resolve()), "present": False}
+    keep = ("format", "chunk", "k", "corpus", "encoder", "index", "database_chunks", "excluded")
+    return {
+        "dir": str((Path(data_dir) / RETRIEVAL_DIR).resolve()),
+        "present": True,
+        "manifest_sha256": hashlib.sha256(text.encode()).hexdigest(),
+        **{key: manifest.get(key) for key in keep},
+    }
+
+
 class Retriever:
     """Neighbours of new chunks (text being generated) from a prepared directory's database: each chunk
     embedded by `encode` (the database's own encoder), normalised as the database's, its k nearest database

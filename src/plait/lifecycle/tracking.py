@@ -110,6 +110,11 @@ class RunLineage:
             extra["resumed_from"] = str(resume_from)
         if self.lora:
             extra["lora"] = dataclasses.asdict(f)
+        data = data_fingerprint(data_dir, cfg.data.source) if data_dir is not None else _USER_DATA
+        if cfg.model.retrieval_ids and data_dir is not None:  # the database it retrieves from
+            from plait.data.retrieval import database_record
+
+            data = {**data, "retrieval": database_record(data_dir)}
         self.run_id = self.registry.record(
             "run",
             name=cfg.run.name,
@@ -118,7 +123,7 @@ class RunLineage:
             status="running",
             base_hash=self.base_hash if self.lora else None,
             config=to_dict(cfg),
-            data=data_fingerprint(data_dir, cfg.data.source) if data_dir is not None else _USER_DATA,
+            data=data,
             code=code_version(),
             extra=extra,
         )
