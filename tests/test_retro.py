@@ -190,16 +190,16 @@ def test_a_retrieval_model_generates_with_the_neighbours_of_each_chunk(retro_dat
 
     run = tmp_path / "gen"
     train(load_config(None, job(retro_data, tmp_path, "gen")))
-    greedy = ["--prompt", "ROMEO:", "--max-new-tokens", "20", "--temperature", "0"]
+    model, tok, _ = load_for_generation(run, "cpu")
+    prompt, c, k = tok.encode("ROMEO:").ids, model.args.retrieval_chunk, model.args.retrieval_k
+    new = next(n for n in range(20, 20 + c) if (len(prompt) + n) % c >= 2)  # the last tokens inside a chunk
+    greedy = ["--prompt", "ROMEO:", "--max-new-tokens", str(new), "--temperature", "0"]
     assert main(["generate", str(run), *greedy, "--show-neighbours"]) == 0
     printed = capsys.readouterr().out
     assert "chunk 0" in printed and "chunk 1" in printed and "database chunk" in printed
-    model, tok, _ = load_for_generation(run, "cpu")
     retrieve, used = _retriever(str(run), "", model, "cpu"), []
-    prompt = tok.encode("ROMEO:").ids
-    out = generate(model, [prompt], max_new_tokens=20, temperature=0, retrieve=retrieve, used=used)[0]
-    assert tok.decode(out) in printed  # the command's text
-    c, k = model.args.retrieval_chunk, model.args.retrieval_k
+    out = generate(model, [prompt], max_new_tokens=new, temperature=0, retrieve=retrieve, used=used)[0]
+    assert tok.decode(out) in printed and len(out) % c >= 2  # the command's text
     chunks = len(out) // c
     assert [chunk for _, chunk, _ in used] == list(range(chunks))
     ids, tokens = retrieve(np.array(out[: chunks * c]).reshape(chunks, c))
@@ -211,7 +211,7 @@ def test_a_retrieval_model_generates_with_the_neighbours_of_each_chunk(retro_dat
     with torch.no_grad():
         choice = model(x)[0, : len(out) - 1].argmax(-1).tolist()
     assert choice[len(prompt) - 1 :] == out[len(prompt) :]
-    assert generate(model, [prompt], max_new_tokens=20, temperature=0, retrieve=retrieve)[0] == out
+    assert generate(model, [prompt], max_new_tokens=new, temperature=0, retrieve=retrieve)[0] == out
     # lineage: the run records the database it trained with; an export carries a pointer to it
     from plait.data.retrieval import read_database
     from plait.lifecycle.lineage import REGISTRY_FILE, Registry

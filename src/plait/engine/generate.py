@@ -104,7 +104,7 @@ def _generate_retrieving(model: Transformer, prompt_ids, max_new_tokens: int, re
     total = min(length + max_new_tokens, model.args.max_seq_len // c * c)
     gen = torch.Generator().manual_seed(sampling["seed"])
     out, done = [list(p) for p in prompt_ids], [False] * len(rows)
-    found = np.zeros((len(rows), total // c, k, 2 * c), dtype=np.int64)  # the neighbours of complete chunks
+    found = np.zeros((len(rows), -(-total // c), k, 2 * c), dtype=np.int64)  # those of complete chunks, then 0
     retrieved = 0  # chunks whose neighbours are in `found`
     while length < total and not all(done):
         if length // c > retrieved:  # a chunk is complete in every row (they grow together)
