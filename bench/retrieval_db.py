@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 
 
-def corpus_and_encoder(work: Path, encoder: str | None = None):
+def corpus_and_encoder(work: Path, encoder: str | None = None, steps: int = 100):
     """(a copy of the prepared bundled corpus in `work`, encode, its description): the encoder given, or
-    plait's default model trained 100 steps on the corpus (an encoder of its tokenizer)."""
+    plait's default model trained `steps` steps on the corpus (an encoder of its tokenizer)."""
     from plait.api import train
     from plait.config import load_config
     from plait.data.loader import read_manifest
@@ -33,7 +33,7 @@ def corpus_and_encoder(work: Path, encoder: str | None = None):
     data = work / "data"
     shutil.copytree(ensure_prepared("shakespeare", Path.home() / ".cache" / "plait" / "data", 4096), data)
     if encoder is None:
-        overrides = [f"data.source={data}", "train.steps=100", "eval.every_steps=0", "sample.max_new_tokens=0",
+        overrides = [f"data.source={data}", f"train.steps={steps}", "eval.every_steps=0", "sample.max_new_tokens=0",
                      "log.tensorboard=false", f"run.out_dir={work}", "run.name=encoder"]  # fmt: skip
         train(load_config(None, overrides))
         encoder = str(work / "encoder")

@@ -23,11 +23,11 @@ from pathlib import Path
 RETRO = ["model.retrieval_layers=2,3", "model.retrieval_encoder_layers=1"]
 
 
-def run(data: Path, out: Path, name: str, steps: int, seed: int, extra: list[str]) -> dict:
+def run(data: Path, out: Path, name: str, steps: int, batch: int, seed: int, extra: list[str]) -> dict:
     from plait.api import train
     from plait.config import load_config
 
-    cfg = [f"data.source={data}", f"train.steps={steps}", "train.global_batch_size=8", f"run.seed={seed}",
+    cfg = [f"data.source={data}", f"train.steps={steps}", f"train.global_batch_size={batch}", f"run.seed={seed}",
            f"eval.every_steps={steps}", "eval.num_batches=16", "sample.max_new_tokens=0", "log.tensorboard=false",
            "checkpoint.save_final=false", "log.every_steps=10", f"run.out_dir={out}", f"run.name={name}",
            *extra]  # fmt: skip
@@ -45,6 +45,9 @@ def main() -> int:
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--chunk", type=int, default=32)
     p.add_argument("--k", type=int, default=2)
+    p.add_argument("--batch", type=int, default=8, help="train.global_batch_size of every run")
+    p.add_argument("--encoder-steps", type=int, default=100, help="steps of the encoder's training")
+    p.add_argument("--retro", default=";".join(RETRO), help="the retrieval runs' settings, ';'-separated")
     p.add_argument("--json", default="bench/results/retrieval_quality.json")
     p.add_argument("--dry-run", action="store_true")
     a = p.parse_args()
@@ -56,13 +59,13 @@ def main() -> int:
     from retrieval_db import corpus_and_encoder  # bench/: the same corpus and encoder as the build's benchmark
 
     work = Path(tempfile.mkdtemp(prefix="plait-retrieval-quality-"))
-    data, encode, described = corpus_and_encoder(work)
+    data, encode, described = corpus_and_encoder(work, steps=a.encoder_steps)
     build_database(data, encode, encoder=described, chunk=a.chunk, k=a.k)
-    retro = [*RETRO, f"model.retrieval_chunk={a.chunk}", f"model.retrieval_k={a.k}"]
+    retro = [*a.retro.split(";"), f"model.retrieval_chunk={a.chunk}", f"model.retrieval_k={a.k}"]
     results: dict[str, list[dict]] = {"plain": [], "retrieval": []}
     for seed in seeds:
-        results["plain"].append(run(data, work, f"plain-{seed}", a.steps, seed, []))
-        results["retrieval"].append(run(data, work, f"retro-{seed}", a.steps, seed, retro))
+        results["plain"].append(run(data, work, f"plain-{seed}", a.steps, a.batch, seed, []))
+        results["retrieval"].append(run(data, work, f"retro-{seed}", a.steps, a.batch, seed, retro))
         print(f"seed {seed}: val loss {results['plain'][-1]['val_loss']:.4f} plain, "
               f"{results['retrieval'][-1]['val_loss']:.4f} with retrieval", flush=True)  # fmt: skip
     gains = [p["val_loss"] - r["val_loss"] for p, r in zip(results["plain"], results["retrieval"], strict=True)]
@@ -71,6 +74,9 @@ def main() -> int:
         "steps": a.steps,
         "chunk": a.chunk,
         "k": a.k,
+        "batch": a.batch,
+        "encoder_steps": a.encoder_steps,
+        "retrieval_settings": a.retro.split(";"),
         "seeds": seeds,
         "runs": results,
         "val_loss_gain_mean": statistics.mean(gains),

@@ -42,6 +42,10 @@ MOE_OVERRIDES = {name: [f"model.{k}={v}" for k, v in args.items()] for name, arg
 # Qwen3's attention: heads of their own width (n_heads x head_dim = 2 dim) with per-head q / k norms
 QWEN_ATTENTION = dict(attention_head_dim=32, qk_norm=True)
 QWEN_OVERRIDES = [f"model.{k}={v}" for k, v in QWEN_ATTENTION.items()]
+# RETRO: chunked cross-attention in two of the four blocks, a one-block neighbour encoder (k = 2 neighbours of 16
+# tokens per chunk of 8: the encoder sees 4 x the sequence's tokens)
+RETRO = dict(retrieval_layers="1,3", retrieval_chunk=8, retrieval_k=2, retrieval_encoder_layers=1)
+RETRO_OVERRIDES = [f"model.{k}={v}" for k, v in RETRO.items()]
 
 # (name, overrides, planner layout)
 LAYOUTS = [
@@ -89,6 +93,28 @@ LAYOUTS = [
                 dict(tp=2, ac="selective"),
             ),
             ("CP 2", ["parallel.cp_degree=2"], dict(cp=2)),
+        )
+    ),
+    *(
+        (f"RETRO, {what}", [*RETRO_OVERRIDES, *over], dict(model=RETRO, **lay))
+        for what, over, lay in (
+            ("FSDP 4", ["parallel.dp_shard_degree=4"], dict(dp_shard=4)),
+            (
+                "FSDP 4, selective AC",
+                ["parallel.dp_shard_degree=4", "parallel.activation_checkpoint=selective"],
+                dict(dp_shard=4, ac="selective"),
+            ),
+            (
+                "FSDP 4, full AC",
+                ["parallel.dp_shard_degree=4", "parallel.activation_checkpoint=full"],
+                dict(dp_shard=4, ac="full"),
+            ),
+            ("FSDP 2 x TP 2", ["parallel.dp_shard_degree=2", "parallel.tp_degree=2"], dict(dp_shard=2, tp=2)),
+            (
+                "TP 2, selective AC",
+                ["parallel.tp_degree=2", "parallel.activation_checkpoint=selective"],
+                dict(tp=2, ac="selective"),
+            ),
         )
     ),
     *(
@@ -160,11 +186,14 @@ for overrides in jobs:
     dims = ParallelDims.from_config(cfg.parallel, world, cfg.model)
     t = build_trainable(cfg, torch.device("cpu"), Meshes(dims.build_mesh("cpu"), dims))
     local_batch = batch // dims.dp
-    x = torch.randint(0, args["vocab_size"], (local_batch, seq))
+    m = cfg.model  # a retrieval model's rows: the tokens, then each chunk's neighbours (plait.model.retrieval)
+    width = seq + seq // m.retrieval_chunk * m.retrieval_k * 2 * m.retrieval_chunk if m.retrieval_ids else seq
+    x = torch.randint(0, args["vocab_size"], (local_batch, width))
     (x,) = context_shard(t.meshes, x)  # this rank's part of each sequence under context parallelism
+    y = x[:, :seq]
     with t.loss_context():
         with SavedBytes(t.model) as saved:  # parameters (FSDP's gathered ones too) and buffers are not counted
-            loss = t.loss_fn(t.forward(x, x), x)  # the training step's forward: the fused head by default
+            loss = t.loss_fn(t.forward(x, y), y)  # the training step's forward: the fused head by default
         loss.backward()
     # The fused head computes the output weight's gradient (fp32 here) in forward and keeps it for backward:
     # the gradient the model states count (the planner counts it there), not an activation.

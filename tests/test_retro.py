@@ -4,6 +4,8 @@ what the model computes, the parameter count from the shape is the model's, and 
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from plait.model.args import ModelArgs
@@ -112,10 +114,11 @@ def job(data: Path, out: Path, name: str, *extra: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_a_retrieval_model_trains_resumes_bitwise_and_fsdp_equals_one_process(retro_data, tmp_path):
+def test_a_retrieval_model_trains_resumes_bitwise_and_every_layout_equals_one_process(retro_data, tmp_path):
     """One process, 6 steps with validation; resumed from its step-3 checkpoint it ends bitwise as the
-    uninterrupted run; FSDP 2, DDP 2 with full activation checkpointing and FSDP 2 with selective checkpointing
-    and compiled blocks equal one process within test_parallel's tolerances."""
+    uninterrupted run; FSDP 2, DDP 2 with full activation checkpointing, TP 2 (sequence parallel: the encoder and
+    the cross-attention split too) and FSDP 2 with selective checkpointing and compiled blocks equal one process
+    within test_parallel's tolerances, and so does TP 2 resuming the one-process run's step-3 checkpoint."""
     from plait.api import train
     from plait.config import load_config
 
@@ -143,6 +146,7 @@ def test_a_retrieval_model_trains_resumes_bitwise_and_fsdp_equals_one_process(re
     layouts = {
         "FSDP 2": ["parallel.dp_shard_degree=2"],
         "DDP 2, full AC": ["parallel.dp_replicate_degree=2", "parallel.activation_checkpoint=full"],
+        "TP 2 (sequence parallel)": ["parallel.tp_degree=2"],
         "FSDP 2, selective AC, compiled blocks": [
             "parallel.dp_shard_degree=2",
             "parallel.activation_checkpoint=selective",
@@ -150,10 +154,17 @@ def test_a_retrieval_model_trains_resumes_bitwise_and_fsdp_equals_one_process(re
             "compile.strict=true",
         ],
     }
+    other = tmp_path / "other-layout"
+    shutil.copytree(tmp_path / "ref" / "checkpoints", other)
+    shutil.rmtree(other / "step_00000006")
+    layouts["TP 2, resuming one process's step 3"] = ["parallel.tp_degree=2", f"checkpoint.dir={other}"]
     results = run_layouts(2, [[*base, *extra] for extra in layouts.values()])
     for name, got in zip(layouts, results, strict=True):
         assert "error" not in got, (name, got.get("error"))
-        for step, loss in ref["loss"].items():
+        resumed = "resuming" in name
+        assert sorted(got["loss"]) == ([4, 5, 6] if resumed else sorted(ref["loss"])), (name, got["loss"])
+        for step in got["loss"]:
+            loss = ref["loss"][step]
             assert got["loss"][step] == pytest.approx(loss, rel=LOSS_RTOL), (name, step)
             assert got["grad_norm"][step] == pytest.approx(ref["grad_norm"][step], rel=GRAD_NORM_RTOL), (name, step)
 
@@ -161,7 +172,12 @@ def test_a_retrieval_model_trains_resumes_bitwise_and_fsdp_equals_one_process(re
 @pytest.mark.parametrize(
     "extra,message",
     [
-        (["parallel.tp_degree=2"], "retrieval_layers with parallel.tp_degree=2 is not supported yet"),
+        (["parallel.pp_degree=2"], "retrieval_layers with parallel.pp_degree=2 is not supported yet"),
+        (["parallel.cp_degree=2"], "retrieval_layers with parallel.cp_degree=2 is not supported yet"),
+        (
+            ["parallel.tp_degree=8", "model.retrieval_chunk=2", "model.n_heads=8", "model.n_kv_heads=8"],
+            "parallel.tp_degree=8 must divide a neighbour's 2 x model.retrieval_chunk=4 tokens",
+        ),
         (["data.seq_len=30"], "not a multiple of model.retrieval_chunk=8"),
         (["model.retrieval_layers=9"], "must name blocks 0 to"),
     ],
@@ -169,9 +185,12 @@ def test_a_retrieval_model_trains_resumes_bitwise_and_fsdp_equals_one_process(re
 def test_what_a_retrieval_model_cannot_take_is_refused(extra, message):
     from plait.config import load_config
     from plait.core.errors import ConfigError
+    from plait.parallel import ParallelDims, validate_layout
 
-    with pytest.raises(ConfigError, match=message):
-        load_config(None, ["model.preset=debug", "data.seq_len=32", *RETRO, *extra])
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        cfg = load_config(None, ["model.preset=debug", "data.seq_len=32", *RETRO, *extra])
+        world = cfg.parallel.tp_degree * cfg.parallel.pp_degree * cfg.parallel.cp_degree
+        validate_layout(cfg, ParallelDims.from_config(cfg.parallel, world, cfg.model))
 
 
 def test_a_retrieval_model_generates_with_the_neighbours_of_each_chunk(retro_data, tmp_path, capsys):

@@ -40,8 +40,9 @@ def validate(cfg: Config) -> Config:
 
 
 def _validate_retrieval(cfg: Config) -> None:
-    """RETRO (model.retrieval_layers): blocks that exist, and the layouts that carry its input as it is."""
-    m, p = cfg.model, cfg.parallel
+    """RETRO (model.retrieval_layers): blocks that exist, chunks that fit the sequence (the layouts it takes:
+    plait.parallel.rules, tp_problem, cp_problem and pp_problem)."""
+    m = cfg.model
     if not m.retrieval_layers.strip():
         return
     try:
@@ -66,15 +67,6 @@ def _validate_retrieval(cfg: Config) -> None:
             f"model.retrieval_chunk={m.retrieval_chunk}: a neighbour (2 chunks) must fit model.max_seq_len="
             f"{m.max_seq_len}"
         )
-    _refuse_degrees(
-        "model.retrieval_layers with",
-        [
-            ("tp_degree", p.tp_degree, "its chunked cross-attention and encoder have no tensor-parallel plan yet"),
-            ("pp_degree", p.pp_degree, "the neighbours' encoder is not split into pipeline stages yet"),
-            ("cp_degree", p.cp_degree, "a sequence's neighbours follow its tokens in one row, which CP would cut"),
-        ],
-        lambda name: "use data parallelism (parallel.dp_shard_degree / dp_replicate_degree)",
-    )
 
 
 def _refuse_degrees(what: str, reasons: list[tuple[str, int, str]], remedy) -> None:

@@ -331,6 +331,13 @@ def checkpoint_wrapper(module, **kwargs):
     return wrap(module, **kwargs)
 
 
+def is_checkpoint_wrapper(module) -> bool:
+    """Whether a module is torch's activation-checkpoint wrapper (checkpoint_wrapper's)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    return isinstance(module, CheckpointWrapper)
+
+
 def attention_kernel_ops() -> list:
     """The ATen kernels scaled_dot_product_attention dispatches to (flash, memory-efficient and cuDNN on CUDA,
     flash on the CPU) and grouped matmul, where this torch has them: the ops whose outputs selective activation

@@ -165,14 +165,20 @@ class ModelArgs:
             + self.retrieval_flops_per_token()
         )
 
-    def retrieval_flops_per_token(self) -> float:
+    def retrieval_flops_per_token(self, weights_only: bool = False) -> float:
         """Forward FLOPs of RETRO's parts per token of the sequence: each chunk of c tokens brings k neighbours
         of 2c tokens (2k encoder tokens per sequence token, each through the encoder's blocks: 2 per matmul
         weight and 4 d (2c) for bidirectional attention over 2c tokens), and each cross-attending block
         projects them to keys and values (2k tokens x 2 kv projections) beside the token's own query and
-        output projections and its attention over k 2c keys."""
+        output projections and its attention over k 2c keys. weights_only: the matmuls with weights alone
+        (as many FLOPs as their weight gradients take in backward)."""
         if not self.retrieval_ids:
             return 0.0
+        if weights_only:
+            q, kv, k = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.retrieval_k
+            dense = self.dim * (2 * q + 2 * kv) + 3 * self.dim * self.hidden_dim
+            cross = 2 * (2 * self.dim * q) + 2 * k * 2 * (2 * self.dim * kv)
+            return 2 * k * self.retrieval_encoder_layers * 2 * dense + len(self.retrieval_ids) * cross
         q, kv, c, k = (
             self.n_heads * self.head_dim,
             self.n_kv_heads * self.head_dim,

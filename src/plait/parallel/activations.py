@@ -16,7 +16,7 @@ from contextlib import ExitStack
 import torch
 from torch import nn
 
-from plait.core.torch_private import local_tensor, sac_cached_tensors
+from plait.core.torch_private import is_checkpoint_wrapper, local_tensor, sac_cached_tensors
 
 _active: list[SavedBytes] = []  # the measurements running now (selective AC reports its caches to them)
 
@@ -94,9 +94,13 @@ class SavedBytes:
         self._count(tensor, self._in_block)
         return tensor
 
-    def _enter_block(self, *_):
+    def _enter_block(self, module, args, kwargs):
         self._in_block = True
         self.blocks += 1
+        if is_checkpoint_wrapper(module):  # checkpointing keeps its keyword inputs for the recompute (not saved:
+            for value in kwargs.values():  # held by its closure), e.g. RETRO's encoded neighbours
+                if isinstance(value, torch.Tensor) and value.requires_grad:
+                    self._count(value, True)
 
     def _leave_block(self, *_):
         self._in_block = False
@@ -105,7 +109,7 @@ class SavedBytes:
         self._stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t))
         layers = getattr(self.model, "layers", None) or []
         for block in layers.values() if isinstance(layers, nn.ModuleDict) else layers:
-            pre = block.register_forward_pre_hook(self._enter_block)
+            pre = block.register_forward_pre_hook(self._enter_block, with_kwargs=True)
             post = block.register_forward_hook(self._leave_block)
             self._stack.callback(pre.remove)
             self._stack.callback(post.remove)

@@ -122,8 +122,12 @@ def apply_tp(model: Transformer, tp_mesh) -> None:
     """Embedding row-split over the vocabulary, output column-split with the logits left sharded on the
     vocabulary for loss-parallel cross-entropy (no all-gather of the (B, T, vocab) logits)."""
     top: dict[str, ParallelStyle] = {}
+    retrieves = model.retrieval_encoder is not None
     if model.tok_embeddings is not None:
-        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+        # RETRO: the ids are the tokens followed by their neighbours'; the embedding is all-reduced whole, cut
+        # into the two by the model, and each is sequence-sharded where its blocks start (apply_tp_retrieval).
+        out = Replicate() if retrieves else Shard(1)
+        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=out)
     if model.norm is not None:
         top["norm"] = SequenceParallel()
     if model.output is not None:
@@ -140,11 +144,56 @@ def apply_tp(model: Transformer, tp_mesh) -> None:
             use_local_output=True,
         )
         model.register_forward_pre_hook(partial(_sequence_shard_input, mesh=tp_mesh))
+    if retrieves and model.tok_embeddings is not None:
+        top["layers." + next(iter(model.layers))] = _shard_sequence_input()
     if top:
         parallelize_module(model, tp_mesh, top)
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, tp_plan_block(moe=isinstance(block.feed_forward, MoE)))
         gather_norm_outputs(block)
+    if retrieves:
+        apply_tp_retrieval(model, tp_mesh)
+
+
+def _shard_sequence_input() -> PrepareModuleInput:
+    """A block's input (x, cos, sin) given whole on every tp rank, taken as this rank's sequence shard (a slice:
+    no communication; its gradient is gathered back in backward)."""
+    return PrepareModuleInput(
+        input_layouts=(Replicate(), None, None), desired_input_layouts=(Shard(1), None, None), use_local_output=True
+    )
+
+
+def apply_tp_retrieval(model: Transformer, tp_mesh) -> None:
+    """RETRO under tensor + sequence parallelism (plait.model.retrieval). The neighbours' encoder runs as the
+    decoder's blocks do (the same plan: each neighbour's 2c tokens sequence-sharded), and its final norm's output
+    is gathered whole: every tp rank holds all the encoded neighbours. Chunked cross-attention splits by heads:
+    its norm's output is gathered whole (each chunk's queries are its tokens shifted by c - 1, across sequence
+    shards), its query, key and value projections column-parallel, its output projection row-parallel with a
+    reduce-scatter back to sequence shards. Gradients reaching the encoded neighbours from each tp rank's
+    heads are summed over the tp ranks by the column-parallel projections' backward."""
+    encoder = model.retrieval_encoder
+    assert encoder is not None
+    first = next(iter(encoder.layers))
+    parallelize_module(encoder, tp_mesh, {"layers." + first: _shard_sequence_input(), "norm": SequenceParallel()})
+    for block in encoder.layers.values():
+        parallelize_module(block, tp_mesh, tp_plan_block())
+        gather_norm_outputs(block)
+    encoder.norm.register_forward_hook(_gather_whole)
+    cross_plan: dict[str, ParallelStyle] = {
+        "cross_norm": SequenceParallel(),
+        "cross.wq": ColwiseParallel(),
+        "cross.wk": ColwiseParallel(),
+        "cross.wv": ColwiseParallel(),
+        "cross.wo": RowwiseParallel(output_layouts=Shard(1)),
+    }
+    for block in model.layers.values():
+        if block.cross is not None:
+            parallelize_module(block, tp_mesh, cross_plan)
+            cast(nn.Module, block.cross_norm).register_forward_hook(_gather_whole)
+
+
+def _gather_whole(module, args, output):
+    return output.redistribute(placements=[Replicate()]).to_local()  # the all-gather, as a plain tensor
 
 
 def _sequence_shard_input(module, args, *, mesh):

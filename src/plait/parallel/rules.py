@@ -59,6 +59,11 @@ def tp_problem(m: ModelArgs, seq_len: int, tp: int) -> str | None:
             f"data.seq_len={seq_len} must be divisible by parallel.tp_degree={tp} "
             "(sequence parallel splits the sequence)"
         )
+    if m.retrieval_ids and (2 * m.retrieval_chunk) % tp:
+        return (
+            f"parallel.tp_degree={tp} must divide a neighbour's 2 x model.retrieval_chunk={2 * m.retrieval_chunk} "
+            "tokens (the neighbours' encoder runs sequence-parallel too)"
+        )
     return None
 
 
@@ -68,6 +73,11 @@ def cp_problem(m: ModelArgs, seq_len: int, cp: int, tp: int = 1) -> str | None:
     attention costs every rank the same), and under sequence parallelism its part splits again by tp."""
     if cp == 1:
         return None
+    if m.retrieval_ids:
+        return (
+            f"model.retrieval_layers with parallel.cp_degree={cp} is not supported yet (a sequence's neighbours "
+            "follow its tokens in one row, which CP would cut); use data or tensor parallelism"
+        )
     if seq_len % (2 * cp):
         ok = [c for c in range(1, cp + 1) if c == 1 or seq_len % (2 * c) == 0]  # 1: no split at all
         return (
@@ -96,6 +106,11 @@ def pp_problem(m: ModelArgs, pp: int) -> str | None:
         )
     if m.n_layers < pp:
         return f"model.n_layers={m.n_layers} is fewer than parallel.pp_degree={pp}; lower parallel.pp_degree"
+    if pp > 1 and m.retrieval_ids:
+        return (
+            f"model.retrieval_layers with parallel.pp_degree={pp} is not supported yet (the neighbours' encoder "
+            "is not split into pipeline stages); use data or tensor parallelism"
+        )
     return None
 
 

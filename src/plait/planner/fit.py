@@ -179,8 +179,14 @@ def _synthetic(cfg: Config, dims, device: torch.device) -> tuple[torch.Tensor, t
     local = cfg.train.global_batch_size // dims.dp
     tokens = torch.randint(0, cfg.model.vocab_size, (local, cfg.data.seq_len + 1), generator=torch.Generator())
     tokens = tokens.to(device)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    m = cfg.model
+    if m.retrieval_ids:  # RETRO: each chunk's k neighbours of 2c tokens after the tokens (plait.model.retrieval)
+        width = cfg.data.seq_len // m.retrieval_chunk * m.retrieval_k * 2 * m.retrieval_chunk
+        neighbours = torch.randint(0, m.vocab_size, (local, width), generator=torch.Generator().manual_seed(1))
+        inputs = torch.cat([inputs, neighbours.to(device)], dim=1)
     # contiguous, as the loader gives them: torch 2.11's pipeline stage checks its input's strides
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    return inputs.contiguous(), targets.contiguous()
 
 
 def _run(cfg: Config, meshes, device: torch.device, dims, steps: int) -> tuple[dict[str, float | None], float]:

@@ -129,8 +129,6 @@ def check_memory(cfg: Config, world_size: int, local_size: int, machine: Machine
         return None
     if cfg.finetune.lora_rank > 0:
         return "memory: not predicted for LoRA fine-tuning (the planner counts AdamW states for every weight)"
-    if cfg.model.retrieval_ids:
-        return "memory: not predicted for a retrieval model (the planner does not model its encoder yet)"
     from plait.core.hardware import bf16_for
     from plait.planner.cost import HOST_MEMORY_FRACTION, RESERVED_GIB
 

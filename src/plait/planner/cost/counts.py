@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from plait.model.args import ModelArgs
@@ -23,7 +25,22 @@ def layer_params(a: ModelArgs) -> list[tuple[int, int, int]]:
     moe = a.n_moe_layers / a.n_layers
     if moe < 1:
         out += [(f, h * (1 - moe), 0), (f, h * (1 - moe), 0), (h, f * (1 - moe), 1)]
+    if a.retrieval_ids:  # RETRO's chunked cross-attention, in its share of the blocks (plait.model.retrieval)
+        crossing = len(a.retrieval_ids) / a.n_layers
+        out += [(q, h * crossing, 0), (kv, h * crossing, 0), (kv, h * crossing, 0), (h, q * crossing, 1)]
+        out += [(h, crossing, -1)]  # its norm
     return out
+
+
+def encoder_params(a: ModelArgs) -> list[tuple[int, int, int]]:
+    """RETRO's neighbour encoder (none without retrieval): its dense bidirectional blocks, split by tensor
+    parallelism as the decoder's are, and its final norm. FSDP shards it with the model's root unit, which is
+    gathered through the step."""
+    if not a.retrieval_ids:
+        return []
+    plain = dataclasses.replace(a, retrieval_layers="", moe_experts=0)
+    block = [(d0, d1 * a.retrieval_encoder_layers, split) for d0, d1, split in layer_params(plain)]
+    return [*block, (a.dim, 1, -1)]
 
 
 def moe_params(a: ModelArgs) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:

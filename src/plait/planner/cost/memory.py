@@ -4,13 +4,21 @@ the allocator's slack."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import numpy as np
 
 from plait.model.args import LOGITS_PER_CHUNK, ModelArgs, recompute_units_pay, split_layers
 from plait.planner.cluster import GiB
-from plait.planner.cost.counts import block_numel, embed_params, head_params, local_numel, sharded_numel
+from plait.planner.cost.counts import (
+    block_numel,
+    embed_params,
+    encoder_params,
+    head_params,
+    local_numel,
+    sharded_numel,
+)
 from plait.planner.cost.layouts import (
     FULL_AC,
     GPIPE,
@@ -98,6 +106,34 @@ def layer_activation_bytes(a: ModelArgs, e: int, tp, ac, cp=1, ep=1) -> np.ndarr
     selective = (1 - moe) * selective_dense + moe * selective_moe
     ac = np.asarray(ac)
     return np.where(ac == 0, none, np.where(ac == 1, selective, full))
+
+
+def retrieval_activation_bytes(a: ModelArgs, e: int, tp, ac) -> np.ndarray:
+    """RETRO's bytes kept for backward per token of the sequence (0 without retrieval; measured on the real
+    model: tests/test_plan_vs_runtime.py). Each token brings n = 2k neighbour tokens (k neighbours of 2c per
+    chunk of c), kept whatever the activation checkpointing, which covers the decoder's blocks only: their int64
+    ids, the encoder's blocks over them (sequence-parallel under TP, as the decoder's, without checkpointing),
+    its final norm, and its output, whole on every tp rank (every cross-attending block's key and value
+    projections take it). Per cross-attending block, without AC or outside selective recompute's units (under
+    TP: they cover attention and MLP, the cross-attention runs between them): its norm's input, its output
+    gathered and shifted by c - 1 (h e, whole), the queries, the keys and values of n tokens after the GQA
+    repeat, the attention's output and its copy into the output projection (each Q e / tp), logsumexp; as one
+    selective region (tp = 1): the projections' outputs (keys and values before the repeat), the attention's
+    and the output projection's partial sum (h e); full AC: nothing (the block's input and the encoder's output
+    are counted already)."""
+    if not a.retrieval_ids:
+        return np.zeros_like(np.asarray(tp, dtype=np.float64))
+    h, heads, n = a.dim, a.n_heads, 2 * a.retrieval_k
+    q, kv = heads * a.head_dim, a.n_kv_heads * a.head_dim
+    plain = dataclasses.replace(a, retrieval_layers="", moe_experts=0)
+    encoder = n * a.retrieval_encoder_layers * layer_activation_bytes(plain, e, tp, NO_AC)
+    encoder = encoder + n * ((_norm_bytes(e) * h + 4) / tp + h * e + EMBED_ACTIVATION_BYTES)
+    none = (_norm_bytes(e) * h + 4 + q * e + 2 * n * q * e + 2 * q * e + 4 * heads) / tp + h * e
+    region = (2 * q * e + 2 * n * kv * e + 4 * heads) / tp + h * e
+    selective = np.where(recompute_units_pay(h, a.hidden_dim, tp), none, region)
+    ac = np.asarray(ac)
+    cross = np.where(ac == 0, none, np.where(ac == 1, selective, 0.0))
+    return encoder + len(a.retrieval_ids) * cross
 
 
 def moe_mlp_bytes(a: ModelArgs, e: int) -> tuple[float, float]:
@@ -351,10 +387,13 @@ def rank_memory(work: Workload, lay: Layouts, c: Columns, name: str) -> dict[str
     layer_s, layer_u = sum(block_s.values()), sum(block_u.values())
     emb_s, emb_u = sharded_numel(embed_params(a), tp, c.fsdp_shard), local_numel(embed_params(a), tp)
     head_s, head_u = sharded_numel(head_params(a), tp, c.fsdp_shard), local_numel(head_params(a), tp)
+    # RETRO's neighbour encoder: in the root unit, with the embedding it reads from (no pipeline: refused)
+    enc_s, enc_u = sharded_numel(encoder_params(a), tp, c.fsdp_shard), local_numel(encoder_params(a), tp)
     if is_first:
         root_s, root_u = emb_s + np.where(c.single, head_s, 0), emb_u + np.where(c.single, head_u, 0)
     else:
         root_s, root_u = head_s + np.where(c.single, emb_s, 0), head_u + np.where(c.single, emb_u, 0)
+    root_s, root_u = root_s + enc_s, root_u + enc_u
     has_head, has_embed = c.single | (not is_first), c.single | is_first
     sharded = layers * layer_s + root_s
     unsharded = layers * layer_u + root_u
@@ -362,7 +401,7 @@ def rank_memory(work: Workload, lay: Layouts, c: Columns, name: str) -> dict[str
     # Gathered parameters: all of them when held (a pipeline, or no resharding after forward), else what the
     # two moments below hold (_resharding_gathered).
     gathered_f, gathered_b = (
-        np.where(c.held, unsharded, g) for g in _resharding_gathered(a, tp, layer_u, emb_u, head_u, fused)
+        np.where(c.held, unsharded, g + enc_u) for g in _resharding_gathered(a, tp, layer_u, emb_u, head_u, fused)
     )
     # Without FSDP, bf16 autocast makes a bf16 copy of every fp32 weight it multiplies, held to backward
     # (autocast's cache; MoE experts cast theirs for grouped_mm, which saves them): the gathered parameters' part.
@@ -505,7 +544,10 @@ def _activations(work: Workload, lay: Layouts, c: Columns, layers, *, rank_last:
         return units
 
     piped = peak_activations(lay.schedule, c.pp, v, c.m, rank_last, stage_units)
-    single = layers * per_layer + head_activation_bytes(a, e, c.tp, fused) * T  # (one rank: all, and the head)
+    single = (
+        layers * per_layer
+        + (head_activation_bytes(a, e, c.tp, fused) + retrieval_activation_bytes(a, e, c.tp, lay.ac)) * T
+    )  # (one rank: all, and the head)
     out = {k: np.where(c.single, single if k.startswith("acts") else 0.0, x) for k, x in piped.items()}
     if rank_last:
         for k in ("acts_f", "acts_b"):

@@ -135,13 +135,24 @@ def rank_time(work: Workload, cluster: Cluster, lay: Layouts, c: Columns, links:
     c_layer = layer_flops_per_token(a, s)
     w_layer = 2 * matmul_params(a)  # weight-gradient FLOPs per token (the rest of backward is input-grad)
     head = head_flops_per_token(a) * (c.single | rank["has_output"])
-    fwd = T * (layers * c_layer + head) / tp
-    wgt = T * (layers * w_layer + head) / tp
+    # RETRO's encoder and cross-attention (no pipeline: every rank runs them), split by tp as the blocks are
+    retro, retro_w = a.retrieval_flops_per_token(), a.retrieval_flops_per_token(weights_only=True)
+    fwd = T * (layers * c_layer + head + retro) / tp
+    wgt = T * (layers * w_layer + head + retro_w) / tp
     bwd_in = 2 * fwd - wgt + recompute * T * layers * c_layer / tp
     compute = (fwd + bwd_in + wgt) / rate
     tp_bw, tp_lat = links.tp
     coll = ring_time(T * a.dim * e, tp, tp_bw, tp_lat)  # one SP all-gather or reduce-scatter
     tp_time = layers * sp_share * (8 + extra_collectives) * coll
+    # RETRO under TP: the encoder's blocks as the decoder's, over 2k neighbour tokens per token, its output
+    # gathered; per cross-attending block a gather and a reduce-scatter each way; the embedding all-reduced
+    if a.retrieval_ids:
+        n = 2 * a.retrieval_k
+        enc = a.retrieval_encoder_layers * 8 * ring_time(n * T * a.dim * e, tp, tp_bw, tp_lat) + ring_time(
+            n * T * a.dim * e, tp, tp_bw, tp_lat
+        )
+        tp_time = tp_time + enc + len(a.retrieval_ids) * (4 + extra_collectives) * coll
+        tp_time = tp_time + 2 * ring_time((1 + n) * T * a.dim * e, tp, tp_bw, tp_lat)
     pp_bw, pp_lat = links.pp
     p2p = np.where(c.pp > 1, 2 * c.v * (T * a.dim * e / tp / pp_bw + pp_lat), 0.0)  # each TP rank: its shard
     # Ring attention, per layer: each of the c - 1 hops travels while one block computes (1/c of this rank's
