@@ -122,7 +122,7 @@ def test_a_retrieval_model_trains_resumes_bitwise_and_every_layout_equals_one_pr
     from plait.api import train
     from plait.config import load_config
 
-    train(load_config(None, job(retro_data, tmp_path, "ref", "sample.max_new_tokens=8")))  # no sample: said so
+    train(load_config(None, job(retro_data, tmp_path, "ref")))
     ref = read_metrics(tmp_path / "ref")
     assert len(ref["loss"]) == 6 and ref["loss"][6] < ref["loss"][1] and ref["val_loss"]
     cut = tmp_path / "cut"
@@ -208,7 +208,10 @@ def test_a_retrieval_model_generates_with_the_neighbours_of_each_chunk(retro_dat
     from plait.engine.generate import generate, load_for_generation
 
     run = tmp_path / "gen"
-    train(load_config(None, job(retro_data, tmp_path, "gen")))
+    capsys.readouterr()
+    train(load_config(None, job(retro_data, tmp_path, "gen", "sample.max_new_tokens=12", "sample.prompt=ROMEO:")))
+    sample = capsys.readouterr().out  # the end of training samples with the database's neighbours too
+    assert "ROMEO:" in sample and sample.split("ROMEO:", 1)[1].strip(), sample[-2000:]
     model, tok, _ = load_for_generation(run, "cpu")
     prompt, c, k = tok.encode("ROMEO:").ids, model.args.retrieval_chunk, model.args.retrieval_k
     new = next(n for n in range(20, 20 + c) if (len(prompt) + n) % c >= 2)  # the last tokens inside a chunk

@@ -75,17 +75,13 @@ def _retriever(checkpoint: str, data: str, model, device: str):
     """The database a retrieval model reads (--data, or the prepared directory it trained on), with the
     encoder it was built with."""
     from plait.core.hardware import resolve_device
-    from plait.data.loader import read_manifest
-    from plait.data.retrieval import Retriever, read_database
     from plait.engine.checkpoint import read_config, resolve_checkpoint
-    from plait.lifecycle.retrieval import load_encoder
+    from plait.lifecycle.retrieval import database_retriever
 
     data = data or read_config(resolve_checkpoint(checkpoint)).data.source
     if data == "shakespeare" or "," in data:
         raise ConfigError(f"{checkpoint} trained on {data!r}, which has no retrieval database: give --data DIR")
-    encoder = read_database(data)["encoder"]["path"]
-    encode, _ = load_encoder(encoder, read_manifest(data), str(resolve_device(device)))
-    return Retriever(data, encode, chunk=model.args.retrieval_chunk, k=model.args.retrieval_k)
+    return database_retriever(data, model, str(resolve_device(device)))
 
 
 def _print_neighbours(tok, out: list[int], found: list, retrieve) -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from plait.cli.args import PlaitParser
 from plait.core.errors import ConfigError, PlaitError
+from plait.core.hardware import threads_per_rank
 from plait.core.stop import EXIT_STOPPED
 
 STOP_GRACE_S = 110  # seconds a stopping worker has for its last step and checkpoint; Slurm signals at 120
@@ -82,7 +83,7 @@ def elastic_run(entrypoint, argv: list[str], nproc: int, *, max_restarts: int = 
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(STOP_GRACE_S))
     if hasattr(config, "shutdown_timeout") and config.shutdown_timeout is None:
         config.shutdown_timeout = int(os.environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"])
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nproc)))
     elastic_launch(config, entrypoint)(argv)
 
 

@@ -20,6 +20,7 @@ COMMANDS = {  # command -> (module, function)
     "plan": ("plait.cli.plan", "cmd_plan"),
     "bench": ("plait.cli.bench", "cmd_bench"),
     "fit": ("plait.cli.fit", "cmd_fit"),
+    "compile": ("plait.cli.compile", "cmd_compile"),
     "doctor": ("plait.cli.doctor", "cmd_doctor"),
     "lineage": ("plait.cli.lineage", "cmd_lineage"),
     "eval": ("plait.cli.eval", "cmd_eval"),
@@ -41,6 +42,7 @@ commands:
   plan --model PRESET --cluster PRESET       choose a parallel layout from a cost model
   bench [CONFIG] [overrides] [--steps N]     time a config in one process: tokens/s, MFU, breakdown, compile
   fit [CONFIG] [overrides] --world-size N    run rank R of an N-rank job here: peak memory vs the planner
+  compile [CONFIG] [...] --world-size N      fill a job's compile cache before it runs (a dir or s3://)
   doctor [--nproc N] [CONFIG] [overrides]    check devices and collectives per mesh axis (busbw table)
   finetune prepare|merge|generate ...        instruction data; fold adapters in; many adapters in one batch
   eval MODEL [--suite S.yaml] [--json OUT]   perplexity and a behavioural test suite (exit 1 on failures)

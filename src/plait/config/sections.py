@@ -274,7 +274,9 @@ class CompileConfig:
     """Stop with an error, instead of a warning, when a compiled block recompiles after the first step."""
     cache_dir: str = ""
     """Persistent compile cache (Inductor and Triton caches plus one mega-cache file that a restarted or
-    scaled-out job loads first); empty: <run.out_dir>/<run.name>/compile_cache."""
+    scaled-out job loads first), signed by plait and checked before torch reads it: a directory, or an
+    s3://bucket/prefix (checkpoint.s3_endpoint and credentials) shared by a job's nodes; `plait compile` fills
+    it ahead of the job; empty: <run.out_dir>/<run.name>/compile_cache."""
     float8: Literal["false", "true", "auto"] = "false"
     """Float8 matmuls in the transformer blocks through torchao. 'true': every block linear layer whose sizes
     are multiples of 16, refused where it cannot run (needs compile.enabled, torchao and an NVIDIA GPU of compute

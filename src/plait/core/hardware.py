@@ -160,3 +160,9 @@ def device_memory_bytes(device: torch.device) -> int | None:
 
 def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def threads_per_rank(local_ranks: int) -> int:
+    """CPU threads of each of a node's `local_ranks` processes (OMP_NUM_THREADS where the launcher sets it): the
+    cores shared out. Inductor keys compiled CPU code on it, so `plait compile` takes the same."""
+    return max(1, (os.cpu_count() or 1) // max(local_ranks, 1))

@@ -127,8 +127,12 @@ def _s3_filesystem(options: tuple):
     return _FILESYSTEMS[options]
 
 
-def _key(loc: RemotePath) -> str:
+def remote_key(loc: RemotePath) -> str:
+    """The bucket/key path of an s3:// location, as the filesystem names it."""
     return loc.url.removeprefix("s3://")
+
+
+_key = remote_key
 
 
 # ------------------------------------------------------------------------------------------- file operations

@@ -331,6 +331,29 @@ def checkpoint_wrapper(module, **kwargs):
     return wrap(module, **kwargs)
 
 
+@contextlib.contextmanager
+def highest_fp32_matmuls():
+    """True fp32 matmuls (no TF32) inside, and afterwards every fp32-precision setting of torch.backends exactly as
+    before. torch.set_float32_matmul_precision("highest") also writes 'ieee' into the per-backend settings
+    (torch >= 2.9: cuda.matmul, mkldnn.matmul, initially 'none'), and Inductor keys its FX-graph cache on them:
+    restoring the old precision by name would leave the process's cache keys changed."""
+    import torch
+
+    b = torch.backends
+    owners = [b, b.cuda.matmul, b.cudnn, b.mkldnn]
+    owners += [getattr(o, n) for o in (b.cudnn, b.mkldnn) for n in ("conv", "rnn", "matmul") if hasattr(o, n)]
+    saved = [(o, o.fp32_precision) for o in owners if hasattr(o, "fp32_precision")]
+    old = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(old)
+        for owner, value in saved:
+            with contextlib.suppress(RuntimeError, ValueError, AttributeError):
+                owner.fp32_precision = value
+
+
 def is_checkpoint_wrapper(module) -> bool:
     """Whether a module is torch's activation-checkpoint wrapper (checkpoint_wrapper's)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper

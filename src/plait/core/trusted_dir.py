@@ -33,6 +33,10 @@ import tempfile
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
+
+from plait.core import storage
+from plait.core.storage import Location, RemotePath
 
 MANIFEST = "plait-manifest.json"
 KEY_ENV = "PLAIT_KEY_FILE"
@@ -92,27 +96,27 @@ class CheckoutReport:
 
 
 class TrustedDir:
-    """The persistent store at `root`: `checkout` copies what verifies into a private directory, `publish`
-    signs and writes a private directory back."""
+    """The persistent store at `root`, a local directory or an S3 prefix (plait.core.storage: the nodes of a
+    cluster share one): `checkout` copies what verifies into a private directory, `publish` signs and writes a
+    private directory back."""
 
-    def __init__(self, root: Path):
-        self.root = Path(root)
+    def __init__(self, root: Location):
+        self.root: Location = root if isinstance(root, RemotePath) else Path(root)
 
     # ------------------------------------------------------------------------------------------ reading
 
     def checkout(self, dest: Path) -> CheckoutReport:
         report = CheckoutReport()
-        present = [p for p in self._files(self.root)]
+        present = self._stored()
         if not present:
             return report
         key, why = user_key()
-        manifest_path = self.root / MANIFEST
         if key is None:
             report.rejected.append(why)
             report.untrusted_files = len(present)
             return report
         try:
-            manifest = json.loads(manifest_path.read_text())
+            manifest = json.loads(storage.read_bytes(self.root / MANIFEST))
             files, mac = manifest["files"], manifest["mac"]
             if not isinstance(files, dict) or not isinstance(mac, str):
                 raise ValueError("malformed")
@@ -137,11 +141,10 @@ class TrustedDir:
                 report.rejected.append(f"{rel!r}: not a path inside the cache")
                 continue
             listed.add(rel)
-            src = self.root / rel
+            if rel not in present:
+                continue  # a partial copy of the store: what is missing is compiled again
             try:
-                if src.is_symlink() or not src.is_file():
-                    continue  # a partial copy of the store: what is missing is compiled again
-                data = src.read_bytes()
+                data = storage.read_bytes(self.root / rel)
             except OSError:
                 continue
             if hashlib.sha256(data).hexdigest() != entry.get("sha256"):
@@ -151,8 +154,16 @@ class TrustedDir:
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(data)
             report.loaded += 1
-        report.untrusted_files = sum(1 for p in present if p.relative_to(self.root).as_posix() not in listed)
+        report.untrusted_files = sum(1 for rel in present if rel not in listed)
         return report
+
+    def _stored(self) -> set[str]:
+        """The store's files (paths relative to it, '/'-separated) but its manifest, temporary files and links."""
+        if isinstance(self.root, RemotePath):
+            base = storage.remote_key(self.root).rstrip("/") + "/"
+            names = [k.removeprefix(base) for k in self.root.fs.find(storage.remote_key(self.root))]
+            return {n for n in names if n != MANIFEST and not _skipped(n.rsplit("/", 1)[-1])}
+        return {p.relative_to(self.root).as_posix() for p in self._files(self.root)}
 
     # ------------------------------------------------------------------------------------------ writing
 
@@ -163,18 +174,36 @@ class TrustedDir:
         if key is None:
             warnings.warn(f"compile cache not saved to {self.root}: {why}", stacklevel=2)
             return 0
-        self.root.mkdir(parents=True, exist_ok=True)
+        remote = self.root if isinstance(self.root, RemotePath) else None
+        held = self._signed_files(key) if remote is not None else {}  # on S3: what the signed manifest says it holds
+        if remote is None:
+            cast(Path, self.root).mkdir(parents=True, exist_ok=True)
         files: dict[str, dict] = {}
         for path in self._files(src):
             rel = path.relative_to(src).as_posix()
             data = path.read_bytes()
             digest = hashlib.sha256(data).hexdigest()
             files[rel] = {"sha256": digest, "size": len(data)}
-            if not _holds(self.root / rel, digest):
-                _atomic_write(self.root / rel, data)
-        manifest = {"version": 1, "files": files, "mac": _mac(key, files)}
-        _atomic_write(self.root / MANIFEST, json.dumps(manifest).encode())
+            if remote is not None:
+                if held.get(rel, {}).get("sha256") != digest:
+                    storage.retry(lambda rel=rel, data=data: storage.write_bytes(remote / rel, data), "compile cache")
+            elif not _holds(cast(Path, self.root) / rel, digest):
+                _atomic_write(cast(Path, self.root) / rel, data)
+        manifest = json.dumps({"version": 1, "files": files, "mac": _mac(key, files)}).encode()
+        if remote is not None:  # one PUT, last: readers see the old signed set or the new one
+            storage.retry(lambda: storage.write_bytes(remote / MANIFEST, manifest), "compile cache")
+        else:
+            _atomic_write(cast(Path, self.root) / MANIFEST, manifest)
         return len(files)
+
+    def _signed_files(self, key: bytes) -> dict:
+        """The files the store's manifest lists, where its signature is this key's ({} otherwise)."""
+        try:
+            manifest = json.loads(storage.read_bytes(self.root / MANIFEST))
+            files = manifest["files"]
+            return files if hmac.compare_digest(_mac(key, files), manifest["mac"]) else {}
+        except (OSError, ValueError, KeyError, TypeError):
+            return {}
 
     @staticmethod
     def _files(root: Path) -> list[Path]:
@@ -186,10 +215,14 @@ class TrustedDir:
                 p = Path(dirpath) / name
                 if name == MANIFEST and Path(dirpath) == root:
                     continue
-                if name.startswith(".") or name.endswith(_SKIP_SUFFIXES) or p.is_symlink() or not p.is_file():
+                if _skipped(name) or p.is_symlink() or not p.is_file():
                     continue
                 out.append(p)
         return sorted(out)
+
+
+def _skipped(name: str) -> bool:
+    return name.startswith(".") or name.endswith(_SKIP_SUFFIXES)
 
 
 def _holds(target: Path, digest: str) -> bool:

@@ -5,7 +5,8 @@ Recompilation guard. After the first training step nothing should compile again:
 is a recompilation, reported with Dynamo's guard-failure text (a warning, or an error with compile.strict).
 The first evaluation compiles the blocks once more (no_grad changes the graph): `expect()` marks that.
 
-Persistent cache. compile.cache_dir (default <run_dir>/compile_cache, beside the checkpoints) keeps
+Persistent cache. compile.cache_dir (default <run_dir>/compile_cache, beside the checkpoints; or an s3://
+prefix the nodes of a job share, filled ahead of it by `plait compile`: plait.engine.precompile) keeps
 Inductor's FX-graph and AOTAutograd caches, compiled kernels and torch's "mega-cache"
 (`torch.compiler.save_cache_artifacts`: every compiled graph in one file, `mega_cache.bin`), so a restarted
 job, or one scaled out to machines that get a copy of the directory, skips Inductor. Those files are pickles
@@ -29,6 +30,7 @@ import torch
 from plait.config import Config
 from plait.core import torch_private
 from plait.core.errors import PlaitError
+from plait.core.storage import Location, location
 from plait.core.trusted_dir import TrustedDir, private_dir
 from plait.parallel.compile import check_float8_support
 
@@ -38,8 +40,12 @@ MEGA_CACHE_FILE = "mega_cache.bin"
 # --------------------------------------------------------------------------------------------- cache
 
 
-def cache_dir(cfg: Config) -> Path:
-    return Path(cfg.compile.cache_dir).expanduser() if cfg.compile.cache_dir else cfg.run_dir / "compile_cache"
+def cache_location(cfg: Config) -> Location:
+    """compile.cache_dir: a directory, or an s3:// prefix (checkpoint.s3_endpoint and the AWS credential chain,
+    as checkpoints), shared by a job's nodes; by default the run directory's compile_cache."""
+    if not cfg.compile.cache_dir:
+        return cfg.run_dir / "compile_cache"
+    return location(cfg.compile.cache_dir, cfg.checkpoint.s3_endpoint)
 
 
 def point_caches_at(directory: Path) -> None:
@@ -205,7 +211,7 @@ class CompileMonitor:
             return cls()
         if cfg.compile.float8 == "true":
             check_float8_support(device)
-        store = TrustedDir(cache_dir(cfg))
+        store = TrustedDir(cache_location(cfg))
         work = private_dir("plait-compile-")
         report = store.checkout(work)
         if report.rejected and is_main:

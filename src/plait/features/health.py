@@ -10,7 +10,6 @@ Tests make a rank's arithmetic wrong or slow through COMPUTE_FAULTS (plait.featu
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import math
 import os
@@ -23,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from plait.core import torch_private
 from plait.core.collectives import all_gather_single, reduce_scatter_single
 from plait.core.errors import PlaitError
 from plait.core.hardware import device_info
@@ -193,15 +193,10 @@ def check_compute(
     )
 
 
-@contextlib.contextmanager
 def _highest_precision():
-    """The reference comparison needs true fp32 matmuls, not TF32 (which a run may have switched on)."""
-    old = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(old)
+    """The reference comparison needs true fp32 matmuls, not TF32 (which a run may have switched on); nothing of
+    it stays (the compile cache's keys hold the precision settings)."""
+    return torch_private.highest_fp32_matmuls()
 
 
 def _sync(device: torch.device) -> None:

@@ -48,9 +48,6 @@ def _report(
     if ckpts:
         info(f"checkpoint: {ckpts[-1]}")
     sampling = cfg.sample.prompt and cfg.sample.max_new_tokens
-    if sampling and cfg.model.retrieval_ids:
-        info(f"no sample here (a retrieval model samples with its database's encoder): plait generate {cfg.run_dir}")
-        return
     if model is None and sampling and ckpts and cfg.model.num_params() <= SAMPLE_FROM_CHECKPOINT_MAX_PARAMS:
         from plait.engine.generate import load_for_generation
 
@@ -61,6 +58,11 @@ def _report(
         tok = load_tokenizer(data_dir / "tokenizer.json")
         ids = tok.encode(cfg.sample.prompt).ids
         s = cfg.sample
+        retrieve = None
+        if cfg.model.retrieval_ids:  # RETRO: a new chunk's neighbours from the database, by its own encoder
+            from plait.lifecycle.retrieval import database_retriever
+
+            retrieve = database_retriever(data_dir, model, str(device))
         out = generate(
             model,
             [ids],
@@ -70,6 +72,7 @@ def _report(
             top_p=s.top_p,
             eos_id=eos_id(tok),
             seed=cfg.run.seed,
+            retrieve=retrieve,
         )
         console.rule("sample")
         print(tok.decode(out[0]), flush=True)

@@ -61,3 +61,13 @@ def load_encoder(ref: str, corpus_manifest: dict[str, Any], device: str = "cpu")
         "pooling": "mean of the final hidden states",
     }
     return plait_encoder(loaded.model, device), description
+
+
+def database_retriever(data_dir: str | Path, model, device: str = "cpu"):
+    """A retrieval model's Retriever (plait.data.retrieval) of the database in a prepared directory, with the
+    encoder the database was built with (the path its manifest records)."""
+    from plait.data.loader import read_manifest
+    from plait.data.retrieval import Retriever, read_database
+
+    encode, _ = load_encoder(read_database(data_dir)["encoder"]["path"], read_manifest(data_dir), device)
+    return Retriever(data_dir, encode, chunk=model.args.retrieval_chunk, k=model.args.retrieval_k)

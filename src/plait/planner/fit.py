@@ -176,17 +176,9 @@ def _predict(cfg: Config, world_size: int, dims, rank: int, bf16: bool, device: 
 
 def _synthetic(cfg: Config, dims, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's batch of random tokens (inputs, targets): global batch / data-parallel ranks sequences."""
-    local = cfg.train.global_batch_size // dims.dp
-    tokens = torch.randint(0, cfg.model.vocab_size, (local, cfg.data.seq_len + 1), generator=torch.Generator())
-    tokens = tokens.to(device)
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    m = cfg.model
-    if m.retrieval_ids:  # RETRO: each chunk's k neighbours of 2c tokens after the tokens (plait.model.retrieval)
-        width = cfg.data.seq_len // m.retrieval_chunk * m.retrieval_k * 2 * m.retrieval_chunk
-        neighbours = torch.randint(0, m.vocab_size, (local, width), generator=torch.Generator().manual_seed(1))
-        inputs = torch.cat([inputs, neighbours.to(device)], dim=1)
-    # contiguous, as the loader gives them: torch 2.11's pipeline stage checks its input's strides
-    return inputs.contiguous(), targets.contiguous()
+    from plait.engine.precompile import synthetic_batch
+
+    return synthetic_batch(cfg, cfg.train.global_batch_size // dims.dp, device)
 
 
 def _run(cfg: Config, meshes, device: torch.device, dims, steps: int) -> tuple[dict[str, float | None], float]:
