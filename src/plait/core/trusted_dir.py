@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import hashlib
 import hmac
 import json
@@ -186,12 +187,12 @@ class TrustedDir:
             files[rel] = {"sha256": digest, "size": len(data)}
             if remote is not None:
                 if held.get(rel, {}).get("sha256") != digest:
-                    storage.retry(lambda rel=rel, data=data: storage.write_bytes(remote / rel, data), "compile cache")
+                    storage.retry(functools.partial(storage.write_bytes, remote / rel, data), "compile cache")
             elif not _holds(cast(Path, self.root) / rel, digest):
                 _atomic_write(cast(Path, self.root) / rel, data)
         manifest = json.dumps({"version": 1, "files": files, "mac": _mac(key, files)}).encode()
         if remote is not None:  # one PUT, last: readers see the old signed set or the new one
-            storage.retry(lambda: storage.write_bytes(remote / MANIFEST, manifest), "compile cache")
+            storage.retry(functools.partial(storage.write_bytes, remote / MANIFEST, manifest), "compile cache")
         else:
             _atomic_write(cast(Path, self.root) / MANIFEST, manifest)
         return len(files)
