@@ -26,6 +26,7 @@ from plait.features.guards import Guards
 from plait.features.health import HealthCheck
 from plait.features.report import EndReport
 from plait.lifecycle.finetune import Finetune
+from plait.lifecycle.retrieval import database_retriever
 from plait.lifecycle.tracking import Lineage
 
 __all__ = ["Callback", "Config", "Trainer", "default_callbacks", "load_config", "train"]
@@ -42,7 +43,7 @@ def default_callbacks(cfg: Config) -> list[Callback]:
         Finetune(),
         Lineage(),
         Guards(),
-        EndReport(),
+        EndReport(retriever=database_retriever),
     ]
 
 

@@ -19,12 +19,19 @@ from plait.model import Transformer
 
 
 class EndReport(Callback):
+    """retriever(data_dir, model, device): a retrieval model's neighbours for the sample (the database's own
+    encoder: plait.lifecycle.retrieval.database_retriever, passed by plait.api); without it a retrieval model's
+    report names the `plait generate` command instead."""
+
+    def __init__(self, retriever=None) -> None:
+        self.retriever = retriever
+
     def on_end(self, run, final: dict[str, float]) -> None:
         if not run.env.is_main or run.data_dir is None or run.model_fn is not None:
             return
         whole = run.t.model if run.env.world_size == 1 and not run.t.fsdp else None
         with torch.compiler.set_stance("force_eager"):  # sampling changes shapes every token
-            _report(run.cfg, whole, run.data_dir, final, run.env.device)
+            _report(run.cfg, whole, run.data_dir, final, run.env.device, self.retriever)
 
 
 SAMPLE_FROM_CHECKPOINT_MAX_PARAMS = 2e9
@@ -33,7 +40,7 @@ device, up to this size; larger runs print the `plait generate` command instead.
 
 
 def _report(
-    cfg: Config, model: Transformer | None, data_dir: Path, final: dict[str, float], device: torch.device
+    cfg: Config, model: Transformer | None, data_dir: Path, final: dict[str, float], device: torch.device, retriever
 ) -> None:
     if "val_loss" in final:
         # the unigram baseline reads the whole validation split: for one local corpus only (a mixture's
@@ -48,6 +55,9 @@ def _report(
     if ckpts:
         info(f"checkpoint: {ckpts[-1]}")
     sampling = cfg.sample.prompt and cfg.sample.max_new_tokens
+    if sampling and cfg.model.retrieval_ids and retriever is None:
+        info(f"no sample here (a retrieval model samples with its database's encoder): plait generate {cfg.run_dir}")
+        return
     if model is None and sampling and ckpts and cfg.model.num_params() <= SAMPLE_FROM_CHECKPOINT_MAX_PARAMS:
         from plait.engine.generate import load_for_generation
 
@@ -58,11 +68,8 @@ def _report(
         tok = load_tokenizer(data_dir / "tokenizer.json")
         ids = tok.encode(cfg.sample.prompt).ids
         s = cfg.sample
-        retrieve = None
-        if cfg.model.retrieval_ids:  # RETRO: a new chunk's neighbours from the database, by its own encoder
-            from plait.lifecycle.retrieval import database_retriever
-
-            retrieve = database_retriever(data_dir, model, str(device))
+        # RETRO: each new chunk's neighbours from the database, by its own encoder
+        retrieve = retriever(data_dir, model, str(device)) if cfg.model.retrieval_ids else None
         out = generate(
             model,
             [ids],

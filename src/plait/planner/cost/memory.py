@@ -385,15 +385,7 @@ def rank_memory(work: Workload, lay: Layouts, c: Columns, name: str) -> dict[str
     layers, edge = (split[0], split[2]) if is_first else (split[1], split[3])
     block_s, block_u = block_numel(a, tp, c.fsdp_shard, c.ep)
     layer_s, layer_u = sum(block_s.values()), sum(block_u.values())
-    emb_s, emb_u = sharded_numel(embed_params(a), tp, c.fsdp_shard), local_numel(embed_params(a), tp)
-    head_s, head_u = sharded_numel(head_params(a), tp, c.fsdp_shard), local_numel(head_params(a), tp)
-    # RETRO's neighbour encoder: in the root unit, with the embedding it reads from (no pipeline: refused)
-    enc_s, enc_u = sharded_numel(encoder_params(a), tp, c.fsdp_shard), local_numel(encoder_params(a), tp)
-    if is_first:
-        root_s, root_u = emb_s + np.where(c.single, head_s, 0), emb_u + np.where(c.single, head_u, 0)
-    else:
-        root_s, root_u = head_s + np.where(c.single, emb_s, 0), head_u + np.where(c.single, emb_u, 0)
-    root_s, root_u = root_s + enc_s, root_u + enc_u
+    (root_s, root_u), emb_u, head_u, enc_u = _root_numels(a, c, is_first)
     has_head, has_embed = c.single | (not is_first), c.single | is_first
     sharded = layers * layer_s + root_s
     unsharded = layers * layer_u + root_u
@@ -459,6 +451,19 @@ def rank_memory(work: Workload, lay: Layouts, c: Columns, name: str) -> dict[str
         root_unsharded=root_u,
         has_output=not is_first,  # the last rank holds the output projection (without a pipeline, both do)
     )
+
+
+def _root_numels(a: ModelArgs, c: Columns, is_first: bool):
+    """((sharded, unsharded) elements of the root unit, unsharded ones of the embedding, the head and RETRO's
+    neighbour encoder). The root: the rank's embedding or head (both without a pipeline), and the encoder (no
+    pipeline: refused), with the embedding it reads from."""
+    (emb_s, emb_u), (head_s, head_u), (enc_s, enc_u) = (
+        (sharded_numel(params, c.tp, c.fsdp_shard), local_numel(params, c.tp))
+        for params in (embed_params(a), head_params(a), encoder_params(a))
+    )
+    near, far = ((emb_s, emb_u), (head_s, head_u)) if is_first else ((head_s, head_u), (emb_s, emb_u))
+    root = tuple(near[i] + np.where(c.single, far[i], 0) + (enc_s, enc_u)[i] for i in (0, 1))
+    return root, emb_u, head_u, enc_u
 
 
 def _pipeline_grads(c: Columns, lay: Layouts, e: int, layer, root, head_u, emb_u) -> dict[str, np.ndarray]:
