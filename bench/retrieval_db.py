@@ -10,6 +10,7 @@ timed): an encoder of the corpus's tokenizer, as the database needs.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import platform
@@ -21,17 +22,28 @@ from pathlib import Path
 import torch
 
 
-def corpus_and_encoder(work: Path, encoder: str | None = None, steps: int = 100):
-    """(a copy of the prepared bundled corpus in `work`, encode, its description): the encoder given, or
-    plait's default model trained `steps` steps on the corpus (an encoder of its tokenizer)."""
+def corpus_and_encoder(work: Path, encoder: str | None = None, steps: int = 100, documents: str = "plays"):
+    """(the prepared bundled corpus in `work`, encode, its description): the encoder given, or plait's default
+    model trained `steps` steps on the corpus (an encoder of its tokenizer). documents: "plays", the corpus as
+    plait prepares it (each play a document: the held-out split is 5 whole plays, whose chunks retrieve from the
+    other 37); "speeches", the same text cut at its blank lines (each speech a document, 10% of them held out:
+    a held-out speech retrieves from the other speeches of its play), with the same tokenizer."""
     from plait.api import train
     from plait.config import load_config
     from plait.data.loader import read_manifest
-    from plait.data.prepare import ensure_prepared
+    from plait.data.prepare import bundled_corpus_path, ensure_prepared, prepare
     from plait.lifecycle.retrieval import load_encoder
 
     data = work / "data"
-    shutil.copytree(ensure_prepared("shakespeare", Path.home() / ".cache" / "plait" / "data", 4096), data)
+    prepared = ensure_prepared("shakespeare", Path.home() / ".cache" / "plait" / "data", 4096)
+    if documents == "speeches":
+        with gzip.open(bundled_corpus_path(), "rt") as f:
+            texts = [json.loads(line)["text"] for line in f if line.strip()]
+        speeches = [s for text in texts for s in text.split("\n\n") if s.strip()]
+        (work / "speeches.jsonl").write_text("\n".join(json.dumps({"text": s}) for s in speeches) + "\n")
+        prepare([work / "speeches.jsonl"], data, tokenizer=prepared / "tokenizer.json", val_fraction=0.1)
+    else:
+        shutil.copytree(prepared, data)
     if encoder is None:
         overrides = [f"data.source={data}", f"train.steps={steps}", "eval.every_steps=0", "sample.max_new_tokens=0",
                      "log.tensorboard=false", f"run.out_dir={work}", "run.name=encoder"]  # fmt: skip

@@ -1,9 +1,12 @@
 """Does retrieval lower the held-out loss? The same model with and without RETRO's chunked cross-attention, at
 equal steps and equal non-retrieval parameters, over 3 seeds, on the bundled corpus; and what a step costs.
 
-    python bench/retrieval_quality.py [--steps 150] [--seeds 0,1,2] [--chunk 32] [--k 2]
+    python bench/retrieval_quality.py [--steps 150] [--seeds 0,1,2] [--chunk 32] [--k 2] [--batch 8]
+        [--encoder-steps 100] [--documents plays|speeches] [--retro 'model.retrieval_layers=2,3;...']
 
-The database is built once (an encoder: plait's default model trained 100 steps, not timed with the runs).
+The database is built once (an encoder: plait's default model trained --encoder-steps steps, not timed with
+the runs). --documents: the corpus's plays as documents (as plait prepares it), or its speeches (the same text
+cut at blank lines: a held-out speech retrieves from the other speeches of its play).
 Each run trains `--steps` steps of the default model (preset tiny) with validation at the end; the retrieval
 runs add cross-attention in blocks 2 and 3 and a 1-block neighbour encoder. Printed: each seed's final
 validation loss, the mean and spread of the difference, and tokens/s of each side (the step's overhead);
@@ -47,6 +50,7 @@ def main() -> int:
     p.add_argument("--k", type=int, default=2)
     p.add_argument("--batch", type=int, default=8, help="train.global_batch_size of every run")
     p.add_argument("--encoder-steps", type=int, default=100, help="steps of the encoder's training")
+    p.add_argument("--documents", choices=["plays", "speeches"], default="plays", help="what a document is")
     p.add_argument("--retro", default=";".join(RETRO), help="the retrieval runs' settings, ';'-separated")
     p.add_argument("--json", default="bench/results/retrieval_quality.json")
     p.add_argument("--dry-run", action="store_true")
@@ -59,7 +63,7 @@ def main() -> int:
     from retrieval_db import corpus_and_encoder  # bench/: the same corpus and encoder as the build's benchmark
 
     work = Path(tempfile.mkdtemp(prefix="plait-retrieval-quality-"))
-    data, encode, described = corpus_and_encoder(work, steps=a.encoder_steps)
+    data, encode, described = corpus_and_encoder(work, steps=a.encoder_steps, documents=a.documents)
     build_database(data, encode, encoder=described, chunk=a.chunk, k=a.k)
     retro = [*a.retro.split(";"), f"model.retrieval_chunk={a.chunk}", f"model.retrieval_k={a.k}"]
     results: dict[str, list[dict]] = {"plain": [], "retrieval": []}
@@ -76,6 +80,7 @@ def main() -> int:
         "k": a.k,
         "batch": a.batch,
         "encoder_steps": a.encoder_steps,
+        "documents": a.documents,
         "retrieval_settings": a.retro.split(";"),
         "seeds": seeds,
         "runs": results,
