@@ -19,7 +19,6 @@ from pathlib import Path
 
 from plait.cli.args import PlaitParser
 from plait.core.errors import ConfigError, PlaitError
-from plait.core.hardware import threads_per_rank
 from plait.core.stop import EXIT_STOPPED
 
 STOP_GRACE_S = 110  # seconds a stopping worker has for its last step and checkpoint; Slurm signals at 120
@@ -83,6 +82,8 @@ def elastic_run(entrypoint, argv: list[str], nproc: int, *, max_restarts: int = 
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(STOP_GRACE_S))
     if hasattr(config, "shutdown_timeout") and config.shutdown_timeout is None:
         config.shutdown_timeout = int(os.environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"])
+    from plait.core.hardware import threads_per_rank
+
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nproc)))
     elastic_launch(config, entrypoint)(argv)
 
