@@ -33,6 +33,11 @@ def settings(data_dir: Path, out: Path, name: str, *extra: str) -> list[str]:
     return debug_run(data_dir, out, name, STEPS, "checkpoint.every_steps=10", *extra)
 
 
+# A rank killed 2 steps after a save must find that save published when the group restarts: an asynchronous one
+# may still be in flight then on a slow or busy machine (the restart would start from step 0, not resume).
+SAVED_BEFORE_THE_KILL = "checkpoint.async_enabled=false"
+
+
 def command(*settings_: str, nproc: int = 1, restarts: int = 0) -> list[str]:
     extra = ["--nproc", str(nproc), "--max-restarts", str(restarts)] if nproc > 1 or restarts else []
     return [sys.executable, "-m", "plait.cli", "train", *extra, *[f"--{s}" for s in settings_]]
@@ -320,7 +325,7 @@ def test_launchers_hold_the_lock_across_restarts_and_refuse_a_second_launch(data
     """`plait train --nproc 2 --max-restarts 2` with a worker killed at step 12: the launcher holds the lock
     (its pid in the lock file) while the group restarts and resumes; a second launch on the directory meanwhile
     is refused before any worker starts."""
-    base = settings(data_dir, tmp_path, "group", "parallel.tp_degree=2")
+    base = settings(data_dir, tmp_path, "group", "parallel.tp_degree=2", SAVED_BEFORE_THE_KILL)
     args = command(*base, nproc=2, restarts=2)
     proc = subprocess.Popen(args, env=environment(PLAIT_FAULT_KILL="1:12"), cwd=tmp_path,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
@@ -343,7 +348,7 @@ def test_torchrun_restarts_take_the_lock_over_from_their_earlier_attempt(data_di
     """Under torchrun the main rank holds the lock; killed (with the lock still on disk), the agent restarts
     the group, whose new main rank takes it over as the same job's next attempt: no warning, no refusal."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    args = [f"--{s}" for s in settings(data_dir, tmp_path, "tr")]
+    args = [f"--{s}" for s in settings(data_dir, tmp_path, "tr", SAVED_BEFORE_THE_KILL)]
     done = subprocess.run(
         [*torchrun, "--max-restarts", "1", "-m", "plait", "train", *args], capture_output=True, text=True,
         env=environment(PLAIT_FAULT_KILL="0:12"), cwd=tmp_path, timeout=600,

@@ -107,7 +107,11 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int, worker, env: di
     restart the whole group up to max_restarts times when a worker dies (training then resumes from the
     newest checkpoint), but not after an input or storage error (exit 2), which a restart would only repeat:
     that error is printed once."""
-    saved = {k: os.environ.get(k) for k in env or {}}
+    from plait.parallel.env import RESTART_COUNT_ENV
+
+    # the workers' attempt number (set per attempt below) leaves with the launch: a later launch in this process
+    # (the Python API, a test) must not start as a restart (no memory preflight, fault injection as attempt N)
+    saved = {k: os.environ.get(k) for k in [*(env or {}), RESTART_COUNT_ENV]}
     os.environ.update(env or {})
     try:
         return _launch_local(nproc, argv, max_restarts, worker)
