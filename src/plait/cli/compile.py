@@ -2,7 +2,8 @@
 
     plait compile [CONFIG.toml] [--section.key=value ...] --world-size N [--rank R | --ranks stages]
 
-Exit 0 when the graphs were compiled and published into compile.cache_dir, 2 for a bad setting.
+Exit 0 when the graphs were compiled and published into compile.cache_dir, 2 for a bad setting; a rank that
+fails (--ranks stages) is an error naming it.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def build_parser():
 def cmd_compile(argv: list[str]) -> int:
     from plait.cli.args import config_argv, parse_config_args
     from plait.config import load_config
-    from plait.engine.precompile import Precompiled, precompile, stage_ranks
+    from plait.engine.precompile import precompile, stage_ranks
 
     a, settings = parse_config_args(build_parser(), argv)
     if a.world_size < 1:
@@ -66,7 +67,7 @@ def cmd_compile(argv: list[str]) -> int:
     if a.json:
         with open(a.json, "w") as f:
             json.dump([vars(r) for r in results], f, indent=1)
-    return 0 if all(isinstance(r, Precompiled) for r in results) else 1
+    return 0
 
 
 def _in_subprocess(argv: list[str], rank: int):
