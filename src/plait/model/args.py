@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass
@@ -83,6 +83,11 @@ class ModelArgs:
     """RETRO: neighbours per chunk (at most the database's --k)."""
     retrieval_encoder_layers: int = 2
     """RETRO: bidirectional blocks of the neighbours' encoder (sharing the token embedding)."""
+
+    def neighbour_encoder_args(self) -> ModelArgs:
+        """RETRO's neighbour encoder's blocks: this model's, dense, full attention, no cross-attention of their
+        own (the one shape rule of the model's encoder and of the planner's counts)."""
+        return replace(self, sliding_window=0, moe_experts=0, retrieval_layers="")
 
     @property
     def retrieval_ids(self) -> tuple[int, ...]:

@@ -13,7 +13,6 @@ from that format without permuting q/k rows.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import math
 import os
@@ -310,7 +309,7 @@ class NeighbourEncoder(nn.Module):
 
     def __init__(self, args: ModelArgs):
         super().__init__()
-        plain = dataclasses.replace(args, sliding_window=0, moe_experts=0, retrieval_layers="")
+        plain = args.neighbour_encoder_args()
         self.layers = nn.ModuleDict(
             {str(i): TransformerBlock(plain, i, bidirectional=True) for i in range(args.retrieval_encoder_layers)}
         )

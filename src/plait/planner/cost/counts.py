@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
 from plait.model.args import ModelArgs
@@ -38,7 +36,7 @@ def encoder_params(a: ModelArgs) -> list[tuple[int, int, int]]:
     gathered through the step."""
     if not a.retrieval_ids:
         return []
-    plain = dataclasses.replace(a, retrieval_layers="", moe_experts=0)
+    plain = a.neighbour_encoder_args()
     block = [(d0, d1 * a.retrieval_encoder_layers, split) for d0, d1, split in layer_params(plain)]
     return [*block, (a.dim, 1, -1)]
 

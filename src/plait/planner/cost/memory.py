@@ -4,7 +4,6 @@ the allocator's slack."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import numpy as np
@@ -125,7 +124,7 @@ def retrieval_activation_bytes(a: ModelArgs, e: int, tp, ac) -> np.ndarray:
         return np.zeros_like(np.asarray(tp, dtype=np.float64))
     h, heads, n = a.dim, a.n_heads, 2 * a.retrieval_k
     q, kv = heads * a.head_dim, a.n_kv_heads * a.head_dim
-    plain = dataclasses.replace(a, retrieval_layers="", moe_experts=0)
+    plain = a.neighbour_encoder_args()
     encoder = n * a.retrieval_encoder_layers * layer_activation_bytes(plain, e, tp, NO_AC)
     encoder = encoder + n * ((_norm_bytes(e) * h + 4) / tp + h * e + EMBED_ACTIVATION_BYTES)
     none = (_norm_bytes(e) * h + 4 + q * e + 2 * n * q * e + 2 * q * e + 4 * heads) / tp + h * e
