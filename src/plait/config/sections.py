@@ -112,6 +112,9 @@ class OptimConfig:
     """AdamW beta2."""
     eps: float = 1e-8
     """AdamW epsilon."""
+    state_dtype: Literal["fp32", "bf16"] = "fp32"
+    """AdamW's two moments: 'fp32', or 'bf16' with stochastic rounding (plait.engine.bf16_adamw): 12 bytes a
+    parameter instead of 16, for runs whose states do not fit (llama3-8b with CPU offload on a 128 GiB host)."""
 
 
 @dataclass

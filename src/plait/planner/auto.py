@@ -26,13 +26,11 @@ def auto_layout_overrides(cfg: Config, world_size: int) -> tuple[list[str], list
     """The planner's best layout for this config on world_size local devices, as `section.key=value`
     overrides (so every worker gets the same choice), and the planner's explanation lines."""
     from plait.core.hardware import resolve_device, uses_bf16
-    from plait.planner.cost import Workload
+    from plait.planner.preflight import workload_of
     from plait.planner.search import explain, layout_config, plan
 
     bf16 = uses_bf16(cfg.train.mixed_precision, resolve_device(cfg.run.device))
-    work = Workload(
-        cfg.model, cfg.data.seq_len, cfg.train.global_batch_size, "bf16" if bf16 else "fp32", cfg.train.fused_head
-    )
+    work = workload_of(cfg, bf16)
     result = plan(work, cluster_for(world_size))
     chosen = layout_config(result, cfg)
     overrides = [

@@ -92,7 +92,9 @@ def fit_rank(cfg: Config, world_size: int, rank: int, steps: int = 3) -> RankFit
         note = (
             f"not run: CPU offload's states are predicted at {predicted['host'] / GiB:.1f} GiB of host memory, "
             f"over {HOST_MEMORY_FRACTION:.0%} of the {host_free / GiB:.1f} GiB available on this machine"
-        )
+            + ("; optim.state_dtype=bf16 keeps 12 bytes a parameter instead of 16" if cfg.optim.state_dtype == "fp32"
+               else "")
+        )  # fmt: skip
         return RankFit(coordinates={}, measured={}, predicted=predicted, step_s=None, compute_s=compute_s, fits=False,
                        note=note, **base)  # fmt: skip
     if device.type == "cuda":
@@ -158,12 +160,11 @@ def _predict(cfg: Config, world_size: int, dims, rank: int, bf16: bool, device: 
     """The planner's bytes for this rank by part ('peak': what the allocator hands out at once, 'total': with
     its slack and the device's reserve), and its compute + optimizer seconds on this machine's device."""
     from plait.planner.cluster import get_cluster, measure_local
-    from plait.planner.cost import Workload, evaluate
-    from plait.planner.preflight import layout_of
+    from plait.planner.cost import evaluate
+    from plait.planner.preflight import layout_of, workload_of
 
     lay = layout_of(cfg, world_size)
-    work = Workload(cfg.model, cfg.data.seq_len, cfg.train.global_batch_size, "bf16" if bf16 else "fp32",
-                    cfg.train.fused_head, device.type)  # fmt: skip
+    work = workload_of(cfg, bf16, device.type)
     here = dataclasses.replace(measure_local() if timed else get_cluster("h100"), devices_per_node=world_size)
     out = evaluate(work, here, lay)
     stage = (rank // (world_size // dims.pp)) if dims.pp > 1 else 0  # pp is the outermost mesh axis

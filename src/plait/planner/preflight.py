@@ -27,6 +27,14 @@ processes that had imported plait's training modules (0.23 GiB each; the shared 
 planner's GPU reserve (CUDA context, NCCL, cuBLAS workspaces), which a CPU process does not have."""
 
 
+def workload_of(cfg: Config, bf16: bool, device: str = "cuda"):
+    """This config's workload for the planner's cost model (shapes, batch, precision, head, optimizer states)."""
+    from plait.planner.cost import Workload
+
+    return Workload(cfg.model, cfg.data.seq_len, cfg.train.global_batch_size, "bf16" if bf16 else "fp32",
+                    cfg.train.fused_head, device, 2 if cfg.optim.state_dtype == "bf16" else 4)  # fmt: skip
+
+
 def layout_of(cfg: Config, world_size: int):
     """This config's parallel layout as the planner's one-row Layouts (degrees resolved, and the layout checked,
     as the runtime does)."""
@@ -61,11 +69,10 @@ def predict(cfg: Config, world_size: int, local_size: int, bf16: bool, layout=No
     """Predicted bytes per device (worst rank) with its parts, and host bytes per process (CPU offload), for
     this config's layout (or `layout`, its Layouts already made), computing on `device` (a device type)."""
     from plait.planner.cluster import get_cluster
-    from plait.planner.cost import Workload, evaluate
+    from plait.planner.cost import evaluate
 
     lay = layout if layout is not None else layout_of(cfg, world_size)
-    precision = "bf16" if bf16 else "fp32"
-    work = Workload(cfg.model, cfg.data.seq_len, cfg.train.global_batch_size, precision, cfg.train.fused_head, device)
+    work = workload_of(cfg, bf16, device)
     nodes = max(1, world_size // local_size)
     out = evaluate(work, get_cluster("h100", nodes=nodes, devices_per_node=world_size // nodes), lay)
     return {k.removeprefix("mem_"): float(v[0]) for k, v in out.items() if k.startswith("mem_")}

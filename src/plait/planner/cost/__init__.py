@@ -50,11 +50,11 @@ from plait.planner.cost.memory import (
 )
 from plait.planner.cost.time import (
     GEMM_KNEE,
-    OPTIMIZER_BYTES_PER_PARAM,
     SELECTIVE_RECOMPUTE,
     Links,
     a2a_bytes,
     allreduce_time,
+    optimizer_bytes_per_param,
     rank_time,
     ring_bytes,
     ring_time,
@@ -66,7 +66,7 @@ __all__ = [
     "ALLOCATOR_OVERHEAD",
     "EMBED_ACTIVATION_BYTES",
     "GEMM_KNEE",
-    "OPTIMIZER_BYTES_PER_PARAM",
+    "optimizer_bytes_per_param",
     "HOST_MEMORY_FRACTION",
     "MEMORY_FRACTION",
     "RESERVED_GIB",

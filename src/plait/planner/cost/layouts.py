@@ -32,6 +32,8 @@ class Workload:
     """The device type the run computes on: the fused head's weight gradient is added by the matmul itself
     only with half-precision operands on CUDA (plait.model.head.accumulate_weight_grad); elsewhere the chunk's
     product is a temporary first."""
+    moment_bytes: int = 4
+    """Bytes of each of AdamW's two moments per parameter: 4 (fp32), or 2 (optim.state_dtype = "bf16")."""
 
     @property
     def act_bytes(self) -> int:

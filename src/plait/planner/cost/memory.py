@@ -388,7 +388,8 @@ def rank_memory(work: Workload, lay: Layouts, c: Columns, name: str) -> dict[str
     has_head, has_embed = c.single | (not is_first), c.single | is_first
     sharded = layers * layer_s + root_s
     unsharded = layers * layer_u + root_u
-    states = np.where(lay.offload, 0.0, 16.0 * sharded)  # fp32 param + fp32 grad + AdamW (2 x fp32)
+    full, no_grads = 8.0 + 2 * work.moment_bytes, 4.0 + 2 * work.moment_bytes  # fp32 param (+ grad) + 2 moments
+    states = np.where(lay.offload, 0.0, full * sharded)
     # Gathered parameters: all of them when held (a pipeline, or no resharding after forward), else what the
     # two moments below hold (_resharding_gathered).
     gathered_f, gathered_b = (
@@ -428,7 +429,7 @@ def rank_memory(work: Workload, lay: Layouts, c: Columns, name: str) -> dict[str
     # optimizer) unless they outlive a micro-batch: reduced after each one, or without FSDP. In a pipeline,
     # those of the stages whose backward has begun by the schedule's peak (_activations).
     kept_grads = (c.m > 1) & (lay.sync_each | ~c.fsdp) & ~piped
-    states_at_peak = np.where(lay.offload, 0.0, np.where(kept_grads, 16.0, 12.0) * sharded)
+    states_at_peak = np.where(lay.offload, 0.0, np.where(kept_grads, full, no_grads) * sharded)
     at_forward_end = params_f + accumulated + transient_f + acts_f + at["grads_f"]
     dynamic = np.maximum(at_forward_end, params_b + grads_buf + transient_b + acts_b + at["grads_b"]) + tp_buf + pp_buf
     peak = np.maximum(states_at_peak + dynamic, states)
@@ -442,8 +443,8 @@ def rank_memory(work: Workload, lay: Layouts, c: Columns, name: str) -> dict[str
         peak=peak,
         allocator=dynamic * ALLOCATOR_OVERHEAD + RESERVED_GIB * GiB,
         total=peak + dynamic * ALLOCATOR_OVERHEAD + RESERVED_GIB * GiB,
-        host=np.where(lay.offload, 16.0 * sharded, 0.0),
-        host_at_peak=np.where(lay.offload, np.where(kept_grads | piped, 16.0, 12.0) * sharded, 0.0),  # offloaded then
+        host=np.where(lay.offload, full * sharded, 0.0),
+        host_at_peak=np.where(lay.offload, np.where(kept_grads | piped, full, no_grads) * sharded, 0.0),  # then
         sharded=sharded,
         unsharded=unsharded,
         layers=layers,

@@ -35,8 +35,11 @@ this fraction of a layer's forward time."""
 GEMM_KNEE = 128
 """A GEMM dimension d runs at d / (d + GEMM_KNEE) of the large-GEMM efficiency (skinny GEMMs are slower)."""
 
-OPTIMIZER_BYTES_PER_PARAM = 28
-"""AdamW step traffic: read param, grad, exp_avg, exp_avg_sq (4 x fp32), write param and both moments."""
+
+def optimizer_bytes_per_param(moment_bytes: int) -> int:
+    """AdamW step traffic: read the fp32 param and grad and both moments, write the param and both moments
+    (28 bytes with fp32 moments, 20 with bf16 ones)."""
+    return 12 + 4 * moment_bytes
 
 
 # ---------------------------------------------------------------------------------------------- comm
@@ -186,7 +189,7 @@ def rank_time(work: Workload, cluster: Cluster, lay: Layouts, c: Columns, links:
         t_mb=t_mb,
         zb=np.maximum(f_t + b_t - w_t, 0),
         fsdp=np.where(c.fsdp, fsdp_exposed, 0.0),
-        optimizer=_optimizer_time(cluster, lay, rank["sharded"], gathers),
+        optimizer=_optimizer_time(cluster, lay, rank["sharded"], gathers, optimizer_bytes_per_param(work.moment_bytes)),
     )
 
 
@@ -226,14 +229,14 @@ def _fsdp_exposed(work: Workload, lay: Layouts, c: Columns, links: Links, rank: 
     return exposed, fwd_gathers + np.where(c.single, mf * lay.reshard + lay.sync_each * np.maximum(mf - 1, 0), 0)
 
 
-def _optimizer_time(cluster: Cluster, lay: Layouts, sharded, gathers):
+def _optimizer_time(cluster: Cluster, lay: Layouts, sharded, gathers, per_param: int):
     """The optimizer step: bound by device memory bandwidth, or with CPU offload by the host's, plus moving the
     shards over PCIe for each FSDP gather (and the gradients back)."""
     return np.where(
         lay.offload,
-        OPTIMIZER_BYTES_PER_PARAM * sharded * cluster.devices_per_node / cluster.host_bw
+        per_param * sharded * cluster.devices_per_node / cluster.host_bw
         + (gathers + 1) * 4.0 * sharded / cluster.pcie_bw,
-        OPTIMIZER_BYTES_PER_PARAM * sharded / cluster.hbm_bw,
+        per_param * sharded / cluster.hbm_bw,
     )
 
 
