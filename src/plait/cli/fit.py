@@ -114,6 +114,8 @@ def predicted_report(rank: int, world_size: int, p: dict) -> str:
 
 def report(r) -> str:
     """The table for one rank: measured beside predicted, the step beside the planner's compute time, the verdict."""
+    from plait.planner.cost import host_resident
+
     where = ", ".join(f"{axis} {i} of {n}" for axis, (i, n) in r.coordinates.items()) or "every axis of degree 1"
     m, p = r.measured, r.predicted
     lines = [f"rank {r.rank} of {r.world_size} ({where}) on {r.device}, {_gib(r.capacity)}"]
@@ -133,9 +135,10 @@ def report(r) -> str:
         lines.append(f"  {'':44s} {'measured':>14s} {'planner':>14s} {'error':>8s}")
         for name, got, want in rows:
             lines.append(f"  {name:44s} {_gib(got, unit):>14s} {_gib(want, unit):>14s} {_error(got, want):>8s}")
-        host, host_p = m["host_rss"], p["host"]
+        host, host_p = m["host_rss"], host_resident(p["host"])
         lines.append(
             f"  {'host resident (the whole process)':44s} {_gib(host):>14s} {_gib(host_p) if host_p else '':>14s}"
+            f" {_error(host, host_p) if host_p else '':>8s}"
         )
     if r.step_s is not None:
         lines.append(f"  step {r.step_s:.3f} s (no communication: the fake group moves nothing); planner's compute + "

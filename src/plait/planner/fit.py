@@ -67,7 +67,7 @@ def fit_rank(cfg: Config, world_size: int, rank: int, steps: int = 3) -> RankFit
     from plait.core.hardware import device_memory_bytes, host_memory_bytes
     from plait.core.torch_private import init_fake_process_group
     from plait.parallel import Meshes
-    from plait.planner.cost import HOST_MEMORY_FRACTION
+    from plait.planner.cost import HOST_MEMORY_FRACTION, host_resident
 
     if steps < 1:
         raise ConfigError(f"--steps={steps} must be at least 1 (the first step also allocates the optimizer's states)")
@@ -87,10 +87,11 @@ def fit_rank(cfg: Config, world_size: int, rank: int, steps: int = 3) -> RankFit
         return RankFit(coordinates={}, measured={}, predicted=predicted, step_s=None, compute_s=compute_s, fits=False,
                        note=note, **base)  # fmt: skip
     host_free = host_memory_bytes("MemAvailable")
-    if device.type == "cuda" and host_free and predicted["host"] > HOST_MEMORY_FRACTION * host_free:
+    if device.type == "cuda" and host_free and host_resident(predicted["host"]) > HOST_MEMORY_FRACTION * host_free:
         # CPU offload's states live in host memory, where the OOM killer ends a process without a word
         note = (
-            f"not run: CPU offload's states are predicted at {predicted['host'] / GiB:.1f} GiB of host memory, "
+            f"not run: CPU offload's states are predicted at {predicted['host'] / GiB:.1f} GiB of host memory "
+            f"({host_resident(predicted['host']) / GiB:.1f} GiB resident), "
             f"over {HOST_MEMORY_FRACTION:.0%} of the {host_free / GiB:.1f} GiB available on this machine"
             + ("; optim.state_dtype=bf16 keeps 12 bytes a parameter instead of 16" if cfg.optim.state_dtype == "fp32"
                else "")

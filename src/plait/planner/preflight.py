@@ -99,6 +99,7 @@ REMEDIES = [
     ("train", "micro_batch_size", 1),
     ("parallel", "fsdp_reduce_every_micro_batch", True),  # no unsharded fp32 gradients held between micro-batches
     ("parallel", "cpu_offload", True),
+    ("optim", "state_dtype", "bf16"),  # 12 bytes a parameter of states instead of 16
 ]
 
 
@@ -137,7 +138,7 @@ def check_memory(cfg: Config, world_size: int, local_size: int, machine: Machine
     if cfg.finetune.lora_rank > 0:
         return "memory: not predicted for LoRA fine-tuning (the planner counts AdamW states for every weight)"
     from plait.core.hardware import bf16_for
-    from plait.planner.cost import HOST_MEMORY_FRACTION, RESERVED_GIB
+    from plait.planner.cost import HOST_MEMORY_FRACTION, RESERVED_GIB, host_resident
 
     machine = machine or Machine.here(cfg)
     on_gpu, host = machine.device_bytes is not None, machine.host_bytes
@@ -156,10 +157,11 @@ def check_memory(cfg: Config, world_size: int, local_size: int, machine: Machine
         limits = f"{machine.device_bytes / GiB:.1f} GiB on {machine.name}"
         share = m["total"] / machine.device_bytes
         if host is not None and m["host"] > 0:  # CPU offload: the states of every local process in host memory
-            need = local_size * m["host"]
+            need = local_size * host_resident(m["host"])
             limits += (
-                f"; {need / GiB:.1f} GiB of host memory for {procs}, {host / GiB:.1f} GiB available (offloaded "
-                f"states may take {HOST_MEMORY_FRACTION:.0%}: the host's OOM killer ends a process without a word)"
+                f"; {need / GiB:.1f} GiB of host memory for {procs} (offloaded states {m['host'] / GiB:.1f} GiB a "
+                f"process), {host / GiB:.1f} GiB available (offloaded ranks may take {HOST_MEMORY_FRACTION:.0%}: the "
+                "host's OOM killer ends a process without a word)"
             )
             share = max(share, need / (HOST_MEMORY_FRACTION * host))
         return share, needs, limits, m
@@ -187,8 +189,8 @@ def check_memory(cfg: Config, world_size: int, local_size: int, machine: Machine
             advice = "it fits with " + " or ".join(f"{' '.join(sorted(s))} ({need})" for s, need in fits[:3])
         elif on_gpu:
             advice = (
-                "neither full activation checkpointing, micro-batches of 1 (reduced after each) nor CPU offload, "
-                "alone or together, brings it under: "
+                "neither full activation checkpointing, micro-batches of 1 (reduced after each), CPU offload nor "
+                "bf16 AdamW moments, alone or together, brings it under: "
                 "more GPUs with FSDP (`plait plan` chooses a layout)"
             )
         else:

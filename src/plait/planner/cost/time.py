@@ -37,9 +37,11 @@ GEMM_KNEE = 128
 
 
 def optimizer_bytes_per_param(moment_bytes: int) -> int:
-    """AdamW step traffic: read the fp32 param and grad and both moments, write the param and both moments
-    (28 bytes with fp32 moments, 20 with bf16 ones)."""
-    return 12 + 4 * moment_bytes
+    """AdamW step traffic per parameter. fp32 moments, one fused pass: read the fp32 param, grad and both
+    moments, write the param and both moments (28 bytes). bf16 moments (plait.engine.bf16_adamw), chunk by
+    chunk: both moments up to fp32 (12), the fused pass over the copies (28), each copy stochastically rounded
+    back (add the noise, mask, cast: 2 x 26), 92 bytes in all."""
+    return 28 if moment_bytes == 4 else 92
 
 
 # ---------------------------------------------------------------------------------------------- comm
