@@ -16,6 +16,7 @@ from plait.core.errors import ConfigError
 from plait.engine.trainer import build_model, cross_entropy
 from plait.model import ModelArgs, preset_args
 from plait.planner import Layouts, Workload, cost, evaluate, get_cluster, plan
+from plait.planner.cost.memory import walk_held_chunks
 from plait.planner.search import layout_config
 
 GQA = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=16, max_seq_len=128)
@@ -281,6 +282,19 @@ def test_the_schedule_moments_the_planner_keeps_hold_every_peak(schedule):
         v = 1 if schedule == "1f1b" else 4
         long, walked = cost.held_chunks(schedule, 8, v, 512, 0), _walk_the_schedule(schedule, 8, v, 512, 0)
         assert sum(map(len, long)) < 0.2 * sum(map(len, walked))
+
+
+def test_zero_bubbles_long_steady_states_are_extrapolated_exactly():
+    """held_chunks takes zero bubble's moments at k p micro-batches (k > 5) from those at 4 p and 5 p: exactly
+    what walking every action of the schedule gives."""
+    for p, v in [(2, 1), (2, 4), (3, 2), (4, 3), (8, 2)]:
+        for r in sorted({0, p // 2, p - 1}):
+            for k in (6, 9, 16):
+                got, walked = (
+                    cost.held_chunks("zero_bubble", p, v, k * p, r),
+                    walk_held_chunks("zero_bubble", p, v, k * p, r),
+                )
+                assert all(np.array_equal(g, w) for g, w in zip(got, walked, strict=True)), (p, v, r, k)
 
 
 def test_cross_node_tensor_parallel_is_slow():

@@ -118,7 +118,8 @@ def evaluate(work: Workload, cluster: Cluster, lay: Layouts) -> dict[str, np.nda
     for key in ("states", "buffers", "activations", "transient", "peak", "allocator", "total", "host"):
         out[f"mem_{key}"] = np.where(worst_first, mem["first"][key], mem["last"][key])
     out["fits_host"] = (
-        out["mem_host"] * cluster.devices_per_node <= HOST_MEMORY_FRACTION * cluster.host_memory_gib * GiB
+        host_resident(out["mem_host"]) * cluster.devices_per_node
+        <= HOST_MEMORY_FRACTION * cluster.host_memory_gib * GiB
     )
     out["fits"] = (out["mem_total"] <= MEMORY_FRACTION * cluster.memory_gib * GiB) & out["fits_host"]
     links = Links.of(cluster, c)

@@ -252,8 +252,10 @@ def _rank_actions(schedule: str, p: int, v: int, m: int, r: int) -> tuple[np.nda
 
 
 STEADY_MICRO_BATCHES = 4
-"""Without zero bubble's weight-gradient counts, a longer steady state only repeats moments: the distinct
-moments of m micro-batches (a multiple of p) are those of 4 p from 3 p on (tests/test_planner.py walks them)."""
+"""A longer steady state only repeats moments. 1F1B and interleaved 1F1B: the distinct moments of m
+micro-batches (a multiple of p) are those of 4 p from 3 p on. Zero bubble: they are too, but for the weight
+gradients done, which grow by p each period in the moments that follow the steady state, so those of k p
+(k > 5) are 4 p's plus (k - 4) times the growth from 4 p to 5 p (tests/test_planner.py walks them all)."""
 
 
 @functools.lru_cache(maxsize=4096)
@@ -267,8 +269,18 @@ def held_chunks(schedule: str, p: int, v: int, m: int, r: int) -> tuple[np.ndarr
     forwards, and the start and end of each backward that follows one, and of each stage's first two.
     Returned apart, (forward ends, moments in backward): the rank's peak is the largest row, weighted by
     what each column's unit costs (peak_activations), with what the moment works in (rank_memory)."""
-    if schedule in ("1f1b", "interleaved_1f1b") and m > STEADY_MICRO_BATCHES * p and m % p == 0:
-        return held_chunks(schedule, p, v, STEADY_MICRO_BATCHES * p, r)
+    steady = STEADY_MICRO_BATCHES * p
+    if m > steady and m % p == 0:
+        if schedule in ("1f1b", "interleaved_1f1b"):
+            return held_chunks(schedule, p, v, steady, r)
+        if schedule == "zero_bubble" and m > steady + p:
+            base, later = held_chunks(schedule, p, v, steady, r), held_chunks(schedule, p, v, steady + p, r)
+            return tuple(b + (x - b) * ((m - steady) // p) for b, x in zip(base, later, strict=True))
+    return walk_held_chunks(schedule, p, v, m, r)
+
+
+def walk_held_chunks(schedule: str, p: int, v: int, m: int, r: int) -> tuple[np.ndarray, np.ndarray]:
+    """held_chunks by walking every action of the schedule."""
     ops, stages = _rank_actions(schedule, p, v, m, r)
     n = len(ops)
     time = np.arange(n)
@@ -349,10 +361,16 @@ def peak_activations(schedule, pp, virtual, m, rank_is_last: bool, weight) -> di
     keys, first, group = np.unique(packed, return_index=True, return_inverse=True)
     order = np.argsort(group.ravel(), kind="stable")
     bounds = np.searchsorted(group.ravel()[order], np.arange(len(keys) + 1))
+    # the units of every pipelined layout, one call per number of local stages (not one per group: the
+    # arithmetic is the same, and numpy's cost is in its calls)
+    units_of, column = {}, np.zeros(len(pp), dtype=np.int64)
+    for v in np.unique(columns[2]):
+        with_v = piped[columns[2] == v]
+        units_of[int(v)], column[with_v] = weight(with_v, int(v)), np.arange(len(with_v))
     for g in range(len(keys)):
         sched, p, v, mb = (int(x[first[g]]) for x in columns)
         idx = piped[order[bounds[g] : bounds[g + 1]]]  # the layouts with this schedule, pp, v and m
-        units = weight(idx, v)
+        units = units_of[v][:, :, column[idx]]
         kept_units, made_units = units[:2].reshape(2 * v, -1), units[2:].reshape(3 * v, -1)
         cols = np.arange(len(idx))
         for moment, rows in zip(
