@@ -10,6 +10,7 @@ reshard-after-forward. Layout columns are built with numpy, so ~10^6 candidates 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -106,6 +107,11 @@ def enumerate_layouts(work: Workload, cluster: Cluster) -> Layouts:
     a, world, batch = work.model, cluster.world_size, work.global_batch
     tps = [t for t in divisors(world) if tp_problem(a, work.seq_len, t) is None]
     base, sched = [], []
+
+    @functools.cache  # the same pipeline recurs for every FSDP split of its data-parallel ranks
+    def pipeline_runs(pp: int, code: int, v: int, local: int, mb: int) -> bool:
+        return pipeline_problem(a, pp, SCHEDULES[code], v, local, mb, work.fused_head) is None
+
     for tp, cp in itertools.product(tps, _cp_degrees(work, world)):
         if world % (tp * cp) or cp_problem(a, work.seq_len, cp, tp):
             continue
@@ -120,7 +126,7 @@ def enumerate_layouts(work: Workload, cluster: Cluster) -> Layouts:
             for shard, mb in itertools.product(divisors(dp), divisors(local)):
                 for ep in _ep_degrees(a, shard, cp, tp):
                     for code, v in options:
-                        if code and pipeline_problem(a, pp, SCHEDULES[code], v, local, mb, work.fused_head):
+                        if code and not pipeline_runs(pp, code, v, local, mb):
                             continue
                         base.append((dp // shard, shard, tp, pp, mb, cp, ep))
                         sched.append((code, v))

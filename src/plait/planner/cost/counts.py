@@ -59,10 +59,35 @@ def moe_params(a: ModelArgs) -> tuple[list[tuple[int, int, int]], list[tuple[int
     return rest, experts
 
 
+def distinct(*columns) -> tuple[list[np.ndarray], np.ndarray | None]:
+    """The distinct rows of integer columns (arrays of one shape, or scalars) and, for each element, the index
+    of its row: the cost model's columns hold a few hundred distinct degrees over hundreds of thousands of
+    layouts, so what depends on the degrees alone is computed once per distinct row (None: scalars, as they
+    are)."""
+    arrays = np.broadcast_arrays(*(np.asarray(c, dtype=np.int64) for c in columns))
+    if arrays[0].ndim == 0:
+        return list(arrays), None
+    bits = 63 // len(arrays)  # one int64 key per element: a 1-D sort, far cheaper than rows'
+    assert all(int(a.min()) >= 0 and int(a.max()) < 2**bits for a in arrays)  # noqa: S101
+    key = np.zeros(arrays[0].shape, dtype=np.int64)
+    for a in arrays:
+        key = key << bits | a
+    keys, first, inverse = np.unique(key.ravel(), return_index=True, return_inverse=True)
+    return [a.ravel()[first] for a in arrays], inverse.reshape(arrays[0].shape)
+
+
 def block_numel(a: ModelArgs, tp, fsdp_shard, ep) -> tuple:
     """Elements of one (average) block per rank: (FSDP-sharded, gathered) for its three parameter groups,
     dense parts (TP-split, sharded over fsdp_shard), the MoE router and shared expert (sharded over
     fsdp_shard x tp) and the experts (split over ep, sharded over fsdp_shard x tp / ep), as two dicts."""
+    (tp, fsdp_shard, ep), inverse = distinct(tp, fsdp_shard, ep)
+    sharded, gathered = _block_numel(a, tp, fsdp_shard, ep)
+    if inverse is None:
+        return sharded, gathered
+    return tuple({k: np.asarray(v)[inverse] if np.ndim(v) else v for k, v in d.items()} for d in (sharded, gathered))
+
+
+def _block_numel(a: ModelArgs, tp, fsdp_shard, ep) -> tuple:
     rest, experts = moe_params(a)
     moe_tp = tp if a.moe_experts or a.qk_norm else 1  # the whole parts are sharded over tp too
     sharded = {

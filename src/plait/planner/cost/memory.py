@@ -12,6 +12,7 @@ from plait.model.args import LOGITS_PER_CHUNK, ModelArgs, recompute_units_pay, s
 from plait.planner.cluster import GiB
 from plait.planner.cost.counts import (
     block_numel,
+    distinct,
     embed_params,
     encoder_params,
     head_params,
@@ -204,17 +205,20 @@ def split_stages(a: ModelArgs, seq_len: int, pp, virtual):
     'cost': FLOPs balanced, the output projection on the last stage); a rank holds stages r, r + p, ... of the
     p x v. Returns (n_first, n_last, edge_first, edge_last) arrays: the ranks' layers, and those of the
     model's first and last stage among them; with pp = 1 all are L (one rank holds everything)."""
-    pp, virtual = np.broadcast_arrays(np.asarray(pp, dtype=np.int64), np.asarray(virtual, dtype=np.int64))
-    out = [np.full(pp.shape, a.n_layers, np.int64) for _ in range(4)]
-    for p, v in set(zip(pp.ravel().tolist(), virtual.ravel().tolist(), strict=True)):
+    (pps, vs), inverse = distinct(pp, virtual)
+    out = np.full((4, *np.shape(pps)), a.n_layers, np.int64)
+    for i, (p, v) in enumerate(zip(np.ravel(pps).tolist(), np.ravel(vs).tolist(), strict=True)):
         if p == 1:
             continue
         stages = split_layers(a, p * v, "cost", seq_len)
-        at = (pp == p) & (virtual == v)
-        out[0][at] = sum(len(stages[s]) for s in range(0, p * v, p))
-        out[1][at] = sum(len(stages[s]) for s in range(p - 1, p * v, p))
-        out[2][at], out[3][at] = len(stages[0]), len(stages[-1])
-    return tuple(out)
+        at = (slice(None), i) if inverse is not None else slice(None)
+        out[at] = (
+            sum(len(stages[s]) for s in range(0, p * v, p)),
+            sum(len(stages[s]) for s in range(p - 1, p * v, p)),
+            len(stages[0]),
+            len(stages[-1]),
+        )
+    return tuple(out[:, inverse]) if inverse is not None else tuple(out)
 
 
 _F, _B, _I, _W = 0, 1, 2, 3  # forward, full backward, input gradient, weight gradient
@@ -373,11 +377,12 @@ def peak_activations(schedule, pp, virtual, m, rank_is_last: bool, weight) -> di
         units = units_of[v][:, :, column[idx]]
         kept_units, made_units = units[:2].reshape(2 * v, -1), units[2:].reshape(3 * v, -1)
         cols = np.arange(len(idx))
-        for moment, rows in zip(
-            "fb", held_chunks(SCHEDULES[sched], p, v, mb, p - 1 if rank_is_last else 0), strict=True
-        ):
-            kept, made = rows[:, : 2 * v] @ kept_units, rows[:, 2 * v :] @ made_units  # (rows, layouts)
-            at = np.argmax(kept + made, axis=0)
+        forward_ends, in_backward = held_chunks(SCHEDULES[sched], p, v, mb, p - 1 if rank_is_last else 0)
+        rows, forwards = np.concatenate([forward_ends, in_backward]), len(forward_ends)  # both in one product
+        kept, made = rows[:, : 2 * v] @ kept_units, rows[:, 2 * v :] @ made_units  # (rows, layouts)
+        total = kept + made
+        for moment, span in (("f", slice(0, forwards)), ("b", slice(forwards, len(rows)))):
+            at = np.argmax(total[span], axis=0) + span.start
             out[f"acts_{moment}"][idx], out[f"grads_{moment}"][idx] = kept[at, cols], made[at, cols]
     return out
 
