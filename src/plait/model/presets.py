@@ -99,6 +99,26 @@ PRESETS: dict[str, dict] = {
         moe_hidden_dim=768,
         moe_norm_topk=True,
     ),  # fmt: skip
+    # Qwen3-MoE's block (q/k norms, head size 128, 8 of 64 experts of width 768, normalised top-k) at a size that
+    # trains on one GPU with AdamW, the MoE of the GPU benchmarks (bench/gpu_session.py):
+    # 2.81B parameters, 0.70B active.
+    "qwen3-moe-2.8b": dict(
+        dim=1024,
+        n_layers=16,
+        n_heads=16,
+        n_kv_heads=4,
+        attention_head_dim=128,
+        qk_norm=True,
+        vocab_size=151936,
+        ffn_hidden_dim=3072,
+        norm_eps=1e-6,
+        rope_theta=1e6,
+        max_seq_len=4096,
+        moe_experts=64,
+        moe_top_k=8,
+        moe_hidden_dim=768,
+        moe_norm_topk=True,
+    ),  # fmt: skip
     # DeepSeek-V3's MoE shape for planning (256 routed experts, top 8, one shared, 3 dense first blocks, sigmoid
     # router, loss-free balancing) with grouped-query attention in place of its multi-head latent attention:
     # 675B parameters, 41B active (DeepSeek-V3: 671B, 37B).
