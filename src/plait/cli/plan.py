@@ -103,8 +103,8 @@ def _check_writable(path: str, overwrite: bool) -> None:
 
 PLANNER_BLAS_THREADS = "1"
 """The planner's matrix products are small and many (plait.planner.cost.memory.peak_activations): BLAS's
-threads spinning between them cost more CPU than the products (1T on 4,096 GPUs: 5.3 s of CPU with 2 threads,
-3.2 s with 1, on a 2-core VM). Set before numpy loads, unless the user set it."""
+threads spinning between them cost more CPU than the products (measured in docs/planner.md). Set before numpy
+loads, unless the user set it."""
 
 
 def cmd_plan(argv: list[str]) -> int:
