@@ -12,6 +12,26 @@ _LLAMA3_ROPE = dict(
     rope_original_max_seq_len=8192,
 )
 
+_QWEN3_30B_A3B = dict(
+    dim=2048,
+    n_layers=48,
+    n_heads=32,
+    n_kv_heads=4,
+    attention_head_dim=128,
+    qk_norm=True,
+    vocab_size=151936,
+    ffn_hidden_dim=6144,
+    norm_eps=1e-6,
+    rope_theta=1e6,
+    max_seq_len=40960,
+    moe_experts=128,
+    moe_top_k=8,
+    moe_hidden_dim=768,
+    moe_norm_topk=True,
+)  # fmt: skip
+"""Qwen3-30B-A3B's shape, which qwen3-moe-2.8b scales down."""
+
+
 PRESETS: dict[str, dict] = {
     # 0.72M parameters: unit tests and parallel parity runs.
     "debug": dict(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=4096, multiple_of=32, max_seq_len=512),
@@ -82,42 +102,18 @@ PRESETS: dict[str, dict] = {
         moe_bias_rate=1e-3,
     ),  # fmt: skip
     # Qwen3-30B-A3B's shape (128 experts, top 8, q/k norms, head size 128): 30.5B parameters, 3.3B active.
-    "qwen3-30b-a3b": dict(
-        dim=2048,
-        n_layers=48,
-        n_heads=32,
-        n_kv_heads=4,
-        attention_head_dim=128,
-        qk_norm=True,
-        vocab_size=151936,
-        ffn_hidden_dim=6144,
-        norm_eps=1e-6,
-        rope_theta=1e6,
-        max_seq_len=40960,
-        moe_experts=128,
-        moe_top_k=8,
-        moe_hidden_dim=768,
-        moe_norm_topk=True,
-    ),  # fmt: skip
+    "qwen3-30b-a3b": _QWEN3_30B_A3B,
     # Qwen3-MoE's block (q/k norms, head size 128, 8 of 64 experts of width 768, normalised top-k) at a size that
     # trains on one GPU with AdamW, the MoE of the GPU benchmarks (bench/gpu_session.py):
     # 2.81B parameters, 0.70B active.
     "qwen3-moe-2.8b": dict(
+        _QWEN3_30B_A3B,
         dim=1024,
         n_layers=16,
         n_heads=16,
-        n_kv_heads=4,
-        attention_head_dim=128,
-        qk_norm=True,
-        vocab_size=151936,
         ffn_hidden_dim=3072,
-        norm_eps=1e-6,
-        rope_theta=1e6,
         max_seq_len=4096,
         moe_experts=64,
-        moe_top_k=8,
-        moe_hidden_dim=768,
-        moe_norm_topk=True,
     ),  # fmt: skip
     # DeepSeek-V3's MoE shape for planning (256 routed experts, top 8, one shared, 3 dense first blocks, sigmoid
     # router, loss-free balancing) with grouped-query attention in place of its multi-head latent attention:
