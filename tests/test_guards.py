@@ -312,6 +312,50 @@ def test_two_ranks_refuse_skip_rollback_and_name_the_straggler(data_dir, tmp_pat
 # ------------------------------------------------------------------------------------------ the watchdog
 
 
+BEATING = """
+import sys, time
+import plait.features.guards as guards
+exec(sys.argv[3])  # (the test's way to switch the suspension check off and see it fail)
+dog = guards.Watchdog(rank=0, timeout_s=6, world_size=1)
+print("watching", flush=True)
+end, step = time.monotonic() + float(sys.argv[1]), 0
+while time.monotonic() < end:
+    step += 1
+    dog.beat(step)
+    for _ in range(40 if step < int(sys.argv[2]) else 120):  # 4 s without a beat (from step argv[2] on, 12 s)
+        time.sleep(0.1)
+dog.stop()
+print("finished", step)
+"""
+
+
+def _stop_for(seconds: float, *argv: str) -> subprocess.Popen:
+    """A BEATING process, stopped (SIGSTOP) 3 s after its watchdog starts for `seconds`, then continued."""
+    proc = subprocess.Popen([sys.executable, "-c", BEATING, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    assert proc.stdout.readline() == "watching\n"  # (importing plait can take seconds on a busy machine)
+    time.sleep(3)
+    proc.send_signal(signal.SIGSTOP)
+    time.sleep(seconds)
+    proc.send_signal(signal.SIGCONT)
+    return proc
+
+
+def test_a_stopped_process_is_not_a_hang_but_a_stalled_one_is():
+    """SIGSTOP for 15 s (a paused VM, a suspended laptop) freezes the watchdog with the training: on SIGCONT
+    the run goes on (exit 0), where before the watchdog counted the 15 s as the training's and ended it (as
+    it does here with the check switched off). A process whose training thread goes 12 s without a beat,
+    timeout 6 s, is a hang: exit HANG_EXIT_CODE."""
+    from plait.features.guards import HANG_EXIT_CODE
+
+    hung = subprocess.Popen([sys.executable, "-c", BEATING, "20", "2", ""], stderr=subprocess.PIPE, text=True)
+    assert hung.wait(timeout=120) == HANG_EXIT_CODE and "made no progress" in hung.stderr.read()
+    stopped = _stop_for(15, "20", "1000", "")
+    assert stopped.wait(timeout=120) == 0 and "finished" in stopped.stdout.read()
+    unchecked = _stop_for(15, "20", "1000", "guards.SUSPENDED_S = float('inf')")
+    assert unchecked.wait(timeout=120) == HANG_EXIT_CODE
+
+
 @pytest.mark.slow
 def test_hang_watchdog_reports_exits_and_the_group_restarts(data_dir, tmp_path):
     """Rank 1 hangs in forward at step 3: its watchdog names the rank and phase, dumps the stacks and exits

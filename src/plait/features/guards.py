@@ -189,6 +189,14 @@ def last_collective(thread_id: int) -> str | None:
     )
 
 
+SUSPENDED_S = 10.0
+"""A watchdog poll (at most 1 s) late by this much means this thread was not scheduled: the process was stopped."""
+SUSPENDED_CPU_SHARE = 0.5
+"""...if the process used less than this share of a CPU meanwhile: a stall that holds the GIL keeps a CPU
+busy all along, a stopped process uses none (the poll's count includes the moment after SIGCONT before this
+thread runs: 0.6 s of 15 s measured, with the training thread busy)."""
+
+
 class Watchdog:
     """A daemon thread that ends this process when the training thread makes no progress for timeout_s:
     it prints which rank, which step, the phase and the last collective, then every thread's Python stack
@@ -214,11 +222,23 @@ class Watchdog:
     def _watch(self) -> None:
         self.poll = min(1.0, max(0.05, self.timeout_s / 10))
         self._beat_out()  # at once: a rank that stalls in its first poll interval is still named (with its pid)
+        woke, cpu = time.monotonic(), time.process_time()
         while not self._stop.wait(self.poll):
+            self._forgive_suspension(time.monotonic() - woke, time.process_time() - cpu)
+            woke, cpu = time.monotonic(), time.process_time()
             self._beat_out()
             idle = time.monotonic() - self._last
             if idle >= self.timeout_s:
                 self._fire(idle)
+
+    def _forgive_suspension(self, slept: float, cpu: float) -> None:
+        """A poll that overslept by SUSPENDED_S or more while the whole process used almost no CPU: the process
+        (or the machine) was stopped (SIGSTOP, a paused VM, a suspended laptop), not the training. That time is
+        not the training thread's: it moves its last beat forward instead of counting as a hang. A training
+        thread that holds the GIL for as long uses the CPU meanwhile, and still counts."""
+        overslept = slept - self.poll
+        if overslept >= SUSPENDED_S and cpu < SUSPENDED_CPU_SHARE * overslept:
+            self._last += overslept
 
     def _beat_out(self) -> None:
         """This rank's heartbeat in the job's store: wall time, step, pid, host. Written by this thread, so a
