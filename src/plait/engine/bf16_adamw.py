@@ -101,7 +101,7 @@ class BF16StateAdamW(torch.optim.Optimizer):
                     m32, v32 = m[start:end].float(), v[start:end].float()
                     adamw(
                         [w[start:end]], [g[start:end]], [m32], [v32], [],
-                        [torch.tensor(float(step), device=w.device if fused else "cpu")],
+                        [torch.full((), float(step), device=w.device if fused else "cpu")],  # a fill, no copy
                         foreach=False, fused=fused, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
                         weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
                     )  # fmt: skip
