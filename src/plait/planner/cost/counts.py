@@ -67,11 +67,13 @@ def distinct(*columns) -> tuple[list[np.ndarray], np.ndarray | None]:
     arrays = np.broadcast_arrays(*(np.asarray(c, dtype=np.int64) for c in columns))
     if arrays[0].ndim == 0:
         return list(arrays), None
-    bits = 63 // len(arrays)  # one int64 key per element: a 1-D sort, far cheaper than rows'
-    assert all(int(a.min()) >= 0 and int(a.max()) < 2**bits for a in arrays)  # noqa: S101
+    # one int64 key per element, each column in as many bits as its largest value needs: a 1-D sort, far
+    # cheaper than rows'
+    bits = [max(1, int(a.max(initial=0)).bit_length()) for a in arrays]
+    assert sum(bits) <= 63 and all(int(a.min(initial=0)) >= 0 for a in arrays)  # noqa: S101
     key = np.zeros(arrays[0].shape, dtype=np.int64)
-    for a in arrays:
-        key = key << bits | a
+    for a, b in zip(arrays, bits, strict=True):
+        key = key << b | a
     keys, first, inverse = np.unique(key.ravel(), return_index=True, return_inverse=True)
     return [a.ravel()[first] for a in arrays], inverse.reshape(arrays[0].shape)
 

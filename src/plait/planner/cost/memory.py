@@ -358,21 +358,18 @@ def peak_activations(schedule, pp, virtual, m, rank_is_last: bool, weight) -> di
     where pp = 1."""
     out = {k: np.zeros(len(pp), dtype=np.float64) for k in ("acts_f", "grads_f", "acts_b", "grads_b")}
     piped = np.nonzero(pp > 1)[0]
-    # one int64 per layout (schedule: 3 bits, pp: 21, virtual: 8, micro-batches: 31): a 1-D sort, not rows'
     columns = [np.asarray(x, dtype=np.int64)[piped] for x in (schedule, pp, virtual, m)]
-    assert all(int(x.max(initial=0)) < 2**bits for x, bits in zip(columns, (3, 21, 8, 31), strict=True))  # noqa: S101
-    packed = ((columns[0] << 21 | columns[1]) << 8 | columns[2]) << 31 | columns[3]
-    keys, first, group = np.unique(packed, return_index=True, return_inverse=True)
-    order = np.argsort(group.ravel(), kind="stable")
-    bounds = np.searchsorted(group.ravel()[order], np.arange(len(keys) + 1))
+    groups, group = distinct(*columns)  # the distinct (schedule, pp, v, m), and each layout's
+    order = np.argsort(group, kind="stable")
+    bounds = np.searchsorted(group[order], np.arange(len(groups[0]) + 1))
     # the units of every pipelined layout, one call per number of local stages (not one per group: the
     # arithmetic is the same, and numpy's cost is in its calls)
     units_of, column = {}, np.zeros(len(pp), dtype=np.int64)
     for v in np.unique(columns[2]):
         with_v = piped[columns[2] == v]
         units_of[int(v)], column[with_v] = weight(with_v, int(v)), np.arange(len(with_v))
-    for g in range(len(keys)):
-        sched, p, v, mb = (int(x[first[g]]) for x in columns)
+    for g in range(len(groups[0])):
+        sched, p, v, mb = (int(x[g]) for x in groups)
         idx = piped[order[bounds[g] : bounds[g + 1]]]  # the layouts with this schedule, pp, v and m
         units = units_of[v][:, :, column[idx]]
         kept_units, made_units = units[:2].reshape(2 * v, -1), units[2:].reshape(3 * v, -1)
