@@ -297,6 +297,16 @@ def test_zero_bubbles_long_steady_states_are_extrapolated_exactly():
                 assert all(np.array_equal(g, w) for g, w in zip(got, walked, strict=True)), (p, v, r, k)
 
 
+def test_gpipes_moments_are_extrapolated_exactly():
+    """held_chunks takes GPipe's moments at m micro-batches (m > 4, any m) from those at 3 and 4: exactly what
+    walking every action of the schedule gives, on every rank."""
+    for p in (2, 3, 4, 8):
+        for r in range(p):
+            for m in (5, 7, 8, 33, 64, 130):
+                got, walked = cost.held_chunks("gpipe", p, 1, m, r), walk_held_chunks("gpipe", p, 1, m, r)
+                assert all(np.array_equal(g, w) for g, w in zip(got, walked, strict=True)), (p, r, m)
+
+
 def test_cross_node_tensor_parallel_is_slow():
     """tp=8 inside an 8-device node against tp=8 spread over two 4-device nodes."""
     work = Workload(preset_args("llama3-70b"), 4096, 64)

@@ -107,9 +107,31 @@ threads spinning between them cost more CPU than the products (measured in docs/
 loads, unless the user set it."""
 
 
+PLANNER_MALLOC = {-3: 32 << 20, -1: 1 << 30, -2: 64 << 20}
+"""glibc's malloc settings for `plait plan` (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, M_TOP_PAD): the cost model
+allocates and frees arrays of a few MB (one value per layout) by the thousand, which glibc by default maps and
+unmaps, or trims, each time: a page fault per 4 KiB touched again. Kept in the process instead (measured in
+docs/planner.md, bench/plan_speed.py)."""
+
+
+def _keep_freed_memory() -> None:
+    """PLANNER_MALLOC where the C library is glibc (elsewhere nothing changes)."""
+    if not hasattr(os, "confstr") or "glibc" not in (os.confstr("CS_GNU_LIBC_VERSION") or ""):
+        return
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt  # this process's own symbols: glibc's
+        for option, value in PLANNER_MALLOC.items():
+            mallopt(option, value)
+    except (OSError, AttributeError):
+        return
+
+
 def cmd_plan(argv: list[str]) -> int:
     for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(name, PLANNER_BLAS_THREADS)  # a process of its own: nothing else shares them
+    _keep_freed_memory()
     from plait.config import Config, load_config
     from plait.model import preset_args
     from plait.planner.cluster import get_cluster

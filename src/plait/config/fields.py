@@ -14,7 +14,8 @@ from plait.core.errors import ConfigError
 
 @cache
 def hints(cls: type) -> dict[str, Any]:
-    return {f.name: typing.get_type_hints(cls)[f.name] for f in dataclasses.fields(cls)}
+    every = typing.get_type_hints(cls)  # once: it evaluates every annotation of the class
+    return {f.name: every[f.name] for f in dataclasses.fields(cls)}
 
 
 def convert(key: str, raw: Any, typ: Any) -> Any:

@@ -325,4 +325,5 @@ class Config:
         return Path(self.run.out_dir).expanduser() / self.run.name
 
 
-SECTIONS: dict[str, type] = {f.name: typing.get_type_hints(Config)[f.name] for f in dataclasses.fields(Config)}
+_SECTION_TYPES = typing.get_type_hints(Config)  # once: it evaluates every annotation
+SECTIONS: dict[str, type] = {f.name: _SECTION_TYPES[f.name] for f in dataclasses.fields(Config)}

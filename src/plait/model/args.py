@@ -219,21 +219,22 @@ def split_layers(args: ModelArgs, num_stages: int, how: str = "cost", seq_len: i
     extra_last = args.head_flops_per_token() / args.layer_flops_per_token(seq_len or args.max_seq_len)
     # Per-stage layer counts (each >= 1) minimising the largest stage cost; the last stage pays extra.
     best: tuple[float, list[int]] | None = None
-    for last in range(1, n - num_stages + 2):
-        others, rest = num_stages - 1, n - last
-        if others == 0:
-            counts = [n]
-        else:
-            if rest < others:
-                continue
-            base, extra = divmod(rest, others)
-            counts = [base + (1 if i < extra else 0) for i in range(others)] + [last]
-        worst = max(max(counts[:-1], default=0), counts[-1] + extra_last)
+    others = num_stages - 1
+    best: tuple[float, int] | None = None  # (the largest stage cost, the last stage's layers)
+    for last in range(1, n - num_stages + 2) if others else [n]:
+        rest = n - last
+        if rest < others:
+            continue
+        largest_other = -(-rest // others) if others else 0  # the other stages split the rest evenly
+        worst = max(largest_other, last + extra_last)
         if best is None or worst < best[0] - 1e-9:
-            best = (worst, counts)
+            best = (worst, last)
     assert best is not None
-    starts = [sum(best[1][:i]) for i in range(num_stages)]
-    return [list(range(s, s + c)) for s, c in zip(starts, best[1], strict=True)]
+    last = best[1]
+    base, extra = divmod(n - last, others) if others else (0, 0)
+    counts = [base + (1 if i < extra else 0) for i in range(others)] + [last]
+    starts = [sum(counts[:i]) for i in range(num_stages)]
+    return [list(range(s, s + c)) for s, c in zip(starts, counts, strict=True)]
 
 
 LOGITS_PER_CHUNK = 1 << 28

@@ -106,12 +106,13 @@ def enumerate_layouts(work: Workload, cluster: Cluster) -> Layouts:
     """Every layout plait can run for this model, batch and cluster (empty if none)."""
     a, world, batch = work.model, cluster.world_size, work.global_batch
     tps = [t for t in divisors(world) if tp_problem(a, work.seq_len, t) is None]
-    base, sched = [], []
+    base: list[tuple[int, ...]] = []  # (dp_replicate, dp_shard, tp, pp, micro_batch, cp, ep, schedule, v)
 
     @functools.cache  # the same pipeline recurs for every FSDP split of its data-parallel ranks
     def pipeline_runs(pp: int, code: int, v: int, local: int, mb: int) -> bool:
         return pipeline_problem(a, pp, SCHEDULES[code], v, local, mb, work.fused_head) is None
 
+    schedules = functools.cache(_schedules)  # the same for every tensor and context split of a pipeline degree
     for tp, cp in itertools.product(tps, _cp_degrees(work, world)):
         if world % (tp * cp) or cp_problem(a, work.seq_len, cp, tp):
             continue
@@ -122,17 +123,15 @@ def enumerate_layouts(work: Workload, cluster: Cluster) -> Layouts:
             if batch_problem(batch, dp, 0):
                 continue
             local = batch // dp
-            options = [(0, 1)] if pp == 1 else _schedules(pp, a.n_layers, work.fused_head)
+            options = ((0, 1),) if pp == 1 else schedules(pp, a.n_layers, work.fused_head)
+            runs = {mb: [o for o in options if not o[0] or pipeline_runs(pp, *o, local, mb)] for mb in divisors(local)}
             for shard, mb in itertools.product(divisors(dp), divisors(local)):
                 for ep in _ep_degrees(a, shard, cp, tp):
-                    for code, v in options:
-                        if code and not pipeline_runs(pp, code, v, local, mb):
-                            continue
-                        base.append((dp // shard, shard, tp, pp, mb, cp, ep))
-                        sched.append((code, v))
+                    base += [(dp // shard, shard, tp, pp, mb, cp, ep, code, v) for code, v in runs[mb]]
     if not base:
         return Layouts(*(np.zeros(0, dtype=np.int64) for _ in range(13)))
-    base_a, sched_a = np.asarray(base, dtype=np.int64), np.asarray(sched, dtype=np.int64)
+    rows_a = np.asarray(base, dtype=np.int64)
+    base_a, sched_a = rows_a[:, :7], rows_a[:, 7:]
     # Cross with AC mode x offload x reshard x reduce-every-micro-batch; the last two matter only with FSDP and
     # no pipeline (and the last only with more than one micro-batch).
     extra = np.asarray(list(itertools.product(range(len(AC_MODES)), (0, 1), (1, 0), (0, 1))), dtype=np.int64)
@@ -179,13 +178,13 @@ def _cp_degrees(work: Workload, world: int) -> list[int]:
     return [c for c in divisors(world) if c == 1 or work.seq_len // c >= CP_MIN_LOCAL_TOKENS]
 
 
-def _schedules(pp: int, n_layers: int, fused_head: bool = True) -> list[tuple[int, int]]:
+def _schedules(pp: int, n_layers: int, fused_head: bool = True) -> tuple[tuple[int, int], ...]:
     """(schedule code, virtual stages) worth searching; none that this torch refuses (schedule_problem)."""
     out = [(1, 1), (2, 1)]
     for v in VIRTUAL_STAGES:
         if pp * v <= n_layers:
             out += [(code, v) for code in (3, 4) if schedule_problem(SCHEDULES[code], fused_head) is None]
-    return out
+    return tuple(out)
 
 
 def plan(work: Workload, cluster: Cluster, *, hints: bool = True, pins: dict[str, int] | None = None) -> Plan:

@@ -244,7 +244,7 @@ def _rank_actions(schedule: str, p: int, v: int, m: int, r: int) -> tuple[np.nda
     fwd_stage = (op // per_round) % v
     bwd_stage = v - 1 - ((op - warm) // per_round) % v
     lag_stage = v - 1 - ((op - r - warm) // per_round) % v  # W at op is for the backward of op - r
-    ops = np.stack([np.full_like(op, _F), np.full_like(op, _I if zero_bubble else _B), np.full_like(op, _W)], 1)
+    ops = np.broadcast_to(np.array([_F, _I if zero_bubble else _B, _W]), (len(op), 3))
     stages = np.stack([fwd_stage, bwd_stage, lag_stage], 1)
     valid = np.stack([op < total, op >= warm, zero_bubble & (op - warm >= r)], 1)
     ops, stages = ops[valid], stages[valid]
@@ -261,6 +261,11 @@ micro-batches (a multiple of p) are those of 4 p from 3 p on. Zero bubble: they 
 gradients done, which grow by p each period in the moments that follow the steady state, so those of k p
 (k > 5) are 4 p's plus (k - 4) times the growth from 4 p to 5 p (tests/test_planner.py walks them all)."""
 
+GPIPE_LINEAR_FROM = 3
+"""GPipe's moments (all forwards, then the backwards' first two) hold m, m - 1 and m - 2 micro-batches: from
+this many micro-batches on, those of m are 3's plus (m - 3) times the growth from 3 to 4, for any m (walked in
+tests/test_planner.py)."""
+
 
 @functools.lru_cache(maxsize=4096)
 def held_chunks(schedule: str, p: int, v: int, m: int, r: int) -> tuple[np.ndarray, np.ndarray]:
@@ -274,13 +279,20 @@ def held_chunks(schedule: str, p: int, v: int, m: int, r: int) -> tuple[np.ndarr
     Returned apart, (forward ends, moments in backward): the rank's peak is the largest row, weighted by
     what each column's unit costs (peak_activations), with what the moment works in (rank_memory)."""
     steady = STEADY_MICRO_BATCHES * p
+    if schedule == "gpipe" and m > GPIPE_LINEAR_FROM + 1:
+        return _extrapolated(schedule, p, v, GPIPE_LINEAR_FROM, 1, m, r)
     if m > steady and m % p == 0:
         if schedule in ("1f1b", "interleaved_1f1b"):
             return held_chunks(schedule, p, v, steady, r)
         if schedule == "zero_bubble" and m > steady + p:
-            base, later = held_chunks(schedule, p, v, steady, r), held_chunks(schedule, p, v, steady + p, r)
-            return tuple(b + (x - b) * ((m - steady) // p) for b, x in zip(base, later, strict=True))
+            return _extrapolated(schedule, p, v, steady, p, m, r)
     return walk_held_chunks(schedule, p, v, m, r)
+
+
+def _extrapolated(schedule: str, p: int, v: int, base: int, period: int, m: int, r: int) -> tuple:
+    """held_chunks at m micro-batches from those at base and base + period, where each period adds the same."""
+    at, later = held_chunks(schedule, p, v, base, r), held_chunks(schedule, p, v, base + period, r)
+    return tuple(b + (x - b) * ((m - base) // period) for b, x in zip(at, later, strict=True))
 
 
 def walk_held_chunks(schedule: str, p: int, v: int, m: int, r: int) -> tuple[np.ndarray, np.ndarray]:
@@ -289,7 +301,7 @@ def walk_held_chunks(schedule: str, p: int, v: int, m: int, r: int) -> tuple[np.
     n = len(ops)
     time = np.arange(n)
     makes_grads = (ops == _B) | (ops == _W)  # the input-gradient pass (zero bubble) makes none
-    held_step = np.select([ops == _F, makes_grads], [1, -1], 0)
+    held_step = (ops == _F).astype(np.int64) - makes_grads
     # each stage's first and second backward (n where it has none): its gradients exist from the first on
     grad_ops = np.nonzero(makes_grads)[0]
     first_at, second_at = np.full(v, n), np.full(v, n)
@@ -341,47 +353,86 @@ def _distinct_moments(at, start, later, in_backward, held_step, first, stages) -
     steps = held_step.astype(np.uint64) * w[:, 0, stages] + first.astype(np.uint64) * w[:, 1, stages]
     key = np.cumsum(steps, axis=1)[:, at] + np.where(start >= 0, w[:, 2, start], 0)
     key += np.where(later >= 0, w[:, 3, later], 0) + in_backward * _HASH_WEIGHTS[:, 3, -1:]
-    h1, h2 = key[:, ::-1]  # latest first: unique keeps the first of each run of equals
-    _, latest, group = np.unique(h1, return_index=True, return_inverse=True)
-    if not np.array_equal(h2[latest][group], h2):  # the first hash matched where the second did not: odds 2**-64
+    order = np.argsort(key[0], kind="stable")  # equal keys stay in time order
+    h1, h2 = key[0, order], key[1, order]
+    latest = np.append(h1[1:] != h1[:-1], True)  # the last of each run of equals
+    if np.any(~latest[:-1] & (h2[1:] != h2[:-1])):  # the first hash matched where the second did not: odds 2**-64
         _, latest = np.unique(np.ascontiguousarray(key[:, ::-1].T).view(np.dtype((np.void, 16))), return_index=True)
-    return np.sort(len(at) - 1 - latest)
+        return np.sort(len(at) - 1 - latest)
+    return np.sort(order[latest])
 
 
 def peak_activations(schedule, pp, virtual, m, rank_is_last: bool, weight) -> dict[str, np.ndarray]:
     """Per layout (pp > 1), at the end of a forward ('f') and in a backward ('b'), at the schedule's largest
     such moment (held_chunks): the activations ('acts_f', 'acts_b'), sum over local stages s of held(s) x
     bytes(s) + done(s) x residue(s), and the gradients then ('grads_f', 'grads_b'), those of the stages whose
-    backward has begun plus a backward's fresh ones; ``weight(idx, v)`` returns, shaped (5, v, layouts), per
-    local stage s the bytes and residue of one micro-batch, its kept gradients, the fresh ones at a backward's
-    start and at a later backward's end, for the layouts ``idx``, on the first or the last pipeline rank. 0
-    where pp = 1."""
+    backward has begun plus a backward's fresh ones. ``weight(idx)`` returns, shaped (5, 2, layouts), the
+    bytes and residue of one micro-batch, its kept gradients, the fresh ones at a backward's start and at a
+    later backward's end, of the rank's edge stage (the model's first stage on the first pipeline rank, its
+    last on the last: the local stage 0, resp. v - 1) and of each of its other local stages, for the layouts
+    ``idx``. 0 where pp = 1."""
     out = {k: np.zeros(len(pp), dtype=np.float64) for k in ("acts_f", "grads_f", "acts_b", "grads_b")}
     piped = np.nonzero(pp > 1)[0]
+    if not len(piped):
+        return out
     columns = [np.asarray(x, dtype=np.int64)[piped] for x in (schedule, pp, virtual, m)]
     groups, group = distinct(*columns)  # the distinct (schedule, pp, v, m), and each layout's
-    order = np.argsort(group, kind="stable")
-    bounds = np.searchsorted(group[order], np.arange(len(groups[0]) + 1))
-    # the units of every pipelined layout, one call per number of local stages (not one per group: the
-    # arithmetic is the same, and numpy's cost is in its calls)
-    units_of, column = {}, np.zeros(len(pp), dtype=np.int64)
-    for v in np.unique(columns[2]):
-        with_v = piped[columns[2] == v]
-        units_of[int(v)], column[with_v] = weight(with_v, int(v)), np.arange(len(with_v))
-    for g in range(len(groups[0])):
+    # Layouts of one group often have the same units (what tells them apart, e.g. how the data-parallel ranks
+    # split into replicas and shards, changes no activation or gradient here): each distinct column is priced
+    # once and its result shared.
+    units = weight(piped).reshape(10, -1)  # row 2 u: unit u of the edge stage; 2 u + 1: of another stage
+    first, inverse = _alike_columns(units, group)
+    order = np.argsort(group[first], kind="stable")  # the distinct columns, group by group
+    first, of = first[order], group[first[order]]
+    inverse = np.argsort(order)[inverse]
+    units = units[:, first]
+    present, starts = np.unique(of, return_index=True)
+    found = {k: np.zeros(len(first)) for k in out}
+    for g, a, z in zip(present, starts, [*starts[1:], len(first)], strict=True):
         sched, p, v, mb = (int(x[g]) for x in groups)
-        idx = piped[order[bounds[g] : bounds[g + 1]]]  # the layouts with this schedule, pp, v and m
-        units = units_of[v][:, :, column[idx]]
-        kept_units, made_units = units[:2].reshape(2 * v, -1), units[2:].reshape(3 * v, -1)
-        cols = np.arange(len(idx))
-        forward_ends, in_backward = held_chunks(SCHEDULES[sched], p, v, mb, p - 1 if rank_is_last else 0)
-        rows, forwards = np.concatenate([forward_ends, in_backward]), len(forward_ends)  # both in one product
-        kept, made = rows[:, : 2 * v] @ kept_units, rows[:, 2 * v :] @ made_units  # (rows, layouts)
-        total = kept + made
+        rows, forwards = _moment_weights(SCHEDULES[sched], p, v, mb, rank_is_last)
+        kept, made = rows[:, :4] @ units[:4, a:z], rows[:, 4:] @ units[4:, a:z]  # (moments, layouts)
+        total, at_col = kept + made, np.arange(z - a)
         for moment, span in (("f", slice(0, forwards)), ("b", slice(forwards, len(rows)))):
             at = np.argmax(total[span], axis=0) + span.start
-            out[f"acts_{moment}"][idx], out[f"grads_{moment}"][idx] = kept[at, cols], made[at, cols]
+            found[f"acts_{moment}"][a:z], found[f"grads_{moment}"][a:z] = kept[at, at_col], made[at, at_col]
+    for k, x in found.items():
+        out[k][piped] = x[inverse]
     return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _moment_weights(schedule: str, p: int, v: int, m: int, rank_is_last: bool) -> tuple[np.ndarray, int]:
+    """held_chunks' moments of the first or the last pipeline rank (forward ends, then moments in backward)
+    as weights of peak_activations' units: per unit, its edge stage's column and the sum of its other
+    stages' (those stages have equal units), shaped (moments, 10); and how many are forward ends."""
+    forward_ends, in_backward = held_chunks(schedule, p, v, m, p - 1 if rank_is_last else 0)
+    rows = np.concatenate([forward_ends, in_backward]).reshape(-1, 5, v)
+    edge = rows[:, :, -1 if rank_is_last else 0]
+    weights = np.stack([edge, rows.sum(axis=2) - edge], axis=2).reshape(-1, 10)
+    return weights, len(forward_ends)
+
+
+def _alike_columns(units: np.ndarray, group: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(first, inverse) of the distinct (group, column of units) pairs: an index of each, and each column's.
+    Alike: equal in two 64-bit hashes, linear in the values' bits with their high half folded into the low
+    (a false match: odds of about 2**-128 per pair, as in _distinct_moments; on one, the columns are sorted
+    themselves); equal values with other bits (0.0 and -0.0) are merely priced apart."""
+    bits = np.ascontiguousarray(units).view(np.uint64)  # (values, layouts)
+    w = _HASH_WEIGHTS[:, 1, : len(bits) + 1]
+    key = group.astype(np.uint64) * w[:, :1]
+    for i, row in enumerate(bits):  # row by row: no (values, layouts) temporary
+        mixed = row ^ (row >> np.uint64(32))  # values apart by a power of 2 differ in high bits only: fold them
+        key += mixed * w[:, i + 1 : i + 2]
+    order = np.argsort(key[0])
+    h1, h2 = key[0, order], key[1, order]
+    starts = np.append(True, h1[1:] != h1[:-1])
+    if np.any(~starts & (h2 != np.roll(h2, 1))):  # the first hash matched where the second did not: odds 2**-64
+        _, first, inverse = np.unique(np.column_stack([group, bits.T]), axis=0, return_index=True, return_inverse=True)
+        return first, inverse.ravel()
+    inverse = np.empty(len(order), dtype=np.int64)
+    inverse[order] = np.cumsum(starts) - 1
+    return order[starts], inverse
 
 
 ZERO_BUBBLE_LAST_MARGIN = 1.15
@@ -488,8 +539,13 @@ def _root_numels(a: ModelArgs, c: Columns, is_first: bool):
     """((sharded, unsharded) elements of the root unit, unsharded ones of the embedding, the head and RETRO's
     neighbour encoder). The root: the rank's embedding or head (both without a pipeline), and the encoder (no
     pipeline: refused), with the embedding it reads from."""
+    (tp, shard), inverse = distinct(c.tp, c.fsdp_shard)  # computed per distinct degrees, then spread
+
+    def spread(x):
+        return np.asarray(x)[inverse] if inverse is not None and np.ndim(x) else x
+
     (emb_s, emb_u), (head_s, head_u), (enc_s, enc_u) = (
-        (sharded_numel(params, c.tp, c.fsdp_shard), local_numel(params, c.tp))
+        (spread(sharded_numel(params, tp, shard)), spread(local_numel(params, tp)))
         for params in (embed_params(a), head_params(a), encoder_params(a))
     )
     near, far = ((emb_s, emb_u), (head_s, head_u)) if is_first else ((head_s, head_u), (emb_s, emb_u))
@@ -555,29 +611,26 @@ def _activations(work: Workload, lay: Layouts, c: Columns, layers, *, rank_last:
     grads = {k: np.broadcast_to(x, c.pp.shape) for k, x in stage_grads.items()}
     tps = np.broadcast_to(c.tp, c.pp.shape)
 
-    def stage_units(idx, v_local: int) -> np.ndarray:
-        """(5, v, layouts): per local stage s, stage_bytes' five units for the layouts idx."""
+    def stage_units(idx) -> np.ndarray:
+        """(5, 2, layouts): stage_bytes' five units of the rank's edge stage and of each of its other local
+        stages (peak_activations), for the layouts idx."""
         g = {k: x[idx] for k, x in grads.items()}
-        n, n_edge, tp, t = others[idx], edge[idx], tps[idx], T[idx]
+        n, n_edge, tp, t, received = others[idx], edge[idx], tps[idx], T[idx], hand_off[idx]
         full = lay.ac[idx] == FULL_AC  # full AC: the zero-bubble residue is recomputed, not kept
+        zero = np.zeros(len(idx))
 
         def residue(n_layers, has_head):  # zero bubble: a stage that received its input keeps it as long
-            return np.where(full, 0, zero_bubble_residue(a, e, tp, n_layers, has_head, fused) * t + hand_off[idx])
+            return np.where(full, 0, zero_bubble_residue(a, e, tp, n_layers, has_head, fused) * t + received)
 
         # (the layers' bytes already count the stage input, which the first block's norm saves)
-        units = np.stack([n * per_layer[idx] + hand_off[idx], residue(n, False), n * g["layer"], g["start"], 0 * n])
-        units = units[:, None].repeat(v_local, axis=1)
-        if rank_last:  # its last local stage is the model's last: the head's
-            units[0, -1] = n_edge * per_layer[idx] + head[idx]
-            units[1, -1] = residue(n_edge, True)
-            units[2, -1] = n_edge * g["layer"] + g["root"]
-            units[3, -1] = g["start"] + g["start_head"]
-        else:  # its first local stage is the model's first: the embedding's, with no input received
-            units[0, 0] = n_edge * per_layer[idx] + hand_off[idx]
-            units[1, 0] = 0
-            units[2, 0] = n_edge * g["layer"] + g["root"]
-            units[4, 0] = g["end_embed"]
-        return units
+        other = [n * per_layer[idx] + received, residue(n, False), n * g["layer"], g["start"], zero]
+        if rank_last:  # its edge stage is the model's last: the head's
+            edge_units = [n_edge * per_layer[idx] + head[idx], residue(n_edge, True), n_edge * g["layer"] + g["root"],
+                          g["start"] + g["start_head"], zero]  # fmt: skip
+        else:  # its edge stage is the model's first: the embedding's, with no input received
+            edge_units = [n_edge * per_layer[idx] + received, zero, n_edge * g["layer"] + g["root"], g["start"],
+                          g["end_embed"]]  # fmt: skip
+        return np.stack([np.stack(edge_units), np.stack(other)], axis=1)
 
     piped = peak_activations(lay.schedule, c.pp, v, c.m, rank_last, stage_units)
     single = (

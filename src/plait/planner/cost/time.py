@@ -174,9 +174,11 @@ def rank_time(work: Workload, cluster: Cluster, lay: Layouts, c: Columns, links:
     # Expert parallelism, per MoE block and pass: the routed copies (k per token) go to their experts and
     # back, (ep - 1) / ep of them to other ranks, plus an exchange of the counts; backward the same for the
     # gradients; full AC dispatches the forward again. On the critical path: nothing hides it.
-    ep_bw, ep_lat = links.ep
-    a2a = 2 * (a2a_bytes(a, e, T / c.moe_tp, ep) / ep_bw + 2 * ep_lat)
-    ep_time = np.where(ep > 1, layers * moe_share * a2a * (2 + full), 0.0)
+    ep_time = np.zeros(np.shape(compute))
+    if a.n_moe_layers:
+        ep_bw, ep_lat = links.ep
+        a2a = 2 * (a2a_bytes(a, e, T / c.moe_tp, ep) / ep_bw + 2 * ep_lat)
+        ep_time = np.where(ep > 1, layers * moe_share * a2a * (2 + full), 0.0)
     t_mb = compute + tp_time + p2p + cp_time + ep_time
     # F / B / W shares of a micro-batch (communication spread pro rata) for the zero-bubble schedule.
     total_flops = fwd + bwd_in + wgt
@@ -214,9 +216,12 @@ def _fsdp_exposed(work: Workload, lay: Layouts, c: Columns, links: Links, rank: 
         (layers * block_u["moe"], c.fsdp_shard * c.whole_tp, mo_bw, mo_lat),
         (layers * block_u["experts"], c.fsdp_shard * c.whole_tp // c.ep, mo_bw, mo_lat),
     ):
-        ag = ag + ring_time(e * numel, n, bw, lat, groups)
-        rs = rs + ring_time(4.0 * numel, n, bw, lat, groups)
-        ar = ar + allreduce_time(4.0 * numel / n, c.rep, rp_bw, rp_lat, groups)
+        if not np.any(numel):  # no such group anywhere (a dense model's MoE groups): no collective, no latency
+            continue
+        count = np.where(numel > 0, groups, 0)  # a group without parameters runs no collective
+        ag = ag + ring_time(e * numel, n, bw, lat, count)
+        rs = rs + ring_time(4.0 * numel, n, bw, lat, count)
+        ar = ar + allreduce_time(4.0 * numel / n, c.rep, rp_bw, rp_lat, count)
     bwd_ag = np.where(lay.reshard & c.single, ag, 0.0)
     fwd_gathers = np.where(c.single, mf, 1.0)  # a pipeline keeps weights gathered after the first
     # With fsdp_reduce_every_micro_batch every micro-batch's backward also reduces (and its last group's
