@@ -307,6 +307,18 @@ def test_gpipes_moments_are_extrapolated_exactly():
                 assert all(np.array_equal(g, w) for g, w in zip(got, walked, strict=True)), (p, r, m)
 
 
+def test_fsdp_prices_only_the_collectives_a_dense_model_runs():
+    """FSDP 8 without resharding, one micro-batch, latency 1 s and no bandwidth cost: each of the L + 1 units
+    (blocks, root) all-gathers and reduce-scatters once, (n - 1) hops each, less the micro-batch's compute that
+    hides them, plus the first gather and the last reduction that nothing hides: 2 (n - 1)(L + 2) s - compute.
+    The MoE groups a dense model does not have add no latency (they once tripled it)."""
+    a = preset_args("llama3-8b")
+    cluster = get_cluster("h100", nodes=1, intra_latency=1.0, intra_bw=1e30)
+    out = evaluate(Workload(a, 4096, 8), cluster, Layouts.single(dp_shard=8, micro_batch=1, reshard=False))
+    assert out["micro_batches"][0] == 1
+    assert out["t_fsdp"][0] == pytest.approx(2 * 7 * (a.n_layers + 2) - out["t_compute"][0], rel=1e-9)
+
+
 def test_cross_node_tensor_parallel_is_slow():
     """tp=8 inside an 8-device node against tp=8 spread over two 4-device nodes."""
     work = Workload(preset_args("llama3-70b"), 4096, 64)
