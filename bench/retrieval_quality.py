@@ -3,6 +3,7 @@ equal steps and equal non-retrieval parameters, over 3 seeds, on the bundled cor
 
     python bench/retrieval_quality.py [--steps 150] [--seeds 0,1,2] [--chunk 32] [--k 2] [--batch 8]
         [--encoder-steps 100] [--documents plays|speeches] [--retro 'model.retrieval_layers=2,3;...']
+        [--shuffled-check]
 
 The database is built once (an encoder: plait's default model trained --encoder-steps steps, not timed with
 the runs). --documents: the corpus's plays as documents (as plait prepares it), or its speeches (the same text
@@ -10,7 +11,8 @@ cut at blank lines: a held-out speech retrieves from the other speeches of its p
 Each run trains `--steps` steps of the default model (preset tiny) with validation at the end; the retrieval
 runs add cross-attention in blocks 2 and 3 and a 1-block neighbour encoder. Printed: each seed's final
 validation loss, the mean and spread of the difference, and tokens/s of each side (the step's overhead);
-written to bench/results/retrieval_quality.json.
+written to bench/results/retrieval_quality.json. --shuffled-check also scores each retrieval model with its
+held-out neighbours permuted across chunks: the same loss means it takes nothing from them.
 """
 
 from __future__ import annotations
@@ -42,6 +44,35 @@ def run(data: Path, out: Path, name: str, steps: int, batch: int, seed: int, ext
     return {"val_loss": val[-1], "tokens_per_s": statistics.median(rates), "seconds": time.perf_counter() - started}
 
 
+def shuffled_neighbours_loss(run_dir: Path) -> dict[str, float]:
+    """A trained retrieval model's held-out loss with its neighbours as retrieved and with them permuted
+    across the held-out chunks (each chunk given another chunk's neighbours): equal losses mean the model
+    takes nothing from its neighbours."""
+    import numpy as np
+
+    import plait.data.retrieval as retrieval
+    from plait.cli.main import main as plait_main
+
+    out: dict[str, float] = {}
+    original = retrieval.RetrievalDataset.__init__
+    for side in ("retrieved", "shuffled"):
+
+        def init(self, data_dir, split, _side=side, **kw):
+            original(self, data_dir, split, **kw)
+            if _side == "shuffled" and split != "train":
+                self.neighbours = np.asarray(self.neighbours)[
+                    np.random.default_rng(0).permutation(len(self.neighbours))
+                ]
+
+        retrieval.RetrievalDataset.__init__ = init
+        try:
+            plait_main(["eval", str(run_dir), "--json", str(run_dir / f"eval_{side}.json")])
+        finally:
+            retrieval.RetrievalDataset.__init__ = original
+        out[side] = json.loads((run_dir / f"eval_{side}.json").read_text())["perplexity"]["loss"]
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=150)
@@ -53,6 +84,8 @@ def main() -> int:
     p.add_argument("--documents", choices=["plays", "speeches"], default="plays", help="what a document is")
     p.add_argument("--retro", default=";".join(RETRO), help="the retrieval runs' settings, ';'-separated")
     p.add_argument("--json", default="bench/results/retrieval_quality.json")
+    p.add_argument("--shuffled-check", action="store_true",
+                   help="also score each retrieval run's model with its held-out neighbours permuted")  # fmt: skip
     p.add_argument("--dry-run", action="store_true")
     a = p.parse_args()
     seeds = [int(s) for s in a.seeds.split(",")]
@@ -69,7 +102,10 @@ def main() -> int:
     results: dict[str, list[dict]] = {"plain": [], "retrieval": []}
     for seed in seeds:
         results["plain"].append(run(data, work, f"plain-{seed}", a.steps, a.batch, seed, []))
-        results["retrieval"].append(run(data, work, f"retro-{seed}", a.steps, a.batch, seed, retro))
+        keep = ["checkpoint.save_final=true"] if a.shuffled_check else []
+        results["retrieval"].append(run(data, work, f"retro-{seed}", a.steps, a.batch, seed, [*retro, *keep]))
+        if a.shuffled_check:
+            results["retrieval"][-1]["held_out_loss"] = shuffled_neighbours_loss(work / f"retro-{seed}")
         print(f"seed {seed}: val loss {results['plain'][-1]['val_loss']:.4f} plain, "
               f"{results['retrieval'][-1]['val_loss']:.4f} with retrieval", flush=True)  # fmt: skip
     gains = [p["val_loss"] - r["val_loss"] for p, r in zip(results["plain"], results["retrieval"], strict=True)]
