@@ -218,7 +218,6 @@ def split_layers(args: ModelArgs, num_stages: int, how: str = "cost", seq_len: i
         return [list(range(bounds[i], bounds[i + 1])) for i in range(num_stages)]
     extra_last = args.head_flops_per_token() / args.layer_flops_per_token(seq_len or args.max_seq_len)
     # Per-stage layer counts (each >= 1) minimising the largest stage cost; the last stage pays extra.
-    best: tuple[float, list[int]] | None = None
     others = num_stages - 1
     best: tuple[float, int] | None = None  # (the largest stage cost, the last stage's layers)
     for last in range(1, n - num_stages + 2) if others else [n]:

@@ -428,7 +428,8 @@ def _alike_columns(units: np.ndarray, group: np.ndarray) -> tuple[np.ndarray, np
     h1, h2 = key[0, order], key[1, order]
     starts = np.append(True, h1[1:] != h1[:-1])
     if np.any(~starts & (h2 != np.roll(h2, 1))):  # the first hash matched where the second did not: odds 2**-64
-        _, first, inverse = np.unique(np.column_stack([group, bits.T]), axis=0, return_index=True, return_inverse=True)
+        rows = np.column_stack([group.astype(np.uint64), bits.T])  # both uint64: no cast through float
+        _, first, inverse = np.unique(rows, axis=0, return_index=True, return_inverse=True)
         return first, inverse.ravel()
     inverse = np.empty(len(order), dtype=np.int64)
     inverse[order] = np.cumsum(starts) - 1
