@@ -253,3 +253,28 @@ def test_train_and_validation_loss_share_one_panel():
     assert loss.get_title() == "loss" and [line.get_label() for line in loss.get_lines()] == ["train", "validation"]
     two = figure({"a": rows, "b": rows}).axes[0]
     assert [line.get_label() for line in two.get_lines()] == ["a train", "a validation", "b train", "b validation"]
+
+
+def test_a_running_job_redraws_its_plot_at_most_once_a_minute_and_never_above_its_share(tmp_path):
+    """The picture is host work the accelerator waits for: an evaluation redraws it once PLOT_REFRESH_S have
+    passed and the last drawing took at most PLOT_SHARE of the time since; a run starts as just drawn."""
+    from plait.engine.plot import PLOT_REFRESH_S, PLOT_SHARE, PlotRefresh
+
+    now = [100.0]
+    refresh = PlotRefresh(clock=lambda: now[0])
+    assert not refresh.due()
+    now[0] += PLOT_REFRESH_S
+    assert refresh.due()
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "train/loss": 5.0}\n')
+
+    def slow_clock():  # each reading 10 s later: the drawing "takes" 10 s
+        now[0] += 10
+        return now[0]
+
+    refresh.clock = slow_clock
+    assert refresh.draw(tmp_path) == tmp_path / "loss.png" and refresh.cost == 10
+    refresh.clock = lambda: now[0]
+    now[0] += PLOT_REFRESH_S  # a minute later, but 10 s of drawing is above PLOT_SHARE of it
+    assert 10 > PLOT_SHARE * PLOT_REFRESH_S and not refresh.due()
+    now[0] += 10 / PLOT_SHARE
+    assert refresh.due()

@@ -1,7 +1,7 @@
 """What a run reports as it trains, attached to the trainer as a callback: the opening line, each logged
 step's loss, gradient norm, LR, throughput, MFU, memory and compile counters (run.final), the validation
 loss and checkpoint reports, all written through run.metrics (metrics.jsonl, TensorBoard, W&B, MLflow, the
-console) and the loss plot refreshed at each evaluation.
+console) and the loss plot refreshed at evaluations (paced: `PlotRefresh`).
 
 Throughput is measured between logged steps; evaluation, checkpoint saves and rollbacks are not counted."""
 
@@ -16,7 +16,7 @@ from plait.data.mixture import source_tokens
 from plait.engine.callbacks import Callback, RunState
 from plait.engine.metrics import info, warn
 from plait.engine.optim import schedule_problem
-from plait.engine.plot import PLOT_EXTRA, can_draw, write_run_plot
+from plait.engine.plot import PLOT_EXTRA, PlotRefresh, can_draw
 
 
 class StepMetrics(Callback):
@@ -43,6 +43,7 @@ class StepMetrics(Callback):
                 warn(problem)
             if not can_draw():
                 info(f"loss.png is not drawn: matplotlib is not installed ({PLOT_EXTRA})")
+        self.plot = PlotRefresh()
         self._mark(run.state.step)
         run.metrics.advance(run.state.step)
 
@@ -75,8 +76,8 @@ class StepMetrics(Callback):
 
     def after_eval(self, run, step: int, val_loss: float) -> None:
         run.metrics.log(step, {"loss": val_loss}, prefix="val")
-        if run.env.is_main:
-            write_run_plot(run.cfg.run_dir)  # runs/<name>/loss.png, refreshed at each evaluation
+        if run.env.is_main and self.plot.due():
+            self.plot.draw(run.cfg.run_dir)  # runs/<name>/loss.png; the trainer draws the last one at the end
         self.last_time = time.perf_counter()  # evaluation time is not training throughput
 
     def after_checkpoint(self, run, step: int, saved: dict[str, Any]) -> None:

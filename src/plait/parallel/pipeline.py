@@ -12,6 +12,7 @@ stages over the ``pp`` axis with point-to-point send/recv, one message per micro
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from dataclasses import dataclass
 from typing import Any
@@ -19,13 +20,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import (
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-)
 
 from plait.config import Config
 from plait.core.torch_private import (
@@ -42,12 +36,18 @@ from plait.parallel.dims import Meshes
 from plait.parallel.parallelize import materialize, parallelize
 from plait.parallel.rules import num_micro_batches
 
-SCHEDULES = {
-    "gpipe": ScheduleGPipe,
-    "1f1b": Schedule1F1B,
-    "interleaved_1f1b": ScheduleInterleaved1F1B,
-    "zero_bubble": ScheduleInterleavedZeroBubble,
-}
+
+def schedule_class(name: str):
+    """torch's schedule class for `parallel.pp_schedule`. torch.distributed.pipelining is imported here, when a
+    pipeline is built: it imports torch._dynamo, 4 s of CPU at every process start otherwise."""
+    from torch.distributed.pipelining import schedules
+
+    return {
+        "gpipe": schedules.ScheduleGPipe,
+        "1f1b": schedules.Schedule1F1B,
+        "interleaved_1f1b": schedules.ScheduleInterleaved1F1B,
+        "zero_bubble": schedules.ScheduleInterleavedZeroBubble,
+    }[name]
 
 
 def stage_module(args: ModelArgs, layer_ids: list[int], first: bool, last: bool) -> Transformer:
@@ -130,6 +130,8 @@ def build_pipeline(args: ModelArgs, meshes: Meshes, cfg: Config, device: torch.d
     stages: list = []
     parts: list[nn.Module] = []
     reduce_each = cfg.parallel.fsdp_reduce_every_micro_batch and meshes.dims.fsdp_enabled
+    from torch.distributed.pipelining import PipelineStage
+
     base = bounded_receive_stage(reducing_pipeline_stage() if reduce_each else PipelineStage)
     stage_class = quiet_shape_inference(base, not_counting)
     local_batch = cfg.train.global_batch_size // meshes.dims.dp
@@ -146,7 +148,7 @@ def build_pipeline(args: ModelArgs, meshes: Meshes, cfg: Config, device: torch.d
         parts.append(part)
         examples = stage_examples(cfg, meshes, local_batch // micro, first, last) if fake else {}
         stages.append(stage_class(part, stage_id, num_stages, device, group=meshes.pp.get_group(), **examples))
-    cls = SCHEDULES[cfg.parallel.pp_schedule]
+    cls = schedule_class(cfg.parallel.pp_schedule)
     if cfg.parallel.pp_schedule in ("gpipe", "1f1b"):
         schedule = cls(stages[0], n_microbatches=micro, loss_fn=loss_fn)
     else:
@@ -156,9 +158,11 @@ def build_pipeline(args: ModelArgs, meshes: Meshes, cfg: Config, device: torch.d
     return Pipeline(schedule, parts, 0 in owned, num_stages - 1 in owned, micro, fused)
 
 
-# torch >= 2.10: step(return_outputs=False) stops the last stage keeping each micro-batch's output (the
-# logits: micro_batch x seq x vocab) for a merged return value plait never reads.
-_KEEPS_OUTPUTS_UNLESS_TOLD = "return_outputs" in inspect.signature(ScheduleGPipe.step).parameters
+@functools.cache
+def _keeps_outputs_unless_told() -> bool:
+    """torch >= 2.10: step(return_outputs=False) stops the last stage keeping each micro-batch's output (the
+    logits: micro_batch x seq x vocab) for a merged return value plait never reads."""
+    return "return_outputs" in inspect.signature(schedule_class("gpipe").step).parameters
 
 
 def step_kwargs(pipe: Pipeline, targets: torch.Tensor, losses: list | None, tokens: torch.Tensor) -> dict:
@@ -172,7 +176,7 @@ def step_kwargs(pipe: Pipeline, targets: torch.Tensor, losses: list | None, toke
         kwargs["documents"] = tokens
     if pipe.fused and pipe.has_last:
         kwargs["targets"] = targets
-    if _KEEPS_OUTPUTS_UNLESS_TOLD:  # else the last stage holds every micro-batch's output until the step ends
+    if _keeps_outputs_unless_told():  # else the last stage holds every micro-batch's output until the step ends
         kwargs["return_outputs"] = False
     return kwargs
 
