@@ -275,6 +275,6 @@ def test_a_running_job_redraws_its_plot_at_most_once_a_minute_and_never_above_it
     assert refresh.draw(tmp_path) == tmp_path / "loss.png" and refresh.cost == 10
     refresh.clock = lambda: now[0]
     now[0] += PLOT_REFRESH_S  # a minute later, but 10 s of drawing is above PLOT_SHARE of it
-    assert 10 > PLOT_SHARE * PLOT_REFRESH_S and not refresh.due()
+    assert PLOT_SHARE * PLOT_REFRESH_S < 10 and not refresh.due()
     now[0] += 10 / PLOT_SHARE
     assert refresh.due()

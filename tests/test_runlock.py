@@ -26,6 +26,16 @@ from plait.engine.core_callbacks import LockWatch
 from plait.engine.runlock import LEASE_S, LOCK_ENV, RunLock, RunLocked, identity
 from runs import debug_run
 
+
+@pytest.fixture(autouse=True)
+def console():
+    """The lock's messages on plait's console (stderr), as the `plait` commands set it up: importing plait
+    configures no output, so without this the messages went to stderr only after another test had run one."""
+    from plait.engine.metrics import use_console
+
+    use_console()
+
+
 STEPS = 30
 
 
