@@ -5,6 +5,25 @@ from pathlib import Path
 import pytest
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--full",
+        action="store_true",
+        help="also run the tests marked `full`: real-size and long-outage runs whose paths other tests cover in "
+        "miniature (the README says which; they need ~40 GB of disk and add ~10 minutes on two cores)",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `full` run only with --full: CI runs the rest (the README's test command)."""
+    if config.getoption("--full"):
+        return
+    full = [item for item in items if item.get_closest_marker("full")]
+    if full:
+        config.hook.pytest_deselected(items=full)
+        items[:] = [item for item in items if not item.get_closest_marker("full")]
+
+
 @pytest.fixture(scope="session")
 def data_dir(tmp_path_factory) -> Path:
     """The bundled corpus, tokenised once per session (4,096-token vocabulary). A module that needs another

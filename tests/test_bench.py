@@ -125,6 +125,7 @@ def _gpu_session():
     return module
 
 
+@pytest.mark.full
 def test_gpu_session_steps_would_start_on_the_device(tmp_path):
     """The GPU sessions' runbook (bench/gpu_session.py) spends scarce device time: every plait step's settings
     validate, every script accepts its arguments, the test selection selects something, and each part's

@@ -589,6 +589,7 @@ def test_s3_outage_during_training_is_survived(s3, data_dir, tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_an_s3_outage_of_30_s_never_holds_the_loop_and_the_run_resumes(tmp_path):
     """bench/s3_outage.py: the server is down for 30 s from just after the first published save, saves every 5
     steps (~0.15 s each). No step-to-step gap in the outage exceeds 1 s plus the median step (before: 14 s,

@@ -386,6 +386,7 @@ def plait_measured(*argv: str) -> tuple[int, str, int]:
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_import_and_export_of_a_70b_shaped_model_hold_one_tensor_at_a_time():
     """Three layers of Llama 3 70B's shape (hidden 8192, intermediate 28672, 64 heads, 8 kv heads) in bf16,
     sharded with an index: `plait ckpt import` and `plait ckpt export --dtype bf16 --max-shard-size 1GB` each
