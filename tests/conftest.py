@@ -9,14 +9,15 @@ def pytest_addoption(parser):
     parser.addoption(
         "--full",
         action="store_true",
-        help="also run the tests marked `full`: real-size and long-outage runs whose paths other tests cover in "
-        "miniature (the README says which; they need ~40 GB of disk and add ~10 minutes on two cores)",
+        help="also run the tests marked `full`: real-size, long-outage and every-variant runs whose paths other "
+        "tests cover in miniature (the README says which; one needs ~40 GB of free disk)",
     )
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `full` run only with --full: CI runs the rest (the README's test command)."""
-    if config.getoption("--full"):
+    """Tests marked `full` run only with --full (or a -m expression naming them): CI runs the rest (the README's
+    test command)."""
+    if config.getoption("--full") or "full" in (config.getoption("markexpr") or ""):
         return
     full = [item for item in items if item.get_closest_marker("full")]
     if full:

@@ -616,6 +616,7 @@ def test_an_s3_outage_of_30_s_never_holds_the_loop_and_the_run_resumes(tmp_path)
     assert done.returncode == 0 and "longest step-to-step gap in the outage" in done.stdout, done.stderr[-3000:]
 
 
+@pytest.mark.full
 @pytest.mark.slow
 def test_s3_outage_at_start_and_end_is_reported_once_without_restarts(s3, data_dir, tmp_path):
     """`plait train --nproc 2 --max-restarts 2` with checkpoints on S3. Store down at the start: one line

@@ -45,6 +45,7 @@ def base(data_dir: Path) -> list[str]:
         "sample.max_new_tokens=0",
         "checkpoint.save_final=false",
         "log.tensorboard=false",
+        "log.plot=false",
         "data.prefetch=0",
         "run.device=cpu",
     ]
@@ -116,6 +117,7 @@ def test_compile_matches_eager_and_never_recompiles(runs):
     assert (runs["out"] / "cold" / "compile_cache" / "mega_cache.bin").is_file()
 
 
+@pytest.mark.full
 @pytest.mark.slow
 def test_restart_on_the_persistent_cache_compiles_less(runs, data_dir):
     """A second job on the first one's compile cache (a restart) finds every graph in it."""
@@ -216,6 +218,7 @@ def plant_exploits(cache: Path, marker: Path) -> int:
     return len(files) + 1
 
 
+@pytest.mark.full
 @pytest.mark.slow
 def test_tampered_shared_cache_runs_no_code(runs, data_dir, tmp_path):
     """A shared compile cache whose every file was replaced by a pickle that runs code (the signed manifest
@@ -235,6 +238,7 @@ def test_tampered_shared_cache_runs_no_code(runs, data_dir, tmp_path):
     assert (cache / "inductor" / "fxgraph" / "zz" / "planted" / "entry").exists()  # left there, not deleted
 
 
+@pytest.mark.full
 @pytest.mark.slow
 def test_copied_run_with_a_foreign_cache_resumes_without_running_it(data_dir, tmp_path):
     """A run directory copied from someone else: its compile cache is signed with their key and every file
@@ -312,6 +316,7 @@ def test_trusted_dir_checks_every_file_before_copying_it(tmp_path, monkeypatch):
 # ------------------------------------------------------------------------------------------- multi-process
 
 
+@pytest.mark.full
 @pytest.mark.slow
 def test_compiled_parallel_layouts_match_eager(data_dir, tmp_path):
     """FSDP (plain, full AC, selective AC, CPU offload), a 1F1B pipeline and context parallelism, compiled (strict: any
@@ -476,6 +481,7 @@ by the amax of the micro-batch it casts, and a data-parallel rank casts its own 
 quantisation differs (measured 8.5e-6 on the first loss, 1.3e-3 on its gradient norm)."""
 
 
+@pytest.mark.full
 @pytest.mark.slow
 def test_float8_all_gather_under_fsdp_equals_gathering_in_high_precision(tmp_path):
     """compile.float8=true under FSDP 2 (gloo) all-gathers the blocks' weights in float8 (torchao's

@@ -44,6 +44,7 @@ def trained(tmp_path_factory) -> tuple[Path, Path]:
         "--optim.warmup_steps=2",
         "--eval.every_steps=0",
         "--log.tensorboard=false",
+        "--log.plot=false",
         "--sample.prompt=",
         f"--run.out_dir={root / 'runs'}",
         "--run.name=teacher",

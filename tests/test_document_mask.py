@@ -171,6 +171,7 @@ def test_every_supported_layout_equals_one_process_with_documents_masked(short_d
         check(name, got, masked)
 
 
+@pytest.mark.full
 @pytest.mark.slow
 def test_context_parallel_with_each_other_layout_equals_one_process_with_documents_masked(short_docs, masked_reference):
     jobs = {
@@ -187,6 +188,7 @@ def test_context_parallel_with_each_other_layout_equals_one_process_with_documen
         check(name, got, masked_reference[0])
 
 
+@pytest.mark.full
 @pytest.mark.slow
 def test_compiled_blocks_take_the_document_mask(short_docs, masked_reference, tmp_path):
     from plait.api import train

@@ -176,7 +176,8 @@ def test_monitors_run_in_parallel_runs(setup, tmp_path, layout):
         "--model.n_kv_heads=2", "--model.multiple_of=16", f"--model.vocab_size={model.args.vocab_size}",
         f"--data.source={root / 'data'}", "--data.seq_len=32", "--train.global_batch_size=4",
         "--train.steps=4", "--eval.every_steps=2", f"--eval.suite={path}", layout,
-        "--log.tensorboard=false", "--sample.max_new_tokens=0", f"--run.out_dir={tmp_path}", "--run.name=tp",
+        "--log.tensorboard=false", "--log.plot=false", "--sample.max_new_tokens=0", f"--run.out_dir={tmp_path}",
+        "--run.name=tp",
     ]  # fmt: skip
     done = subprocess.run(
         [sys.executable, "-m", "plait.cli", *args], capture_output=True, text=True, env=env, timeout=600

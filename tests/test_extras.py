@@ -74,6 +74,7 @@ def test_the_core_requirements_leave_the_extras_out_and_bound_torch_to_the_teste
     assert running in tested, f"torch {torch.__version__} is not one plait was tested on: {sorted(tested)}"
 
 
+@pytest.mark.full
 @pytest.mark.slow
 def test_a_fresh_venv_with_the_core_requirements_alone_trains_and_names_each_missing_extra(data_dir, tmp_path):
     """`pip install -e .` into an empty venv (torch first, as the README says): what pyproject declares is

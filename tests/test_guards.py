@@ -40,6 +40,7 @@ def base(data_dir: Path, steps: int) -> list[str]:
         "eval.every_steps=0",
         "log.every_steps=1",
         "log.tensorboard=false",
+        "log.plot=false",
         "sample.max_new_tokens=0",
         "run.device=cpu",
         "lineage.enabled=false",  # not under test here
@@ -410,6 +411,7 @@ def _workers(root_pid: int) -> list[int]:
     return []
 
 
+@pytest.mark.full
 @pytest.mark.slow
 def test_a_stopped_rank_is_named_killed_and_the_group_resumes(data_dir, tmp_path):
     """SIGSTOP one worker of `plait train --nproc 2` mid-run: it cannot beat, step or answer SIGTERM. The other

@@ -102,6 +102,7 @@ def test_training_refuses_to_start_on_a_bad_device(data_dir, tmp_path, monkeypat
         "eval.every_steps=0",
         "sample.max_new_tokens=0",
         "log.tensorboard=false",
+        "log.plot=false",
         f"run.out_dir={tmp_path}",
     ]
     monkeypatch.setenv("PLAIT_FAULT_BAD_RANK", "0")

@@ -481,6 +481,7 @@ def trained_run(tmp_path_factory) -> Path:
         "--optim.warmup_steps=1",
         "--eval.every_steps=0",
         "--log.tensorboard=false",
+        "--log.plot=false",
         "--sample.prompt=",
         f"--run.out_dir={root}",
         "--run.name=t",
@@ -596,6 +597,7 @@ def test_training_starts_from_an_imported_checkpoint(trained_run, tmp_path, caps
         "--train.steps=1",
         "--eval.every_steps=0",
         "--log.tensorboard=false",
+        "--log.plot=false",
         "--sample.prompt=",
     ]
     assert main(["train", str(run / "config.toml"), *args]) == 0

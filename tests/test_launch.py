@@ -35,6 +35,7 @@ def test_nproc_trains_a_pipeline_and_resumes(tmp_path):
         "--log.every_steps=1",
         f"--run.out_dir={tmp_path}",
         "--log.tensorboard=false",
+        "--log.plot=false",
     ]
     result = run_cli(*args, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -160,6 +161,7 @@ def test_random_lost_ranks_restart_and_end_bitwise_equal(tmp_path):
         f"--checkpoint.every_steps={every}",
         "--checkpoint.keep_last=3",
         "--log.tensorboard=false",
+        "--log.plot=false",
         "--sample.max_new_tokens=0",
         f"--run.out_dir={tmp_path}",
     ]

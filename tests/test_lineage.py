@@ -240,6 +240,7 @@ def test_checkpoint_hash_is_taken_from_shards_and_is_layout_independent(tmp_path
         "eval.every_steps=0",
         "sample.max_new_tokens=0",
         "log.tensorboard=false",
+        "log.plot=false",
         "checkpoint.every_steps=2",
     ]
     layouts = {"fsdp": ["parallel.dp_shard_degree=2"], "tp": ["parallel.tp_degree=2"]}

@@ -52,6 +52,7 @@ def tasks(root: Path) -> Path:
     return root
 
 
+@pytest.mark.full
 def test_lm_eval_scores_a_plait_run_as_its_transformers_export(data_dir, tmp_path):
     from lm_eval.tasks import TaskManager
 

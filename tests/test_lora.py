@@ -241,6 +241,7 @@ def args(corpus: Path, name: str, *extra: str) -> list[str]:
         "--eval.every_steps=2",
         "--eval.num_batches=1",
         "--log.tensorboard=false",
+        "--log.plot=false",
         "--sample.prompt=",
         f"--run.out_dir={corpus / 'runs'}",
         f"--run.name={name}",

@@ -29,6 +29,7 @@ def trained(data_dir, tmp_path_factory) -> Path:
         "--train.steps=2",
         "--eval.every_steps=0",
         "--log.tensorboard=false",
+        "--log.plot=false",
         "--sample.max_new_tokens=0",
         "--data.prefetch=0",
         "--run.device=cpu",

@@ -155,7 +155,8 @@ def reference(data_dir, tmp_path_factory):
     from plait.api import train
 
     out = tmp_path_factory.mktemp("ref")
-    train(load_config(None, [*base(data_dir), f"run.out_dir={out}", "run.name=ref", "checkpoint.every_steps=6"]))
+    ref = [*base(data_dir), f"run.out_dir={out}", "run.name=ref", "checkpoint.every_steps=6", "log.plot=true"]
+    train(load_config(None, ref))  # log.plot: its moe_load.png is checked
     return out / "ref"
 
 
@@ -381,6 +382,7 @@ def test_compiled_moe_refuses_what_it_does_not_support_yet(overrides, message):
         load_config(None, ["model.preset=moe-debug", "compile.enabled=true", "train.mixed_precision=bf16", *overrides])
 
 
+@pytest.mark.full
 @pytest.mark.slow
 def test_compiled_moe_under_fsdp_matches_eager_fsdp(data_dir, monkeypatch):
     """FSDP 2 in bf16 (the experts' gathered weights bf16: the grouped kernel without autocast's casts),

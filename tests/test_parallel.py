@@ -47,6 +47,7 @@ def base(data_dir: Path) -> list[str]:
         "sample.max_new_tokens=0",
         "checkpoint.save_final=false",
         "log.tensorboard=false",
+        "log.plot=false",
         "data.prefetch=0",
         "run.device=cpu",
     ]
@@ -58,6 +59,7 @@ def reference(data_dir, tmp_path_factory):
 
     out = tmp_path_factory.mktemp("ref")
     train(load_config(None, [*base(data_dir), f"run.out_dir={out}", "run.name=ref"]))
+    assert not list((out / "ref").glob("*.png"))  # log.plot=false (the jobs' pictures cost more than their steps)
     return read_metrics(out / "ref")
 
 

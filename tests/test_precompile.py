@@ -50,6 +50,7 @@ def test_a_signed_cache_on_s3_checks_out_and_what_changed_there_is_not_read(s3, 
     assert json.loads(client.get_object(Bucket=s3.bucket, Key=f"cache/{MANIFEST}")["Body"].read())["files"]
 
 
+@pytest.mark.full
 @pytest.mark.slow
 def test_plait_compile_fills_an_s3_cache_a_two_rank_job_then_loads_without_compiling(s3, data_dir, tmp_path, key):
     """`plait compile --world-size 2` (rank 0 on a fake group of 2, the job's shapes) publishes into an s3://

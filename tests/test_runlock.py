@@ -405,6 +405,7 @@ def test_s3_checkpoint_directories_are_leased_to_one_run(data_dir, tmp_path, alo
     assert "taking over the lock" in text and "its process has ended" in text and "resumed from" in text
 
 
+@pytest.mark.full
 @pytest.mark.slow
 def test_s3_a_killed_worker_of_nproc_2_restarts_and_resumes(data_dir, tmp_path, s3):
     args = command(*settings(data_dir, tmp_path, "g", *on_s3(s3, "group")), nproc=2, restarts=2)

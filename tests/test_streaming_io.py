@@ -290,6 +290,7 @@ def test_init_from_hf_at_world_size_2_reads_each_rank_its_slices_and_exports(tmp
         "optim.lr=1e-30",  # must be positive; a step of ~1e-30 changes no fp32 weight near 0.02 (or 1)
         "eval.every_steps=0",
         "log.tensorboard=false",
+        "log.plot=false",
         "sample.max_new_tokens=0",
         "run.device=cpu",
         "parallel.dp_shard_degree=2",

@@ -45,6 +45,7 @@ def _args(data_dir: Path, out: Path, name: str, steps: int) -> list[str]:
         f"--train.steps={steps}",
         "--optim.warmup_steps=1",
         "--log.tensorboard=false",
+        "--log.plot=false",
         "--sample.max_new_tokens=0",
         "--eval.every_steps=0",
         "--compile.enabled=true",

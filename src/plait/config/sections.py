@@ -134,6 +134,10 @@ class LogConfig:
     """Write metrics every N steps."""
     tensorboard: bool = True
     """Write TensorBoard event files to <run>/tb."""
+    plot: bool = True
+    """Draw <run>/loss.png (loss, gradient norm, LR, throughput; a mixture of experts also moe_load.png):
+    redrawn at evaluations at most once a minute and within 2% of the time, and at the end. Needs matplotlib
+    (the `plot` extra)."""
     wandb: bool = False
     """Also log to Weights & Biases (pip install wandb); files under <run>/wandb."""
     wandb_mode: str = "offline"

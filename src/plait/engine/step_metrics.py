@@ -41,7 +41,7 @@ class StepMetrics(Callback):
                 warn(problem)
             if problem := epochs_problem(run.loader, cfg.train.steps - run.state.step):
                 warn(problem)
-            if not can_draw():
+            if cfg.log.plot and not can_draw():
                 info(f"loss.png is not drawn: matplotlib is not installed ({PLOT_EXTRA})")
         self.plot = PlotRefresh()
         self._mark(run.state.step)
@@ -76,7 +76,7 @@ class StepMetrics(Callback):
 
     def after_eval(self, run, step: int, val_loss: float) -> None:
         run.metrics.log(step, {"loss": val_loss}, prefix="val")
-        if run.env.is_main and self.plot.due():
+        if run.env.is_main and run.cfg.log.plot and self.plot.due():
             self.plot.draw(run.cfg.run_dir)  # runs/<name>/loss.png; the trainer draws the last one at the end
         self.last_time = time.perf_counter()  # evaluation time is not training throughput
 

@@ -492,7 +492,7 @@ class Trainer:
             self.metrics.log(self.state.step, saved, prefix="checkpoint")
         self.metrics.close()
         self.loader.close()
-        if self.env.is_main:
+        if self.env.is_main and self.cfg.log.plot:
             with contextlib.suppress(Exception):  # a picture never turns a run into a failure
                 write_run_plot(self.cfg.run_dir)
 
