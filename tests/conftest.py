@@ -9,20 +9,42 @@ def pytest_addoption(parser):
     parser.addoption(
         "--full",
         action="store_true",
-        help="also run the tests marked `full`: real-size, long-outage and every-variant runs whose paths other "
-        "tests cover in miniature (the README says which; one needs ~40 GB of free disk)",
+        help="also run the tests marked `full` and the `slow` multi-process runs not in CI_SLOW: real-size, "
+        "long-outage, fault, launcher and every-variant runs (one needs ~40 GB of free disk)",
     )
 
 
+# The multi-process runs CI keeps from those marked `slow`: the parity of every layout against one process at
+# 2 and 4 ranks, MoE at 2 (expert parallelism under FSDP, TP and PP), the retrieval family, compile, and a
+# model of your own under FSDP2. The other slow runs (faults, restarts, launchers, S3, resharding, 8 ranks)
+# run with --full: on CI's two cores the whole suite passed 90 minutes.
+CI_SLOW = (
+    "tests/test_parallel.py::test_layouts_match_single_process[2]",
+    "tests/test_parallel.py::test_layouts_match_single_process[4]",
+    "tests/test_moe.py::test_moe_layouts_match_single_process[2]",
+    "tests/test_retro.py::test_a_retrieval_model_trains_resumes_bitwise_and_every_layout_equals_one_process",
+    "tests/test_compile.py::test_compile_matches_eager_and_never_recompiles",
+    "tests/test_api.py::test_custom_model_example_under_fsdp2_equals_one_process_and_resumes",
+)
+
+
+def in_full_tier(item) -> bool:
+    if item.get_closest_marker("full"):
+        return True
+    return item.get_closest_marker("slow") is not None and item.nodeid not in CI_SLOW
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `full` run only with --full (or a -m expression naming them): CI runs the rest (the README's
-    test command)."""
-    if config.getoption("--full") or "full" in (config.getoption("markexpr") or ""):
+    """The `full` tier (in_full_tier) runs only with --full or a -m expression naming `full` (one naming `slow`
+    chooses among the slow runs itself); CI runs the rest (the README's test command)."""
+    expression = config.getoption("markexpr") or ""
+    if config.getoption("--full") or "full" in expression:
         return
-    full = [item for item in items if item.get_closest_marker("full")]
+    left_out = (lambda item: item.get_closest_marker("full") is not None) if "slow" in expression else in_full_tier
+    full = [item for item in items if left_out(item)]
     if full:
         config.hook.pytest_deselected(items=full)
-        items[:] = [item for item in items if not item.get_closest_marker("full")]
+        items[:] = [item for item in items if not left_out(item)]
 
 
 @pytest.fixture(scope="session")

@@ -316,9 +316,28 @@ def test_trusted_dir_checks_every_file_before_copying_it(tmp_path, monkeypatch):
 # ------------------------------------------------------------------------------------------- multi-process
 
 
-@pytest.mark.full
+COMPILED_LAYOUTS = {
+    "FSDP": ["parallel.dp_shard_degree=2"],
+    "PP 1f1b": ["parallel.pp_degree=2", "parallel.pp_schedule=1f1b"],
+    "FSDP, full AC": ["parallel.dp_shard_degree=2", "parallel.activation_checkpoint=full"],
+    "FSDP, selective AC": ["parallel.dp_shard_degree=2", "parallel.activation_checkpoint=selective"],
+    "FSDP, CPU offload": ["parallel.dp_shard_degree=2", "parallel.cpu_offload=true"],
+    "CP 2 (the ring attention: an opaque op in the graph)": ["parallel.cp_degree=2"],
+}
+CI_COMPILED = ("FSDP", "PP 1f1b")  # CI compiles these two; --full the rest (each job compiles for a minute)
+
+
 @pytest.mark.slow
-def test_compiled_parallel_layouts_match_eager(data_dir, tmp_path):
+@pytest.mark.parametrize(
+    "names",
+    [
+        pytest.param(CI_COMPILED, id="fsdp-pp"),
+        pytest.param(
+            tuple(n for n in COMPILED_LAYOUTS if n not in CI_COMPILED), id="ac-offload-cp", marks=pytest.mark.full
+        ),
+    ],
+)
+def test_compiled_parallel_layouts_match_eager(names, data_dir, tmp_path):
     """FSDP (plain, full AC, selective AC, CPU offload), a 1F1B pipeline and context parallelism, compiled (strict: any
     recompilation fails the job), against the eager single-process run of the same batches."""
     from plait.api import train
@@ -326,16 +345,8 @@ def test_compiled_parallel_layouts_match_eager(data_dir, tmp_path):
     train(load_config(None, [*base(data_dir), "eval.every_steps=0", f"run.out_dir={tmp_path}", "run.name=ref"]))
     ref = read_run(tmp_path / "ref")
     compiled = [*base(data_dir), "eval.every_steps=0", "compile.enabled=true", "compile.strict=true"]
-    jobs = {
-        "FSDP": ["parallel.dp_shard_degree=2"],
-        "PP 1f1b": ["parallel.pp_degree=2", "parallel.pp_schedule=1f1b"],
-        "FSDP, full AC": ["parallel.dp_shard_degree=2", "parallel.activation_checkpoint=full"],
-        "FSDP, selective AC": ["parallel.dp_shard_degree=2", "parallel.activation_checkpoint=selective"],
-        "FSDP, CPU offload": ["parallel.dp_shard_degree=2", "parallel.cpu_offload=true"],
-        "CP 2 (the ring attention: an opaque op in the graph)": ["parallel.cp_degree=2"],
-    }
-    results = run_layouts(2, [[*compiled, *extra] for extra in jobs.values()])
-    for name, got in zip(jobs, results, strict=True):
+    results = run_layouts(2, [[*compiled, *COMPILED_LAYOUTS[name]] for name in names])
+    for name, got in zip(names, results, strict=True):
         check_parity(f"compiled {name}", got, ref)
 
 

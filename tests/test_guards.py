@@ -397,18 +397,15 @@ def test_hang_watchdog_reports_exits_and_the_group_restarts(data_dir, tmp_path):
     print(peer or "(rank 0 was stopped first)", report, sep="\n")
 
 
-def _children(pid: int) -> list[int]:
-    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
-
-
 def _workers(root_pid: int) -> list[int]:
-    """The training workers of the elastic agent in root_pid, by pid: the children of the fork server it
-    started (`plait.cli.launch.elastic_run` forks them from one that imported torch and plait once)."""
-    for child in _children(root_pid):
-        with contextlib.suppress(OSError):
-            if b"forkserver" in Path(f"/proc/{child}/cmdline").read_bytes():
-                return sorted(_children(child))
-    return []
+    """The training workers the elastic agent in root_pid spawned (multiprocessing spawn children), by pid."""
+    out = []
+    for task in Path(f"/proc/{root_pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            with contextlib.suppress(OSError):
+                if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+                    out.append(int(child))
+    return sorted(out)
 
 
 @pytest.mark.full

@@ -345,6 +345,7 @@ COMPILED_MOE_AUX_RTOL = 5e-3
 COMPILED_MOE_GRAD_NORM_RTOL = 1e-2
 
 
+@pytest.mark.full
 def test_compiled_moe_blocks_match_eager_in_bf16(data_dir, tmp_path, monkeypatch):
     """compile.enabled with an MoE model (one process, bf16): the experts as grouped matmuls with their offsets
     on the device (no host sync, static shapes), strict (any recompilation fails), against the same run eager.

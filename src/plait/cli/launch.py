@@ -75,7 +75,7 @@ def elastic_run(entrypoint, argv: list[str], nproc: int, *, max_restarts: int = 
         rdzv_endpoint="127.0.0.1:0",
         max_restarts=max_restarts,
         monitor_interval=0.2,
-        start_method="forkserver",
+        start_method="spawn",
     )
     # On SIGTERM / SIGINT the agent forwards the signal and waits this long for the workers to finish their
     # step and write a checkpoint before it kills them (torch's default: 30 s).
@@ -85,33 +85,7 @@ def elastic_run(entrypoint, argv: list[str], nproc: int, *, max_restarts: int = 
     from plait.core.hardware import threads_per_rank
 
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nproc)))
-    # Workers are forked from a server that imported torch and plait once (each would otherwise import them
-    # itself: 9 s of CPU per worker on a 2-core VM; spawn was 8 x that for `--nproc 8`, and again at each
-    # restart). The server never touches a GPU. Preloading counts only where this process starts the server.
-    import multiprocessing
-
-    multiprocessing.set_forkserver_preload([entrypoint.__module__, "plait.api"])
-    elastic_launch(config, as_launched)(dict(os.environ), os.getcwd(), entrypoint, argv)
-
-
-# What torch's elastic agent sets for each worker (local_elastic_agent's worker_env, and the TORCHELASTIC_*
-# variables): a forked worker keeps these and takes everything else from the launcher as it is now.
-AGENT_ENV = {
-    "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
-    "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
-}  # fmt: skip
-
-
-def as_launched(environ: dict[str, str], cwd: str, entrypoint, argv: list[str]) -> None:
-    """A worker, forked from the fork server: the launcher's environment and working directory as they were at
-    this launch (the server's own are from when it started: an earlier attempt's error folder, another
-    test's variables), plus the variables the agent set for this rank."""
-    agent = {k: v for k, v in os.environ.items() if k in AGENT_ENV or k.startswith("TORCHELASTIC_")}
-    os.environ.clear()
-    os.environ.update(environ)
-    os.environ.update(agent)
-    os.chdir(cwd)
-    entrypoint(argv)
+    elastic_launch(config, entrypoint)(argv)
 
 
 def _quiet_elastic_logs() -> None:

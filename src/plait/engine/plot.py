@@ -117,7 +117,7 @@ def write_run_plot(run_dir: Path) -> Path | None:
 
 
 # A refresh at an evaluation waits until drawing has taken at most this share of the time since the last one
-# (drawing is host work the accelerator waits for: a 2 x 2 figure takes 0.5-2 s of one core) ...
+# (drawing is host work the accelerator waits for; docs/measurements.md: loss plot: fixed margins) ...
 PLOT_SHARE = 0.02
 # ... and at least this long: a person watching loss.png sees it change about once a minute.
 PLOT_REFRESH_S = 60.0
