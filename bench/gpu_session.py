@@ -1,4 +1,4 @@
-"""Every GPU measurement the open issues ask for, in four parts that each fit one 10-minute device call.
+"""Every GPU measurement the open issues ask for, in six parts that each fit one 10-minute device call.
 
 A session lent a GPU has 15 minutes of device time (one call, after the machine's start) and 10 minutes a
 call; the parts are in order of what the issues need most, one part per lent session:
@@ -22,6 +22,10 @@ call; the parts are in order of what the issues need most, one part per lent ses
             (all green in one call of 345 s on an H200, 2026-11-28: bench/results/h200-2026-11-28-part4)
     part 5  mixture of experts (issue 31): the 1.91B MoE compiled, and the qwen3-moe-2.8b preset eager and
             compiled (about 6 minutes: the compiled first step of the 1.91B took 101 s on an H200)
+    part 6  MoE against its peers (issue 31's 1.5x transformers), qwen3-moe-2.8b's shape, each side compiled,
+            one after the other: plait, transformers' Qwen3MoeForCausalLM with bf16 weights and with bf16
+            autocast over fp32 weights, the hand-written loop over torch._grouped_mm (bench/gpu_peers.py
+            --family moe; checked here with `python bench/gpu_peers.py --family moe --check`)
 
 Each step runs in its own process with a time limit; a step that would not finish before the part's deadline
 is skipped and said so. Logs and JSON results go to --out (default $OUT on the device machine, else
@@ -116,6 +120,7 @@ QWEN3_MOE_2_8B = [  # the preset: Qwen3-MoE's block, 64 experts, top-8, 2.81B pa
     *BF16_CUDA,
 ]
 MOE_SHORT = ["--steps=8", "--warmup=3", "--no-warm-run"]
+MOE_PEER_SIDES = [("plait-moe", 140), ("hf-moe-bf16", 140), ("hf-moe", 140), ("bare-moe", 100)]  # estimates, s
 
 
 def fit_step(name: str, world: int, settings: list[str], estimate_s: float, ranks: str = "", steps: int = 3,
@@ -134,6 +139,7 @@ def compile_probe(case: str, estimate_s: float) -> Step:
 def parts(peers: Path) -> dict[int, list[Step]]:
     peers_cmd = ["bench/gpu_peers.py", f"--peers={peers}", "--steps=10", "--warmup=3", "--json={out}/gpu_peers.json"]
     short = ["--steps=10", "--warmup=3", "--no-warm-run"]
+    moe_peers = ["bench/gpu_peers.py", "--family=moe", "--moe-shape=qwen3-moe-2.8b", "--steps=8", "--warmup=3"]
     ac_full = plait_step("ac-full", "bench", [*LLAMA3_1B_2048, "--parallel.activation_checkpoint=full"], short, 110)
     seq32k = plait_step(
         "seq32k",
@@ -339,6 +345,31 @@ def parts(peers: Path) -> dict[int, list[Step]]:
             plait_step("moe-2.8b-eager", "bench", QWEN3_MOE_2_8B, MOE_SHORT, 60),
             plait_step("moe-2.8b-compiled", "bench", [*QWEN3_MOE_2_8B, "--compile.enabled=true"], MOE_SHORT, 160),
         ],
+        # MoE beside its peers on qwen3-moe-2.8b's shape: each side its own step (a side's compile is most of it),
+        # plait first (its compiled first step took 65 s, the whole side about 120 s on an H200); the
+        # transformers and hand-written sides are not yet timed on a GPU: estimates
+        6: [
+            Step(
+                f"moe-peers-{side}",
+                [*moe_peers, f"--sides={side}", f"--json={{out}}/gpu_peers_moe_{side}.json"],
+                estimate,
+                f"gpu_peers_moe_{side}.json",
+            )
+            for side, estimate in MOE_PEER_SIDES
+        ]
+        + [
+            Step(  # the sides in one table, the ratio against the faster transformers side
+                "moe-peers-table",
+                [
+                    "bench/gpu_peers.py",
+                    "--merge",
+                    *(f"{{out}}/gpu_peers_moe_{side}.json" for side, _ in MOE_PEER_SIDES),
+                    "--json={out}/gpu_peers_moe.json",
+                ],
+                5,
+                "gpu_peers_moe.json",
+            )
+        ],
     }
 
 
@@ -473,7 +504,7 @@ def run_lane(steps: list[Step], deadline: float, out: Path, env: dict, logs: Pat
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--part", type=int, choices=(1, 2, 3, 4, 5), required=True)
+    p.add_argument("--part", type=int, choices=(1, 2, 3, 4, 5, 6), required=True)
     default_peers = next((d for d in (ROOT / ".peers", ROOT.parent / "shared" / "gpu") if d.exists()), ROOT / ".peers")
     p.add_argument("--peers", type=Path, default=default_peers, help="the reference sides' folder")
     default_out = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "bench" / "results" / "gpu_session"

@@ -132,10 +132,60 @@ def test_gpu_session_steps_would_start_on_the_device(tmp_path):
     estimates fit one device call."""
     session = _gpu_session()
     parts = session.parts(tmp_path / "peers")
-    assert sorted(parts) == [1, 2, 3, 4, 5]
+    assert sorted(parts) == [1, 2, 3, 4, 5, 6]
     for number, steps in parts.items():
         assert session.check(steps, tmp_path) == [], f"part {number}"
         assert session.critical_path_s(steps) <= session.CALL_LIMIT_S, f"part {number}"
     # the check can fail: a setting plait refuses is reported with the step's name
     bad = session.plait_step("bad", "bench", ["--data.seq_len=32768"], [], 1)
     assert "bad: data.seq_len=32768 is longer than the model supports" in session.check([bad], tmp_path)[0]
+
+
+def _bench_script(name: str):
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_moe_peers_merge_into_one_table_against_the_faster_transformers_side(tmp_path, capsys):
+    """bench/gpu_session.py part 6 runs each MoE side in its own step; --merge puts them in one table with
+    each side's ratio to the faster of the two transformers sides, and refuses records of different devices."""
+    peers = _bench_script("gpu_peers")
+
+    def record(side, tokens, device="NVIDIA H200"):
+        path = tmp_path / f"{side}.json"
+        side_record = {"tokens_per_s": tokens, "mfu": 0.1, "peak_gib": 1.0, "first_step_s": 9.0}
+        rec = {"device": device, "torch": "2.11", "moe_shape": "qwen3-moe-2.8b", "sides": {side: side_record}}
+        path.write_text(json.dumps(rec))
+        return path
+
+    files = [record("plait-moe", 300.0), record("hf-moe-bf16", 200.0), record("hf-moe", 100.0)]
+    assert peers.merge([*files, tmp_path / "absent.json"], tmp_path / "all.json") == 0
+    rows = {line.split()[0]: line.split()[-1] for line in capsys.readouterr().out.splitlines() if "x" in line}
+    assert rows["plait-moe"] == "1.500x" and rows["hf-moe"] == "0.500x", rows
+    assert set(json.loads((tmp_path / "all.json").read_text())["sides"]) == {"plait-moe", "hf-moe-bf16", "hf-moe"}
+    assert peers.merge([*files, record("bare-moe", 1.0, device="NVIDIA H100")], tmp_path / "x.json") == 2
+    assert "different devices" in capsys.readouterr().err
+
+
+@pytest.mark.full
+def test_moe_peers_run_on_the_cpu_with_plaits_parameter_count():
+    """Every MoE side (plait, transformers' Qwen3-MoE and Mixtral in both precisions, the hand-written grouped
+    loop) runs tiny and eager on this CPU, and each peer's model has exactly plait's parameter count."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, "bench/gpu_peers.py", "--family", "moe", "--check"], cwd=root, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert proc.stdout.count(" ok ") == 10, proc.stdout

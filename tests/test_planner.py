@@ -564,7 +564,10 @@ def test_mixture_of_experts_is_planned_on_active_flops():
     result = plan(Workload(qwen, 8192, 512), get_cluster("h100", nodes=16))
     best = result.record(result.best)
     assert best["fits"]
-    assert qwen.flops_per_token(8192) < 0.2 * 6 * qwen.num_params()  # active, not total
+    # the weights' share (a 1-token sequence: attention's 12 L h s is beside the point): active, not total
+    assert qwen.flops_per_token(1) < 0.2 * 6 * qwen.num_params()
+    # attention is as wide as Qwen3's heads (32 x 128 = 4,096), not its model (2,048): PaLM's 12 L H Q s
+    assert qwen.flops_per_token(8192) - qwen.flops_per_token(0) == 12 * 48 * 32 * 128 * 8192
     deepseek = Workload(preset_args("deepseek-v3-shaped"), 4096, 4096)
     best = (found := plan(deepseek, get_cluster("h100", nodes=256))).record(found.best)
     assert best["fits"] and best["ep"] > 1 and best["t_ep"] > 0

@@ -152,9 +152,11 @@ class ModelArgs:
         return self.dim * (2 * q + 2 * kv) + mlps
 
     def layer_flops_per_token(self, seq_len: int) -> float:
-        """Forward FLOPs of one block per token: 2 per matmul weight, plus attention 4 d s (QK^T and AV over
-        the full s x s square: the convention of MFU reports; causal kernels skip half at lower efficiency)."""
-        return 2 * self.matmul_params() + 4 * self.dim * seq_len
+        """Forward FLOPs of one block per token: 2 per matmul weight, plus attention 4 h s with h the
+        attention's width, heads x head size (QK^T and AV over the full s x s square: the convention of MFU
+        reports, PaLM's 12 L H Q T over forward and backward; causal kernels skip half at lower efficiency).
+        h is the model's width for Llama; Qwen3's heads are wider (32 x 128 = 4,096 beside 2,048)."""
+        return 2 * self.matmul_params() + 4 * self.n_heads * self.head_dim * seq_len
 
     def head_flops_per_token(self) -> float:
         """Forward FLOPs of the output projection per token (the embedding lookup is free)."""
@@ -162,8 +164,9 @@ class ModelArgs:
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward = 3 x forward): 6 N over the matmul weights (the output
-        projection included, tied or not) plus attention 12 L d s, the PaLM / Megatron estimate for a causal
-        model without discounting the mask. The one FLOPs rule: MFU in training, bench and the planner."""
+        projection included, tied or not) plus attention 12 L h s (h: heads x head size), the PaLM / Megatron
+        estimate for a causal model without discounting the mask. The one FLOPs rule: MFU in training, bench
+        and the planner."""
         return 3 * (
             self.n_layers * self.layer_flops_per_token(seq_len)
             + self.head_flops_per_token()
@@ -173,9 +176,9 @@ class ModelArgs:
     def retrieval_flops_per_token(self, weights_only: bool = False) -> float:
         """Forward FLOPs of RETRO's parts per token of the sequence: each chunk of c tokens brings k neighbours
         of 2c tokens (2k encoder tokens per sequence token, each through the encoder's blocks: 2 per matmul
-        weight and 4 d (2c) for bidirectional attention over 2c tokens), and each cross-attending block
-        projects them to keys and values (2k tokens x 2 kv projections) beside the token's own query and
-        output projections and its attention over k 2c keys. weights_only: the matmuls with weights alone
+        weight and 4 h (2c) for bidirectional attention over 2c tokens, h = heads x head size), and each
+        cross-attending block projects them to keys and values (2k tokens x 2 kv projections) beside the token's
+        own query and output projections and its attention over k 2c keys. weights_only: the matmuls with weights alone
         (as many FLOPs as their weight gradients take in backward)."""
         if not self.retrieval_ids:
             return 0.0
@@ -191,7 +194,7 @@ class ModelArgs:
             self.retrieval_k,
         )
         dense = self.dim * (2 * q + 2 * kv) + 3 * self.dim * self.hidden_dim
-        encoder = 2 * k * self.retrieval_encoder_layers * (2 * dense + 4 * self.dim * 2 * c)
+        encoder = 2 * k * self.retrieval_encoder_layers * (2 * dense + 4 * q * 2 * c)
         cross = 2 * (2 * self.dim * q) + 2 * k * 2 * (2 * self.dim * kv) + 4 * q * k * 2 * c
         return encoder + len(self.retrieval_ids) * cross
 

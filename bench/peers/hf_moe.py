@@ -1,0 +1,138 @@
+"""Hugging Face transformers' own mixture-of-experts model, trained the way a transformers user writes it:
+Qwen3MoeForCausalLM (q/k norms, wide heads; the `qwen3-moe-2.8b` shape) or MixtralForCausalLM (Llama attention;
+the 1.91B MoE of the GPU-speed issue), SDPA, transformers' default experts implementation (grouped_mm where
+torch can run it), torch.compile, fused AdamW, clip 1.0, gradient accumulation, no router auxiliary loss (as
+plait's presets). `--weights fp32` trains bf16 autocast over fp32 weights (plait's recipe); `--weights bf16`
+keeps the weights in bf16 (transformers' grouped_mm then runs natively, also under compile).
+
+The peer of `plait bench` for MoE in bench/gpu_peers.py (`--family moe`), which passes the shape; not project
+code. Prints one JSON line: tokens/s (median step), first step, peak memory, loss. MFU is the driver's, by
+plait's own FLOPs rule for the same shape.
+"""
+
+import argparse
+import json
+import time
+
+import torch
+
+p = argparse.ArgumentParser()
+p.add_argument("--arch", choices=["qwen3_moe", "mixtral"], default="qwen3_moe")
+p.add_argument("--dim", type=int, default=1024)
+p.add_argument("--layers", type=int, default=16)
+p.add_argument("--heads", type=int, default=16)
+p.add_argument("--kv", type=int, default=4)
+p.add_argument("--head-dim", type=int, default=128)
+p.add_argument("--experts", type=int, default=64)
+p.add_argument("--top-k", type=int, default=8)
+p.add_argument("--expert-width", type=int, default=768)
+p.add_argument("--vocab", type=int, default=151936)
+p.add_argument("--rope-theta", type=float, default=1e6)
+p.add_argument("--eps", type=float, default=1e-6)
+p.add_argument("--seq", type=int, default=2048)
+p.add_argument("--mb", type=int, default=4)
+p.add_argument("--accum", type=int, default=4)
+p.add_argument("--steps", type=int, default=20)
+p.add_argument("--warmup", type=int, default=5)
+p.add_argument("--compile", type=int, default=1)
+p.add_argument("--weights", choices=["fp32", "bf16"], default="fp32")
+p.add_argument("--device", default="cuda")
+p.add_argument("--json", default="")
+a = p.parse_args()
+
+import transformers  # noqa: E402
+from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
+
+common = dict(
+    vocab_size=a.vocab,
+    hidden_size=a.dim,
+    num_hidden_layers=a.layers,
+    num_attention_heads=a.heads,
+    num_key_value_heads=a.kv,
+    head_dim=a.head_dim,
+    max_position_embeddings=a.seq,
+    rms_norm_eps=a.eps,
+    rope_theta=a.rope_theta,  # transformers 5 turns it into rope_parameters; 4.x reads it as it is
+    num_experts_per_tok=a.top_k,
+    output_router_logits=False,
+    tie_word_embeddings=False,
+    attn_implementation="sdpa",
+)
+if a.arch == "qwen3_moe":
+    cfg = Qwen3MoeConfig(
+        **common,
+        intermediate_size=a.expert_width,  # dense MLP width: no block is dense here (mlp_only_layers empty)
+        moe_intermediate_size=a.expert_width,
+        num_experts=a.experts,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+    )
+    build = Qwen3MoeForCausalLM
+else:
+    cfg = MixtralConfig(**common, intermediate_size=a.expert_width, num_local_experts=a.experts)
+    build = MixtralForCausalLM
+
+dev = torch.device(a.device)
+torch.manual_seed(0)
+with dev:
+    m = build(cfg)
+if a.weights == "bf16":
+    m = m.to(torch.bfloat16)
+m.train()
+n_all = sum(x.numel() for x in m.parameters())
+opt = torch.optim.AdamW(m.parameters(), lr=3e-4, weight_decay=0.1, fused=dev.type == "cuda")
+fwd = torch.compile(m) if a.compile else m
+gen = torch.Generator(device=dev).manual_seed(0)
+autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=a.weights == "fp32" and dev.type == "cuda")
+
+
+def sync():
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def step():
+    for _ in range(a.accum):
+        t = torch.randint(0, a.vocab, (a.mb, a.seq), device=dev, generator=gen)
+        with autocast:
+            loss = fwd(input_ids=t, labels=t).loss / a.accum
+        loss.backward()
+    torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
+
+
+t0 = time.perf_counter()
+step()
+sync()
+first = time.perf_counter() - t0
+for _ in range(a.warmup):
+    step()
+sync()
+if dev.type == "cuda":
+    torch.cuda.reset_peak_memory_stats()
+times = []
+for _ in range(a.steps):
+    t = time.perf_counter()
+    last = step()
+    sync()
+    times.append(time.perf_counter() - t)
+times.sort()
+med = times[len(times) // 2]
+tokens = a.mb * a.accum * a.seq
+res = dict(
+    side=f"hf-{a.arch}-{a.weights}-compile{a.compile}",
+    transformers=transformers.__version__,
+    experts_implementation=getattr(m.config, "_experts_implementation", None),  # 4.x: a loop over experts
+    params=n_all,
+    tokens_per_s=tokens / med,
+    step_s=med,
+    first_step_s=first,
+    peak_gib=torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None,
+    loss=float(last.detach()) * a.accum,
+)
+print(json.dumps(res))
+if a.json:
+    with open(a.json, "w") as f:
+        f.write(json.dumps(res))
