@@ -90,6 +90,43 @@ def test_grouped_matmuls_equal_the_loop(monkeypatch):
     assert loop[1][0][3].abs().sum() == 0  # the idle expert's gradient: zero, present
 
 
+# bf16 under autocast: the stacked gate-and-up grouped GEMM and the loop's two matmuls round their products to
+# bf16 alike (equal bit for bit on torch 2.13's CPU kernel); another kernel may sum in another order: 2 bf16
+# ulps (2 x 2^-7) relative, and an absolute floor far below the outputs (~2e-3) and gradients (~6e-2) here.
+BF16_GROUPED_RTOL, BF16_GROUPED_ATOL = 1.6e-2, 1e-5
+
+
+def test_grouped_matmuls_under_autocast_equal_the_loop(monkeypatch):
+    """Under bf16 autocast (one process on a GPU) the grouped path casts the fp32 weights and runs the gate and
+    up projections as one stacked grouped GEMM: against the per-expert loop under the same autocast, forward
+    and every weight's gradient, each in the weight's own dtype."""
+    import plait.core.torch_private as tp
+
+    moe = built(moe_top_k=2, moe_hidden_dim=32, moe_shared_experts=0).layers["1"].feed_forward
+    x = torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(0))
+
+    def run():
+        moe.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = moe(x)
+        (out.float() * torch.arange(out.numel()).view_as(out).sin()).sum().backward()
+        return out.detach().float(), [p.grad.clone() for p in moe.experts.parameters()]
+
+    loop = run()
+    monkeypatch.setattr(tp, "GROUPED_MM_ON_CPU", True)
+    calls = []
+    import plait.model.moe as moe_module
+
+    kernel = moe_module.grouped_mm
+    monkeypatch.setattr(moe_module, "grouped_mm", lambda x, w, o: calls.append(tuple(w.shape)) or kernel(x, w, o))
+    grouped = run()
+    assert calls == [(4, 64, 64), (4, 32, 64)], calls  # gate | up stacked (E, dim, 2F), then down: 2 kernels
+    torch.testing.assert_close(grouped[0], loop[0], atol=BF16_GROUPED_ATOL, rtol=BF16_GROUPED_RTOL)
+    for got, want in zip(grouped[1], loop[1], strict=True):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, want, atol=BF16_GROUPED_ATOL, rtol=BF16_GROUPED_RTOL)
+
+
 def test_balance_loss_is_one_coefficient_when_balanced_and_adds_its_gradient():
     moe = built(moe_top_k=2, moe_aux_loss=0.5).layers["1"].feed_forward
     scores = torch.full((1, 4, 4), 0.25)
