@@ -1,4 +1,4 @@
-"""Every GPU measurement the open issues ask for, in six parts that each fit one 10-minute device call.
+"""Every GPU measurement the open issues ask for, in seven parts that each fit one 10-minute device call.
 
 A session lent a GPU has 15 minutes of device time (one call, after the machine's start) and 10 minutes a
 call; the parts are in order of what the issues need most, one part per lent session:
@@ -22,6 +22,8 @@ call; the parts are in order of what the issues need most, one part per lent ses
             (all green in one call of 345 s on an H200, 2026-11-28: bench/results/h200-2026-11-28-part4)
     part 5  mixture of experts (issue 31): the 1.91B MoE compiled, and the qwen3-moe-2.8b preset eager and
             compiled (about 6 minutes: the compiled first step of the 1.91B took 101 s on an H200)
+    part 7  float8 against bf16 (issue 31): llama3-1b trained 200 steps in bf16, float8 tensorwise and float8
+            rowwise (compile.float8_recipe), same batches; the loss gaps and tokens/s (bench/float8_loss.py)
     part 6  MoE against its peers (issue 31's 1.5x transformers), qwen3-moe-2.8b's shape, each side compiled,
             one after the other: plait, transformers' Qwen3MoeForCausalLM with bf16 weights and with bf16
             autocast over fp32 weights, the hand-written loop over torch._grouped_mm (bench/gpu_peers.py
@@ -59,6 +61,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the other bench scripts, also when loaded by a test
+import float8_loss  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CALL_LIMIT_S = 560  # a device call's 600 s, less the start-up of the call and the copy of the results
@@ -345,6 +350,27 @@ def parts(peers: Path) -> dict[int, list[Step]]:
             plait_step("moe-2.8b-eager", "bench", QWEN3_MOE_2_8B, MOE_SHORT, 60),
             plait_step("moe-2.8b-compiled", "bench", [*QWEN3_MOE_2_8B, "--compile.enabled=true"], MOE_SHORT, 160),
         ],
+        # float8 against bf16: the same 200 steps in each recipe, one run after the other, then the gaps. A
+        # compiled llama3-1b's first step took 60-100 s on an H200 (float8 the longer), 8 x 2048 tokens a step
+        # about 0.25 s: estimates
+        7: [
+            *(
+                plait_step(
+                    f"float8-loss-{name}",
+                    "train",
+                    [*float8_loss.JOB, *float8_loss.RUNS[name], f"--run.name={name}", "--run.out_dir={out}/runs"],
+                    [],
+                    estimate,
+                )
+                for name, estimate in (("bf16", 150), ("float8-tensorwise", 190), ("float8-rowwise", 190))
+            ),
+            Step(
+                "float8-loss-table",
+                ["bench/float8_loss.py", "--runs={out}/runs", "--json={out}/float8_loss.json"],
+                15,
+                "float8_loss.json",
+            ),
+        ],
         # MoE beside its peers on qwen3-moe-2.8b's shape: each side its own step (a side's compile is most of it),
         # plait first (its compiled first step took 65 s, the whole side about 120 s on an H200); the
         # transformers and hand-written sides are not yet timed on a GPU: estimates
@@ -408,6 +434,11 @@ def summary(step: Step, out: Path) -> str:
     if "case" in r:  # bench/compile_probe.py
         c = r["compiled"]
         return f"compiled: {'ok, ' + format(c['step_s'], '.3f') + ' s/step' if c['ok'] else c['error'][:120]}"
+    if "recipes" in r:  # bench/float8_loss.py
+        return "; ".join(
+            f"{name} {x['gap_nats']:+.4f} nats" if "gap_nats" in x else f"{name}: {x['error']}"
+            for name, x in r["recipes"].items()
+        )
     if "sides" in r:
         return "; ".join(
             f"{name} {s['tokens_per_s']:,.0f} tok/s {s.get('peak_gib') or s.get('peak_mem_gib') or 0:.1f} GiB"
@@ -504,7 +535,7 @@ def run_lane(steps: list[Step], deadline: float, out: Path, env: dict, logs: Pat
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--part", type=int, choices=(1, 2, 3, 4, 5, 6), required=True)
+    p.add_argument("--part", type=int, choices=(1, 2, 3, 4, 5, 6, 7), required=True)
     default_peers = next((d for d in (ROOT / ".peers", ROOT.parent / "shared" / "gpu") if d.exists()), ROOT / ".peers")
     p.add_argument("--peers", type=Path, default=default_peers, help="the reference sides' folder")
     default_out = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "bench" / "results" / "gpu_session"

@@ -2,6 +2,7 @@
 (Its compile path, cold vs warm start, shares plait.engine.compile_cache with tests/test_compile.py.)"""
 
 import json
+import statistics
 
 import pytest
 
@@ -132,7 +133,7 @@ def test_gpu_session_steps_would_start_on_the_device(tmp_path):
     estimates fit one device call."""
     session = _gpu_session()
     parts = session.parts(tmp_path / "peers")
-    assert sorted(parts) == [1, 2, 3, 4, 5, 6]
+    assert sorted(parts) == [1, 2, 3, 4, 5, 6, 7]
     for number, steps in parts.items():
         assert session.check(steps, tmp_path) == [], f"part {number}"
         assert session.critical_path_s(steps) <= session.CALL_LIMIT_S, f"part {number}"
@@ -189,3 +190,33 @@ def test_moe_peers_run_on_the_cpu_with_plaits_parameter_count():
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert proc.stdout.count(" ok ") == 10, proc.stdout
+
+
+def test_float8_loss_reads_each_recipes_gap_to_bf16_from_the_runs(tmp_path, capsys):
+    """bench/float8_loss.py (gpu_session part 7) on runs' metrics.jsonl: each recipe's mean loss over the last
+    WINDOW steps beside bf16's, the largest gap of the running means, the median tokens/s; a run with too few
+    steps is named, not compared."""
+    f8 = _bench_script("float8_loss")
+
+    def run(name, losses, tokens_per_s):
+        (tmp_path / name).mkdir()
+        rows = [
+            {"step": i + 1, "train/loss": loss, "train/tokens_per_s": tokens_per_s} for i, loss in enumerate(losses)
+        ]
+        rows.insert(3, {"step": 3, "val/loss": 9.0})  # other rows are skipped
+        (tmp_path / name / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+
+    base = [5.0 - 0.01 * i for i in range(60)]
+    run("bf16", base, 100.0)
+    run("float8-tensorwise", [x + (0.05 if 20 <= i < 40 else 0.02) for i, x in enumerate(base)], 150.0)
+    run("float8-rowwise", base[:30], 120.0)
+    assert f8.main(["--runs", str(tmp_path), "--json", str(tmp_path / "f8.json")]) == 0
+    r = json.loads((tmp_path / "f8.json").read_text())["recipes"]
+    assert r["bf16"]["gap_nats"] == 0 and r["bf16"]["tokens_per_s"] == 100.0
+    tensorwise = r["float8-tensorwise"]
+    assert tensorwise["gap_nats"] == pytest.approx(0.02) and tensorwise["tokens_per_s"] == 150.0
+    assert tensorwise["gap_relative"] == pytest.approx(0.02 / statistics.fmean(base[-20:]))
+    assert tensorwise["largest_running_gap_nats"] == pytest.approx(0.05)  # steps 21-40: one whole window
+    assert "30 steps logged in both runs, 40 needed" in r["float8-rowwise"]["error"]
+    assert (tmp_path / "f8.png").exists()
+    assert "float8-tensorwise" in capsys.readouterr().out

@@ -288,8 +288,14 @@ class CompileConfig:
     """Float8 matmuls in the transformer blocks through torchao. 'true': every block linear layer whose sizes
     are multiples of 16, refused where it cannot run (needs compile.enabled, torchao and an NVIDIA GPU of compute
     capability 8.9+: H100, H200, L4, L40S); 'auto': on where it can run and pays (the layers torchao's own
-    heuristic expects to gain), off elsewhere, saying why at start-up. Under FSDP the float8 weights are
-    all-gathered in float8."""
+    heuristic expects to gain for compile.float8_recipe), off elsewhere, saying why at start-up. Under FSDP the
+    float8 weights are all-gathered in float8 (tensorwise)."""
+    float8_recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
+    """How compile.float8 scales: 'tensorwise', one scale per tensor (the fastest; under FSDP the weights are
+    all-gathered in float8); 'rowwise', one scale per row of each operand, rounded to a power of 2 (torchao's
+    rowwise recipe: closer to bf16, more work per matmul; the weights are all-gathered in bf16, as torchao's
+    float8 all-gather takes tensorwise scales only). compile.float8=auto picks the layers by this recipe's own
+    heuristic. Takes effect only with compile.float8=true or auto."""
 
 
 @dataclass

@@ -325,6 +325,11 @@ def _validate_compile(cfg: Config) -> None:
     c, p = cfg.compile, cfg.parallel
     if c.float8 == "true" and not c.enabled:
         raise ConfigError("compile.float8=true needs compile.enabled=true (torchao's float8 casts are fast compiled)")
+    if c.float8_recipe != "tensorwise" and c.float8 == "false":
+        raise ConfigError(
+            f"compile.float8_recipe={c.float8_recipe} takes effect only with float8 matmuls: set compile.float8=true "
+            "or auto (with compile.enabled=true), or leave compile.float8_recipe unset"
+        )
     if c.enabled and p.tp_degree > 1 and not compile_with_tp_works():
         raise ConfigError(
             f"compile.enabled=true with parallel.tp_degree={p.tp_degree} is refused on torch {torch_version()}: "

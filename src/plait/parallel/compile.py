@@ -14,6 +14,7 @@ overlap with the compiled compute as in eager mode.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import cast
 
 import torch
@@ -33,7 +34,7 @@ def apply_compile(model: nn.Module, c: CompileConfig, device: torch.device, fsdp
         return model
     _check_experts_compile(model, device)
     if float8_plan(c, device)[0]:
-        apply_float8(model, c.float8, all_gather=fsdp)
+        apply_float8(model, c.float8, all_gather=fsdp, recipe=c.float8_recipe)
     layers = getattr(model, "layers", None)
     if isinstance(layers, nn.ModuleDict) and len(layers):
         for key, block in list(layers.items()):
@@ -69,15 +70,15 @@ def _compiled(block: nn.Module, mode: str) -> nn.Module:
     return cast(nn.Module, torch.compile(block, mode=mode, dynamic=False, fullgraph=True))
 
 
-def float8_layers(choice: str):
+def float8_layers(choice: str, recipe: str = "tensorwise"):
     """module_filter_fn(module, fqn) of the linear layers float8 converts: those in the blocks (fqn 'layers.')
     whose sizes are multiples of 16 (a float8 GEMM requirement); with compile.float8=auto only those torchao's
-    own heuristic expects to gain (its H100 measurements: tensorwise scaling loses where K <= 4096 and
-    N <= 1024). The output projection always stays in bf16 (the vocabulary matmul is the most sensitive to
-    precision)."""
+    own heuristic for the recipe expects to gain (its H100 measurements: tensorwise scaling loses where
+    K <= 4096 and N <= 1024; rowwise, with more work per matmul, needs larger ones). The output projection
+    always stays in bf16 (the vocabulary matmul is the most sensitive to precision)."""
     from torchao.float8 import _auto_filter_for_recipe
 
-    pays = _auto_filter_for_recipe("tensorwise", filter_fqns=[]) if choice == "auto" else None
+    pays = _auto_filter_for_recipe(recipe, filter_fqns=[]) if choice == "auto" else None
 
     def eligible(module: nn.Module, fqn: str) -> bool:
         if not (isinstance(module, nn.Linear) and fqn.startswith("layers.")):
@@ -89,19 +90,23 @@ def float8_layers(choice: str):
     return eligible
 
 
-def apply_float8(model: nn.Module, choice: str = "true", all_gather: bool = False) -> None:
-    """Swap the blocks' linear layers (float8_layers) for torchao's Float8Linear (dynamic tensorwise
-    scaling): matmuls in float8 e4m3 forward / e5m2 gradients, master weights and everything else unchanged.
-    all_gather: FSDP2 all-gathers those weights in float8 (half the bytes of bf16); each weight's scale then
-    comes from the amax of the whole weight, one all-reduce per weight in its pre-all-gather (torchao's
-    precompute_float8_dynamic_scale_for_fsdp, one all-reduce for all, would have to run after every change to
-    the weights, checkpoint loads and rollbacks included, or the next all-gather casts with a stale scale)."""
+def apply_float8(model: nn.Module, choice: str = "true", all_gather: bool = False, recipe: str = "tensorwise") -> None:
+    """Swap the blocks' linear layers (float8_layers) for torchao's Float8Linear with dynamic scaling by the
+    recipe (compile.float8_recipe): tensorwise, matmuls in float8 e4m3 forward / e5m2 gradients; rowwise, every
+    operand e4m3 with a power-of-2 scale per row. Master weights and everything else unchanged.
+    all_gather (tensorwise only; rowwise gathers in bf16): FSDP2 all-gathers those weights in float8 (half the
+    bytes of bf16); each weight's scale then comes from the amax of the whole weight, one all-reduce per weight
+    in its pre-all-gather (torchao's precompute_float8_dynamic_scale_for_fsdp, one all-reduce for all, would
+    have to run after every change to the weights, checkpoint loads and rollbacks included, or the next
+    all-gather casts with a stale scale)."""
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError:
         raise ConfigError(f"compile.float8 needs torchao: {TORCHAO_INSTALL}") from None
-    config = Float8LinearConfig(enable_fsdp_float8_all_gather=all_gather)
-    convert_to_float8_training(model, config=config, module_filter_fn=float8_layers(choice))
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    if recipe == "tensorwise":
+        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=all_gather)
+    convert_to_float8_training(model, config=config, module_filter_fn=float8_layers(choice, recipe))
 
 
 # torchao releases follow torch's: 0.17 is the one built against torch 2.11, 0.18 against 2.12 and later.
@@ -142,17 +147,17 @@ def float8_plan(c: CompileConfig, device: torch.device, block: nn.Module | None 
         return False, "compile.float8=false" if choice == "false" else "compile.enabled=false"
     if choice == "true":
         check_float8_support(device)
-        return True, "compile.float8=true"
+        return True, f"compile.float8=true, {c.float8_recipe}"
     problems = _float8_problems(device)
     if problems:
         return False, "; ".join(problems)
     import torchao
 
-    why = f"{torch.cuda.get_device_name(device)}, torchao {torchao.__version__}"
+    why = f"{torch.cuda.get_device_name(device)}, torchao {torchao.__version__}, {c.float8_recipe}"
     if block is not None:
-        keep = float8_layers("auto")
+        keep = float8_layers("auto", c.float8_recipe)
         names = [name for name, m in block.named_modules() if keep(m, f"layers.0.{name}")]
         if not names:
-            return False, "no block layer is large enough to gain (torchao: K <= 4096 and N <= 1024 loses)"
+            return False, f"no block layer is large enough to gain by torchao's {c.float8_recipe} heuristic"
         why += f"; per block: {', '.join(names)}"
     return True, why
