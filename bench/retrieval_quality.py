@@ -18,6 +18,7 @@ held-out neighbours permuted across chunks: the same loss means it takes nothing
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import statistics
@@ -41,7 +42,9 @@ def run(data: Path, out: Path, name: str, steps: int, batch: int, seed: int, ext
     rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
     rates = [r["train/tokens_per_s"] for r in rows if "train/tokens_per_s" in r][1:]  # the first includes start-up
     val = [r["val/loss"] for r in rows if "val/loss" in r]
-    return {"val_loss": val[-1], "tokens_per_s": statistics.median(rates), "seconds": time.perf_counter() - started}
+    train_losses = [r["train/loss"] for r in rows if "train/loss" in r and r["step"] > steps - 50]
+    return {"val_loss": val[-1], "train_loss": statistics.fmean(train_losses), "tokens_per_s": statistics.median(rates),
+            "seconds": time.perf_counter() - started}  # fmt: skip
 
 
 def shuffled_neighbours_loss(run_dir: Path) -> dict[str, float]:
@@ -73,6 +76,32 @@ def shuffled_neighbours_loss(run_dir: Path) -> dict[str, float]:
     return out
 
 
+@contextlib.contextmanager
+def oracle_neighbours():
+    """While active, every training chunk's neighbours are the chunk itself and its continuation (database chunk
+    i: what the chunk after it will say), the leak RETRO's exclusion of a chunk's own document keeps out. A model
+    that can read its neighbours learns to copy the continuation and its training loss falls below the plain
+    model's; one that cannot (no positions between tokens and neighbours, a misaligned chunk) stays above."""
+    import numpy as np
+
+    import plait.data.retrieval as retrieval
+
+    original = retrieval.RetrievalDataset.__init__
+
+    def init(self, data_dir, split, **kw):
+        original(self, data_dir, split, **kw)
+        if split == "train":
+            n = len(self.neighbours)
+            own = np.minimum(np.arange(n, dtype=np.int32), n - 2)  # the last chunk has no continuation: a near one
+            self.neighbours = np.repeat(own[:, None], self.k, axis=1)
+
+    retrieval.RetrievalDataset.__init__ = init
+    try:
+        yield
+    finally:
+        retrieval.RetrievalDataset.__init__ = original
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=150)
@@ -86,6 +115,8 @@ def main() -> int:
     p.add_argument("--json", default="bench/results/retrieval_quality.json")
     p.add_argument("--shuffled-check", action="store_true",
                    help="also score each retrieval run's model with its held-out neighbours permuted")  # fmt: skip
+    p.add_argument("--oracle", action="store_true",
+                   help="also train with each training chunk and its continuation as its neighbours")  # fmt: skip
     p.add_argument("--dry-run", action="store_true")
     a = p.parse_args()
     seeds = [int(s) for s in a.seeds.split(",")]
@@ -106,10 +137,19 @@ def main() -> int:
         results["retrieval"].append(run(data, work, f"retro-{seed}", a.steps, a.batch, seed, [*retro, *keep]))
         if a.shuffled_check:
             results["retrieval"][-1]["held_out_loss"] = shuffled_neighbours_loss(work / f"retro-{seed}")
+        if a.oracle:
+            with oracle_neighbours():
+                oracle = run(data, work, f"oracle-{seed}", a.steps, a.batch, seed, retro)
+            results.setdefault("oracle", []).append(oracle)
+            losses = ", ".join(f"{side} {results[side][-1]['train_loss']:.4f}" for side in results)
+            print(f"seed {seed}: training loss, last 50 steps: {losses}", flush=True)
         print(f"seed {seed}: val loss {results['plain'][-1]['val_loss']:.4f} plain, "
               f"{results['retrieval'][-1]['val_loss']:.4f} with retrieval", flush=True)  # fmt: skip
     gains = [p["val_loss"] - r["val_loss"] for p, r in zip(results["plain"], results["retrieval"], strict=True)]
     speed = {side: statistics.median(r["tokens_per_s"] for r in runs) for side, runs in results.items()}
+    oracle_gain = [
+        p["train_loss"] - o["train_loss"] for p, o in zip(results["plain"], results.get("oracle", []), strict=False)
+    ]
     summary = {
         "steps": a.steps,
         "chunk": a.chunk,
@@ -124,6 +164,7 @@ def main() -> int:
         "val_loss_gain_stdev": statistics.stdev(gains) if len(gains) > 1 else 0.0,
         "tokens_per_s": speed,
         "step_cost_ratio": speed["plain"] / speed["retrieval"],
+        **({"oracle_train_loss_gain_mean": statistics.mean(oracle_gain)} if oracle_gain else {}),
     }
     print(f"held-out loss lower by {summary['val_loss_gain_mean']:+.4f} +- {summary['val_loss_gain_stdev']:.4f} "
           f"nats/token with retrieval (plain - retrieval, {len(seeds)} seeds); tokens/s {speed['plain']:,.0f} plain, "

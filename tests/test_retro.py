@@ -51,6 +51,36 @@ def test_a_chunks_neighbours_reach_only_the_tokens_from_its_last_one_on():
         assert changed[first:].all(), (u, changed)  # later blocks carry it on to every later token
 
 
+def test_each_token_meets_the_neighbour_token_it_predicts_one_position_on():
+    """Relative positions in chunked cross-attention (RETRO's): a neighbour's tokens sit at 0 .. 2c - 1 and the
+    tokens that see chunk u at c - 1 .. 2c - 2, so offset j of the group lines up with neighbour position
+    c - 1 + j, the one before the continuation token c + j it predicts. Held with queries and keys of the same
+    content everywhere (only position tells them apart) and values that name their position: each token's
+    output is the value of neighbour position c - 1 + j in every neighbour."""
+    from plait.model.retrieval import ChunkedCrossAttention
+    from plait.model.rope import rope_tables
+
+    args = ModelArgs(**{**ARGS, "dim": 16, "n_heads": 1, "n_kv_heads": 1, "attention_head_dim": 8})
+    cross = ChunkedCrossAttention(args)
+    eye = torch.eye(8)
+    with torch.no_grad():  # q, k from dims 0..7 (content), v from dims 8..15 (a position's code), back to 8..15
+        cross.wq.weight.copy_(torch.cat([eye, torch.zeros(8, 8)], 1))
+        cross.wk.weight.copy_(torch.cat([eye, torch.zeros(8, 8)], 1))
+        cross.wv.weight.copy_(torch.cat([torch.zeros(8, 8), eye], 1))
+        cross.wo.weight.copy_(torch.cat([torch.zeros(8, 8), eye], 0))
+    content = 30.0 * torch.ones(8)  # large: a softmax as sharp as an argmax
+    code = torch.eye(8)  # neighbour position p's value: e_p (2c = 8 positions)
+    T = 3 * C
+    x = torch.cat([content, torch.zeros(8)]).expand(1, T, 16)
+    memory = torch.cat([content.expand(2 * C, 8), code], 1).repeat(K, 1).expand(1, T // C, K * 2 * C, 16)
+    cos, sin = rope_tables(args)
+    out = cross(x, memory, cos[: 2 * C], sin[: 2 * C])[0, :, 8:]
+    assert out[: C - 1].abs().max() == 0  # the first chunk's tokens before its last one see no neighbours
+    for t in range(C - 1, T):
+        j = (t + 1) % C  # offset of token t within the group that sees chunk (t + 1) // C - 1
+        torch.testing.assert_close(out[t], code[C - 1 + j], atol=1e-3, rtol=0)
+
+
 def test_the_shapes_parameters_and_flops_are_counted():
     m = model()
     args = m.args

@@ -29,39 +29,7 @@ from plait.model.head import linear_cross_entropy
 from plait.model.mlp import FeedForward
 from plait.model.moe import MoE
 from plait.model.retrieval import ChunkedCrossAttention, split_retrieved
-
-
-def rope_tables(args: ModelArgs, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables of shape (max_seq_len, head_dim), with Llama 3 frequency scaling if enabled."""
-    half = args.head_dim // 2
-    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, half, device=device, dtype=torch.float64) / half))
-    if args.rope_scaling_factor:
-        # Llama 3.1: keep high frequencies, divide low ones by the factor, blend smoothly in between.
-        low_wavelen = args.rope_original_max_seq_len / args.rope_low_freq_factor
-        high_wavelen = args.rope_original_max_seq_len / args.rope_high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        smooth = (args.rope_original_max_seq_len / wavelen - args.rope_low_freq_factor) / (
-            args.rope_high_freq_factor - args.rope_low_freq_factor
-        )
-        blended = (1 - smooth) * inv_freq / args.rope_scaling_factor + smooth * inv_freq
-        inv_freq = torch.where(
-            wavelen > low_wavelen,
-            inv_freq / args.rope_scaling_factor,
-            torch.where(wavelen < high_wavelen, inv_freq, blended),
-        )
-    t = torch.arange(args.max_seq_len, device=device, dtype=torch.float64)
-    freqs = torch.outer(t, inv_freq)
-    emb = torch.cat([freqs, freqs], dim=-1)  # (max_seq_len, head_dim)
-    return emb.cos().float(), emb.sin().float()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (B, T, H, head_dim) by position; cos/sin are (T, head_dim), or (B, T, head_dim) where each row
-    has positions of its own (document masking: they restart with each document)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    cos, sin = (cos[:, :, None, :], sin[:, :, None, :]) if cos.dim() == 3 else (cos[None, :, None], sin[None, :, None])
-    return (x.float() * cos + rotated.float() * sin).type_as(x)
+from plait.model.rope import apply_rope, rope_tables
 
 
 def document_ids(tokens: torch.Tensor, eos: int) -> torch.Tensor:
@@ -285,10 +253,10 @@ class TransformerBlock(nn.Module):
             MoE(args) if args.is_moe_layer(layer_id) else FeedForward(args.dim, args.hidden_dim)
         )
 
-    def forward(self, x, cos, sin, cache: KVCache | None = None, docs=None, retrieved=None):
+    def forward(self, x, cos, sin, cache: KVCache | None = None, docs=None, retrieved=None, neighbour_rope=None):
         h = x + self.attention.wo(self.attend(x, cos, sin, cache, docs))
         if self.cross is not None and retrieved is not None:
-            h = h + self.cross(self.cross_norm(h), retrieved)
+            h = h + self.cross(self.cross_norm(h), retrieved, *neighbour_rope)
         if isinstance(self.feed_forward, MoE):
             return h + self.feed_forward(self.ffn_norm(h))
         return h + self.feed_forward.w2(self.gated(h))
@@ -382,7 +350,8 @@ class Transformer(nn.Module):
         for layer in self.layers.values():
             kwargs = {"docs": docs} if docs is not None else {}
             if retrieved is not None and layer.cross is not None:
-                kwargs["retrieved"] = retrieved
+                # the encoded neighbours, and the rotary tables of a neighbour's positions 0 .. 2c - 1
+                kwargs["retrieved"], kwargs["neighbour_rope"] = retrieved, self.rope(0, 2 * self.args.retrieval_chunk)
             h = layer(h, cos, sin, cache=cache, **kwargs)
         if cache is not None:
             cache.pos += seqlen
