@@ -70,27 +70,28 @@ def sides(
     return out
 
 
+# The GPU-speed issue's MoE, as it gave it: 1.91B parameters, 12 blocks, dim 1024, 64 experts, top-8, width 768
+# (moe-debug's router loss and loss-free balancing kept)
+MOE_1_9B = [
+    "--model.preset=moe-debug",
+    "--model.dim=1024",
+    "--model.n_layers=12",
+    "--model.n_heads=16",
+    "--model.n_kv_heads=4",
+    "--model.moe_experts=64",
+    "--model.moe_top_k=8",
+    "--model.moe_hidden_dim=768",
+    "--model.moe_shared_experts=0",
+    "--model.moe_dense_layers=0",
+    "--model.vocab_size=32768",
+    "--model.max_seq_len=2048",
+]
 # The MoE jobs, as plait settings: the peers read their shape from plait's config of the same job.
 MOE_SHAPES = {
     # Qwen3-MoE's block at a size that trains on one GPU: 2.81B parameters, 0.70B active
     "qwen3-moe-2.8b": ["--model.preset=qwen3-moe-2.8b"],
-    # the GPU-speed issue's MoE: 1.91B parameters, 12 blocks, dim 1024, 64 experts, top-8, width 768
-    "1.9b": [
-        "--model.preset=moe-debug",
-        "--model.dim=1024",
-        "--model.n_layers=12",
-        "--model.n_heads=16",
-        "--model.n_kv_heads=4",
-        "--model.moe_experts=64",
-        "--model.moe_top_k=8",
-        "--model.moe_hidden_dim=768",
-        "--model.moe_shared_experts=0",
-        "--model.moe_dense_layers=0",
-        "--model.vocab_size=32768",
-        "--model.max_seq_len=2048",
-        "--model.moe_aux_loss=0",  # as transformers' side, which trains without its router loss
-        "--model.moe_bias_rate=0",
-    ],
+    # without a router loss or balancing, as transformers' side trains
+    "1.9b": [*MOE_1_9B, "--model.moe_aux_loss=0", "--model.moe_bias_rate=0"],
 }
 MOE_JOB = [
     f"--data.seq_len={SHAPE['seq']}",

@@ -64,6 +64,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the other bench scripts, also when loaded by a test
 import float8_loss  # noqa: E402
+import gpu_peers  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CALL_LIMIT_S = 560  # a device call's 600 s, less the start-up of the call and the copy of the results
@@ -98,18 +99,7 @@ def plait_step(name: str, command: str, settings: list[str], options: list[str],
 
 BF16_CUDA = ["--train.mixed_precision=bf16", "--run.device=cuda"]
 MOE_1_9B = [  # the GPU-speed issue's MoE: 1.91B parameters, 12 blocks, dim 1024, 64 experts, top-8, width 768
-    "--model.preset=moe-debug",
-    "--model.dim=1024",
-    "--model.n_layers=12",
-    "--model.n_heads=16",
-    "--model.n_kv_heads=4",
-    "--model.moe_experts=64",
-    "--model.moe_top_k=8",
-    "--model.moe_hidden_dim=768",
-    "--model.moe_shared_experts=0",
-    "--model.moe_dense_layers=0",
-    "--model.vocab_size=32768",
-    "--model.max_seq_len=2048",
+    *gpu_peers.MOE_1_9B,
     "--data.seq_len=2048",
     "--train.global_batch_size=16",
     "--train.micro_batch_size=4",

@@ -14,12 +14,11 @@ Prints one JSON line: tokens/s (median step), first step, peak memory, loss.
 """
 
 import argparse
-import json
-import time
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from timing import train  # this folder's
 
 p = argparse.ArgumentParser()
 p.add_argument("--dim", type=int, default=1024)
@@ -139,58 +138,11 @@ class LM(nn.Module):
 torch.manual_seed(0)
 with dev:
     m = LM()
-n_all = sum(x.numel() for x in m.parameters())
-opt = torch.optim.AdamW(m.parameters(), lr=3e-4, weight_decay=0.1, fused=dev.type == "cuda")
-fwd = torch.compile(m) if a.compile else m
-gen = torch.Generator(device=dev).manual_seed(0)
-autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=low == torch.bfloat16)
 
 
-def sync():
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
+def micro_loss(forward, generator):
+    t = torch.randint(0, a.vocab, (a.mb, a.seq + 1), device=dev, generator=generator)
+    return forward(t[:, :-1], t[:, 1:])
 
 
-def step():
-    for _ in range(a.accum):
-        t = torch.randint(0, a.vocab, (a.mb, a.seq + 1), device=dev, generator=gen)
-        with autocast:
-            loss = fwd(t[:, :-1], t[:, 1:]) / a.accum
-        loss.backward()
-    torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return loss.detach()
-
-
-t0 = time.perf_counter()
-step()
-sync()
-first = time.perf_counter() - t0
-for _ in range(a.warmup):
-    step()
-sync()
-if dev.type == "cuda":
-    torch.cuda.reset_peak_memory_stats()
-times = []
-for _ in range(a.steps):
-    t = time.perf_counter()
-    last = step()
-    sync()
-    times.append(time.perf_counter() - t)
-times.sort()
-med = times[len(times) // 2]
-tokens = a.mb * a.accum * a.seq
-res = dict(
-    side=f"bare-moe-{a.dtype}-compile{a.compile}",
-    params=n_all,
-    tokens_per_s=tokens / med,
-    step_s=med,
-    first_step_s=first,
-    peak_gib=torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None,
-    loss=float(last) * a.accum,
-)
-print(json.dumps(res))
-if a.json:
-    with open(a.json, "w") as f:
-        f.write(json.dumps(res))
+train(m, micro_loss, dev, a, autocast=low == torch.bfloat16, side=f"bare-moe-{a.dtype}-compile{a.compile}")

@@ -11,10 +11,9 @@ plait's own FLOPs rule for the same shape.
 """
 
 import argparse
-import json
-import time
 
 import torch
+from timing import train  # this folder's
 
 p = argparse.ArgumentParser()
 p.add_argument("--arch", choices=["qwen3_moe", "mixtral"], default="qwen3_moe")
@@ -79,60 +78,20 @@ with dev:
 if a.weights == "bf16":
     m = m.to(torch.bfloat16)
 m.train()
-n_all = sum(x.numel() for x in m.parameters())
-opt = torch.optim.AdamW(m.parameters(), lr=3e-4, weight_decay=0.1, fused=dev.type == "cuda")
-fwd = torch.compile(m) if a.compile else m
-gen = torch.Generator(device=dev).manual_seed(0)
-autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=a.weights == "fp32" and dev.type == "cuda")
 
 
-def sync():
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
+def micro_loss(forward, generator):
+    t = torch.randint(0, a.vocab, (a.mb, a.seq), device=dev, generator=generator)
+    return forward(input_ids=t, labels=t).loss
 
 
-def step():
-    for _ in range(a.accum):
-        t = torch.randint(0, a.vocab, (a.mb, a.seq), device=dev, generator=gen)
-        with autocast:
-            loss = fwd(input_ids=t, labels=t).loss / a.accum
-        loss.backward()
-    torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return loss
-
-
-t0 = time.perf_counter()
-step()
-sync()
-first = time.perf_counter() - t0
-for _ in range(a.warmup):
-    step()
-sync()
-if dev.type == "cuda":
-    torch.cuda.reset_peak_memory_stats()
-times = []
-for _ in range(a.steps):
-    t = time.perf_counter()
-    last = step()
-    sync()
-    times.append(time.perf_counter() - t)
-times.sort()
-med = times[len(times) // 2]
-tokens = a.mb * a.accum * a.seq
-res = dict(
+train(
+    m,
+    micro_loss,
+    dev,
+    a,
+    autocast=a.weights == "fp32" and dev.type == "cuda",
     side=f"hf-{a.arch}-{a.weights}-compile{a.compile}",
     transformers=transformers.__version__,
     experts_implementation=getattr(m.config, "_experts_implementation", None),  # 4.x: a loop over experts
-    params=n_all,
-    tokens_per_s=tokens / med,
-    step_s=med,
-    first_step_s=first,
-    peak_gib=torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None,
-    loss=float(last.detach()) * a.accum,
 )
-print(json.dumps(res))
-if a.json:
-    with open(a.json, "w") as f:
-        f.write(json.dumps(res))
