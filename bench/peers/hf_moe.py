@@ -10,33 +10,12 @@ code. Prints one JSON line: tokens/s (median step), first step, peak memory, los
 plait's own FLOPs rule for the same shape.
 """
 
-import argparse
-
 import torch
-from timing import train  # this folder's
+from timing import job_parser, train  # this folder's
 
-p = argparse.ArgumentParser()
+p = job_parser()
 p.add_argument("--arch", choices=["qwen3_moe", "mixtral"], default="qwen3_moe")
-p.add_argument("--dim", type=int, default=1024)
-p.add_argument("--layers", type=int, default=16)
-p.add_argument("--heads", type=int, default=16)
-p.add_argument("--kv", type=int, default=4)
-p.add_argument("--head-dim", type=int, default=128)
-p.add_argument("--experts", type=int, default=64)
-p.add_argument("--top-k", type=int, default=8)
-p.add_argument("--expert-width", type=int, default=768)
-p.add_argument("--vocab", type=int, default=151936)
-p.add_argument("--rope-theta", type=float, default=1e6)
-p.add_argument("--eps", type=float, default=1e-6)
-p.add_argument("--seq", type=int, default=2048)
-p.add_argument("--mb", type=int, default=4)
-p.add_argument("--accum", type=int, default=4)
-p.add_argument("--steps", type=int, default=20)
-p.add_argument("--warmup", type=int, default=5)
-p.add_argument("--compile", type=int, default=1)
 p.add_argument("--weights", choices=["fp32", "bf16"], default="fp32")
-p.add_argument("--device", default="cuda")
-p.add_argument("--json", default="")
 a = p.parse_args()
 
 import transformers  # noqa: E402

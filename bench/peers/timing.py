@@ -10,6 +10,33 @@ import time
 import torch
 
 
+def job_parser():
+    """The arguments every MoE peer takes: the shape (bench/gpu_peers.py passes plait's), the job, the device."""
+    import argparse
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--dim", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--expert-width", type=int, default=768)
+    p.add_argument("--vocab", type=int, default=151936)
+    p.add_argument("--rope-theta", type=float, default=1e6)
+    p.add_argument("--eps", type=float, default=1e-6)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--mb", type=int, default=4)
+    p.add_argument("--accum", type=int, default=4)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--compile", type=int, default=1)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--json", default="")
+    return p
+
+
 def measure(step, device: torch.device, *, steps: int, warmup: int, tokens_per_step: int, out: str = "", **fields):
     """Time step() (returns the last micro-batch's loss, scaled by the accumulation); fields go in the record."""
 
