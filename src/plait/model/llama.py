@@ -347,11 +347,12 @@ class Transformer(nn.Module):
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # (B, T, head_dim)
         else:
             cos, sin = self.rope(cache.pos if cache is not None else 0, seqlen)
+        # RETRO: the rotary tables of a neighbour's positions 0 .. 2c - 1, for the cross-attention
+        neighbour_rope = self.rope(0, 2 * self.args.retrieval_chunk) if retrieved is not None else None
         for layer in self.layers.values():
             kwargs = {"docs": docs} if docs is not None else {}
             if retrieved is not None and layer.cross is not None:
-                # the encoded neighbours, and the rotary tables of a neighbour's positions 0 .. 2c - 1
-                kwargs["retrieved"], kwargs["neighbour_rope"] = retrieved, self.rope(0, 2 * self.args.retrieval_chunk)
+                kwargs["retrieved"], kwargs["neighbour_rope"] = retrieved, neighbour_rope
             h = layer(h, cos, sin, cache=cache, **kwargs)
         if cache is not None:
             cache.pos += seqlen
