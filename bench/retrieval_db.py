@@ -27,7 +27,9 @@ def corpus_and_encoder(work: Path, encoder: str | None = None, steps: int = 100,
     model trained `steps` steps on the corpus (an encoder of its tokenizer). documents: "plays", the corpus as
     plait prepares it (each play a document: the held-out split is 5 whole plays, whose chunks retrieve from the
     other 37); "speeches", the same text cut at its blank lines (each speech a document, 10% of them held out:
-    a held-out speech retrieves from the other speeches of its play), with the same tokenizer."""
+    a held-out speech retrieves from the other speeches of its play), with the same tokenizer; "code", not the
+    bundled corpus but text that recurs: this Python's standard library (`python_sources`), each file a
+    document, with a tokenizer trained on it (a held-out file retrieves from the other files)."""
     from plait.api import train
     from plait.config import load_config
     from plait.data.loader import read_manifest
@@ -36,7 +38,10 @@ def corpus_and_encoder(work: Path, encoder: str | None = None, steps: int = 100,
 
     data = work / "data"
     prepared = ensure_prepared("shakespeare", Path.home() / ".cache" / "plait" / "data", 4096)
-    if documents == "speeches":
+    if documents == "code":
+        (work / "code.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in python_sources()) + "\n")
+        prepare([work / "code.jsonl"], data, vocab_size=4096, val_fraction=0.05)
+    elif documents == "speeches":
         with gzip.open(bundled_corpus_path(), "rt") as f:
             texts = [json.loads(line)["text"] for line in f if line.strip()]
         speeches = [s for text in texts for s in text.split("\n\n") if s.strip()]
@@ -51,6 +56,29 @@ def corpus_and_encoder(work: Path, encoder: str | None = None, steps: int = 100,
         encoder = str(work / "encoder")
     encode, described = load_encoder(encoder, read_manifest(data))
     return data, encode, described
+
+
+CODE_BYTES = 5_000_000
+"""About the bundled corpus's size (its 5.1 MB of text)."""
+CODE_SKIPPED = {"test", "tests", "idle_test", "site-packages", "encodings", "idlelib", "lib2to3", "pydoc_data"}
+"""Left out: test suites, installed packages, and the codecs (100 near-copies of one file, which would make
+retrieval look better than it is)."""
+
+
+def python_sources(limit: int = CODE_BYTES) -> list[str]:
+    """This Python's standard-library modules (.py files outside CODE_SKIPPED), in path order, up to `limit`
+    bytes: a corpus of code, in which idioms, names and whole passages recur across files."""
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    texts, size = [], 0
+    for path in sorted(root.rglob("*.py")):
+        if CODE_SKIPPED & set(path.relative_to(root).parts) or size >= limit:
+            continue
+        text = path.read_text(encoding="utf-8", errors="replace")
+        texts.append(text)
+        size += len(text.encode())
+    return texts
 
 
 def main() -> int:

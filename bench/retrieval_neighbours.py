@@ -70,7 +70,7 @@ def measure(data: Path, chunk: int, k: int, queries: int, seed: int = 0) -> dict
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--documents", choices=["plays", "speeches"], default="speeches")
+    p.add_argument("--documents", choices=["plays", "speeches", "code"], default="speeches")
     p.add_argument("--encoder-steps", type=int, default=100)
     p.add_argument("--chunk", type=int, default=32)
     p.add_argument("--k", type=int, default=2)

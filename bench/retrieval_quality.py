@@ -9,10 +9,14 @@ The database is built once (an encoder: plait's default model trained --encoder-
 the runs). --documents: the corpus's plays as documents (as plait prepares it), or its speeches (the same text
 cut at blank lines: a held-out speech retrieves from the other speeches of its play).
 Each run trains `--steps` steps of the default model (preset tiny) with validation at the end; the retrieval
-runs add cross-attention in blocks 2 and 3 and a 1-block neighbour encoder. Printed: each seed's final
-validation loss, the mean and spread of the difference, and tokens/s of each side (the step's overhead);
-written to bench/results/retrieval_quality.json. --shuffled-check also scores each retrieval model with its
-held-out neighbours permuted across chunks: the same loss means it takes nothing from them.
+runs add cross-attention in blocks 2 and 3 and a 1-block neighbour encoder. Both sides read the same windows,
+in training and in validation: a retrieval window starts on a chunk boundary (every seq_len + chunk tokens),
+and the plain runs here take that stride too, so the only difference is the retrieval (without it, the two
+sides scored different held-out text, which moved the difference by up to 0.07 nats at 150 steps).
+Printed: each seed's final validation loss, the mean and spread of the difference, each side's tokens/s (the
+step's overhead) and the retrieval models' gates; written to bench/results/retrieval_quality.json.
+--shuffled-check also scores each retrieval model with its held-out neighbours permuted across chunks: the
+same loss means it takes nothing from them.
 """
 
 from __future__ import annotations
@@ -29,22 +33,64 @@ from pathlib import Path
 RETRO = ["model.retrieval_layers=2,3", "model.retrieval_encoder_layers=1"]
 
 
-def run(data: Path, out: Path, name: str, steps: int, batch: int, seed: int, extra: list[str]) -> dict:
-    from plait.api import train
-    from plait.config import load_config
+@contextlib.contextmanager
+def windows_every(stride_extra: int):
+    """While active, the token loader's windows start every seq_len + stride_extra tokens (a retrieval
+    dataset's stride, with stride_extra its chunk), so a plain run reads the windows a retrieval run reads."""
+    from plait.data.loader import TokenDataset
 
+    original = TokenDataset.stride
+    TokenDataset.stride = lambda self, seq_len: seq_len + stride_extra  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        TokenDataset.stride = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def gate_readings():
+    """While active, the dict yielded maps each retrieval block's gate to its latest tanh(weight): how much of
+    its cross-attention the model adds to its residual stream (0: nothing)."""
+    from plait.model.retrieval import RetrievalGate
+
+    readings: dict[int, float] = {}
+    original = RetrievalGate.forward
+
+    def forward(self, x):
+        readings[id(self)] = float(self.weight.detach().tanh()[0])
+        return original(self, x)
+
+    RetrievalGate.forward = forward  # type: ignore[method-assign]
+    try:
+        yield readings
+    finally:
+        RetrievalGate.forward = original  # type: ignore[method-assign]
+
+
+def run(data: Path, out: Path, name: str, steps: int, batch: int, seed: int, extra: list[str], chunk: int) -> dict:
+    """One run's final held-out loss, training loss over its last 50 steps, tokens/s and gates; a plain run
+    (no model.retrieval_layers in `extra`) reads the windows of a retrieval run of this chunk."""
     cfg = [f"data.source={data}", f"train.steps={steps}", f"train.global_batch_size={batch}", f"run.seed={seed}",
            f"eval.every_steps={steps}", "eval.num_batches=16", "sample.max_new_tokens=0", "log.tensorboard=false",
            "checkpoint.save_final=false", "log.every_steps=10", f"run.out_dir={out}", f"run.name={name}",
            *extra]  # fmt: skip
     started = time.perf_counter()
-    train(load_config(None, cfg))
+    retrieves = any(c.startswith("model.retrieval_layers=") for c in extra)
+    with contextlib.nullcontext() if retrieves else windows_every(chunk), gate_readings() as gates:
+        _train(cfg)
     rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
     rates = [r["train/tokens_per_s"] for r in rows if "train/tokens_per_s" in r][1:]  # the first includes start-up
     val = [r["val/loss"] for r in rows if "val/loss" in r]
     train_losses = [r["train/loss"] for r in rows if "train/loss" in r and r["step"] > steps - 50]
     return {"val_loss": val[-1], "train_loss": statistics.fmean(train_losses), "tokens_per_s": statistics.median(rates),
-            "seconds": time.perf_counter() - started}  # fmt: skip
+            "seconds": time.perf_counter() - started, "gates": sorted(gates.values())}  # fmt: skip
+
+
+def _train(overrides: list[str]) -> None:
+    from plait.api import train
+    from plait.config import load_config
+
+    train(load_config(None, overrides))
 
 
 def shuffled_neighbours_loss(run_dir: Path) -> dict[str, float]:
@@ -110,7 +156,12 @@ def main() -> int:
     p.add_argument("--k", type=int, default=2)
     p.add_argument("--batch", type=int, default=8, help="train.global_batch_size of every run")
     p.add_argument("--encoder-steps", type=int, default=100, help="steps of the encoder's training")
-    p.add_argument("--documents", choices=["plays", "speeches"], default="plays", help="what a document is")
+    p.add_argument(
+        "--documents",
+        choices=["plays", "speeches", "code"],
+        default="plays",
+        help="what a document is (code: another corpus, bench/retrieval_db.py)",
+    )
     p.add_argument("--retro", default=";".join(RETRO), help="the retrieval runs' settings, ';'-separated")
     p.add_argument("--json", default="bench/results/retrieval_quality.json")
     p.add_argument("--shuffled-check", action="store_true",
@@ -132,19 +183,20 @@ def main() -> int:
     retro = [*a.retro.split(";"), f"model.retrieval_chunk={a.chunk}", f"model.retrieval_k={a.k}"]
     results: dict[str, list[dict]] = {"plain": [], "retrieval": []}
     for seed in seeds:
-        results["plain"].append(run(data, work, f"plain-{seed}", a.steps, a.batch, seed, []))
+        results["plain"].append(run(data, work, f"plain-{seed}", a.steps, a.batch, seed, [], a.chunk))
         keep = ["checkpoint.save_final=true"] if a.shuffled_check else []
-        results["retrieval"].append(run(data, work, f"retro-{seed}", a.steps, a.batch, seed, [*retro, *keep]))
+        results["retrieval"].append(run(data, work, f"retro-{seed}", a.steps, a.batch, seed, [*retro, *keep], a.chunk))
         if a.shuffled_check:
             results["retrieval"][-1]["held_out_loss"] = shuffled_neighbours_loss(work / f"retro-{seed}")
         if a.oracle:
             with oracle_neighbours():
-                oracle = run(data, work, f"oracle-{seed}", a.steps, a.batch, seed, retro)
+                oracle = run(data, work, f"oracle-{seed}", a.steps, a.batch, seed, retro, a.chunk)
             results.setdefault("oracle", []).append(oracle)
             losses = ", ".join(f"{side} {results[side][-1]['train_loss']:.4f}" for side in results)
             print(f"seed {seed}: training loss, last 50 steps: {losses}", flush=True)
         print(f"seed {seed}: val loss {results['plain'][-1]['val_loss']:.4f} plain, "
-              f"{results['retrieval'][-1]['val_loss']:.4f} with retrieval", flush=True)  # fmt: skip
+              f"{results['retrieval'][-1]['val_loss']:.4f} with retrieval (gates "
+              f"{', '.join(f'{g:+.4f}' for g in results['retrieval'][-1]['gates'])})", flush=True)  # fmt: skip
     gains = [p["val_loss"] - r["val_loss"] for p, r in zip(results["plain"], results["retrieval"], strict=True)]
     speed = {side: statistics.median(r["tokens_per_s"] for r in runs) for side, runs in results.items()}
     oracle_gain = [

@@ -220,3 +220,29 @@ def test_float8_loss_reads_each_recipes_gap_to_bf16_from_the_runs(tmp_path, caps
     assert "30 steps logged in both runs, 40 needed" in r["float8-rowwise"]["error"]
     assert (tmp_path / "f8.png").exists()
     assert "float8-tensorwise" in capsys.readouterr().out
+
+
+def test_retrieval_quality_plain_runs_read_the_windows_of_the_retrieval_runs(data_dir):
+    """bench/retrieval_quality.py compares a plain model with a retrieval model on the same windows, in training
+    and validation: a retrieval window starts every seq_len + chunk tokens, and while `windows_every(chunk)` is
+    active the token loader's windows do too (and only then)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from plait.data.loader import TokenDataset
+    from plait.data.retrieval import RetrievalDataset
+
+    quality = _bench_script("retrieval_quality")
+    data = TokenDataset(data_dir, "train")
+    seq_len, chunk = 16, 4
+    plain, count = [data.sample(i, seq_len) for i in range(3)], data.num_samples(seq_len)
+    with quality.windows_every(chunk):
+        assert data.stride(seq_len) == RetrievalDataset.stride(SimpleNamespace(chunk=chunk), seq_len)
+        windows = [data.sample(i, seq_len) for i in range(3)]
+        assert data.num_samples(seq_len) < count  # fewer windows: chunk - 1 more tokens between them
+    assert [data.sample(i, seq_len).tolist() for i in range(3)] == [w.tolist() for w in plain]  # restored
+    stream = data.tokens(0, 3 * (seq_len + chunk) + 1)
+    for i, window in enumerate(windows):
+        start = i * (seq_len + chunk)
+        np.testing.assert_array_equal(window, stream[start : start + seq_len + 1])

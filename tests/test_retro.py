@@ -17,17 +17,17 @@ ARGS = dict(dim=32, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_
 
 
 def model(**overrides) -> Transformer:
-    """A retrieval model with its cross-attention switched on: its output projections start at zero (so a
-    retrieval model starts as the plain one: checked here), here drawn as the other projections are."""
+    """A retrieval model with its cross-attention switched on: its gates start at zero (so a retrieval model
+    starts as the plain one: checked here), here opened."""
     with torch.device("meta"):
         m = Transformer(ModelArgs(**{**ARGS, **overrides}))
     m.to_empty(device="cpu")
     m.init_weights(0)
-    crossing = [block.cross for block in m.layers.values() if block.cross is not None]
-    assert crossing and all(torch.equal(c.wo.weight, torch.zeros_like(c.wo.weight)) for c in crossing)
+    gates = [block.cross_gate for block in m.layers.values() if block.cross_gate is not None]
+    assert gates and all(torch.equal(g.weight, torch.zeros(1)) for g in gates)
     with torch.no_grad():
-        for c in crossing:
-            c.wo.weight.normal_(0, 0.02, generator=torch.Generator().manual_seed(1))
+        for g in gates:
+            g.weight.fill_(1.0)
     return m.eval()
 
 
@@ -79,6 +79,25 @@ def test_each_token_meets_the_neighbour_token_it_predicts_one_position_on():
     for t in range(C - 1, T):
         j = (t + 1) % C  # offset of token t within the group that sees chunk (t + 1) // C - 1
         torch.testing.assert_close(out[t], code[C - 1 + j], atol=1e-3, rtol=0)
+
+
+def test_a_retrieval_model_starts_as_the_same_model_without_retrieval():
+    """Its gates start at zero (Flamingo's tanh gate): whatever its neighbours, a freshly initialised retrieval
+    model computes what the plain model of the same seed computes, and it is the gates' gradient that opens
+    them (the cross-attention's own weights get none until a gate moves)."""
+    with torch.device("meta"):
+        retro, plain = Transformer(ModelArgs(**ARGS)), Transformer(ModelArgs(**{**ARGS, "retrieval_layers": ""}))
+    for m in (retro, plain):
+        m.to_empty(device="cpu")
+        m.init_weights(0)
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 64, (2, 16))
+    neighbours = torch.randint(0, 64, (2, 16 // C, K, 2 * C))
+    torch.testing.assert_close(retro(packed(tokens, neighbours)), plain(tokens), rtol=0, atol=0)
+    retro(packed(tokens, neighbours)).float().pow(2).mean().backward()
+    block = retro.layers["1"]
+    assert block.cross_gate.weight.grad.abs().item() > 0
+    assert not block.cross.wq.weight.grad.any() and not block.cross.wo.weight.grad.any()
 
 
 def test_the_shapes_parameters_and_flops_are_counted():

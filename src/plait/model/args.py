@@ -137,8 +137,8 @@ class ModelArgs:
         embed = self.vocab_size * self.dim
         output = 0 if self.tie_embeddings else self.vocab_size * self.dim
         total = self.n_layers * (attn + 2 * self.dim) + mlps + self.dim + embed + output
-        if self.retrieval_ids:  # chunked cross-attention (its projections and norm) and the neighbours' encoder
-            cross = self.dim * q_dim * 2 + self.dim * kv_dim * 2 + self.dim
+        if self.retrieval_ids:  # chunked cross-attention (its projections, norm and gate), the neighbours' encoder
+            cross = self.dim * q_dim * 2 + self.dim * kv_dim * 2 + self.dim + 1
             encoder = self.retrieval_encoder_layers * (attn + 2 * self.dim + 3 * self.dim * self.hidden_dim)
             total += len(self.retrieval_ids) * cross + encoder + self.dim
         return total - (embed if exclude_embeddings else 0)

@@ -9,7 +9,12 @@ layout, micro-batch and loader path carries them as the tokens are carried (`spl
 - The encoder embeds the neighbours with the decoder's token embedding and runs `retrieval_encoder_layers`
   bidirectional blocks over each neighbour's 2c tokens (RETRO's encoder, without its conditioning on the
   chunk's activations), then a norm.
-- Chunked cross-attention in the blocks of `retrieval_layers`, after self-attention and before the MLP: token
+- Chunked cross-attention in the blocks of `retrieval_layers`, after self-attention and before the MLP, its
+  output scaled by a learned gate tanh(w) that starts at 0 (`RetrievalGate`, Flamingo's): a retrieval model
+  starts as the model without retrieval and opens the gate only as far as its neighbours pay. A zero output
+  projection instead (the earlier start) shut nothing: Adam moves every one of its weights by about the
+  learning rate each step, whether the neighbours help or not, and the active cross-attention then cost held-out
+  loss. The gate is one number per block, moved by the sign of the whole batch's evidence. Token
   t attends to the encoded neighbours of chunk u = (t + 1) // c - 1, the last chunk that ends at or before t,
   so causality holds at chunk granularity: neighbours retrieved with a chunk's tokens reach only the tokens
   from that chunk's last one on. The first c - 1 tokens attend to none (their cross-attention is 0).
@@ -76,3 +81,16 @@ class ChunkedCrossAttention(nn.Module):
         out = out.transpose(1, 2).reshape(bsz, length, -1)  # row r: token r + c - 1
         out = F.pad(out, (0, 0, c - 1, 0))[:, :length]  # token t at row t; tokens before c - 1: zero
         return self.wo(out)
+
+
+class RetrievalGate(nn.Module):
+    """tanh(w) x: how much of the cross-attention a block adds to its residual stream, one learned scalar that
+    starts at 0 (Flamingo's gate, Alayrac et al. 2022), so a retrieval model starts as the same model without
+    retrieval."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.weight).to(x.dtype) * x

@@ -169,8 +169,9 @@ def apply_tp_retrieval(model: Transformer, tp_mesh) -> None:
     is gathered whole: every tp rank holds all the encoded neighbours. Chunked cross-attention splits by heads:
     its norm's output is gathered whole (each chunk's queries are its tokens shifted by c - 1, across sequence
     shards), its query, key and value projections column-parallel, its output projection row-parallel with a
-    reduce-scatter back to sequence shards. Gradients reaching the encoded neighbours from each tp rank's
-    heads are summed over the tp ranks by the column-parallel projections' backward."""
+    reduce-scatter back to sequence shards, and its gate scales the sequence shards (a replicated scalar whose
+    gradient is summed over them). Gradients reaching the encoded neighbours from each tp rank's heads are
+    summed over the tp ranks by the column-parallel projections' backward."""
     encoder = model.retrieval_encoder
     assert encoder is not None
     first = next(iter(encoder.layers))
@@ -185,6 +186,7 @@ def apply_tp_retrieval(model: Transformer, tp_mesh) -> None:
         "cross.wk": ColwiseParallel(),
         "cross.wv": ColwiseParallel(),
         "cross.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "cross_gate": SequenceParallel(use_local_output=True),  # its scalar's gradient summed over the shards
     }
     for block in model.layers.values():
         if block.cross is not None:
