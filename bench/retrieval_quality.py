@@ -70,6 +70,9 @@ def gate_readings():
 def run(data: Path, out: Path, name: str, steps: int, batch: int, seed: int, extra: list[str], chunk: int) -> dict:
     """One run's final held-out loss, training loss over its last 50 steps, tokens/s and gates; a plain run
     (no model.retrieval_layers in `extra`) reads the windows of a retrieval run of this chunk."""
+    from plait.api import train
+    from plait.config import load_config
+
     cfg = [f"data.source={data}", f"train.steps={steps}", f"train.global_batch_size={batch}", f"run.seed={seed}",
            f"eval.every_steps={steps}", "eval.num_batches=16", "sample.max_new_tokens=0", "log.tensorboard=false",
            "checkpoint.save_final=false", "log.every_steps=10", f"run.out_dir={out}", f"run.name={name}",
@@ -77,20 +80,13 @@ def run(data: Path, out: Path, name: str, steps: int, batch: int, seed: int, ext
     started = time.perf_counter()
     retrieves = any(c.startswith("model.retrieval_layers=") for c in extra)
     with contextlib.nullcontext() if retrieves else windows_every(chunk), gate_readings() as gates:
-        _train(cfg)
+        train(load_config(None, cfg))
     rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
     rates = [r["train/tokens_per_s"] for r in rows if "train/tokens_per_s" in r][1:]  # the first includes start-up
     val = [r["val/loss"] for r in rows if "val/loss" in r]
     train_losses = [r["train/loss"] for r in rows if "train/loss" in r and r["step"] > steps - 50]
     return {"val_loss": val[-1], "train_loss": statistics.fmean(train_losses), "tokens_per_s": statistics.median(rates),
             "seconds": time.perf_counter() - started, "gates": sorted(gates.values())}  # fmt: skip
-
-
-def _train(overrides: list[str]) -> None:
-    from plait.api import train
-    from plait.config import load_config
-
-    train(load_config(None, overrides))
 
 
 def shuffled_neighbours_loss(run_dir: Path) -> dict[str, float]:

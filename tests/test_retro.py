@@ -23,7 +23,7 @@ def model(**overrides) -> Transformer:
         m = Transformer(ModelArgs(**{**ARGS, **overrides}))
     m.to_empty(device="cpu")
     m.init_weights(0)
-    gates = [block.cross_gate for block in m.layers.values() if block.cross_gate is not None]
+    gates = [block.cross.gate for block in m.layers.values() if block.cross is not None]
     assert gates and all(torch.equal(g.weight, torch.zeros(1)) for g in gates)
     with torch.no_grad():
         for g in gates:
@@ -68,6 +68,7 @@ def test_each_token_meets_the_neighbour_token_it_predicts_one_position_on():
         cross.wk.weight.copy_(torch.cat([eye, torch.zeros(8, 8)], 1))
         cross.wv.weight.copy_(torch.cat([torch.zeros(8, 8), eye], 1))
         cross.wo.weight.copy_(torch.cat([torch.zeros(8, 8), eye], 0))
+        cross.gate.weight.fill_(20.0)  # open: tanh(20) is 1 in fp32
     content = 30.0 * torch.ones(8)  # large: a softmax as sharp as an argmax
     code = torch.eye(8)  # neighbour position p's value: e_p (2c = 8 positions)
     T = 3 * C
@@ -96,7 +97,7 @@ def test_a_retrieval_model_starts_as_the_same_model_without_retrieval():
     torch.testing.assert_close(retro(packed(tokens, neighbours)), plain(tokens), rtol=0, atol=0)
     retro(packed(tokens, neighbours)).float().pow(2).mean().backward()
     block = retro.layers["1"]
-    assert block.cross_gate.weight.grad.abs().item() > 0
+    assert block.cross.gate.weight.grad.abs().item() > 0
     assert not block.cross.wq.weight.grad.any() and not block.cross.wo.weight.grad.any()
 
 

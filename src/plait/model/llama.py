@@ -28,7 +28,7 @@ from plait.model.args import ModelArgs
 from plait.model.head import linear_cross_entropy
 from plait.model.mlp import FeedForward
 from plait.model.moe import MoE
-from plait.model.retrieval import ChunkedCrossAttention, RetrievalGate, split_retrieved
+from plait.model.retrieval import ChunkedCrossAttention, split_retrieved
 from plait.model.rope import apply_rope, rope_tables
 
 
@@ -248,7 +248,6 @@ class TransformerBlock(nn.Module):
         retrieves = layer_id in args.retrieval_ids and not bidirectional
         self.cross_norm = RMSNorm(args.dim, args.norm_eps) if retrieves else None
         self.cross = ChunkedCrossAttention(args) if retrieves else None
-        self.cross_gate = RetrievalGate() if retrieves else None
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward: FeedForward | MoE = (
             MoE(args) if args.is_moe_layer(layer_id) else FeedForward(args.dim, args.hidden_dim)
@@ -256,8 +255,8 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x, cos, sin, cache: KVCache | None = None, docs=None, retrieved=None, neighbour_rope=None):
         h = x + self.attention.wo(self.attend(x, cos, sin, cache, docs))
-        if self.cross is not None and self.cross_gate is not None and retrieved is not None:
-            h = h + self.cross_gate(self.cross(self.cross_norm(h), retrieved, *neighbour_rope))
+        if self.cross is not None and retrieved is not None:
+            h = h + self.cross(self.cross_norm(h), retrieved, *neighbour_rope)
         if isinstance(self.feed_forward, MoE):
             return h + self.feed_forward(self.ffn_norm(h))
         return h + self.feed_forward.w2(self.gated(h))
@@ -426,7 +425,7 @@ class Transformer(nn.Module):
             name = canonical_name(name)
             if name.endswith("norm.weight"):
                 rows = partial(_ones_rows, tuple(param.shape))
-            elif name.endswith((".bias", "cross_gate.weight")):  # RETRO's cross-attention starts shut: the
+            elif name.endswith((".bias", "cross.gate.weight")):  # RETRO's cross-attention starts shut: the
                 rows = partial(_zeros_rows, tuple(param.shape))  # model starts as the one without retrieval
             else:
                 std = residual_std if name.endswith(("wo.weight", "w2.weight", "experts.w2")) else 0.02

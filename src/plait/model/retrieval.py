@@ -61,6 +61,7 @@ class ChunkedCrossAttention(nn.Module):
         self.wk = nn.Linear(args.dim, kv_dim, bias=False)
         self.wv = nn.Linear(args.dim, kv_dim, bias=False)
         self.wo = nn.Linear(q_dim, args.dim, bias=False)
+        self.gate = RetrievalGate()
 
     def forward(self, x: torch.Tensor, memory: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x (B, T, dim), memory (B, T / c, k 2c, dim): the encoded neighbours of each chunk; cos, sin: the rotary
@@ -80,7 +81,7 @@ class ChunkedCrossAttention(nn.Module):
         out = F.scaled_dot_product_attention(q, k, v)  # (B U, heads, c, hd): all of its chunk's neighbours
         out = out.transpose(1, 2).reshape(bsz, length, -1)  # row r: token r + c - 1
         out = F.pad(out, (0, 0, c - 1, 0))[:, :length]  # token t at row t; tokens before c - 1: zero
-        return self.wo(out)
+        return self.gate(self.wo(out))
 
 
 class RetrievalGate(nn.Module):

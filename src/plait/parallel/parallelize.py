@@ -186,7 +186,7 @@ def apply_tp_retrieval(model: Transformer, tp_mesh) -> None:
         "cross.wk": ColwiseParallel(),
         "cross.wv": ColwiseParallel(),
         "cross.wo": RowwiseParallel(output_layouts=Shard(1)),
-        "cross_gate": SequenceParallel(use_local_output=True),  # its scalar's gradient summed over the shards
+        "cross.gate": SequenceParallel(use_local_output=True),  # its scalar's gradient summed over the shards
     }
     for block in model.layers.values():
         if block.cross is not None:
