@@ -22,9 +22,12 @@ from pathlib import Path
 import torch
 
 
-def corpus_and_encoder(work: Path, encoder: str | None = None, steps: int = 100, documents: str = "plays"):
-    """(the prepared bundled corpus in `work`, encode, its description): the encoder given, or plait's default
-    model trained `steps` steps on the corpus (an encoder of its tokenizer). documents: "plays", the corpus as
+def corpus_and_encoder(
+    work: Path, encoder: str | None = None, steps: int = 100, documents: str = "plays", chunk: int = 64
+):
+    """(the prepared bundled corpus in `work`, encode, its description): the encoder given ("lexical": TF-IDF
+    over the corpus's chunks of `chunk` tokens), or plait's default model trained `steps` steps on the corpus
+    (an encoder of its tokenizer). documents: "plays", the corpus as
     plait prepares it (each play a document: the held-out split is 5 whole plays, whose chunks retrieve from the
     other 37); "speeches", the same text cut at its blank lines (each speech a document, 10% of them held out:
     a held-out speech retrieves from the other speeches of its play), with the same tokenizer; "code", not the
@@ -32,9 +35,8 @@ def corpus_and_encoder(work: Path, encoder: str | None = None, steps: int = 100,
     document, with a tokenizer trained on it (a held-out file retrieves from the other files)."""
     from plait.api import train
     from plait.config import load_config
-    from plait.data.loader import read_manifest
     from plait.data.prepare import bundled_corpus_path, ensure_prepared, prepare
-    from plait.lifecycle.retrieval import load_encoder
+    from plait.lifecycle.retrieval import encoder_for
 
     data = work / "data"
     prepared = ensure_prepared("shakespeare", Path.home() / ".cache" / "plait" / "data", 4096)
@@ -54,7 +56,7 @@ def corpus_and_encoder(work: Path, encoder: str | None = None, steps: int = 100,
                      "log.tensorboard=false", f"run.out_dir={work}", "run.name=encoder"]  # fmt: skip
         train(load_config(None, overrides))
         encoder = str(work / "encoder")
-    encode, described = load_encoder(encoder, read_manifest(data))
+    encode, described = encoder_for(encoder, data, chunk)
     return data, encode, described
 
 
@@ -96,7 +98,7 @@ def main() -> int:
     from plait.data.retrieval import RETRIEVAL_DIR, build_database
 
     work = Path(tempfile.mkdtemp(prefix="plait-retrieval-bench-"))
-    data, encode, described = corpus_and_encoder(work, a.encoder)
+    data, encode, described = corpus_and_encoder(work, a.encoder, chunk=a.chunk)
     started = time.perf_counter()
     stages: dict[str, list[float]] = {}  # stage -> [its start (the previous stage's end), its last update, chunks]
 

@@ -2,12 +2,13 @@
 equal steps and equal non-retrieval parameters, over 3 seeds, on the bundled corpus; and what a step costs.
 
     python bench/retrieval_quality.py [--steps 150] [--seeds 0,1,2] [--chunk 32] [--k 2] [--batch 8]
-        [--encoder-steps 100] [--documents plays|speeches] [--retro 'model.retrieval_layers=2,3;...']
+        [--encoder-steps 100 | --encoder lexical] [--documents plays|speeches|code] [--retro '...;...']
         [--shuffled-check]
 
-The database is built once (an encoder: plait's default model trained --encoder-steps steps, not timed with
-the runs). --documents: the corpus's plays as documents (as plait prepares it), or its speeches (the same text
-cut at blank lines: a held-out speech retrieves from the other speeches of its play).
+The database is built once (its encoder: plait's default model trained --encoder-steps steps, not timed with
+the runs, or --encoder lexical, plait.data.lexical's TF-IDF). --documents: the corpus's plays as documents (as
+plait prepares it), or its speeches (the same text cut at blank lines: a held-out speech retrieves from the other
+speeches of its play).
 Each run trains `--steps` steps of the default model (preset tiny) with validation at the end; the retrieval
 runs add cross-attention in blocks 2 and 3 and a 1-block neighbour encoder. Both sides read the same windows,
 in training and in validation: a retrieval window starts on a chunk boundary (every seq_len + chunk tokens),
@@ -152,6 +153,7 @@ def main() -> int:
     p.add_argument("--k", type=int, default=2)
     p.add_argument("--batch", type=int, default=8, help="train.global_batch_size of every run")
     p.add_argument("--encoder-steps", type=int, default=100, help="steps of the encoder's training")
+    p.add_argument("--encoder", help="the database's encoder: lexical, or a model (default: one trained here)")
     p.add_argument(
         "--documents",
         choices=["plays", "speeches", "code"],
@@ -174,7 +176,7 @@ def main() -> int:
     from retrieval_db import corpus_and_encoder  # bench/: the same corpus and encoder as the build's benchmark
 
     work = Path(tempfile.mkdtemp(prefix="plait-retrieval-quality-"))
-    data, encode, described = corpus_and_encoder(work, steps=a.encoder_steps, documents=a.documents)
+    data, encode, described = corpus_and_encoder(work, a.encoder, a.encoder_steps, a.documents, a.chunk)
     build_database(data, encode, encoder=described, chunk=a.chunk, k=a.k)
     retro = [*a.retro.split(";"), f"model.retrieval_chunk={a.chunk}", f"model.retrieval_k={a.k}"]
     results: dict[str, list[dict]] = {"plain": [], "retrieval": []}
@@ -203,7 +205,8 @@ def main() -> int:
         "chunk": a.chunk,
         "k": a.k,
         "batch": a.batch,
-        "encoder_steps": a.encoder_steps,
+        "encoder": described,
+        "encoder_steps": None if a.encoder else a.encoder_steps,
         "documents": a.documents,
         "retrieval_settings": a.retro.split(";"),
         "seeds": seeds,

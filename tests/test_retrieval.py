@@ -61,10 +61,15 @@ def test_neighbours_are_the_nearest_chunks_outside_their_own_documents(corpus, t
         queries = np.load(data / RETRIEVAL_DIR / f"{split}_embeddings.npy")
         chunks = chunk_split(data, split, 16)
         assert found.shape == (len(chunks.tokens), 3) and found.max() < len(db)
+        if split == "train":  # no chunk is offered a neighbour of its own or the next chunk's documents
+            answer = np.concatenate([chunks.last_doc[1:], chunks.last_doc[-1:]])
+            leaks = (span_first[found] <= answer[:, None]) & (span_last[found] >= chunks.first_doc[:, None])
+            assert not leaks.any(), f"{leaks.any(1).sum()} chunks offered their own or the next chunk's text"
         for q in np.random.default_rng(0).choice(len(queries), 40, replace=False):
             scores = db @ queries[q]
-            if split == "train":  # its own documents' chunks (and continuations) are never offered
-                own = (span_first <= chunks.last_doc[q]) & (span_last >= chunks.first_doc[q])
+            if split == "train":  # its own and the next chunk's documents (chunks, continuations) never offered
+                answer = chunks.last_doc[min(q + 1, len(chunks.tokens) - 1)]  # what its neighbours help predict
+                own = (span_first <= answer) & (span_last >= chunks.first_doc[q])
                 assert not own[found[q]].any()
                 scores = np.where(own, -np.inf, scores)
             best = np.sort(scores)[::-1][:3]
@@ -119,3 +124,45 @@ def test_the_command_reports_its_speed_and_bad_input_is_refused(corpus, tmp_path
     (data / "manifest.json").write_text(json.dumps({**read_manifest(data), "tokenizer_sha256": "0" * 64}))
     with pytest.raises(ConfigError, match="built from other data or another tokenizer"):
         read_database(data)
+
+
+def test_the_lexical_encoder_is_tf_idf_and_generation_rebuilds_it(corpus, tmp_path, capsys):
+    """`--encoder lexical`: each chunk's log(1 + tf) x idf vector (idf over the train chunks) through a seeded
+    Gaussian projection, equal to the dense computation; the database records it, and the generation-time
+    retriever rebuilds the same encoder from the corpus alone and finds the stored neighbours again."""
+    from types import SimpleNamespace
+
+    from plait.data.lexical import lexical_encoder
+    from plait.data.loader import read_manifest
+    from plait.data.retrieval import chunk_split, neighbours, read_database
+    from plait.lifecycle.retrieval import database_retriever
+
+    data = tmp_path / "data"
+    shutil.copytree(corpus[0], data)
+    encode, described = lexical_encoder(data, 16, dim=64)
+    train = chunk_split(data, "train", 16).tokens
+    vocab = read_manifest(data)["vocab_size"]
+    counts = np.zeros((len(train), vocab))
+    np.add.at(counts, (np.repeat(np.arange(len(train)), 16), train.ravel()), 1)
+    idf = np.log((len(train) + 1) / ((counts > 0).sum(0) + 1))
+    dense = np.log1p(counts) * idf
+    dense /= np.linalg.norm(dense, axis=1, keepdims=True)
+    projected = dense @ (np.random.default_rng(0).standard_normal((vocab, 64), dtype=np.float32) / np.float32(8.0))
+    projected /= np.linalg.norm(projected, axis=1, keepdims=True)
+    np.testing.assert_allclose(encode(train[:300]), projected[:300], atol=1e-5)
+
+    assert main(["data", "retrieve", str(data), "--encoder", "lexical", "--dim", "64", "--chunk", "16"]) == 0
+    db = read_database(data)
+    assert db["encoder"] == described and db["encoder"]["kind"] == "lexical"
+    retriever = database_retriever(data, SimpleNamespace(args=SimpleNamespace(retrieval_chunk=16, retrieval_k=2)))
+    val = chunk_split(data, "val", 16).tokens
+    found, tokens = retriever(val[:50])
+    np.testing.assert_array_equal(found, neighbours(data, "val")[:50])
+    np.testing.assert_array_equal(tokens[0, 0], np.concatenate([train[found[0, 0]], train[found[0, 0] + 1]]))
+    manifest = data / "retrieval" / "manifest.json"
+    manifest.write_text(manifest.read_text().replace(described["idf_sha256"], "0" * 64))
+    with pytest.raises(ConfigError, match="no longer matches its database"):
+        database_retriever(data, SimpleNamespace(args=SimpleNamespace(retrieval_chunk=16, retrieval_k=2)))
+    capsys.readouterr()
+    assert main(["data", "retrieve", str(data), "--encoder", str(corpus[1]), "--dim", "64", "--overwrite"]) == 2
+    assert "lexical encoder's size" in capsys.readouterr().err

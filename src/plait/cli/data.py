@@ -42,7 +42,10 @@ def _parser() -> PlaitParser:
         "and each chunk's nearest neighbours (RETRO).",
     )
     r.add_argument("data", help="A prepared directory (plait data prepare): the database sits beside its shards.")
-    r.add_argument("--encoder", required=True, help="A frozen model: plait checkpoint / run or HF decoder directory.")
+    r.add_argument("--encoder", required=True,
+                   help="lexical (TF-IDF of the corpus's tokens, nothing to train), or a frozen model: plait "
+                        "checkpoint / run or HF decoder directory.")  # fmt: skip
+    r.add_argument("--dim", type=int, help="The lexical encoder's dimensions (default 512).")
     r.add_argument("--chunk", type=int, default=64, help="Tokens per chunk (RETRO: 64).")
     r.add_argument("--k", type=int, default=2, help="Neighbours per chunk.")
     r.add_argument("--batch", type=int, default=64, help="Chunks per encoder forward.")
@@ -100,14 +103,14 @@ def _retrieve(a) -> int:
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from plait.data.loader import read_manifest
     from plait.data.retrieval import RETRIEVAL_DIR, build_database
-    from plait.lifecycle.retrieval import load_encoder
+    from plait.lifecycle.retrieval import encoder_for
 
     if a.batch < 1:
         raise ConfigError(f"--batch={a.batch} must be at least 1")
-    corpus = read_manifest(a.data)
-    encode, described = load_encoder(a.encoder, corpus, a.device)
+    if a.dim is not None and a.dim < 1:
+        raise ConfigError(f"--dim={a.dim} must be at least 1, e.g. --dim 512")
+    encode, described = encoder_for(a.encoder, a.data, a.chunk, a.device, a.dim)
     started = time.perf_counter()
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[rate]}"),
                TimeRemainingColumn()]  # fmt: skip

@@ -5,8 +5,9 @@ split's chunks that have a continuation (the chunk after them): a neighbour is a
 2 x chunk tokens, as in RETRO. Every chunk gets a frozen embedding (an encoder of the caller's: a callable from
 (n, chunk) token ids to (n, d) vectors); the database's embeddings, L2-normalised, go into a faiss index
 (exact inner product: cosine similarity), and for every chunk of both splits its k nearest database chunks are
-found and stored. A neighbour that shares a document with the query chunk (its chunk or its continuation
-touches one of the documents the query touches) is excluded: it would leak the text the model must predict.
+found and stored. A neighbour that shares a document with the query chunk or with the chunk after it (its chunk
+or its continuation touches one of the documents those two touch) is excluded: it would leak the text the model
+must predict, which is the next chunk's (with short documents, another document than the query's).
 Validation chunks are never in the database, so the held-out split's documents are never retrieved.
 
 Layout, beside the token shards: `retrieval/manifest.json` (chunk, k, encoder, the corpus it was built from:
@@ -113,7 +114,9 @@ def build_database(
     # a neighbour (chunk j and its continuation j + 1) spans documents first_doc[j] .. last_doc[j + 1]
     span_first, span_last = train.first_doc[:stored], train.last_doc[1 : stored + 1]
     for split, chunks in splits.items():
-        own = (chunks.first_doc, chunks.last_doc) if split == "train" else None  # validation: none in the database
+        # a train chunk's neighbours serve the tokens of the chunk after it, so both chunks' documents are its
+        # own (the next chunk may open another document); validation chunks: none in the database
+        own = (chunks.first_doc, _answers_last_doc(chunks.last_doc)) if split == "train" else None
 
         def search(rows: slice, own=own, split=split) -> np.ndarray:
             query = np.ascontiguousarray(embeddings[split][rows])
@@ -130,7 +133,8 @@ def build_database(
         "database_chunks": stored,
         "index": {"type": "faiss.IndexFlatIP", "metric": "cosine (L2-normalised embeddings)", "exact": True},
         "neighbour_tokens": 2 * chunk,
-        "excluded": "database chunks whose chunk or continuation shares a document with the query chunk",
+        "excluded": "database chunks whose chunk or continuation shares a document with the query chunk or the "
+        "chunk after it",
     }
     (stage / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     journal.close()
@@ -138,6 +142,12 @@ def build_database(
         shutil.rmtree(out)
     stage.rename(out)
     return manifest
+
+
+def _answers_last_doc(last_doc: np.ndarray) -> np.ndarray:
+    """Each chunk's last document or, when there is a next chunk (the text its neighbours help predict), that
+    chunk's last document."""
+    return np.concatenate([last_doc[1:], last_doc[-1:]]) if len(last_doc) else last_doc
 
 
 def _search(index, query, k: int, own, span_first, span_last, stored: int) -> np.ndarray:

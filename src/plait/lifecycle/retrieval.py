@@ -1,6 +1,7 @@
 """Encoders for the retrieval database (plait.data.retrieval): a frozen plait model, or any Hugging Face
 decoder directory plait reads, embeds a chunk as the mean of its tokens' final hidden states (after the last
-norm, before the output projection), computed on the chunk alone."""
+norm, before the output projection), computed on the chunk alone; "lexical" is plait.data.lexical's TF-IDF
+encoder, fitted on the corpus's own train chunks."""
 
 from __future__ import annotations
 
@@ -63,11 +64,29 @@ def load_encoder(ref: str, corpus_manifest: dict[str, Any], device: str = "cpu")
     return plait_encoder(loaded.model, device), description
 
 
+def encoder_for(ref: str, data_dir: str | Path, chunk: int, device: str = "cpu", dim: int | None = None):
+    """(encode, description) of a database's encoder: "lexical" (plait.data.lexical, fitted on the prepared
+    directory's train chunks), or a frozen model at `ref` (load_encoder)."""
+    from plait.data.loader import read_manifest
+
+    if ref == "lexical":
+        from plait.data.lexical import DIM, lexical_encoder
+
+        return lexical_encoder(data_dir, chunk, dim or DIM)
+    if dim is not None:
+        raise ConfigError(f"--dim={dim} sets the lexical encoder's size; a model's embeddings are its width")
+    return load_encoder(ref, read_manifest(data_dir), device)
+
+
 def database_retriever(data_dir: str | Path, model, device: str = "cpu"):
     """A retrieval model's Retriever (plait.data.retrieval) of the database in a prepared directory, with the
-    encoder the database was built with (the path its manifest records)."""
-    from plait.data.loader import read_manifest
+    encoder the database was built with (the one its manifest records)."""
     from plait.data.retrieval import Retriever, read_database
 
-    encode, _ = load_encoder(read_database(data_dir)["encoder"]["path"], read_manifest(data_dir), device)
+    db = read_database(data_dir)
+    lexical = db["encoder"].get("kind") == "lexical"
+    encode, described = encoder_for(db["encoder"]["path"], data_dir, db["chunk"], device,
+                                    db["encoder"]["dim"] if lexical else None)  # fmt: skip
+    if lexical and described["idf_sha256"] != db["encoder"]["idf_sha256"]:
+        raise ConfigError(f"the lexical encoder of {data_dir} no longer matches its database: build it again")
     return Retriever(data_dir, encode, chunk=model.args.retrieval_chunk, k=model.args.retrieval_k)
