@@ -166,3 +166,5 @@ def test_the_lexical_encoder_is_tf_idf_and_generation_rebuilds_it(corpus, tmp_pa
     capsys.readouterr()
     assert main(["data", "retrieve", str(data), "--encoder", str(corpus[1]), "--dim", "64", "--overwrite"]) == 2
     assert "lexical encoder's size" in capsys.readouterr().err
+    assert main(["data", "retrieve", str(data), "--encoder", "lexical", "--device", "cuda", "--overwrite"]) == 2
+    assert "runs on the CPU" in capsys.readouterr().err

@@ -110,6 +110,8 @@ def _retrieve(a) -> int:
         raise ConfigError(f"--batch={a.batch} must be at least 1")
     if a.dim is not None and a.dim < 1:
         raise ConfigError(f"--dim={a.dim} must be at least 1, e.g. --dim 512")
+    if a.encoder == "lexical" and a.device != "cpu":
+        raise ConfigError(f"--device={a.device} places a model encoder; the lexical one runs on the CPU (numpy)")
     encode, described = encoder_for(a.encoder, a.data, a.chunk, a.device, a.dim)
     started = time.perf_counter()
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[rate]}"),
