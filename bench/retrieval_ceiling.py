@@ -106,7 +106,7 @@ def ceiling(data: Path, chunk: int, found: np.ndarray, seq_len: int, queries: in
     base = loss(0, 0, 0, 0)
     context = min((loss(a, b, 0, 0), a, b) for a, b in itertools.product(GRID, GRID))
     neighbours_only = min(loss(0, 0, a, b) for a, b in itertools.product(GRID, GRID))
-    both = min(loss(context[1], context[2], a, b) for a, b in itertools.product(GRID, GRID))
+    both = min(loss(*w) for w in itertools.product(GRID, GRID, GRID, GRID))  # all four weights together
     return {"tokens": len(r), "bigram": base,
             "with_context": context[0], "with_neighbours": neighbours_only, "with_both": both,
             "neighbours_add": context[0] - both}  # fmt: skip
