@@ -85,3 +85,16 @@ def working_directory_untouched():
     after = _runs_state()
     changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
     assert not changed, f"tests wrote the working directory's runs/: {changed[:5]}"
+
+
+@pytest.fixture(autouse=True)
+def torch_threads_restored():
+    """A run's health check lowers torch's thread count when another process holds the cores
+    (plait.features.health.fit_threads_to_free_cores), for the whole process; restored after each test, so
+    one test's busy moment does not change the arithmetic of every later test's bitwise comparisons."""
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
