@@ -7,7 +7,12 @@ what retrieval could add beyond what the context already gives; random database 
 neighbours are the control (they add 0).
 
     python bench/retrieval_ceiling.py [--documents plays|speeches|code] [--chunk 32] [--ks 2,8] [--queries 1500]
-        [--model-encoder-steps 100]
+        [--model-encoder-steps 100] [--model-steps 150]
+
+--model-steps N also puts plait's default model, trained N steps on the same corpus without retrieval, in
+the bigram's place (its probability of each scored token, from a window of seq_len tokens): the caches then
+measure what that model leaves on the table. "Neighbours' cache" alone over it is the most a retrieval model of
+the same size and steps could gain over the plain one by copying from its neighbours, as a cache copies.
 
 Neighbours: plait.data.lexical's encoder, as `plait data retrieve --encoder lexical` finds them for held-out
 chunks; with --model-encoder-steps also plait's default model trained that long (the other kind of encoder).
@@ -76,26 +81,58 @@ def nearest(data: Path, chunk: int, k: int, encode) -> np.ndarray:
     return np.concatenate([index.search(unit(encode(val[s : s + 1024])), k)[1] for s in range(0, len(val), 1024)])
 
 
-def ceiling(data: Path, chunk: int, found: np.ndarray, seq_len: int, queries: int, seed: int = 0) -> dict:
-    """The cache ceiling (module docstring) over `queries` held-out chunks with the neighbours `found`."""
+def query_chunks(data: Path, chunk: int, seq_len: int, queries: int, seed: int = 0) -> np.ndarray:
+    """The held-out chunks whose next chunk is scored: each with a whole window of context before the chunk it
+    helps predict; the same for every k, every side and the model."""
+    from plait.data.retrieval import chunk_split
+
+    n, first = len(chunk_split(data, "val", chunk).tokens), seq_len // chunk
+    return np.random.default_rng(seed).choice(np.arange(first, n - 1), min(queries, n - 1 - first), replace=False)
+
+
+def model_probabilities(run_dir: Path, data: Path, chunk: int, seq_len: int, us: np.ndarray) -> np.ndarray:
+    """(len(us), chunk): a trained model's probability of each token of chunk u + 1, reading the seq_len tokens
+    before chunk u + 1's last one (so each token has seq_len - chunk .. seq_len - 1 tokens of context, as the
+    model had in training)."""
+    import torch
+
+    from plait.data.retrieval import chunk_split
+    from plait.lifecycle.models import load_model
+
+    model = load_model(run_dir).model.eval()
+    stream = torch.from_numpy(chunk_split(data, "val", chunk).tokens.ravel().astype(np.int64))
+    out = []
+    with torch.no_grad():
+        for block in np.array_split(us, max(1, len(us) // 64)):
+            ends = [(int(u) + 2) * chunk - 1 for u in block]
+            windows = torch.stack([stream[e - seq_len : e] for e in ends])
+            targets = torch.stack([stream[e - chunk + 1 : e + 1] for e in ends])
+            logp = model(windows)[:, -chunk:].float().log_softmax(-1)
+            out.append(logp.gather(-1, targets[..., None])[..., 0].exp().numpy())
+    return np.concatenate(out).astype(np.float64)
+
+
+def ceiling(
+    data: Path, chunk: int, found: np.ndarray, seq_len: int, us: np.ndarray, model: np.ndarray | None = None
+) -> dict:
+    """The cache ceiling (module docstring) over the held-out chunks `us` with the neighbours `found`; with
+    `model` (model_probabilities of `us`) a trained model's probabilities in place of the bigram's."""
     from plait.data.loader import read_manifest
     from plait.data.retrieval import chunk_split
 
     train, val = chunk_split(data, "train", chunk).tokens, chunk_split(data, "val", chunk).tokens
     vocab = int(read_manifest(data)["vocab_size"])
-    rng = np.random.default_rng(seed)  # the held-out chunks scored: the same for every k and every side
     p = probabilities(train.ravel().astype(np.int64), vocab)
     stream = val.ravel().astype(np.int64)
     rows, pairs = [], []
-    first = seq_len // chunk  # a query chunk with a whole window of context before the chunk it helps predict
-    for u in rng.choice(np.arange(first, len(val) - 1), min(queries, len(val) - 1 - first), replace=False):
+    for u in us:
         neighbours = np.concatenate([np.concatenate([train[j], train[j + 1]]) for j in found[u]])
         for pos in range((u + 1) * chunk, (u + 2) * chunk):
             prev, target = int(stream[pos - 1]), int(stream[pos])
             rows.append((*cache(stream[pos - seq_len : pos], prev, target), *cache(neighbours, prev, target)))
             pairs.append((prev, target))
     r, ab = np.asarray(rows, dtype=np.float64), np.asarray(pairs, dtype=np.int64)
-    bigram = p(ab[:, 0], ab[:, 1])
+    bigram = p(ab[:, 0], ab[:, 1]) if model is None else model.ravel()
     cu, cb, ch, nu, nb, nh = r.T
 
     def loss(wcu: float, wcb: float, wnu: float, wnb: float) -> float:
@@ -107,7 +144,7 @@ def ceiling(data: Path, chunk: int, found: np.ndarray, seq_len: int, queries: in
     context = min((loss(a, b, 0, 0), a, b) for a, b in itertools.product(GRID, GRID))
     neighbours_only = min(loss(0, 0, a, b) for a, b in itertools.product(GRID, GRID))
     both = min(loss(*w) for w in itertools.product(GRID, GRID, GRID, GRID))  # all four weights together
-    return {"tokens": len(r), "bigram": base,
+    return {"tokens": len(r), "bigram" if model is None else "model": base,
             "with_context": context[0], "with_neighbours": neighbours_only, "with_both": both,
             "neighbours_add": context[0] - both}  # fmt: skip
 
@@ -146,6 +183,12 @@ def main() -> int:
         default=0,
         help="also plait's default model trained this many steps as the encoder (the database's other kind)",
     )
+    ap.add_argument(
+        "--model-steps",
+        type=int,
+        default=0,
+        help="also the ceiling over plait's default model trained this many steps in place of the bigram",
+    )
     ap.add_argument("--json", help="default bench/results/retrieval_ceiling_{documents}.json")
     a = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).parent))
@@ -161,6 +204,14 @@ def main() -> int:
     )
     encoders = {"lexical": lexical_encoder(data, a.chunk)[0], **({"model": encode} if model else {})}
     plays = speech_plays(data, a.chunk) if a.documents == "speeches" else None
+    us = query_chunks(data, a.chunk, a.seq_len, a.queries)
+    trained = None
+    if a.model_steps:  # the model the neighbours would have to help: trained on the same corpus, no retrieval
+        from retrieval_quality import run
+
+        run(data, work, "plain", a.model_steps, 8, 0, [f"data.seq_len={a.seq_len}", "checkpoint.save_final=true"],
+            a.chunk)  # fmt: skip
+        trained = model_probabilities(work / "plain", data, a.chunk, a.seq_len, us)
     rows = []
     for k in (int(k) for k in a.ks.split(",")):
         sides = {name: nearest(data, a.chunk, k, encode) for name, encode in encoders.items()}
@@ -168,7 +219,9 @@ def main() -> int:
         sides["random"] = np.random.default_rng(1).integers(0, len(chunk_split(data, "train", a.chunk).tokens) - 1,
                                                             (val_chunks, k))  # fmt: skip
         for name, found in sides.items():
-            r = {"k": k, "neighbours": name, **ceiling(data, a.chunk, found, a.seq_len, a.queries)}
+            r = {"k": k, "neighbours": name, **ceiling(data, a.chunk, found, a.seq_len, us)}
+            if trained is not None:
+                r["over_the_model"] = ceiling(data, a.chunk, found, a.seq_len, us, trained)
             if plays is not None:
                 r["same_play"] = float((plays[0][found] == plays[1][:, None]).mean())
                 r["same_play_by_chance"] = plays[2]
@@ -178,6 +231,11 @@ def main() -> int:
                   f"{r['with_context']:.4f}, + neighbours' cache {r['with_neighbours']:.4f}, "
                   f"+ both {r['with_both']:.4f}: neighbours add {r['neighbours_add']:.4f} nats/token beyond the "
                   "context", flush=True)  # fmt: skip
+            if trained is not None:
+                m = r["over_the_model"]
+                print(f"    over the trained model: {m['model']:.4f}, + context cache {m['with_context']:.4f}, "
+                      f"+ neighbours' cache {m['with_neighbours']:.4f}, + both {m['with_both']:.4f}: neighbours "
+                      f"add {m['neighbours_add']:.4f}", flush=True)  # fmt: skip
     out = Path(a.json or f"bench/results/retrieval_ceiling_{a.documents}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     summary = {
@@ -185,6 +243,7 @@ def main() -> int:
         "chunk": a.chunk,
         "seq_len": a.seq_len,
         "queries": a.queries,
+        "model_steps": a.model_steps,
         "grid": GRID,
         "bigram_weight": BIGRAM_WEIGHT,
         "rows": rows,
