@@ -3,7 +3,7 @@ equal steps and equal non-retrieval parameters, over 3 seeds, on the bundled cor
 
     python bench/retrieval_quality.py [--steps 150] [--seeds 0,1,2] [--chunk 32] [--k 2] [--batch 8]
         [--encoder-steps 100 | --encoder lexical] [--documents plays|speeches|code] [--retro '...;...']
-        [--shuffled-check]
+        [--shuffled-check] [--random-neighbours]
 
 The database is built once (its encoder: plait's default model trained --encoder-steps steps, not timed with
 the runs, or --encoder lexical, plait.data.lexical's TF-IDF). --documents: the corpus's plays as documents (as
@@ -17,7 +17,8 @@ sides scored different held-out text, which moved the difference by up to 0.07 n
 Printed: each seed's final validation loss, the mean and spread of the difference, each side's tokens/s (the
 step's overhead) and the retrieval models' gates; written to bench/results/retrieval_quality.json.
 --shuffled-check also scores each retrieval model with its held-out neighbours permuted across chunks: the
-same loss means it takes nothing from them.
+same loss means it takes nothing from them. --random-neighbours gives the retrieval runs random database chunks
+as neighbours, in training and validation: the control for a gain from any text of the corpus.
 """
 
 from __future__ import annotations
@@ -52,20 +53,27 @@ def windows_every(stride_extra: int):
 def gate_readings():
     """While active, the dict yielded maps each retrieval block's gate to its latest tanh(weight): how much of
     its cross-attention the model adds to its residual stream (0: nothing)."""
-    from plait.model.retrieval import RetrievalGate
+    from plait.model.retrieval import NeighbourCopy, RetrievalGate
 
-    readings: dict[int, float] = {}
-    original = RetrievalGate.forward
+    readings: dict = {}
+    original, shares = RetrievalGate.forward, NeighbourCopy.shares
 
     def forward(self, x):
         readings[id(self)] = float(self.weight.detach().tanh()[0])
         return original(self, x)
 
+    def copy_shares(self):
+        w = shares(self)
+        readings["copy"] = [round(float(v), 4) for v in w.detach()]  # the unigram's and the bigram's
+        return w
+
     RetrievalGate.forward = forward  # type: ignore[method-assign]
+    NeighbourCopy.shares = copy_shares  # type: ignore[method-assign]
     try:
         yield readings
     finally:
         RetrievalGate.forward = original  # type: ignore[method-assign]
+        NeighbourCopy.shares = shares  # type: ignore[method-assign]
 
 
 def run(data: Path, out: Path, name: str, steps: int, batch: int, seed: int, extra: list[str], chunk: int) -> dict:
@@ -87,7 +95,8 @@ def run(data: Path, out: Path, name: str, steps: int, batch: int, seed: int, ext
     val = [r["val/loss"] for r in rows if "val/loss" in r]
     train_losses = [r["train/loss"] for r in rows if "train/loss" in r and r["step"] > steps - 50]
     return {"val_loss": val[-1], "train_loss": statistics.fmean(train_losses), "tokens_per_s": statistics.median(rates),
-            "seconds": time.perf_counter() - started, "gates": sorted(gates.values())}  # fmt: skip
+            "seconds": time.perf_counter() - started, "gates": sorted(v for k, v in gates.items() if k != "copy"),
+            **({"copy_shares": gates["copy"]} if "copy" in gates else {})}  # fmt: skip
 
 
 def shuffled_neighbours_loss(run_dir: Path) -> dict[str, float]:
@@ -145,6 +154,29 @@ def oracle_neighbours():
         retrieval.RetrievalDataset.__init__ = original
 
 
+@contextlib.contextmanager
+def random_neighbours():
+    """While active, every chunk's neighbours, in training and validation, are random database chunks: the
+    control that tells a gain from the retrieved text apart from a gain from any text of the corpus."""
+    import numpy as np
+
+    import plait.data.retrieval as retrieval
+
+    original = retrieval.RetrievalDataset.__init__
+
+    def init(self, data_dir, split, **kw):
+        original(self, data_dir, split, **kw)
+        found = np.asarray(self.neighbours)
+        rng = np.random.default_rng(1 if split == "train" else 2)
+        self.neighbours = rng.integers(0, int(found.max()) + 1, found.shape).astype(found.dtype)
+
+    retrieval.RetrievalDataset.__init__ = init
+    try:
+        yield
+    finally:
+        retrieval.RetrievalDataset.__init__ = original
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=150)
@@ -166,6 +198,8 @@ def main() -> int:
                    help="also score each retrieval run's model with its held-out neighbours permuted")  # fmt: skip
     p.add_argument("--oracle", action="store_true",
                    help="also train with each training chunk and its continuation as its neighbours")  # fmt: skip
+    p.add_argument("--random-neighbours", action="store_true",
+                   help="the retrieval runs' neighbours random database chunks (a control)")  # fmt: skip
     p.add_argument("--dry-run", action="store_true")
     a = p.parse_args()
     seeds = [int(s) for s in a.seeds.split(",")]
@@ -183,7 +217,10 @@ def main() -> int:
     for seed in seeds:
         results["plain"].append(run(data, work, f"plain-{seed}", a.steps, a.batch, seed, [], a.chunk))
         keep = ["checkpoint.save_final=true"] if a.shuffled_check else []
-        results["retrieval"].append(run(data, work, f"retro-{seed}", a.steps, a.batch, seed, [*retro, *keep], a.chunk))
+        with random_neighbours() if a.random_neighbours else contextlib.nullcontext():
+            results["retrieval"].append(
+                run(data, work, f"retro-{seed}", a.steps, a.batch, seed, [*retro, *keep], a.chunk)
+            )
         if a.shuffled_check:
             results["retrieval"][-1]["held_out_loss"] = shuffled_neighbours_loss(work / f"retro-{seed}")
         if a.oracle:
@@ -194,7 +231,8 @@ def main() -> int:
             print(f"seed {seed}: training loss, last 50 steps: {losses}", flush=True)
         print(f"seed {seed}: val loss {results['plain'][-1]['val_loss']:.4f} plain, "
               f"{results['retrieval'][-1]['val_loss']:.4f} with retrieval (gates "
-              f"{', '.join(f'{g:+.4f}' for g in results['retrieval'][-1]['gates'])})", flush=True)  # fmt: skip
+              f"{', '.join(f'{g:+.4f}' for g in results['retrieval'][-1]['gates'])}; copy shares "
+              f"{results['retrieval'][-1].get('copy_shares', '-')})", flush=True)  # fmt: skip
     gains = [p["val_loss"] - r["val_loss"] for p, r in zip(results["plain"], results["retrieval"], strict=True)]
     speed = {side: statistics.median(r["tokens_per_s"] for r in runs) for side, runs in results.items()}
     oracle_gain = [
@@ -208,6 +246,7 @@ def main() -> int:
         "encoder": described,
         "encoder_steps": None if a.encoder else a.encoder_steps,
         "documents": a.documents,
+        "random_neighbours": a.random_neighbours,
         "retrieval_settings": a.retro.split(";"),
         "seeds": seeds,
         "runs": results,

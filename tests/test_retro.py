@@ -111,6 +111,52 @@ def test_the_shapes_parameters_and_flops_are_counted():
     assert m.layers["0"].cross is None and m.layers["1"].cross is not None
 
 
+def test_the_neighbour_copy_through_the_fused_head_is_the_mixed_distribution():
+    """model.retrieval_copy: the training loss through the fused head (a TokenMixture, no (B, T, vocab)
+    logits) equals the mixed distribution's log-probabilities that generation samples from (the model's
+    softmax mixed with the neighbours' unigram and bigram caches, built here by hand from the ids), and so do
+    the gradients of every parameter, the shares' included. A freshly initialised copy mixes nothing."""
+    torch.manual_seed(0)
+    m = model(retrieval_copy=True)
+    T = 16
+    tokens = torch.randint(0, 12, (2, T))  # a small alphabet: the neighbours hold the tokens and their bigrams
+    neighbours = torch.randint(0, 12, (2, T // C, K, 2 * C))
+    targets = torch.roll(tokens, -1, 1)
+    targets[0, 3] = -100  # an unscored token
+    x = packed(tokens, neighbours)
+    with torch.no_grad():
+        plain = torch.log_softmax(Transformer.forward(m, x), -1)  # shares at 0: the model's own distribution
+        torch.testing.assert_close(m(x), plain, rtol=0, atol=1e-6)
+        m.neighbour_copy.weight.copy_(torch.tensor([0.15, 0.3]))
+    logp = m(x)
+    want = torch.zeros_like(logp)  # the mixture by hand
+    for b in range(2):
+        for t in range(T):
+            p = plain[b, t].exp()
+            u = (t + 1) // C - 1
+            if u >= 0:
+                seen = neighbours[b, u]
+                uni = torch.bincount(seen.flatten(), minlength=64).float() / seen.numel()
+                after = seen[:, 1:][seen[:, :-1] == tokens[b, t]]
+                wb = 0.3 if len(after) else 0.0
+                bi = torch.bincount(after, minlength=64).float() / max(len(after), 1)
+                p = (1 - 0.15 - wb) * p + 0.15 * uni + wb * bi
+            want[b, t] = p.log()
+    torch.testing.assert_close(logp, want, rtol=0, atol=1e-5)
+    scored = targets != -100
+    reference = -logp.gather(-1, targets.clamp_min(0)[..., None])[..., 0][scored].sum()
+    grads = torch.autograd.grad(reference, list(m.parameters()), allow_unused=True)
+    fused = m(x, targets=targets)
+    torch.testing.assert_close(fused, reference, rtol=1e-6, atol=0)
+    got = torch.autograd.grad(fused, list(m.parameters()), allow_unused=True)
+    names = [n for n, _ in m.named_parameters()]
+    for name, g, w in zip(names, got, grads, strict=True):
+        if w is None or not w.any():
+            continue
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6, msg=name)
+    assert got[names.index("neighbour_copy.weight")].abs().min() > 0
+
+
 # ------------------------------------------------------------------------------------------- training
 
 import gzip  # noqa: E402
@@ -128,6 +174,7 @@ RETRO = [
     "model.retrieval_chunk=8",
     "model.retrieval_k=2",
     "model.retrieval_encoder_layers=1",
+    "model.retrieval_copy=true",  # the copy from the neighbours too, through every layout's head
 ]
 
 
@@ -230,6 +277,7 @@ def test_a_retrieval_model_trains_resumes_bitwise_and_every_layout_equals_one_pr
         ),
         (["data.seq_len=30"], "not a multiple of model.retrieval_chunk=8"),
         (["model.retrieval_layers=9"], "must name blocks 0 to"),
+        (["model.retrieval_layers="], "model.retrieval_copy=true copies from the neighbours of a retrieval model"),
     ],
 )
 def test_what_a_retrieval_model_cannot_take_is_refused(extra, message):

@@ -83,6 +83,10 @@ class ModelArgs:
     """RETRO: neighbours per chunk (at most the database's --k)."""
     retrieval_encoder_layers: int = 2
     """RETRO: bidirectional blocks of the neighbours' encoder (sharing the token embedding)."""
+    retrieval_copy: bool = False
+    """RETRO: also mix each token's next-token probability with the neighbours' unigram and bigram caches, two
+    learned shares from 0 (plait.model.retrieval.NeighbourCopy): a copy from the neighbours that needs no
+    learning."""
 
     def neighbour_encoder_args(self) -> ModelArgs:
         """RETRO's neighbour encoder's blocks: this model's, dense, full attention, no cross-attention of their
@@ -140,7 +144,7 @@ class ModelArgs:
         if self.retrieval_ids:  # chunked cross-attention (its projections, norm and gate), the neighbours' encoder
             cross = self.dim * q_dim * 2 + self.dim * kv_dim * 2 + self.dim + 1
             encoder = self.retrieval_encoder_layers * (attn + 2 * self.dim + 3 * self.dim * self.hidden_dim)
-            total += len(self.retrieval_ids) * cross + encoder + self.dim
+            total += len(self.retrieval_ids) * cross + encoder + self.dim + (2 if self.retrieval_copy else 0)
         return total - (embed if exclude_embeddings else 0)
 
     def matmul_params(self) -> float:

@@ -103,7 +103,8 @@ def chunk_gradient_fusable(logits, lse, targets, vocab_start: int, dtype: torch.
 
 
 def chunk_loss_and_gradient(logits: torch.Tensor, targets: torch.Tensor, grads: bool):
-    """The eager path where this rank holds the whole vocabulary: the chunk's summed loss and (with `grads`)
+    """The eager path where this rank holds the whole vocabulary: the chunk's per-token losses (0 where
+    unscored) and (with `grads`)
     its gradient with respect to the logits, from one log-softmax (a fused single kernel on a CPU) instead
     of the statistics then the gradient (two subtractions and two exponentials of (n, V) fp32). Loss from the
     log-probabilities, not log(softmax), which underflows to -inf far from the target; the gradient is their
@@ -111,7 +112,7 @@ def chunk_loss_and_gradient(logits: torch.Tensor, targets: torch.Tensor, grads: 
     scored = targets != IGNORE_INDEX
     index = targets.clamp(0, logits.shape[1] - 1)[:, None]
     logp = torch.log_softmax(logits, dim=1, dtype=torch.float32)  # bf16 on CUDA: read as is, no fp32 copy
-    loss = torch.where(scored, -logp.gather(1, index).squeeze(1), 0.0).sum()
+    loss = torch.where(scored, -logp.gather(1, index).squeeze(1), 0.0)
     if not grads:
         return loss, None
     grad, weight = logp.exp_(), scored.to(logp.dtype)[:, None]  # an unscored token: no one-hot, no gradient
@@ -154,6 +155,26 @@ def accumulate_weight_grad(grad_w: torch.Tensor, g: torch.Tensor, xc: torch.Tens
     grad_w.add_(torch.mm(g.t(), xc))  # fp32 += the chunk's (compute dtype): no fp32 copy of it
 
 
+class TokenMixture:
+    """A loss of each token mixed from the model's probability p = exp(-loss) and another's: -log(a p + b), with
+    a (N,) and b (N,) given per token (fp32, no gradient through them here; RETRO's copy from the neighbours,
+    plait.model.retrieval.NeighbourCopy). The head then returns the sum over tokens of r x loss, r = a p / (a p +
+    b) (the mixed loss's derivative with respect to the model's loss: the model's share of the target), and
+    scales each token's gradient by r; `losses` holds each token's own loss for the caller's remainder
+    (NeighbourCopy.remainder), so that their sum is the mixed loss and its gradient the mixed loss's."""
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor):
+        self.a, self.b = a.reshape(-1).float(), b.reshape(-1).float()
+        self.losses = torch.zeros_like(self.a)
+
+    def weights(self, start: int, losses: torch.Tensor) -> torch.Tensor:
+        stop = start + losses.shape[0]
+        self.losses[start:stop] = losses
+        model = self.a[start:stop] * torch.exp(-losses.float())
+        b = self.b[start:stop]
+        return torch.where(b > 0, model / (model + b).clamp_min(torch.finfo(torch.float32).tiny), 1.0)
+
+
 _COMPILED = None
 FUSED_ACCUMULATION: bool | None = None  # None: not tried yet; then whether torch.addmm accumulates in fp32 here
 
@@ -168,10 +189,21 @@ def _compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
 class LinearCrossEntropy(torch.autograd.Function):
     """sum over scored tokens of cross_entropy(h @ weight.T, targets), chunk by chunk (see the module doc).
     h: (B, T_local, dim) (a sequence shard under sequence parallelism, gathered here); weight (V_local, dim);
-    targets (B, T) with IGNORE_INDEX for unscored tokens. Returns a 0-d fp32 tensor."""
+    targets (B, T) with IGNORE_INDEX for unscored tokens; `mixture`: each token's loss and gradient weighted as
+    TokenMixture says. Returns a 0-d fp32 tensor."""
 
     @staticmethod
-    def forward(ctx, h, weight, targets, chunk: int, shards: Shards, ops=ELEMENTWISE, in_place: bool = True):
+    def forward(
+        ctx,
+        h,
+        weight,
+        targets,
+        chunk: int,
+        shards: Shards,
+        ops=ELEMENTWISE,
+        in_place: bool = True,
+        mixture: TokenMixture | None = None,
+    ):
         statistics, gradient = ops
         x = shards.gather(h)  # (B, T, dim)
         flat, y = x.reshape(-1, x.shape[-1]), targets.reshape(-1)
@@ -190,13 +222,17 @@ class LinearCrossEntropy(torch.autograd.Function):
             xc, yc = xs[start : start + chunk], y[start : start + chunk]
             logits = torch.mm(xc, w.t())  # (n, V_local), in the compute dtype
             if one_pass:
-                loss, g = chunk_loss_and_gradient(logits, yc, grads)
-                total += loss
+                losses, g = chunk_loss_and_gradient(logits, yc, grads)
             else:
                 lse, picked = combine_statistics(*statistics(logits, yc, shards.vocab_start), shards)
-                total += torch.where(yc != IGNORE_INDEX, lse - picked, 0.0).sum()
+                losses = torch.where(yc != IGNORE_INDEX, lse - picked, 0.0)
                 g = gradient(logits, lse, yc, shards.vocab_start, logits.dtype) if grads else None
             del logits
+            if mixture is not None:
+                r = mixture.weights(start, losses)
+                losses = losses * r
+                g = None if g is None else g.mul_(r[:, None].to(g.dtype))
+            total += losses.sum()
             if grads:
                 if grad_x is not None:
                     grad_x[start : start + chunk] = torch.mm(g, w)
@@ -222,7 +258,7 @@ class LinearCrossEntropy(torch.autograd.Function):
             None if t is None else (t.mul_(grad.to(t.dtype)) if ctx.in_place else t * grad.to(t.dtype))
             for t in ctx.saved_tensors
         ]
-        return *scaled, None, None, None, None, None
+        return *scaled, None, None, None, None, None, None
 
 
 def linear_cross_entropy(
@@ -233,10 +269,12 @@ def linear_cross_entropy(
     shards: Shards | None = None,
     compiled: bool = False,
     in_place: bool = True,
+    mixture: TokenMixture | None = None,
 ) -> torch.Tensor:
     """Summed next-token loss of hidden states h (B, T, dim) under an output projection `weight` (V, dim),
     without the (B, T, V) logits; chunk: tokens per chunk (0: chunk_tokens' rule); compiled: the element-wise
-    work as compiled kernels; in_place=False where backward walks the graph more than once (zero bubble)."""
+    work as compiled kernels; in_place=False where backward walks the graph more than once (zero bubble);
+    mixture: each token's loss and gradient weighted (TokenMixture)."""
     chunk = chunk_tokens(targets.numel(), weight.shape[0], chunk)
     ops = compiled_elementwise() if compiled else ELEMENTWISE
-    return LinearCrossEntropy.apply(h, weight, targets, chunk, shards or Shards(), ops, in_place)
+    return LinearCrossEntropy.apply(h, weight, targets, chunk, shards or Shards(), ops, in_place, mixture)

@@ -25,10 +25,10 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from plait.model.args import ModelArgs
-from plait.model.head import linear_cross_entropy
+from plait.model.head import TokenMixture, linear_cross_entropy
 from plait.model.mlp import FeedForward
 from plait.model.moe import MoE
-from plait.model.retrieval import ChunkedCrossAttention, split_retrieved
+from plait.model.retrieval import ChunkedCrossAttention, NeighbourCopy, split_retrieved
 from plait.model.rope import apply_rope, rope_tables
 
 
@@ -302,6 +302,8 @@ class Transformer(nn.Module):
         # deletes the layers it does not own.
         self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i) for i in range(args.n_layers)})
         self.retrieval_encoder: NeighbourEncoder | None = NeighbourEncoder(args) if args.retrieval_ids else None
+        copies = args.retrieval_ids and args.retrieval_copy
+        self.neighbour_copy: NeighbourCopy | None = NeighbourCopy(args) if copies else None
         self.norm: RMSNorm | None = RMSNorm(args.dim, args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie_weights()
@@ -329,13 +331,14 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         # A pipeline stage without the embedding receives hidden states (B, T, dim) instead of ids; under
         # document masking it is also given the ids (`documents`), which say where each document starts.
-        retrieved = None
+        retrieved = neighbour_ids = None
         if self.retrieval_encoder is not None and cache is not None:
             raise NotImplementedError(
                 "a retrieval model decodes without a KV cache: each token sees the neighbours of the chunks "
                 "before it (plait.engine.generate generates with them)"
             )
         if self.retrieval_encoder is not None:  # RETRO: the tokens, then their chunks' neighbours
+            neighbour_ids = split_retrieved(tokens, self.args)[1]
             tokens, h, retrieved = self.embed_retrieved(tokens)
         else:
             h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
@@ -359,11 +362,18 @@ class Transformer(nn.Module):
         h = self.norm(h) if self.norm is not None else h
         if self.output is None:
             return h
+        copy = self.neighbour_copy if retrieved is not None else None
         if targets is not None:
             if type(self.output).forward is not nn.Linear.forward:
                 raise TypeError(f"the fused head takes a plain nn.Linear output, not {type(self.output).__name__}")
-            return self.head_loss(h, self.output.weight, targets)
-        return self.output(h)
+            if copy is None:
+                return self.head_loss(h, self.output.weight, targets)
+            a, b = copy.mixture(tokens, neighbour_ids, targets)
+            mixture = TokenMixture(a.detach(), b.detach())
+            loss = self.head_loss(h, self.output.weight, targets, mixture=mixture)
+            return loss + copy.remainder(a, b, mixture, targets)
+        logits = self.output(h)
+        return logits if copy is None else copy.log_probs(logits, tokens, neighbour_ids)
 
     def embed_retrieved(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """RETRO: (the token ids (B, T), their embeddings, the encoded neighbours of each chunk (B, T / c, k 2c,
@@ -425,8 +435,10 @@ class Transformer(nn.Module):
             name = canonical_name(name)
             if name.endswith("norm.weight"):
                 rows = partial(_ones_rows, tuple(param.shape))
-            elif name.endswith((".bias", "cross.gate.weight")):  # RETRO's cross-attention starts shut: the
-                rows = partial(_zeros_rows, tuple(param.shape))  # model starts as the one without retrieval
+            elif name.endswith((".bias", "cross.gate.weight", "neighbour_copy.weight")):
+                # RETRO's cross-attention starts shut and its copy at 0: the model starts as the one without
+                # retrieval
+                rows = partial(_zeros_rows, tuple(param.shape))
             else:
                 std = residual_std if name.endswith(("wo.weight", "w2.weight", "experts.w2")) else 0.02
                 rows = partial(init_rows, tuple(param.shape), std, _name_seed(seed, name))

@@ -24,6 +24,9 @@ layout, micro-batch and loader path carries them as the tokens are carried (`spl
   on. Without it a token can find that continuation token only by content: with neighbours that hold the very
   text to predict (a leaked oracle, bench/retrieval_quality.py --oracle), 150 steps of the default model did
   not learn to copy without it, and did with it (training loss 5.30 and 5.07 nats; the plain model 5.17).
+- With model.retrieval_copy, the copy from the neighbours by content that a small model does not learn is
+  given: each token's next-token probability is mixed with the unigram and bigram caches of the neighbours it
+  sees, two learned shares from 0 (`NeighbourCopy`), through the fused head (plait.model.head.TokenMixture).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.model.args import ModelArgs
+from plait.model.head import IGNORE_INDEX
 from plait.model.rope import apply_rope
 
 
@@ -95,3 +99,86 @@ class RetrievalGate(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.tanh(self.weight).to(x.dtype) * x
+
+
+COPY_SHARE_MAX = 0.45
+"""The most of a token's probability either copy may take (model.retrieval_copy): the model keeps at least 10%,
+so a target neither copy knows keeps a finite loss."""
+COPY_GRAD_SCALE = 1e-3
+"""The shares' gradient is scaled by this on its way back. Adam's step does not depend on a gradient's scale,
+but the global norm that gradient clipping divides by does: at a share of 0 its gradient is about -q / p per
+token (the cache's probability of the target over the model's), hundreds early in training, and unscaled it
+dominated the norm (10 against 2.8 for all the rest at the tiny model's start) and so shrank every other
+parameter's first steps. That made the model 0.08 nats/token better at 150 steps on the bundled corpus with
+random neighbours as much as with retrieved ones: a change of step size, not retrieval (docs/data.md)."""
+
+
+class NeighbourCopy(nn.Module):
+    """A copy from the neighbours that needs no learning (model.retrieval_copy): each token's next-token
+    probability is mixed with two caches of the neighbours of the last chunk that ends at or before it (the
+    chunks the cross-attention sees; Kuhn and De Mori's cache model, kNN-LM's mixture):
+
+        p(y) = (1 - w_u - w_b [x in them]) p_model(y) + w_u unigram(y) + w_b [x in them] bigram(y | x)
+
+    with x the token, unigram(y) y's share of the neighbours' tokens, bigram(y | x) y's share of the tokens that
+    follow x there. w_u and w_b are learned (from 0: a retrieval model starts as the model without the copy),
+    each at most COPY_SHARE_MAX. The cross-attention has to learn to find a token in a neighbour and read the
+    token after it, which a small model does not within a short run (bench/retrieval_ceiling.py --model-steps,
+    docs/data.md); this copy is that skill given. Its loss goes through the fused head as a TokenMixture
+    (plait.model.head), with no (B, T, vocab) logits."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.chunk = args.retrieval_chunk
+        self.weight = nn.Parameter(torch.zeros(2))  # w_u, w_b
+
+    def shares(self) -> torch.Tensor:
+        w = self.weight
+        w = w.to_local() if hasattr(w, "to_local") else w  # replicated on every tensor-parallel rank
+        w = w * COPY_GRAD_SCALE + (w * (1 - COPY_GRAD_SCALE)).detach()  # its value, its gradient scaled
+        return w.float().clamp(0.0, COPY_SHARE_MAX)
+
+    def seen(self, tokens: torch.Tensor, neighbours: torch.Tensor):
+        """Per token (B, T): (the neighbours it sees (B, T, k 2c), whether it sees any (B, T), which of their
+        tokens are x (B, T, k (2c - 1)) among those with a successor, and those successors)."""
+        c, length = self.chunk, tokens.shape[1]
+        u = torch.div(torch.arange(length, device=tokens.device) + 1, c, rounding_mode="floor") - 1
+        valid = (u >= 0).expand_as(tokens)
+        seen = neighbours[:, u.clamp_min(0)]  # (B, T, k, 2c)
+        matches = (seen[..., :-1] == tokens[..., None, None]).flatten(2) & valid[..., None]
+        return seen.flatten(2), valid, matches, seen[..., 1:].flatten(2)
+
+    def mixture(self, tokens, neighbours, targets) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per token (B, T): a, the model's share, and b, the caches' probability of the target (both with
+        the shares' gradient)."""
+        seen, valid, matches, after = self.seen(tokens, neighbours)
+        unigram = (seen == targets[..., None]).float().mean(-1)
+        count = matches.sum(-1)
+        bigram = (matches & (after == targets[..., None])).sum(-1) / count.clamp_min(1)
+        w = self.shares()
+        wu, wb = w[0] * valid.float(), w[1] * (count > 0).float()
+        return 1 - wu - wb, wu * unigram + wb * bigram
+
+    def remainder(self, a, b, mixture, targets) -> torch.Tensor:
+        """What the head's weighted sum (TokenMixture) leaves of the mixed loss: sum over scored tokens of
+        -log(a p + b) - r loss, p and r from the head's own losses; its gradient reaches the shares only."""
+        losses = mixture.losses.view_as(a)
+        model = torch.exp(-losses)
+        r = (a * model / (a * model + b)).detach()
+        mixed = -torch.log((a * model + b).clamp_min(torch.finfo(torch.float32).tiny)) - r * losses
+        return torch.where(targets != IGNORE_INDEX, mixed, 0.0).sum()
+
+    def log_probs(self, logits, tokens, neighbours) -> torch.Tensor:
+        """The mixed distribution's log-probabilities (B, T, vocab) of the model's logits: what generation
+        samples from and evaluation scores."""
+        seen, valid, matches, after = self.seen(tokens, neighbours)
+        vocab = logits.shape[-1]
+        unigram = torch.zeros(*tokens.shape, vocab, device=logits.device).scatter_add_(
+            -1, seen, torch.full(seen.shape, 1.0 / seen.shape[-1], device=logits.device)
+        )
+        count = matches.sum(-1, keepdim=True)
+        bigram = torch.zeros_like(unigram).scatter_add_(-1, after, matches.float() / count.clamp_min(1))
+        w = self.shares()
+        wu, wb = (w[0] * valid.float())[..., None], (w[1] * (count > 0).float())
+        probs = (1 - wu - wb) * logits.float().softmax(-1) + wu * unigram + wb * bigram
+        return probs.log()

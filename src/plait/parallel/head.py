@@ -53,7 +53,9 @@ class VocabShards(Shards):
         return x
 
 
-def vocab_parallel_loss(h, weight, targets, chunk=0, *, group: dist.ProcessGroup, compiled=False, in_place=True):
+def vocab_parallel_loss(
+    h, weight, targets, chunk=0, *, group: dist.ProcessGroup, compiled=False, in_place=True, mixture=None
+):
     """The model's head_loss under tensor parallelism: h the final norm's output (a sequence-sharded DTensor),
     weight the vocabulary-sharded output weight (a DTensor); their local tensors go through the fused head
     (to_local keeps autograd: the gradients come back as DTensors of the same layouts)."""
@@ -62,7 +64,7 @@ def vocab_parallel_loss(h, weight, targets, chunk=0, *, group: dist.ProcessGroup
     local_h = h.to_local() if isinstance(h, DTensor) else h
     shards = VocabShards(group, rank * local_w.shape[0])
     assert local_w.shape[0] * size == weight.shape[0], "the vocabulary splits evenly (parallel.rules.tp_problem)"
-    return linear_cross_entropy(local_h, local_w, targets, chunk, shards, compiled, in_place)
+    return linear_cross_entropy(local_h, local_w, targets, chunk, shards, compiled, in_place, mixture)
 
 
 def apply_head(model, tp_mesh, chunk: int, compiled: bool, in_place: bool) -> None:

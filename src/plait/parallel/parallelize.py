@@ -26,7 +26,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -192,6 +192,8 @@ def apply_tp_retrieval(model: Transformer, tp_mesh) -> None:
         if block.cross is not None:
             parallelize_module(block, tp_mesh, cross_plan)
             cast(nn.Module, block.cross_norm).register_forward_hook(_gather_whole)
+    if model.neighbour_copy is not None:  # its shares replicated: every tp rank scores every token alike
+        distribute_module(model.neighbour_copy, tp_mesh)
 
 
 def _gather_whole(module, args, output):
