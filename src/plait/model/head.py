@@ -160,19 +160,20 @@ class TokenMixture:
     a (N,) and b (N,) given per token (fp32, no gradient through them here; RETRO's copy from the neighbours,
     plait.model.retrieval.NeighbourCopy). The head then returns the sum over tokens of r x loss, r = a p / (a p +
     b) (the mixed loss's derivative with respect to the model's loss: the model's share of the target), and
-    scales each token's gradient by r; `losses` holds each token's own loss for the caller's remainder
-    (NeighbourCopy.remainder), so that their sum is the mixed loss and its gradient the mixed loss's."""
+    scales each token's gradient by r; `losses` and `shares` hold each token's own loss and r for the caller's
+    remainder (NeighbourCopy.remainder), so that their sum is the mixed loss and its gradient the mixed loss's."""
 
     def __init__(self, a: torch.Tensor, b: torch.Tensor):
         self.a, self.b = a.reshape(-1).float(), b.reshape(-1).float()
-        self.losses = torch.zeros_like(self.a)
+        self.losses, self.shares = torch.zeros_like(self.a), torch.ones_like(self.a)
 
     def weights(self, start: int, losses: torch.Tensor) -> torch.Tensor:
         stop = start + losses.shape[0]
-        self.losses[start:stop] = losses
         model = self.a[start:stop] * torch.exp(-losses.float())
         b = self.b[start:stop]
-        return torch.where(b > 0, model / (model + b).clamp_min(torch.finfo(torch.float32).tiny), 1.0)
+        r = torch.where(b > 0, model / (model + b).clamp_min(torch.finfo(torch.float32).tiny), 1.0)
+        self.losses[start:stop], self.shares[start:stop] = losses, r
+        return r
 
 
 _COMPILED = None

@@ -161,10 +161,9 @@ class NeighbourCopy(nn.Module):
 
     def remainder(self, a, b, mixture, targets) -> torch.Tensor:
         """What the head's weighted sum (TokenMixture) leaves of the mixed loss: sum over scored tokens of
-        -log(a p + b) - r loss, p and r from the head's own losses; its gradient reaches the shares only."""
-        losses = mixture.losses.view_as(a)
+        -log(a p + b) - r loss, with the head's own losses and r; its gradient reaches the shares only."""
+        losses, r = mixture.losses.view_as(a), mixture.shares.view_as(a)
         model = torch.exp(-losses)
-        r = (a * model / (a * model + b)).detach()
         mixed = -torch.log((a * model + b).clamp_min(torch.finfo(torch.float32).tiny)) - r * losses
         return torch.where(targets != IGNORE_INDEX, mixed, 0.0).sum()
 
