@@ -122,7 +122,6 @@ def ceiling(
 
     train, val = chunk_split(data, "train", chunk).tokens, chunk_split(data, "val", chunk).tokens
     vocab = int(read_manifest(data)["vocab_size"])
-    p = probabilities(train.ravel().astype(np.int64), vocab)
     stream = val.ravel().astype(np.int64)
     rows, pairs = [], []
     for u in us:
@@ -132,7 +131,10 @@ def ceiling(
             rows.append((*cache(stream[pos - seq_len : pos], prev, target), *cache(neighbours, prev, target)))
             pairs.append((prev, target))
     r, ab = np.asarray(rows, dtype=np.float64), np.asarray(pairs, dtype=np.int64)
-    bigram = p(ab[:, 0], ab[:, 1]) if model is None else model.ravel()
+    if model is None:  # the bigram model of the train split (not built where a trained model takes its place)
+        bigram = probabilities(train.ravel().astype(np.int64), vocab)(ab[:, 0], ab[:, 1])
+    else:
+        bigram = model.ravel()
     cu, cb, ch, nu, nb, nh = r.T
 
     def loss(wcu: float, wcb: float, wnu: float, wnb: float) -> float:
