@@ -98,3 +98,16 @@ def torch_threads_restored():
     yield
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def threads_pinned():
+    """OMP_NUM_THREADS set to this process's torch thread count for a module whose runs are compared bitwise
+    across processes: the health check then lowers no run's threads (it respects the variable) and every
+    subprocess computes with as many threads as this one. Without it, a run whose check caught the cores busy
+    reduced in another order and ended one ulp away (test_checkpoint's crash-and-resume, twice in CI)."""
+    import torch
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))
+        yield

@@ -33,7 +33,11 @@ STEPS = 8
 
 # DCP says it "assumes" one process when saving without a process group, from its own save thread (where
 # plait's filter for it does not reach under pytest): intended here.
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+# Runs here are compared bitwise, some of them with a subprocess's: threads_pinned keeps their thread counts equal.
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+    pytest.mark.usefixtures("threads_pinned"),
+]
 
 
 def base(data_dir: Path, out: Path, name: str, *extra: str) -> list[str]:
@@ -623,7 +627,9 @@ def test_s3_outage_at_start_and_end_is_reported_once_without_restarts(s3, data_d
     naming the store, exit 2, no worker started. Store down before the final save: training ends, the lost
     final checkpoint is said once (not once per rank), exit 2, and the group is not restarted (a restart
     would only repeat the steps since the last save and fail the same way)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    # Not threads_pinned's OMP_NUM_THREADS: the launcher gives each of the 2 ranks its share of the cores.
+    unset = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "OMP_NUM_THREADS")
+    env = {k: v for k, v in os.environ.items() if k not in unset}
     cmd = [sys.executable, "-m", "plait.cli", "train", "--nproc", "2", "--max-restarts", "2"]
     args = [f"--{o}" for o in base(data_dir, tmp_path, "e", *s3_args(s3, "runs/e"), "train.steps=30")]
     args += ["--checkpoint.every_steps=10", "--checkpoint.async_enabled=false", "--lineage.enabled=false"]
