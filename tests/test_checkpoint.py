@@ -503,6 +503,93 @@ def test_s3_save_and_resume(s3, data_dir, straight, tmp_path):
     assert resumed["loss"] == {s: ref["loss"][s] for s in range(saved[-2] + 1, 9)}
 
 
+def test_s3_a_damaged_checkpoint_is_set_aside_and_an_unfinished_save_cleared_before_its_step_is_saved(
+    s3, data_dir, straight, tmp_path
+):
+    """On S3 a save writes in place (there is no rename). Step 8's shard there has a flipped byte: the run
+    falls back to step 4, trains steps 5-8 again bitwise, and its new step-8 save first moves the damaged
+    checkpoint aside, kept byte for byte as on a local disk (it used to be overwritten). What an unfinished save
+    of another layout left under a step (a second rank's shard, nothing published) is cleared before that step
+    is saved, so no stale object joins the new checkpoint."""
+    ref, ref_ckpt = straight
+    prefix, bucket, client = "runs/crc", s3.bucket, s3.client()
+    extra = (
+        *s3_args(s3, prefix),
+        "checkpoint.every_steps=4",
+        "checkpoint.keep_last=2",
+        "checkpoint.async_enabled=false",
+    )
+    run(data_dir, tmp_path, "crc", *extra)
+
+    def read(key: str) -> bytes:
+        return client.get_object(Bucket=bucket, Key=key)["Body"].read()
+
+    md = parse_metadata(read(f"{prefix}/step_00000008/.metadata"))
+    info = next(v for k, v in md.storage_data.items() if k.fqn == "model.tok_embeddings.weight")
+    data = bytearray(read(f"{prefix}/step_00000008/__0_0.distcp"))
+    data[info.offset + info.length // 2] ^= 0x01
+    client.put_object(Bucket=bucket, Key=f"{prefix}/step_00000008/__0_0.distcp", Body=bytes(data))
+    (tmp_path / "crc" / "metrics.jsonl").unlink()
+    said = _Said()
+    logging.getLogger("plait").addHandler(said)
+    try:
+        resumed = run(data_dir, tmp_path, "crc", *extra)
+    finally:
+        logging.getLogger("plait").removeHandler(said)
+    assert resumed["loss"] == {s: ref["loss"][s] for s in range(5, STEPS + 1)}
+    assert any("moved to" in line and "CRC32 mismatch" in line for line in said.lines), said.lines
+    aside = {k.split("/")[2] for k in s3.keys(f"{prefix}/step_00000008.damaged-")}
+    assert len(aside) == 1, aside
+    assert read(f"{prefix}/{aside.pop()}/__0_0.distcp") == bytes(data)  # kept as it was
+    root = location(f"s3://{bucket}/{prefix}", s3.endpoint)
+    assert steps(list_checkpoints(root)) == [4, 8] and same(weights(root / "step_00000008"), weights(ref_ckpt))
+
+    client.put_object(Bucket=bucket, Key=f"{prefix}/step_00000012/__1_0.distcp", Body=b"an unfinished save")
+    run(data_dir, tmp_path, "crc", *extra, "train.steps=12")
+    files = (".metadata", "__0_0.distcp", "plait.json", "tokenizer.json")
+    assert s3.keys(f"{prefix}/step_00000012/") == [f"{prefix}/step_00000012/{f}" for f in files]
+
+
+def test_s3_a_checkpoint_saved_again_is_replaced_once_the_new_one_is_published(s3, data_dir, tmp_path):
+    """Saving a step whose complete checkpoint is already on S3 moves the old one aside first: it is removed
+    once the new save is published, and put back if the new save fails, so a failed save loses nothing."""
+    from plait.data import TokenDataset, TokenLoader
+    from plait.engine.trainer import build_trainable
+
+    cfg = load_config(
+        None, base(data_dir, tmp_path, "again", *s3_args(s3, "runs/again"), "checkpoint.async_enabled=false")
+    )
+    root = location(f"s3://{s3.bucket}/runs/again", s3.endpoint)
+    t = build_trainable(cfg, torch.device("cpu"))
+    loader = TokenLoader(TokenDataset(data_dir, "train"), seq_len=32, global_batch_size=8, prefetch=0)
+
+    def save(*before_publish) -> dict:
+        manager = CheckpointManager(root, cfg.checkpoint, config=to_dict(cfg))
+        manager.before_publish.extend(before_publish)
+        try:
+            return manager.save(2, t, loader=loader, state=TrainState(step=2))
+        finally:
+            manager.close()
+
+    def store_fails(step: int) -> None:
+        raise PlaitError("the store refused the write")
+
+    try:
+        assert save()["saved_step"] == 2
+        old = weights(root / "step_00000002")
+        with torch.no_grad():
+            for p in t.model.parameters():
+                p.add_(1.0)
+        assert save(store_fails)["failed_step"] == 2
+        assert same(weights(root / "step_00000002"), old)  # put back
+        assert not [k for k in s3.keys("runs/again/") if ".replaced-" in k]
+        assert save()["saved_step"] == 2
+        assert same(weights(root / "step_00000002"), t.model.state_dict())
+        assert not [k for k in s3.keys("runs/again/") if ".replaced-" in k]  # removed once published
+    finally:
+        loader.close()
+
+
 @pytest.mark.slow
 def test_s3_checkpoints_reach_lineage_generate_inspect_and_export(s3, data_dir, tmp_path):
     """S3 checkpoints are first-class: the lineage registry records each (read back from S3 to hash its

@@ -172,8 +172,18 @@ def makedirs(loc: Location) -> None:
         loc.mkdir(parents=True, exist_ok=True)
 
 
-def rename(src: Path, dst: Path) -> None:
-    """Local only (S3 has no rename); the directory entry is made durable before returning."""
+def rename(src: Location, dst: Location) -> None:
+    """Move a directory. Locally one rename, made durable before returning. S3 has no rename: each object is
+    copied on the server, then the source removed (remove_tree: plait.json first); interrupted, both remain,
+    so nothing is lost."""
+    if isinstance(src, RemotePath) or isinstance(dst, RemotePath):
+        if not (isinstance(src, RemotePath) and isinstance(dst, RemotePath)):
+            raise ValueError(f"rename from {src} to {dst}: both must be on the same store")
+        base = _key(src).rstrip("/") + "/"
+        for key in src.fs.find(_key(src)):  # each object to its own key (a copy into an "existing directory"
+            src.fs.copy(key, _key(dst).rstrip("/") + "/" + key.removeprefix(base))  # would nest below it)
+        remove_tree(src)
+        return
     src.rename(dst)
     fd = os.open(dst.parent, os.O_RDONLY)
     try:
@@ -386,7 +396,7 @@ class _LocalReader(_SafeReading, FileSystemReader):
 class _RetryingWrites(_WriterBase):
     """Mixed into DCP's writers: each step that touches storage is retried with backoff (all ranks retry
     their own files independently; DCP's collectives only see the final outcome). The coordinator first
-    removes whatever an earlier, failed save of the same step left in the target directory."""
+    clears the target directory (dcp_writer's before_write)."""
 
     def set_up_storage_writer(self, is_coordinator: bool, *args, **kwargs) -> None:
         self._coordinator = is_coordinator
@@ -395,7 +405,7 @@ class _RetryingWrites(_WriterBase):
     def prepare_local_plan(self, plan):
         if self._coordinator:
             # Other ranks write only after the plan is agreed, which waits for this rank: no race.
-            retry(lambda: remove_tree(self.plait_target), "clean")
+            retry(self.plait_before_write, "clean")
         return retry(lambda: super(_RetryingWrites, self).prepare_local_plan(plan), "prepare")
 
     def write_data(self, plan, planner):
@@ -413,8 +423,11 @@ class _LocalWriter(_RetryingWrites, FileSystemWriter):
     pass
 
 
-def dcp_writer(loc: Location, *, single_file_per_rank: bool = True):
+def dcp_writer(loc: Location, *, single_file_per_rank: bool = True, before_write: Callable[[], None] | None = None):
     """A DCP StorageWriter for one checkpoint directory: one file per rank, record checksums, retries.
+
+    ``before_write`` runs on the coordinator, in the save (asynchronous ones: off the training loop), before
+    any rank writes; by default it removes whatever an earlier, failed save left in the directory.
 
     ``single_file_per_rank=False`` writes one file per tensor instead: DCP's writer keeps every tensor of a
     file referenced until that file is done, so a save whose tensors are made one at a time (see
@@ -445,6 +458,7 @@ def dcp_writer(loc: Location, *, single_file_per_rank: bool = True):
             single_file_per_rank=single_file_per_rank,
         )
     writer.plait_target = loc
+    writer.plait_before_write = before_write or (lambda: remove_tree(loc))
     return writer
 
 

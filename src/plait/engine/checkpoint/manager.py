@@ -129,6 +129,7 @@ class CheckpointManager:
         warnings.filterwarnings("ignore", message=NO_DIST_WARNING)  # one process saves without a group: intended
         self.stopped_at = 0  # the step at which a stop request ended the run (0: not stopped)
         self._verified: dict[str, str] = {}  # checkpoint name -> its problems ("" for none), for retention
+        self._replaced: dict[str, Location] = {}  # on S3: a complete checkpoint moved aside until its step is saved
         if self.is_writer and isinstance(self.dir, Path):
             storage.makedirs(self.dir)
             for stale in self.dir.glob("step_*.tmp"):  # saves an earlier process never finished
@@ -327,7 +328,8 @@ class CheckpointManager:
         }
         meta = json.loads(json.dumps(meta, default=_jsonable))  # a snapshot: the loop moves on meanwhile
         target = self._staging_path(step)
-        writer = storage.dcp_writer(target)
+        clear = (lambda: self._clear_remote_step(target)) if storage.is_remote(target) else None
+        writer = storage.dcp_writer(target, before_write=clear)
         common = dict(storage_writer=writer, no_dist=not self._distributed)
         if self.cfg.async_enabled:
             if self._stager is None:
@@ -376,6 +378,27 @@ class CheckpointManager:
             why = box[0]
         return why
 
+    def _clear_remote_step(self, target: Location) -> None:
+        """On S3 a save writes in place (no rename), so what an earlier run left under its step goes first
+        (on DCP's coordinator, in the save, before any rank writes): an unfinished save's objects are removed
+        (nothing was published), a damaged checkpoint is moved aside and kept, as on a local disk, and a
+        complete one is moved aside until the new save is published (_publish then removes it; _failed_save
+        puts it back), so a save that fails loses nothing."""
+        if not storage.exists(target):
+            return
+        files = set(storage.file_sizes(target))
+        if META not in files:
+            storage.remove_tree(target)
+            return
+        damage = self._verified.get(target.name) or checkpoint_problems(target)
+        aside = set_aside_name(target, "damaged" if damage else "replaced")
+        storage.rename(target, aside)
+        self._verified.pop(target.name, None)
+        if damage:
+            warn(f"damaged checkpoint {target} ({damage}) moved to {aside} to make room for the new save of its step")
+        else:
+            self._replaced[target.name] = aside
+
     def _staging_path(self, step: int) -> Location:
         name = f"step_{step:08d}"
         return self.dir / name if storage.is_remote(self.dir) else self.dir / f"{name}.tmp"
@@ -416,10 +439,15 @@ class CheckpointManager:
         if free is not None and (_is_no_space(error) or free < 1 << 20):
             reason = f"the checkpoint disk is full ({mb(free)} left on {self.dir}; torch said: {reason})"
         if self.is_writer:
+            replaced = self._replaced.pop(target.name, None)  # (on S3: _clear_remote_step)
             try:
                 storage.remove_tree(target)
+                if replaced is not None:  # put back the checkpoint this save was to replace
+                    storage.rename(replaced, target)
             except Exception as e:
-                reason += f"; its partial files in {target} could not be removed ({one_line(e)})"
+                reason += f"; its partial files in {target} could not be cleared ({one_line(e)})"
+                if replaced is not None:
+                    reason += f"; the checkpoint it was to replace is kept as {replaced}"
         return reason
 
     def _publish(self, step: int, meta: dict, target: Location) -> None:
@@ -434,13 +462,15 @@ class CheckpointManager:
         final = self.dir / f"step_{step:08d}"
         storage.write_bytes(target / META, text)  # on S3 written last: this is the publish
         if not isinstance(final, Path) or not isinstance(target, Path):
+            if (replaced := self._replaced.pop(final.name, None)) is not None:  # (_clear_remote_step)
+                storage.remove_tree(replaced)
             return
         if final.exists():  # an older save of the same step (a rerun): replace it only now ...
             damage = self._verified.get(final.name) or checkpoint_problems(final)
             if (final / DCP_METADATA).exists() and not damage:
                 storage.remove_tree(final)
             else:  # ... unless it is damaged (also if only its tensors failed to load): the user's to inspect
-                aside = final.with_name(f"{final.name}.damaged-{time.strftime('%Y%m%d-%H%M%S')}")
+                aside = set_aside_name(final, "damaged")
                 storage.rename(final, aside)
                 self._verified.pop(final.name, None)
                 warn(
@@ -522,6 +552,12 @@ class CheckpointManager:
     def load(self, path: Location, t, *, loader, state: TrainState) -> None:
         """Restore the run from `path` on every rank (plait.engine.checkpoint.load.load_state)."""
         load_state(path, t, loader=loader, state=state, group=self._control, rank=self._rank, config=self.config)
+
+
+def set_aside_name(path: Location, why: str) -> Location:
+    """Where a checkpoint is moved to make room for a new save of its step: beside it, named with why and
+    when (never a step_<N> name, so no listing counts it and retention never deletes it)."""
+    return path.parent / f"{path.name}.{why}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def kept_forever(steps: list[int], every: int) -> set[int]:
