@@ -246,3 +246,16 @@ def test_retrieval_quality_plain_runs_read_the_windows_of_the_retrieval_runs(dat
     for i, window in enumerate(windows):
         start = i * (seq_len + chunk)
         np.testing.assert_array_equal(window, stream[start : start + seq_len + 1])
+
+
+def test_schedule_sweep_runs_every_combination_of_each_grid_once_after_the_defaults():
+    """bench/schedule_sweep.py's grid: ';' joins settings, ',' their values, '|' separate grids; the defaults'
+    point comes first (every other is compared with it) and a point two grids share runs once."""
+    sweep = _bench_script("schedule_sweep")
+    assert sweep.points("") == [()]
+    assert sweep.points("optim.lr=1e-3,2e-3;optim.warmup_steps=100|optim.lr=2e-3;optim.warmup_steps=100,30") == [
+        (),
+        ("optim.lr=1e-3", "optim.warmup_steps=100"),
+        ("optim.lr=2e-3", "optim.warmup_steps=100"),
+        ("optim.lr=2e-3", "optim.warmup_steps=30"),
+    ]

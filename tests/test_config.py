@@ -26,6 +26,24 @@ def test_resolution_order_preset_then_file_then_overrides(tmp_path):
     assert cfg.optim.lr == 2e-4
 
 
+def test_a_large_preset_sets_its_published_peak_lr_which_a_file_or_an_override_still_overrides(tmp_path):
+    from plait.config.recipes import PRESET_LR
+    from plait.model.presets import PRESETS
+
+    default = Config().optim.lr
+    assert set(PRESET_LR) <= set(PRESETS)
+    assert all(lr < default for lr, _ in PRESET_LR.values())  # a large model takes a smaller step
+    assert load_config(None, ["model.preset=llama3-8b"]).optim.lr == 3e-4
+    assert load_config(None, ["model.preset=tiny"]).optim.lr == default  # the small presets: the default
+    assert load_config(None, ["optim.lr=1e-3", "model.preset=llama3-8b"]).optim.lr == 1e-3  # in either order
+    path = tmp_path / "c.toml"
+    path.write_text('[optim]\nlr = 0.001\n[model]\npreset = "llama3-70b"\n')  # optim's table first
+    assert load_config(path).optim.lr == 1e-3
+    path.write_text('[model]\npreset = "llama3-70b"\n')
+    assert load_config(path).optim.lr == 1.5e-4
+    assert "published peak" in options_help()
+
+
 @pytest.mark.parametrize(
     "override,message",
     [

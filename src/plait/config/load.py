@@ -1,5 +1,6 @@
-"""Building a config: defaults -> model preset -> TOML file -> ``--section.key=value`` overrides (later wins),
-validated; and writing one back out (a dict, TOML, the options' help)."""
+"""Building a config: defaults -> model preset (its shape, and for the large ones their published peak learning
+rate) -> TOML file -> ``--section.key=value`` overrides (later wins), validated; and writing one back out (a
+dict, TOML, the options' help)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from plait.config.fields import convert, hints, type_name
+from plait.config.recipes import PRESET_LR
 from plait.config.sections import SECTIONS, Config
 from plait.config.validate import a_or_an, validate
 from plait.core.errors import ConfigError
@@ -95,16 +97,18 @@ def _suggest(word: str, options) -> str:
 
 def _build(values: dict[str, dict[str, Any]]) -> Config:
     cfg = Config()
+    model = values.get("model")
+    if isinstance(model, dict) and "preset" in model:  # first, whatever the sections' order: the rest wins
+        preset = str(model["preset"])
+        if preset not in PRESETS:
+            raise ConfigError(f"model.preset={preset!r} is not a preset; valid: {', '.join(PRESETS)}")
+        cfg.model = ModelArgs(**PRESETS[preset])
+        cfg.optim.lr = PRESET_LR.get(preset, (cfg.optim.lr, ""))[0]
     for section, body in values.items():
         _check_section(section)
         if not isinstance(body, dict):
             raise ConfigError(f"config section '{section}' must be a table of settings, not {body!r:.40}")
-        body = dict(body)
-        if section == "model" and "preset" in body:
-            preset = str(body.pop("preset"))
-            if preset not in PRESETS:
-                raise ConfigError(f"model.preset={preset!r} is not a preset; valid: {', '.join(PRESETS)}")
-            cfg.model = ModelArgs(**PRESETS[preset])
+        body = {k: v for k, v in body.items() if not (section == "model" and k == "preset")}
         target = getattr(cfg, section)
         known = hints(type(target))
         for name, raw in body.items():
@@ -135,7 +139,10 @@ def options_help() -> str:
     for section, cls in SECTIONS.items():
         lines.append(f"[{section}]")
         if section == "model":
-            lines.append(f"  --model.preset NAME  Start from a preset shape: {', '.join(PRESETS)}. (tiny)")
+            lines.append(
+                f"  --model.preset NAME  Start from a preset shape: {', '.join(PRESETS)}; the large ones also set "
+                f"optim.lr to their model's published peak (plait.config.recipes). (tiny)"
+            )
         docs = field_docs(cls)
         for name, typ in hints(cls).items():
             value = getattr(getattr(default, section), name)
