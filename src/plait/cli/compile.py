@@ -9,12 +9,8 @@ fails (--ranks stages) is an error naming it.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import tempfile
 
-from plait.core.errors import ConfigError, PlaitError
+from plait.core.errors import ConfigError
 
 DESCRIPTION = """\
 Compile a job ahead of time: rank R of the N-rank job runs here on a fake process group of N ranks (the
@@ -71,13 +67,7 @@ def cmd_compile(argv: list[str]) -> int:
 
 
 def _in_subprocess(argv: list[str], rank: int):
+    from plait.core.subcommand import rank_in_subprocess
     from plait.engine.precompile import Precompiled
 
-    with tempfile.TemporaryDirectory(prefix="plait-compile-") as tmp:
-        out = os.path.join(tmp, "rank.json")
-        cmd = [sys.executable, "-m", "plait.cli", "compile", *argv, "--rank", str(rank), "--json", out]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if not os.path.exists(out):
-            raise PlaitError(f"rank {rank} ended with exit code {proc.returncode}: {proc.stderr.strip()[-2000:]}")
-        with open(out) as f:
-            return Precompiled(**json.load(f)[0])
+    return Precompiled(**rank_in_subprocess("compile", argv, rank))

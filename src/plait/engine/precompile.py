@@ -62,16 +62,14 @@ def stage_ranks(cfg: Config, world_size: int) -> list[int]:
 def precompile(cfg: Config, world_size: int, rank: int = 0) -> Precompiled:
     """Compile rank `rank` of a `world_size`-rank job here (this process must have no process group yet) and
     publish its graphs into compile.cache_dir."""
-    import torch.distributed as dist
-
     from plait.core.hardware import resolve_device, threads_per_rank
-    from plait.core.torch_private import init_fake_process_group
     from plait.engine.compile_cache import CompileMonitor, cache_location
     from plait.engine.trainable import build_trainable
     from plait.engine.trainer import train_step
     from plait.engine.validation import evaluate
-    from plait.parallel import Meshes, ParallelDims
+    from plait.parallel import ParallelDims
     from plait.parallel.dims import validate_layout
+    from plait.parallel.env import one_rank_of
 
     if not cfg.compile.enabled:
         raise ConfigError("plait compile compiles a job that compiles: set compile.enabled=true")
@@ -80,15 +78,11 @@ def precompile(cfg: Config, world_size: int, rank: int = 0) -> Precompiled:
     device = resolve_device(cfg.run.device)
     dims = ParallelDims.from_config(cfg.parallel, world_size, cfg.model)
     validate_layout(cfg, dims)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
     if not os.environ.get("OMP_NUM_THREADS"):  # a rank's threads, as the launcher gives them (part of the key)
         local = min(world_size, torch.cuda.device_count()) if device.type == "cuda" else world_size
         torch.set_num_threads(threads_per_rank(local))
     started = time.perf_counter()
-    init_fake_process_group(world_size, rank)
-    try:
-        meshes = Meshes.build(dims, device.type)
+    with one_rank_of(dims, rank, device) as meshes:
         monitor = CompileMonitor.start(cfg, device, is_main=True)  # publishes what it compiled, signed
         t = build_trainable(cfg, device, meshes)
         inputs, targets = synthetic_batch(cfg, cfg.train.global_batch_size // dims.dp, device)
@@ -97,8 +91,6 @@ def precompile(cfg: Config, world_size: int, rank: int = 0) -> Precompiled:
         if cfg.eval.every_steps > 0:  # the validation loader's batches: the same local batch, whole
             evaluate(t, [(inputs, targets)], 1)
             monitor.phase_done("evaluation")
-    finally:
-        dist.destroy_process_group()
     misses = monitor.cache_hits()["fxgraph_cache_miss"]
     return Precompiled(rank, world_size, monitor.compiles, misses, monitor.saved_artifacts, monitor.loaded_artifacts,
                        time.perf_counter() - started, str(cache_location(cfg)))  # fmt: skip

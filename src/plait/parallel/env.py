@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -89,6 +91,24 @@ def init_single_process(device: torch.device, timeout_s: int = 300) -> None:
         world_size=1,
         timeout=timedelta(seconds=timeout_s),
     )
+
+
+@contextlib.contextmanager
+def one_rank_of(dims, rank: int, device: torch.device) -> Iterator:
+    """While active, this process stands in for rank `rank` of a job of `dims` (a ParallelDims): a fake process
+    group of its world size (torch_private.init_fake_process_group: real shapes and shards, no values moved)
+    and that rank's Meshes. `plait fit` measures a rank this way, `plait compile` compiles one. The process
+    must have no process group yet; the fake one is destroyed on leaving."""
+    from plait.core.torch_private import init_fake_process_group
+    from plait.parallel.dims import Meshes
+
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    init_fake_process_group(dims.world_size, rank)
+    try:
+        yield Meshes.build(dims, device.type)
+    finally:
+        dist.destroy_process_group()
 
 
 def shutdown() -> None:

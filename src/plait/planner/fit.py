@@ -17,7 +17,6 @@ planner's compute time on this device.
 from __future__ import annotations
 
 import dataclasses
-import os
 import resource
 import statistics
 import time
@@ -62,11 +61,8 @@ def fit_rank(cfg: Config, world_size: int, rank: int, steps: int = 3) -> RankFit
     """Run rank `rank` of a `world_size`-rank job in this process (it must have no process group yet): the
     runtime's build, `steps` training steps on synthetic tokens, then one micro-batch's forward measured for
     what it saves. Returns the measurement beside the planner's prediction."""
-    import torch.distributed as dist
-
     from plait.core.hardware import device_memory_bytes, host_memory_bytes
-    from plait.core.torch_private import init_fake_process_group
-    from plait.parallel import Meshes
+    from plait.parallel.env import one_rank_of
     from plait.planner.cost import HOST_MEMORY_FRACTION, host_resident
 
     if steps < 1:
@@ -98,11 +94,7 @@ def fit_rank(cfg: Config, world_size: int, rank: int, steps: int = 3) -> RankFit
         )  # fmt: skip
         return RankFit(coordinates={}, measured={}, predicted=predicted, step_s=None, compute_s=compute_s, fits=False,
                        note=note, **base)  # fmt: skip
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    init_fake_process_group(world_size, rank)
-    try:
-        meshes = Meshes.build(dims, device.type)
+    with one_rank_of(dims, rank, device) as meshes:
         coordinates = _coordinates(meshes)
         try:
             measured, step_s = _run(cfg, meshes, device, dims, steps)
@@ -110,8 +102,6 @@ def fit_rank(cfg: Config, world_size: int, rank: int, steps: int = 3) -> RankFit
             first = str(e).splitlines()[0]
             return RankFit(coordinates=coordinates, measured={}, predicted=predicted, step_s=None,
                            compute_s=compute_s, fits=False, note=f"out of memory: {first}", **base)  # fmt: skip
-    finally:
-        dist.destroy_process_group()
     highest = max(measured["peak"] or 0, measured["build_peak"] or 0)
     fits = highest <= capacity if capacity else True
     note = "" if fits else f"peak {highest / GiB:.1f} GiB over the {capacity / GiB:.1f} GiB available"
@@ -277,16 +267,6 @@ def _saved_bytes(t, inputs, targets, cfg: Config, device: torch.device) -> int:
 
 def in_subprocess(argv: list[str], rank: int) -> RankFit:
     """One rank in a process of its own (a fake group and a peak are per process): `plait fit ... --rank R`."""
-    import json
-    import subprocess
-    import sys
-    import tempfile
+    from plait.core.subcommand import rank_in_subprocess
 
-    with tempfile.TemporaryDirectory(prefix="plait-fit-") as tmp:
-        out = os.path.join(tmp, "rank.json")
-        cmd = [sys.executable, "-m", "plait.cli", "fit", *argv, "--rank", str(rank), "--json", out, "--quiet"]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if not os.path.exists(out):
-            raise PlaitError(f"rank {rank} ended with exit code {proc.returncode}: {proc.stderr.strip()[-2000:]}")
-        with open(out) as f:
-            return RankFit(**json.load(f)[0])
+    return RankFit(**rank_in_subprocess("fit", argv, rank, "--quiet"))
