@@ -166,6 +166,27 @@ def test_damaged_newest_checkpoint_is_skipped_with_a_warning_and_kept(data_dir, 
     assert steps(list_checkpoints(ckpt_dir)) == [6, 8]
 
 
+def flipped(metadata: bytes, shard: bytes) -> bytes:
+    """A rank's shard file with one bit flipped in the middle of the embedding's record: found only while its
+    tensors are read (the record's CRC32)."""
+    md = parse_metadata(metadata)
+    info = next(v for k, v in md.storage_data.items() if k.fqn == "model.tok_embeddings.weight")
+    data = bytearray(shard)
+    data[info.offset + info.length // 2] ^= 0x01
+    return bytes(data)
+
+
+def resumed_saying(data_dir: Path, out: Path, name: str, *extra: str) -> tuple[dict, list[str]]:
+    """The run `name` again (its earlier metrics dropped): its records and plait's messages meanwhile."""
+    (out / name / "metrics.jsonl").unlink()
+    said = _Said()
+    logging.getLogger("plait").addHandler(said)
+    try:
+        return run(data_dir, out, name, *extra), said.lines
+    finally:
+        logging.getLogger("plait").removeHandler(said)
+
+
 def test_a_checkpoint_whose_tensors_fail_their_crc_is_set_aside_not_replaced(data_dir, straight, tmp_path):
     """Step 8's shard has a flipped byte (found only while its tensors are read): the run falls back to step 4,
     trains steps 5-8 again bitwise, and its new step-8 save moves the damaged one aside instead of deleting it
@@ -175,24 +196,15 @@ def test_a_checkpoint_whose_tensors_fail_their_crc_is_set_aside_not_replaced(dat
     run(data_dir, tmp_path, "crc", *extra)
     ckpt_dir = tmp_path / "crc" / "checkpoints"
     newest = ckpt_dir / "step_00000008"
-    md = parse_metadata((newest / ".metadata").read_bytes())
-    info = next(v for k, v in md.storage_data.items() if k.fqn == "model.tok_embeddings.weight")
     shard = newest / "__0_0.distcp"
-    data = bytearray(shard.read_bytes())
-    data[info.offset + info.length // 2] ^= 0x01
-    shard.write_bytes(bytes(data))
-    (tmp_path / "crc" / "metrics.jsonl").unlink()
-    said = _Said()
-    logging.getLogger("plait").addHandler(said)
-    try:
-        resumed = run(data_dir, tmp_path, "crc", *extra)
-    finally:
-        logging.getLogger("plait").removeHandler(said)
+    data = flipped((newest / ".metadata").read_bytes(), shard.read_bytes())
+    shard.write_bytes(data)
+    resumed, said = resumed_saying(data_dir, tmp_path, "crc", *extra)
     assert resumed["loss"] == {s: ref["loss"][s] for s in range(5, STEPS + 1)}
-    assert any("CRC32 mismatch" in line and "trying the previous checkpoint" in line for line in said.lines)
-    assert any("moved to" in line and "CRC32 mismatch" in line for line in said.lines), said.lines
+    assert any("CRC32 mismatch" in line and "trying the previous checkpoint" in line for line in said)
+    assert any("moved to" in line and "CRC32 mismatch" in line for line in said), said
     aside = [p for p in ckpt_dir.iterdir() if p.name.startswith("step_00000008.damaged-")]
-    assert len(aside) == 1 and (aside[0] / "__0_0.distcp").read_bytes() == bytes(data)  # kept as it was
+    assert len(aside) == 1 and (aside[0] / "__0_0.distcp").read_bytes() == data  # kept as it was
     assert steps(list_checkpoints(ckpt_dir)) == [4, 8] and same(weights(newest), weights(ref_ckpt))
 
 
@@ -524,23 +536,14 @@ def test_s3_a_damaged_checkpoint_is_set_aside_and_an_unfinished_save_cleared_bef
     def read(key: str) -> bytes:
         return client.get_object(Bucket=bucket, Key=key)["Body"].read()
 
-    md = parse_metadata(read(f"{prefix}/step_00000008/.metadata"))
-    info = next(v for k, v in md.storage_data.items() if k.fqn == "model.tok_embeddings.weight")
-    data = bytearray(read(f"{prefix}/step_00000008/__0_0.distcp"))
-    data[info.offset + info.length // 2] ^= 0x01
-    client.put_object(Bucket=bucket, Key=f"{prefix}/step_00000008/__0_0.distcp", Body=bytes(data))
-    (tmp_path / "crc" / "metrics.jsonl").unlink()
-    said = _Said()
-    logging.getLogger("plait").addHandler(said)
-    try:
-        resumed = run(data_dir, tmp_path, "crc", *extra)
-    finally:
-        logging.getLogger("plait").removeHandler(said)
+    data = flipped(read(f"{prefix}/step_00000008/.metadata"), read(f"{prefix}/step_00000008/__0_0.distcp"))
+    client.put_object(Bucket=bucket, Key=f"{prefix}/step_00000008/__0_0.distcp", Body=data)
+    resumed, said = resumed_saying(data_dir, tmp_path, "crc", *extra)
     assert resumed["loss"] == {s: ref["loss"][s] for s in range(5, STEPS + 1)}
-    assert any("moved to" in line and "CRC32 mismatch" in line for line in said.lines), said.lines
+    assert any("moved to" in line and "CRC32 mismatch" in line for line in said), said
     aside = {k.split("/")[2] for k in s3.keys(f"{prefix}/step_00000008.damaged-")}
     assert len(aside) == 1, aside
-    assert read(f"{prefix}/{aside.pop()}/__0_0.distcp") == bytes(data)  # kept as it was
+    assert read(f"{prefix}/{aside.pop()}/__0_0.distcp") == data  # kept as it was
     root = location(f"s3://{bucket}/{prefix}", s3.endpoint)
     assert steps(list_checkpoints(root)) == [4, 8] and same(weights(root / "step_00000008"), weights(ref_ckpt))
 
