@@ -384,9 +384,10 @@ class CheckpointManager:
         (nothing was published), a damaged checkpoint is moved aside and kept, as on a local disk, and a
         complete one is moved aside until the new save is published (_publish then removes it; _failed_save
         puts it back), so a save that fails loses nothing."""
-        if not storage.exists(target):
+        try:
+            files = set(storage.file_sizes(target))
+        except FileNotFoundError:  # nothing there: the usual case
             return
-        files = set(storage.file_sizes(target))
         if META not in files:
             storage.remove_tree(target)
             return
@@ -463,7 +464,10 @@ class CheckpointManager:
         storage.write_bytes(target / META, text)  # on S3 written last: this is the publish
         if not isinstance(final, Path) or not isinstance(target, Path):
             if (replaced := self._replaced.pop(final.name, None)) is not None:  # (_clear_remote_step)
-                storage.remove_tree(replaced)
+                try:  # published already: a copy left behind is not worth failing the save for
+                    storage.remove_tree(replaced)
+                except Exception as e:
+                    warn(f"the earlier checkpoint of step {step}, replaced, is left at {replaced} ({one_line(e)})")
             return
         if final.exists():  # an older save of the same step (a rerun): replace it only now ...
             damage = self._verified.get(final.name) or checkpoint_problems(final)
