@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from plait.model.args import ModelArgs
+from plait.model.args import LORA_TARGETS, ModelArgs  # noqa: F401 (LORA_TARGETS: plait.config hands it out)
 from plait.model.presets import PRESETS
 
 
@@ -238,9 +238,6 @@ class GuardConfig:
     straggler_ratio: float = 2.0
     """Every log interval, name a rank whose own time per step is more than this times its peers' median
     (one small all-gather); 0: off."""
-
-
-LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
 
 
 @dataclass

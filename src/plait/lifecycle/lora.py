@@ -1,160 +1,47 @@
-"""LoRA adapters applied to a plain Transformer from outside; the model code knows nothing of them.
-
-A target ``nn.Linear`` (``wq`` ... ``w3``, chosen by name) becomes a ``LoRALinear`` in place: the same object,
-the same ``weight`` parameter, plus two new ones, ``lora_a`` (r, in) and ``lora_b`` (out, r)::
-
-    y = x W^T + (alpha / r) * dropout(x) A^T B^T
-
-Changing the class of the existing module rather than putting a new module in its place keeps everything
-that refers to the module valid: parameter names (``layers.0.attention.wq.weight`` loads from any base
-checkpoint; the adapters add ``...wq.lora_a`` / ``...wq.lora_b``), and the hooks and parameter registrations of
-an FSDP2-sharded block, which swaps the gathered weight into this very module before each forward (FSDP2 itself
-turns modules into FSDP subclasses the same way). B starts at zero, so a fresh adapter leaves the base model's
-outputs bitwise unchanged.
-
-An adapter is stored as a delta: a safetensors file of the LoRA tensors only, whose metadata names the hash
-of the base weights it was trained on (``weights_hash``); loading it onto another base is refused.
+"""LoRA adapters as artifacts: adapter files (a delta of the LoRA tensors only, whose metadata names the hash of
+the base weights it was trained on; loading one onto another base is refused), weights hashes, and the
+fine-tuning run's wiring. The layer itself (``LoRALinear``, applying and merging) lives in ``plait.model.lora``,
+re-exported here.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import math
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from plait.config import LORA_TARGETS, FinetuneConfig
+from plait.config import FinetuneConfig
 from plait.core.digest import sharded_weights_hash
 from plait.core.digest import weights_hash as _weights_hash
 from plait.core.errors import PlaitError
 from plait.model.llama import canonical_name
+from plait.model.lora import (  # noqa: F401 (re-exported: the layer, for users of plait.lifecycle.lora)
+    LORA_TARGETS,
+    LoRALinear,
+    apply_lora,
+    fold,
+    is_lora_param,
+    lora_a_init,
+    lora_modules,
+    lora_shapes,
+    merge_lora,
+    parse_targets,
+    target_linears,
+)
 
 ADAPTER_FORMAT = "plait-lora-v1"
 ADAPTER_FILE = "adapter.safetensors"
-_LORA_PARAMS = ("lora_a", "lora_b")
-
-
-class LoRALinear(nn.Linear):
-    """An ``nn.Linear`` with a low-rank trainable update; made from an existing one by ``adapt``."""
-
-    lora_a: nn.Parameter  # (r, in_features)
-    lora_b: nn.Parameter  # (out_features, r)
-    scaling: float
-    lora_dropout: float
-
-    @classmethod
-    def adapt(cls, linear: nn.Linear, rank: int, alpha: float, dropout: float, a_init: torch.Tensor) -> LoRALinear:
-        """Turn ``linear`` into a LoRALinear in place (see the module docstring for why in place)."""
-        if type(linear) is not nn.Linear:
-            raise PlaitError(f"LoRA applies to plain nn.Linear modules, not {type(linear).__name__}")
-        device = linear.weight.device
-        linear.__class__ = cls
-        linear.lora_a = nn.Parameter(a_init.to(device=device, dtype=torch.float32))
-        linear.lora_b = nn.Parameter(torch.zeros(linear.out_features, rank, device=device))
-        linear.scaling = alpha / rank
-        linear.lora_dropout = dropout
-        return linear  # type: ignore[return-value]
-
-    @property
-    def rank(self) -> int:
-        return self.lora_a.shape[0]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
-        h = F.dropout(x, self.lora_dropout, self.training) if self.lora_dropout else x
-        # Adapters stay fp32 parameters; under autocast or an FSDP bf16 policy x arrives in the compute dtype.
-        delta = F.linear(F.linear(h, self.lora_a.to(x.dtype)), self.lora_b.to(x.dtype))  # (..., r) -> (..., out)
-        return out + delta * self.scaling
-
-    @torch.no_grad()
-    def merge(self) -> nn.Linear:
-        """Fold the update into the weight (W += (alpha / r) B A) and become a plain nn.Linear again."""
-        self.weight += (self.lora_b @ self.lora_a).to(self.weight.dtype) * self.scaling
-        for name in (*_LORA_PARAMS,):
-            delattr(self, name)
-        for name in ("scaling", "lora_dropout"):
-            self.__dict__.pop(name, None)
-        self.__class__ = nn.Linear
-        return self
-
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, lora_rank={self.rank}, scaling={self.scaling:g}"
-
-
-def parse_targets(targets: str | Iterable[str]) -> list[str]:
-    names = [t.strip() for t in targets.split(",")] if isinstance(targets, str) else list(targets)
-    names = [t for t in names if t]
-    unknown = [t for t in names if t not in LORA_TARGETS]
-    if not names or unknown:
-        raise PlaitError(f"LoRA targets {names} must be chosen from {', '.join(LORA_TARGETS)}")
-    return names
-
-
-def is_lora_param(name: str) -> bool:
-    return name.rsplit(".", 1)[-1] in _LORA_PARAMS
-
-
-def target_linears(model: nn.Module, targets: Iterable[str]) -> dict[str, nn.Linear]:
-    """{canonical module name: module} of the linear layers named by targets (``wq`` matches ``*.wq``)."""
-    wanted = set(targets)
-    return {
-        canonical_name(name): module
-        for name, module in model.named_modules()
-        if name.rsplit(".", 1)[-1] in wanted and isinstance(module, nn.Linear)
-    }
-
-
-def lora_a_init(name: str, rank: int, in_features: int, seed: int) -> torch.Tensor:
-    """A's initial value: U(-1/sqrt(in), 1/sqrt(in)) (Kaiming-uniform with a=sqrt(5), as nn.Linear and PEFT
-    use), drawn on the CPU from a generator seeded by (seed, module name): identical under every layout."""
-    digest = hashlib.sha256(f"{seed}:lora:{name}".encode()).digest()
-    gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
-    bound = 1 / math.sqrt(in_features)
-    return torch.empty(rank, in_features).uniform_(-bound, bound, generator=gen)
-
-
-def apply_lora(
-    model: nn.Module, rank: int, alpha: float, targets: str | Iterable[str], dropout: float = 0.0, seed: int = 0
-) -> list[str]:
-    """Give every target linear an adapter and freeze everything else; returns the adapted module names."""
-    if rank < 1:
-        raise PlaitError(f"LoRA rank must be at least 1, got {rank}")
-    linears = target_linears(model, parse_targets(targets))
-    if not linears:
-        raise PlaitError(f"the model has no linear layers named {targets}")
-    for name, linear in linears.items():
-        if isinstance(linear, LoRALinear):
-            raise PlaitError(f"{name} already has a LoRA adapter")
-        LoRALinear.adapt(linear, rank, alpha, dropout, lora_a_init(name, rank, linear.in_features, seed))
-    for name, param in model.named_parameters():
-        param.requires_grad_(is_lora_param(name))
-    return sorted(linears)
 
 
 def apply_lora_config(model: nn.Module, cfg: FinetuneConfig, seed: int) -> list[str]:
     return apply_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, cfg.lora_dropout, seed)
-
-
-def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
-    return {canonical_name(n): m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
-
-
-def merge_lora(model: nn.Module) -> nn.Module:
-    """Fold every adapter into its base weight: a plain Transformer again (exportable anywhere)."""
-    for module in lora_modules(model).values():
-        module.merge()
-    for param in model.parameters():
-        param.requires_grad_(True)
-    return model
 
 
 # ------------------------------------------------------------------------------------------ weights and hashes

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")  # the linear layers a LoRA adapter can target
+
 
 @dataclass
 class ModelArgs:

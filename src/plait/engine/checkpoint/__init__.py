@@ -37,7 +37,7 @@ from plait.engine.checkpoint.find import (
     scan_checkpoints,
     step_of,
 )
-from plait.engine.checkpoint.load import load_model_weights
+from plait.engine.checkpoint.load import checkpoint_model, load_model_weights
 from plait.engine.checkpoint.manager import (
     ABANDON_AFTER_S,
     FINAL_WAIT_S,
@@ -49,6 +49,7 @@ from plait.engine.checkpoint.manager import (
 
 __all__ = [
     "ABANDON_AFTER_S", "FINAL_WAIT_S", "FORMAT", "META", "ON_TIME_MIN_S", "CheckpointManager",
-    "TrainState", "checkpoint_dir", "checkpoint_problems", "kept_forever", "list_checkpoints", "load_model_weights",
-    "local_file", "newest_first", "read_config", "read_meta", "resolve_checkpoint", "scan_checkpoints", "step_of",
+    "TrainState", "checkpoint_dir", "checkpoint_model", "checkpoint_problems", "kept_forever", "list_checkpoints",
+    "load_model_weights", "local_file", "newest_first", "read_config", "read_meta", "resolve_checkpoint",
+    "scan_checkpoints", "step_of",
 ]  # fmt: skip

@@ -152,3 +152,25 @@ def _load_schedules(meta: dict, t) -> None:
         # The next update must use the LR the schedule had reached, not the fresh optimizer's.
         for group, lr in zip(opt.param_groups, sched.get_last_lr(), strict=True):
             group["lr"] = lr
+
+
+def checkpoint_model(ckpt: Location, device: str | torch.device = "cpu") -> nn.Module:
+    """The model a checkpoint holds, as its run trained it, in fp32 on ``device``: a LoRA run's checkpoint gives
+    its frozen base with its adapters (unmerged, the training model's own computation), never the base alone.
+    Every path that samples, evaluates or exports a run loads it here."""
+    from plait.engine.checkpoint.find import read_config
+    from plait.model.build import empty_model
+    from plait.model.lora import apply_lora
+
+    cfg = read_config(ckpt)
+    model = empty_model(cfg.model, device)
+    tune = cfg.finetune
+    if tune.lora_rank:
+        apply_lora(model, tune.lora_rank, tune.lora_alpha, tune.lora_targets)
+    try:
+        load_model_weights(model, ckpt)
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        if isinstance(e, KeyboardInterrupt | SystemExit | PlaitError):  # plait's own line says it already
+            raise
+        raise PlaitError(f"checkpoint {ckpt} does not match its own config: {str(e).strip()[-300:]}") from None
+    return model

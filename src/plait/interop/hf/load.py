@@ -23,7 +23,8 @@ from plait.interop.hf.names import (
     param_shapes,
     saved_tensors,
 )
-from plait.model.llama import ModelArgs, Transformer, rope_tables
+from plait.model.build import empty_model
+from plait.model.llama import ModelArgs, Transformer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,26 +184,6 @@ def _args_from_json(text: str, where: Path) -> ModelArgs:
     if unknown:
         raise PlaitError(f"{where}: unknown model settings {', '.join(unknown)} (written by a newer plait?)")
     return ModelArgs(**values)
-
-
-def empty_model(args: ModelArgs, device: str | torch.device = "cpu") -> Transformer:
-    """A Transformer with uninitialised parameters and correct rotary tables, to load weights into.
-
-    Skips ``init_weights``: drawing random values for billions of parameters that are overwritten at
-    once would cost minutes on a CPU.
-    """
-    with torch.device("meta"):
-        model = Transformer(args)
-    device = torch.device(device)
-    model.to_empty(device=device)
-    model.tie_weights()  # to_empty unties
-    with torch.no_grad():
-        for buffer in model.buffers():  # MoE balancing state and statistics start at zero
-            buffer.zero_()
-        cos, sin = rope_tables(args, device=device)
-        model.rope_cos.copy_(cos)
-        model.rope_sin.copy_(sin)
-    return model
 
 
 def build_from_tensors(
