@@ -23,8 +23,11 @@ from plait.model.args import ModelArgs
 from plait.model.presets import PRESETS
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Build a validated Config from an optional TOML file and ``section.key=value`` overrides."""
+def load_config(path: str | Path | None = None, overrides: list[str] | str | None = None) -> Config:
+    """Build a validated Config from an optional TOML file and ``section.key=value`` overrides (a list of
+    them, or one as a string)."""
+    if isinstance(overrides, str):  # one override: not a sequence of one-character overrides
+        overrides = [overrides]
     values: dict[str, dict[str, Any]] = {}
     if path is not None:
         values = _read_toml(Path(path))
