@@ -307,6 +307,54 @@ def test_lora_fine_tune_trains_adapters_on_a_frozen_base(runs):
     assert (merged(x) - tuned.model(x)).abs().max() < MERGE_ATOL
 
 
+def test_every_path_that_samples_or_exports_a_lora_run_uses_its_adapters(runs, tmp_path):
+    """generate, eval (load_model), the Python API, and the safetensors and Hugging Face exports of a LoRA run
+    give the model it trained: its logits equal those of the base with the run's own adapter file loaded onto
+    it (the training model's adapters, saved by the run), and differ from the base's."""
+    import plait
+    from plait.engine.generate import load_for_generation
+    from plait.interop.hf import load_safetensors
+    from test_interop import LOGITS_ATOL, hf_from_pretrained
+
+    adapter = sorted((runs["lora"] / "adapters").glob("step_*.safetensors"))[-1]
+    x = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        trained = load_model(adapter).model(x)
+        base = load_model(runs["base"]).model(x)
+        assert (trained - base).abs().max() > 100 * MERGE_ATOL  # the adapters change the logits
+        assert torch.equal(load_for_generation(runs["lora"], "cpu")[0](x), trained)  # plait generate
+        assert torch.equal(load_model(runs["lora"]).model(x), trained)  # plait eval, compress, serve
+        assert torch.equal(plait.load_model(runs["lora"]).model(x), trained)  # Python
+        assert (
+            main(["ckpt", "export", str(runs["lora"]), "--format", "safetensors", "--out", str(tmp_path / "st")]) == 0
+        )
+        assert (load_safetensors(tmp_path / "st" / "model.safetensors")(x) - trained).abs().max() < MERGE_ATOL
+        assert main(["ckpt", "export", str(runs["lora"]), "--out", str(tmp_path / "hf")]) == 0
+        assert (hf_from_pretrained(tmp_path / "hf")(x).logits - trained).abs().max() < MERGE_ATOL + LOGITS_ATOL
+
+
+def test_plait_generate_of_a_lora_run_samples_the_adapted_model(runs, capsys):
+    """The newcomer's reproduction: greedy `plait generate` of the LoRA run differs from the base's and equals
+    `plait finetune generate BASE --adapter RUN`; the line before the text names the checkpoint and adapters."""
+    prompt, n = "Say hello 2", "12"
+    greedy = ["--prompt", prompt, "--temperature", "0", "--max-new-tokens", n, "--device", "cpu"]
+
+    def said(argv: list[str]) -> tuple[str, str]:
+        assert main(argv) == 0
+        out = capsys.readouterr()
+        return out.out, out.err
+
+    tuned, err = said(["generate", str(runs["lora"]), *greedy])
+    assert "the base with its r=4 LoRA adapters" in err and "step 4" in err, err
+    base, _ = said(["generate", str(runs["base"]), *greedy])
+    assert tuned != base
+    served, _ = said(["finetune", "generate", str(runs["base"]), "--adapter", str(runs["lora"]),
+                      "--prompt", prompt, "--max-new-tokens", n])  # fmt: skip
+    header, continuation = served.split("\n", 2)[1:]
+    assert header == f"--- adapter1: {prompt!r}"
+    assert tuned == prompt + continuation
+
+
 def test_lora_run_is_recorded_back_to_its_base_with_monitors(runs):
     reg = Registry(runs["lora"].parent / "lineage.sqlite")
     run = reg.find("lora")

@@ -1,12 +1,13 @@
 """plait: train Llama-family language models across many accelerators.
 
 The Python API (plait.api), imported on first use so that `import plait` stays light:
-`plait.Config`, `plait.load_config`, `plait.Trainer`, `plait.Callback`, `plait.default_callbacks`.
+`plait.Config`, `plait.load_config`, `plait.Trainer`, `plait.Callback`, `plait.default_callbacks`,
+`plait.load_model` (a trained model, as its run trained it).
 """
 
 __version__ = "0.1.0"
 
-_API = ("Callback", "Config", "Trainer", "default_callbacks", "load_config")
+_API = ("Callback", "Config", "Trainer", "default_callbacks", "load_config", "load_model")
 
 
 def __getattr__(name: str):

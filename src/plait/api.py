@@ -5,6 +5,8 @@ features attached as callbacks, the same that `plait train` runs:
     cfg = plait.load_config("configs/x.toml", ["train.steps=100"])      # or plait.Config(), then edit it
     plait.Trainer(cfg, callbacks=[MyCallback()]).fit()                 # plait's model on cfg.data.source
     plait.Trainer(cfg, model=MyModel, data=my_samples, loss=my_loss).fit()   # your model, data and loss
+    loaded = plait.load_model("runs/default")     # a run as it trained (a LoRA run: base + adapters), or an HF
+    loaded.model, loaded.tokenizer                # directory, an adapter file, an export, a quantized directory
 
 Run it under `torchrun --nproc-per-node N` (or as one process) for the layout of cfg.parallel; see
 examples/custom_model.py for a model of your own under FSDP.
@@ -26,10 +28,11 @@ from plait.features.guards import Guards
 from plait.features.health import HealthCheck
 from plait.features.report import EndReport
 from plait.lifecycle.finetune import Finetune
+from plait.lifecycle.models import load_model
 from plait.lifecycle.retrieval import database_retriever
 from plait.lifecycle.tracking import Lineage
 
-__all__ = ["Callback", "Config", "Trainer", "default_callbacks", "load_config", "train"]
+__all__ = ["Callback", "Config", "Trainer", "default_callbacks", "load_config", "load_model", "train"]
 
 
 def default_callbacks(cfg: Config) -> list[Callback]:

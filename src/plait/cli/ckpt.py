@@ -28,7 +28,6 @@ import torch
 import torch.distributed.checkpoint as dcp
 from rich.console import Console
 from rich.table import Table
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from plait.cli.args import PlaitParser
@@ -38,8 +37,8 @@ from plait.core.storage import Location, dcp_writer, file_sizes
 from plait.data.chat import chat_files
 from plait.engine.checkpoint import (
     META,
+    checkpoint_model,
     list_checkpoints,
-    load_model_weights,
     local_file,
     read_config,
     read_meta,
@@ -48,7 +47,6 @@ from plait.engine.checkpoint import (
 from plait.engine.runlock import RunLock
 from plait.interop.hf import (
     HFWeights,
-    empty_model,
     export_safetensors,
     hf_export,
     open_hf,
@@ -58,6 +56,7 @@ from plait.interop.hf.names import ARCHITECTURES
 from plait.interop.shards import DEFAULT_MAX_SHARD_SIZE, parse_shard_size
 from plait.interop.streaming import CheckpointTensors, StreamedHash, checkpoint_sources, save_streamed
 from plait.model import ModelArgs, Transformer
+from plait.model.lora import merge_lora
 
 CHECKPOINT_FORMAT = "plait-checkpoint-v1"
 _STEP_DIR = re.compile(r"^step_\d+$")
@@ -116,14 +115,8 @@ def cmd_ckpt(argv: list[str]) -> int:
 
 
 def load_checkpoint_model(ckpt: Location, device: str | torch.device = "cpu") -> Transformer:
-    """The model of a checkpoint directory (its weights only), in fp32."""
-    cfg = read_config(ckpt)
-    model = empty_model(cfg.model, device)
-    try:
-        load_model_weights(model, ckpt)
-    except CheckpointException as e:  # a BaseException, which load_model_weights lets through
-        raise PlaitError(f"checkpoint {ckpt} does not match its own config: {str(e).strip()[-300:]}") from None
-    return model
+    """The model of a checkpoint directory (its weights only, a LoRA run's adapters included), in fp32."""
+    return checkpoint_model(ckpt, device)  # type: ignore[return-value]
 
 
 def write_weights_checkpoint(
@@ -410,7 +403,7 @@ def _export(a: argparse.Namespace) -> int:
         )
         hint = f"load it with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})"
     else:
-        model = load_checkpoint_model(ckpt)
+        model = merge_lora(load_checkpoint_model(ckpt))  # a LoRA run: its adapters folded in
         export_safetensors(model, target, dtype=dtype, overwrite=a.overwrite)
         hint = f"load it with plait.interop.load_safetensors({str(target)!r})"
         if model.args.retrieval_ids:  # the weights alone do not retrieve: a pointer to the database beside them
@@ -422,6 +415,9 @@ def _export(a: argparse.Namespace) -> int:
             source = model_weights_hash(model)
             hashes = source, model_weights_hash(model.to(dtype).float()) if dtype != torch.float32 else source
     recorded = _record_export(a, registry, ckpt, target, *hashes) if registry is not None else ""
+    tune = read_config(ckpt).finetune
+    if tune.lora_rank:
+        hint += f"; a LoRA run: its r={tune.lora_rank} adapters are merged in (--format peft writes them alone)"
     print(f"wrote {target} ({a.format}, {a.dtype}) from {ckpt}; {hint}{recorded}")
     return 0
 
@@ -493,12 +489,15 @@ def export_checkpoint_hf(
     written into its shard). With ``hashed``: (weights hash of the checkpoint, weights hash of the weights as
     written, which differs for bf16), for the lineage registry, taken in the same pass.
 
+    A LoRA run's checkpoint is written as the model it trained: each adapter folded into its weight.
+
     The checkpoint's hash is the one its plait.json carries where it has one (taken from the weights as they
-    were saved; not for a LoRA run, whose hash covers its adapters, which an export leaves out)."""
-    args = read_config(ckpt).model
-    meta = read_meta(ckpt)
-    recorded = meta.get("weights_hash") if not meta.get("config", {}).get("finetune", {}).get("lora_rank") else None
-    source = CheckpointTensors(ckpt, args)
+    were saved; not for a LoRA run, whose export is the merged weights, hashed as they are read)."""
+    cfg = read_config(ckpt)
+    args, tune = cfg.model, cfg.finetune
+    lora = (tune.lora_rank, tune.lora_alpha, tune.lora_targets) if tune.lora_rank else None
+    recorded = read_meta(ckpt).get("weights_hash") if lora is None else None
+    source = CheckpointTensors(ckpt, args, lora)
     read_hash, written_hash = StreamedHash(), StreamedHash()
     with hf_export(
         out,

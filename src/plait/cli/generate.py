@@ -35,9 +35,13 @@ def cmd_generate(argv: list[str]) -> int:
     ):
         if not ok:
             raise ConfigError(f"{flag} {value} is out of range: {flag} must be {valid}")
+    from plait.engine.checkpoint import resolve_checkpoint
     from plait.engine.generate import generate, load_for_generation
+    from plait.engine.metrics import info
 
-    model, tok, eos = load_for_generation(a.checkpoint, a.device)
+    found = resolve_checkpoint(a.checkpoint)
+    model, tok, eos = load_for_generation(found, a.device)
+    info(f"sampling {_describe(found)}")
     ids = tok.encode(a.prompt).ids
     if not ids:
         raise ConfigError("--prompt is empty after tokenisation; give some text")
@@ -69,6 +73,16 @@ def cmd_generate(argv: list[str]) -> int:
         if a.show_neighbours:
             _print_neighbours(tok, out, [(chunk, found) for row, chunk, found in used or [] if row == i], retrieve)
     return 0
+
+
+def _describe(ckpt) -> str:
+    """Which checkpoint, which step, and what it holds beyond the plain model (a LoRA run's adapters)."""
+    from plait.engine.checkpoint import read_config, read_meta
+
+    step = read_meta(ckpt).get("train_state", {}).get("step")
+    tune = read_config(ckpt).finetune
+    adapters = f", the base with its r={tune.lora_rank} LoRA adapters ({tune.lora_targets})" if tune.lora_rank else ""
+    return f"{ckpt} (step {step}{adapters})"
 
 
 def _retriever(checkpoint: str, data: str, model, device: str):

@@ -130,18 +130,14 @@ def _generate_retrieving(model: Transformer, prompt_ids, max_new_tokens: int, re
 
 
 def load_for_generation(path: str | Path, device: str = "auto"):
-    """(model, tokenizer, eos id) from a checkpoint directory, or from a run directory's newest checkpoint."""
+    """(model, tokenizer, eos id) from a checkpoint directory, or from a run directory's newest checkpoint: the
+    model as its run trained it (a LoRA run's base with its adapters; ``checkpoint_model``)."""
     from plait.core.hardware import resolve_device
     from plait.data import eos_id, load_tokenizer
-    from plait.engine.checkpoint import load_model_weights, local_file, read_config, resolve_checkpoint
+    from plait.engine.checkpoint import checkpoint_model, local_file, resolve_checkpoint
 
     found = resolve_checkpoint(path)
-    cfg = read_config(found)
-    with torch.device("meta"):
-        model = Transformer(cfg.model)
-    model.to_empty(device=resolve_device(device))
-    model.init_weights(0)  # rotary tables; the weights are overwritten below
-    load_model_weights(model, found)
+    model = checkpoint_model(found, resolve_device(device))
     tok_path = local_file(found / "tokenizer.json")
     if tok_path is None:
         raise PlaitError(f"checkpoint {found} has no tokenizer.json: plait generate needs one to read prompts")

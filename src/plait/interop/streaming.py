@@ -32,6 +32,7 @@ from plait.core.storage import DCP_METADATA, Location, dcp_writer, parse_metadat
 from plait.engine.checkpoint import load_model_weights
 from plait.interop.hf import param_shapes, saved_tensors
 from plait.model.llama import ModelArgs, Transformer
+from plait.model.lora import apply_lora, fold, lora_shapes
 
 _NO_DIST_WARNING = "torch.distributed is disabled"  # DCP 'assumes' a single process without a group: intended
 
@@ -128,12 +129,17 @@ class CheckpointTensors:
     into a fresh fp32 tensor by plait's checked loader. The checkpoint's tensor list is compared with the
     model's shape up front, so a mismatch fails before anything is written from it.
 
+    A LoRA run's checkpoint (``lora``: its rank, alpha and targets) is read as the model it trained: each
+    adapted weight comes back with its adapter folded in (W + (alpha / r) B A, ``plait.model.lora.fold``),
+    so an export of the run is the adapted model, never its frozen base alone.
+
     Reading one tensor holds it, plus what DCP's reader holds while decoding a record: the record's bytes
     and the tensor ``torch.load`` makes from them, before it is copied in (so about 3x the tensor at peak).
     """
 
-    def __init__(self, ckpt: Location, args: ModelArgs):
+    def __init__(self, ckpt: Location, args: ModelArgs, lora: tuple[int, float, str] | None = None):
         self.ckpt, self.shapes = ckpt, param_shapes(args)
+        self.adapters, self.scaling = ({}, 0.0) if lora is None else (_adapter_shapes(args, lora), lora[1] / lora[0])
         try:
             saved = parse_metadata(read_bytes(ckpt / DCP_METADATA)).state_dict_metadata
         except PlaitError as e:
@@ -141,7 +147,7 @@ class CheckpointTensors:
         except OSError as e:
             raise PlaitError(f"checkpoint {ckpt} cannot be read: its {DCP_METADATA} is missing ({e})") from None
         problems = []
-        for name, shape in self.shapes.items():
+        for name, shape in {**self.shapes, **self.adapters}.items():
             entry = saved.get(f"model.{name}")
             if not isinstance(entry, TensorStorageMetadata) or tuple(entry.size) != tuple(shape):
                 found = "missing" if entry is None else getattr(entry, "size", "not a tensor")
@@ -151,7 +157,15 @@ class CheckpointTensors:
             raise PlaitError(f"checkpoint {ckpt} does not match its own config: {', '.join(problems[:4])}{more}")
 
     def read(self, name: str) -> torch.Tensor:
-        value = torch.empty(self.shapes[name], dtype=torch.float32)
+        value = self._read(name, self.shapes[name])
+        module = name.removesuffix(".weight")
+        if f"{module}.lora_a" in self.adapters:
+            lora_a, lora_b = (self._read(f"{module}.{p}", self.adapters[f"{module}.{p}"]) for p in ("lora_a", "lora_b"))
+            value = fold(value, lora_a, lora_b, self.scaling)
+        return value
+
+    def _read(self, name: str, shape) -> torch.Tensor:
+        value = torch.empty(shape, dtype=torch.float32)
         root, (module, leaf) = _holding(name, value)
         try:
             load_model_weights(root, self.ckpt)
@@ -160,6 +174,14 @@ class CheckpointTensors:
             # only the cyclic GC frees: without this the tensor would live on, one more per read, until then.
             delattr(module, leaf)
         return value
+
+
+def _adapter_shapes(args: ModelArgs, lora: tuple[int, float, str]) -> dict[str, tuple[int, ...]]:
+    """{name: shape} of a LoRA run's adapter tensors, from a model on the meta device (nothing allocated)."""
+    with torch.device("meta"):
+        model = Transformer(args)
+        apply_lora(model, lora[0], lora[1], lora[2])
+    return lora_shapes(model)
 
 
 def _holding(name: str, value: torch.Tensor) -> tuple[nn.Module, tuple[nn.Module, str]]:

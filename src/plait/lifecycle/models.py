@@ -17,7 +17,7 @@ from safetensors import SafetensorError, safe_open
 from plait.core.errors import PlaitError
 from plait.core.storage import Location, RemotePath
 from plait.lifecycle.lineage import Artifact, Registry
-from plait.lifecycle.lora import ADAPTER_FORMAT, apply_lora, load_adapter, model_weights_hash
+from plait.lifecycle.lora import ADAPTER_FORMAT, load_adapter, model_weights_hash
 from plait.model.llama import Transformer
 
 
@@ -93,21 +93,11 @@ def _tok(directory: Path) -> Path | None:
 
 def _load_checkpoint(ckpt: Location, device) -> Loaded:
     from plait.config import to_dict
-    from plait.engine.checkpoint import load_model_weights, local_file, read_config, read_meta
-    from plait.interop.hf import empty_model
+    from plait.engine.checkpoint import checkpoint_model, local_file, read_config, read_meta
 
     meta = read_meta(ckpt)
     cfg = read_config(ckpt)
-    model = empty_model(cfg.model, device)
-    if cfg.finetune.lora_rank:  # a LoRA run's checkpoint holds the base and the adapters (not merged)
-        f = cfg.finetune
-        apply_lora(model, f.lora_rank, f.lora_alpha, f.lora_targets)
-    try:
-        load_model_weights(model, ckpt)
-    except BaseException as e:  # DCP's CheckpointException is a BaseException
-        if isinstance(e, KeyboardInterrupt | SystemExit | PlaitError):  # plait's own line says it already
-            raise
-        raise PlaitError(f"checkpoint {ckpt} does not match its own config: {str(e).strip()[-300:]}") from None
+    model = checkpoint_model(ckpt, device)  # a LoRA run's checkpoint: the base and its adapters (not merged)
     extra = {k: meta[k] for k in ("imported_from", "weights_only", "train_state") if k in meta}
     return Loaded(model, "checkpoint", ckpt, local_file(ckpt / "tokenizer.json"), to_dict(cfg), extra)
 
