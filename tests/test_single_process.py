@@ -216,3 +216,24 @@ def test_a_training_step_never_waits_for_the_device(monkeypatch):
     monkeypatch.undo()
     assert reads == [], f"train_step read {reads} back to the host"
     assert torch.isfinite(result.loss) and result.stepped
+
+
+def test_a_process_that_trains_again_and_again_keeps_its_excepthook(data_dir, tmp_path):
+    """torch's init_process_group wraps sys.excepthook to prefix tracebacks with "[rank0]: " and never unwraps it;
+    plait puts back the hook it found, so a notebook (or a test suite) that trains twice prints no stacked
+    prefixes: the hook after a run and a `plait fit`-style fake group is the one before."""
+    import sys
+
+    from runs import debug_run
+
+    from plait.cli import main
+    from plait.parallel.dims import ParallelDims
+    from plait.parallel.env import one_rank_of
+
+    before = sys.excepthook
+    for i in range(2):
+        assert main(["train", *(f"--{s}" for s in debug_run(data_dir, tmp_path, f"r{i}", 1))]) == 0
+        assert sys.excepthook is before
+    with one_rank_of(ParallelDims(dp_replicate=1, dp_shard=4, tp=1, pp=1), 0, torch.device("cpu")):
+        assert sys.excepthook is not before  # torch's wrapper, while the group lives
+    assert sys.excepthook is before

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -57,6 +58,7 @@ def init_distributed(device_spec: str, timeout_s: int) -> DistEnv:
     if not dist.is_initialized():
         store, rank, world = next(dist.rendezvous("env://"))
         attempt = restart_count()
+        _keep_excepthook()
         dist.init_process_group(
             "nccl" if device.type == "cuda" else "gloo",
             store=dist.PrefixStore(f"plait_attempt_{attempt}", store),
@@ -84,6 +86,7 @@ def init_single_process(device: torch.device, timeout_s: int = 300) -> None:
         return
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    _keep_excepthook()
     dist.init_process_group(
         "nccl" if device.type == "cuda" else "gloo",
         store=dist.HashStore(),
@@ -104,16 +107,30 @@ def one_rank_of(dims, rank: int, device: torch.device) -> Iterator:
 
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    _keep_excepthook()
     init_fake_process_group(dims.world_size, rank)
     try:
         yield Meshes.build(dims, device.type)
     finally:
-        dist.destroy_process_group()
+        shutdown()
 
 
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+    if _EXCEPTHOOK:
+        sys.excepthook = _EXCEPTHOOK.pop()
+
+
+# torch's init_process_group wraps sys.excepthook to prefix every line of a traceback with "[rankN]: ", and
+# destroy_process_group never unwraps it: a process that trains many times (a notebook, a test suite, the
+# Python API) would print "[rank0]: " once more per run. plait puts the hook it found back when it leaves.
+_EXCEPTHOOK: list = []
+
+
+def _keep_excepthook() -> None:
+    if not _EXCEPTHOOK:
+        _EXCEPTHOOK.append(sys.excepthook)
 
 
 def heartbeat_store(timeout_s: float = 30.0):
