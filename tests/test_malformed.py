@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from bad_inputs import judge
-
 from plait.cli import main
 
 pytestmark = pytest.mark.filterwarnings("ignore")

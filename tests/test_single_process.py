@@ -224,11 +224,10 @@ def test_a_process_that_trains_again_and_again_keeps_its_excepthook(data_dir, tm
     prefixes: the hook after a run and a `plait fit`-style fake group is the one before."""
     import sys
 
-    from runs import debug_run
-
     from plait.cli import main
     from plait.parallel.dims import ParallelDims
     from plait.parallel.env import one_rank_of
+    from runs import debug_run
 
     before = sys.excepthook
     for i in range(2):
