@@ -103,13 +103,10 @@ def _retrieve(a) -> int:
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from plait.data.retrieval import RETRIEVAL_DIR, build_database
+    from plait.data.retrieval import RETRIEVAL_DIR, build_database, check_build_settings
     from plait.lifecycle.retrieval import encoder_for
 
-    if a.batch < 1:
-        raise ConfigError(f"--batch={a.batch} must be at least 1")
-    if a.dim is not None and a.dim < 1:
-        raise ConfigError(f"--dim={a.dim} must be at least 1, e.g. --dim 512")
+    check_build_settings(a.chunk, a.k, a.batch, a.dim)  # before the encoder, which cuts the corpus into chunks
     if a.encoder == "lexical" and a.device != "cpu":
         raise ConfigError(f"--device={a.device} places a model encoder; the lexical one runs on the CPU (numpy)")
     encode, described = encoder_for(a.encoder, a.data, a.chunk, a.device, a.dim)
