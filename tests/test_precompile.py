@@ -90,3 +90,56 @@ def test_plait_compile_fills_an_s3_cache_a_two_rank_job_then_loads_without_compi
     assert last["train/compile_loaded_artifacts"] > 0, last
     assert last["train/compile_fxgraph_cache_hit"] > 0 and last["train/compile_fxgraph_cache_miss"] == 0, last
     assert last["train/compile_recompiles"] == 0, last
+
+
+def _compile_cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "PLAIT_RUN_LOCK")}
+    return subprocess.run([sys.executable, "-m", "plait.cli", "compile", *args], capture_output=True, text=True,
+                          env=env, timeout=timeout)  # fmt: skip
+
+
+def test_plait_compile_takes_the_run_lock_of_the_run_directory_it_writes_into(tmp_path):
+    """A run training in runs/job holds its lock; `plait compile` on that run (the cache in its directory, as
+    by default) turns compiling on for itself and says so, then is refused in one line naming the holder,
+    exit 2, before it compiles or writes anything."""
+    from plait.config import load_config
+    from plait.engine.runlock import RunLock
+
+    settings = ["--model.preset=debug", f"--run.out_dir={tmp_path}", "--run.name=job"]
+    cfg = load_config(None, [s.removeprefix("--") for s in settings])
+    with RunLock.for_run(cfg).acquire().held():  # this process stands in for the training run
+        done = _compile_cli(*settings, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    lines = done.stderr.strip().splitlines()
+    assert "compiling with compile.enabled=true" in lines[0], lines
+    assert len(lines) == 2 and lines[1].startswith("plait compile: error: run"), lines
+    assert f"pid {os.getpid()}" in lines[1] and "in use by another run" in lines[1], lines
+    assert not (tmp_path / "job" / "compile_cache").exists()
+
+
+def test_plait_compile_with_a_cache_of_its_own_takes_no_run_lock(tmp_path):
+    from plait.cli.compile import in_run_dir
+    from plait.config import load_config
+
+    base = [f"run.out_dir={tmp_path}", "run.name=job"]
+    assert in_run_dir(load_config(None, base))
+    assert in_run_dir(load_config(None, [*base, f"compile.cache_dir={tmp_path / 'job' / 'cc'}"]))
+    assert not in_run_dir(load_config(None, [*base, f"compile.cache_dir={tmp_path / 'shared'}"]))
+    assert not in_run_dir(load_config(None, [*base, "compile.cache_dir=s3://bucket/cache"]))
+
+
+@pytest.mark.slow
+def test_plait_compile_as_the_readme_shows_it_needs_no_compile_setting(tmp_path):
+    """`plait compile` on a config without compile.enabled compiles (and says it turned compiling on), with
+    a heartbeat while it compiles; its lock is released at the end (a second one runs, finding every graph)."""
+    settings = ["--model.preset=debug", "--data.seq_len=32", "--train.global_batch_size=2",
+                f"--run.out_dir={tmp_path}", "--run.name=job"]  # fmt: skip
+    first = _compile_cli(*settings, "--json", str(tmp_path / "c.json"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "compiling with compile.enabled=true" in first.stderr
+    compiled = json.loads((tmp_path / "c.json").read_text())[0]
+    assert compiled["graphs"] >= 4 and compiled["misses"] > 0, compiled
+    assert compiled["store"] == str(tmp_path / "job" / "compile_cache")
+    assert not (tmp_path / "job.lock").exists()
+    second = _compile_cli(*settings)
+    assert "nothing new: every graph was in the cache" in second.stdout, second.stdout + second.stderr[-2000:]

@@ -7,6 +7,10 @@ it too; every `--section.key[=value]` (an option whose name has a dot) is a conf
 from __future__ import annotations
 
 import argparse
+import difflib
+import os
+import re
+from pathlib import Path
 
 from plait.core.errors import ConfigError
 
@@ -28,6 +32,59 @@ class PlaitParser(argparse.ArgumentParser):
     def add_argument(self, *args, **kwargs):
         kwargs.setdefault("help", " ")  # argparse prints no help line (hence no default) for an empty help
         return super().add_argument(*args, **kwargs)
+
+    def error(self, message: str):
+        """argparse's usage error, with the nearest known flag for each unknown one (`--promt`: `--prompt`)."""
+        unknown = re.match(r"unrecognized arguments: (.*)", message)
+        if unknown:
+            hints = {flag: h for flag in unknown.group(1).split() if (h := self.flag_hint(flag))}
+            if len(hints) == 1:
+                message += f"; did you mean {next(iter(hints.values()))}?"
+            elif hints:
+                message += "; " + "; ".join(f"{flag}: did you mean {h}?" for flag, h in hints.items())
+        super().error(message)
+
+    def flag_hint(self, arg: str) -> str:
+        """The flag of this parser nearest an unknown `--promt[=x]` (`--prompt`), else ''."""
+        if not arg.startswith("--"):
+            return ""
+        flag = arg.split("=", 1)[0]
+        parsers = [self]
+        for action in self._actions:  # a command's subcommands (argparse reports their unknown flags here)
+            if isinstance(action, argparse._SubParsersAction):
+                parsers += list(action.choices.values())
+        known = [s for p in parsers for a in p._actions for s in a.option_strings if s.startswith("--")]
+        close = difflib.get_close_matches(flag, known, n=1, cutoff=0.7)
+        return close[0] if close else ""
+
+
+def check_output_file(flag: str, path: str | None, example: str) -> None:
+    """A file a command will write (--json, --out FILE), checked before any work: not a directory, and its
+    folder either one that can be written or one that can be made (the nearest existing folder is writable)."""
+    if not path:
+        return
+    where = Path(path).expanduser()
+    if where.is_dir():
+        raise ConfigError(f"{flag} {path} is a directory; give a file path, e.g. {where / example}")
+    check_output_dir(flag, str(where.parent), what="the folder of")
+
+
+def check_output_dir(flag: str, path: str | None, what: str = "") -> None:
+    """A directory a command will create or fill (--out DIR, run.out_dir), checked before any work: where it
+    exists it is a directory, where it does not the nearest existing folder above it is one and is writable."""
+    if not path:
+        return
+    where = Path(path).expanduser().absolute()
+    said = f"{flag} {path}" if not what else f"{flag}: {what} {path}"
+    if where.exists() and not where.is_dir():
+        raise ConfigError(f"{said} is a file, not a directory; give a directory")
+    above = where
+    while not above.exists():
+        above = above.parent
+    if not above.is_dir():
+        raise ConfigError(f"{said} cannot be made: {above} is a file, not a directory")
+    if not os.access(above, os.W_OK | os.X_OK):
+        raise ConfigError(f"{said} cannot be written: {above} is not writable by this user")
 
 
 def _take_settings(argv: list[str], is_setting) -> tuple[list[str], list[str]]:

@@ -2,13 +2,24 @@
 
     plait compile [CONFIG.toml] [--section.key=value ...] --world-size N [--rank R | --ranks stages]
 
-Exit 0 when the graphs were compiled and published into compile.cache_dir, 2 for a bad setting; a rank that
-fails (--ranks stages) is an error naming it.
+Compiling is what it is for, so it compiles with compile.enabled=true whatever the config says (and says so:
+the job loads the graphs only when it compiles too). Where the cache is inside the run directory (by default:
+<run>/compile_cache) it takes that run's lock first, as a run does: a run training there, or another `plait
+compile`, is named in one line and exit 2, before anything is written. A compile.cache_dir of its own (a
+directory or an s3:// prefix a fleet shares) is written signed and atomically by each publisher, and takes no
+run's lock.
+
+Exit 0 when the graphs were compiled and published into compile.cache_dir, 2 for a bad setting or a held run
+directory; a rank that fails (--ranks stages) is an error naming it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import sys
+from pathlib import Path
 
 from plait.core.errors import ConfigError
 
@@ -17,7 +28,10 @@ Compile a job ahead of time: rank R of the N-rank job runs here on a fake proces
 model at its real shape, this rank's shards), one training step on synthetic tokens and, where the job
 evaluates, one validation forward; every graph is signed and published into compile.cache_dir (a directory,
 or an s3:// prefix the job's nodes share). The job's ranks then load them instead of compiling. Data-parallel
-ranks share rank 0's graphs; --ranks stages compiles the first rank of each pipeline stage."""
+ranks share rank 0's graphs; --ranks stages compiles the first rank of each pipeline stage. Compiles with
+compile.enabled=true whatever the config says; a cache inside the run directory is written under its run lock."""
+
+ENABLED = "compile.enabled=true"
 
 
 def _ranks(text: str) -> str:
@@ -39,21 +53,23 @@ def build_parser():
 
 
 def cmd_compile(argv: list[str]) -> int:
-    from plait.cli.args import config_argv, parse_config_args
+    from plait.cli.args import check_output_file, config_argv, parse_config_args
     from plait.config import load_config
-    from plait.engine.precompile import precompile, stage_ranks
 
     a, settings = parse_config_args(build_parser(), argv)
     if a.world_size < 1:
         raise ConfigError(f"--world-size={a.world_size} must be at least 1, e.g. --world-size 64")
+    if a.rank is not None and not 0 <= a.rank < a.world_size:
+        raise ConfigError(f"--rank={a.rank} is not a rank of a {a.world_size}-rank job; give 0 to {a.world_size - 1}")
+    check_output_file("--json", a.json, "compile.json")
     cfg = load_config(a.config, settings)
     if not cfg.compile.enabled:
-        raise ConfigError("plait compile compiles a job that compiles: set compile.enabled=true")
-    if a.ranks:  # each rank in a process of its own: a process group, and compiled state, per process
-        own = [*config_argv(a.config, settings), "--world-size", str(a.world_size)]
-        results = [_in_subprocess(own, rank) for rank in stage_ranks(cfg, a.world_size)]
-    else:
-        results = [precompile(cfg, a.world_size, a.rank or 0)]
+        print(f"plait compile: compiling with {ENABLED} (this config has it off: the job loads these graphs only "
+              f"when it runs with {ENABLED} too)", file=sys.stderr)  # fmt: skip
+        settings = [*settings, ENABLED]
+        cfg = load_config(a.config, settings)  # checked again: some layouts refuse compiling
+    with _run_lock(cfg) as lock:
+        results = _compile(cfg, a, config_argv(a.config, settings), lock)
     for r in results:
         fresh = "nothing new: every graph was in the cache" if r.misses == 0 and r.loaded else f"{r.misses} compiled"
         print(
@@ -64,6 +80,67 @@ def cmd_compile(argv: list[str]) -> int:
         with open(a.json, "w") as f:
             json.dump([vars(r) for r in results], f, indent=1)
     return 0
+
+
+def _compile(cfg, a, own: list[str], lock) -> list:
+    """Each rank asked for: here, or (--ranks) each in a process of its own (a process group and compiled
+    state are per process), under the lock this process holds."""
+    from plait.core.progress import phase
+    from plait.engine.precompile import precompile, stage_ranks
+
+    if not a.ranks:
+        with phase(f"compiling rank {a.rank or 0} of {a.world_size}"):
+            return [precompile(cfg, a.world_size, a.rank or 0)]
+    own = [*own, "--world-size", str(a.world_size)]
+    ranks = stage_ranks(cfg, a.world_size)
+    results = []
+    with _handed(lock):
+        for i, rank in enumerate(ranks):
+            with phase(f"compiling rank {rank} of {a.world_size} (stage {i + 1} of {len(ranks)})"):
+                results.append(_in_subprocess(own, rank))
+    return results
+
+
+def in_run_dir(cfg) -> bool:
+    """Whether compile.cache_dir lies inside the run directory (the default), whose run lock then covers it."""
+    from plait.engine.compile_cache import cache_location
+
+    where = cache_location(cfg)
+    if not isinstance(where, Path):
+        return False
+    return where.resolve().is_relative_to(Path(cfg.run_dir).resolve())
+
+
+@contextlib.contextmanager
+def _run_lock(cfg):
+    """The run's lock while the cache inside its directory is written (None where the cache is elsewhere);
+    a second holder is refused (RunLocked, exit 2) naming the holder."""
+    if not in_run_dir(cfg):
+        yield None
+        return
+    from plait.engine.runlock import RunLock
+
+    with RunLock.for_run(cfg).acquire(break_lock=cfg.run.break_lock).held() as lock:
+        yield lock
+
+
+@contextlib.contextmanager
+def _handed(lock):
+    """The ranks' processes run under this process's lock (they check that it is held, by this token)."""
+    if lock is None:
+        yield
+        return
+    env = lock.handed_env()
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _in_subprocess(argv: list[str], rank: int):
