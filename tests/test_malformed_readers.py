@@ -179,3 +179,83 @@ def test_retrieve_options_out_of_range(case, retro, tmp_path, capsys):
     db = Db(tmp_path, retro)
     judge(name, ["data", "retrieve", str(db.data), "--encoder", "lexical", "--overwrite", *extra], words, tmp_path,
           capsys)  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------ PEFT adapters
+CHAT = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+
+
+@pytest.fixture(scope="module")
+def lora(tmp_path_factory, data_dir) -> dict[str, Path]:
+    """A base run, a LoRA run of it on chat data (a tokenizer with a chat template), and its PEFT export."""
+    from runs import debug_run
+
+    root = tmp_path_factory.mktemp("peft-bad")
+    assert main(["train", *(f"--{s}" for s in debug_run(data_dir, root, "base", 1))]) == 0
+    tok = root / "tok"
+    tok.mkdir()
+    shutil.copyfile(Path(data_dir) / "tokenizer.json", tok / "tokenizer.json")
+    (tok / "chat_template.jinja").write_text(CHAT)
+    chats = [{"messages": [{"role": "user", "content": f"Say {w}"}, {"role": "assistant", "content": f"{w} {w}."}]}
+             for w in ("hello", "speak", "hear", "all", "first", "proceed") * 4]  # fmt: skip
+    (root / "chat.jsonl").write_text("\n".join(json.dumps(c) for c in chats) + "\n")
+    assert main(["finetune", "prepare", str(root / "chat.jsonl"), "--out", str(root / "chat"), "--tokenizer",
+                 str(tok)]) == 0  # fmt: skip
+    settings = debug_run(root / "chat", root, "lora", 1, f"finetune.init_from={root / 'base'}",
+                         "finetune.lora_rank=4", "data.seq_len=16", "train.global_batch_size=2")  # fmt: skip
+    assert main(["train", *(f"--{s}" for s in settings)]) == 0
+    out = root / "peft"
+    assert main(["ckpt", "export", str(root / "lora"), "--format", "peft", "--out", str(out)]) == 0
+    return {"base": root / "base", "lora": root / "lora", "peft": out, "chat": root / "chat"}
+
+
+def test_the_peft_export_carries_the_chat_template_and_replaces_whole(lora, tmp_path):
+    assert (lora["peft"] / "chat_template.jinja").read_text() == CHAT
+    out = tmp_path / "peft"
+    shutil.copytree(lora["peft"], out)
+    (out / "stale.txt").write_text("from the copy replaced")
+    argv = ["ckpt", "export", str(lora["lora"]), "--format", "peft", "--out", str(out), "--overwrite"]
+    assert run_cli([*argv, "--base", str(lora["base"])], tmp_path) == 0
+    assert not (out / "stale.txt").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["peft"]
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(lora["base"])
+
+
+def _config(**changes):
+    def edit(config: dict) -> object:
+        for key, value in changes.items():
+            config.pop(key) if value is None else config.__setitem__(key, value)
+        return config
+
+    return edit
+
+
+# (id, the adapter_config.json made of the exported one, words the message must contain)
+PEFT_CONFIGS = [
+    ("config a JSON list", lambda c: [c], "holds a JSON list, not an object"),
+    ("config without r", _config(r=None), "r is missing"),
+    ("r a string", _config(r="four"), 'r is "four" (a JSON string); it must be an integer of at least 1'),
+    ("target_modules a number", _config(target_modules=5), "target_modules is 5 (a JSON integer)"),
+    ("lora_alpha a string", _config(lora_alpha="big"), 'lora_alpha is "big"'),
+    ("r zero", _config(r=0), "r is 0"),
+    ("lora_dropout 2", _config(lora_dropout=2), "lora_dropout is 2"),
+]
+
+
+@pytest.mark.parametrize("case", PEFT_CONFIGS, ids=[c[0] for c in PEFT_CONFIGS])
+def test_a_malformed_peft_adapter_config_is_refused(case, lora, data_dir, tmp_path, capsys):
+    from runs import debug_run
+
+    name, make, words = case
+    adapter = tmp_path / "adapter"
+    shutil.copytree(lora["peft"], adapter)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = str(lora["base"])
+    (adapter / "adapter_config.json").write_text(json.dumps(make(config)))
+    settings = debug_run(data_dir, tmp_path / "runs", "r", 1, f"finetune.init_from={adapter}", "finetune.lora_rank=4")
+    judge(name, ["train", *(f"--{s}" for s in settings)], words, tmp_path, capsys, protected=lora["base"])
+
+
+def test_a_peft_export_to_a_mistyped_base_is_refused(lora, tmp_path, capsys):
+    for base, words in ((tmp_path / "bsae", "does not exist"), (tmp_path, "is not a model")):
+        argv = ["ckpt", "export", str(lora["lora"]), "--format", "peft", "--out", str(tmp_path / "out")]
+        judge(f"--base {base.name}", [*argv, "--base", str(base)], words, tmp_path, capsys, protected=lora["lora"])

@@ -437,7 +437,8 @@ def _retrieval_pointer(ckpt: Path, target: Path) -> Path:
 
 def _export_peft(a: argparse.Namespace) -> int:
     """A LoRA run's adapter (its newest, that of one of its checkpoints, or an adapter file) as PEFT's format."""
-    from plait.interop.peft import write_peft_adapter
+    from plait.core.publish import staged_dir
+    from plait.interop.peft import check_peft_base, write_peft_adapter
     from plait.lifecycle.lora import parse_targets, read_adapter, resolve_adapter
 
     if a.registry is not None:
@@ -448,24 +449,24 @@ def _export_peft(a: argparse.Namespace) -> int:
     adapter = resolve_adapter(path)
     meta, tensors = read_adapter(adapter)
     out = Path(a.out)
+    exists = ConfigError(f"{out} exists; pass --overwrite or choose another --out")
     if _occupied(out) and not a.overwrite:
-        raise ConfigError(f"{out} exists; pass --overwrite or choose another --out")
+        raise exists
+    if a.base:
+        check_peft_base(a.base)
     base = a.base or meta.get("base_path", "")
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    write_peft_adapter(
-        tmp,
-        {k: v.to(_DTYPES[a.dtype]) for k, v in tensors.items()},
-        rank=int(meta["rank"]),
-        alpha=float(meta["alpha"]),
-        dropout=float(meta.get("dropout", 0.0) or 0.0),
-        targets=parse_targets(meta["targets"]),
-        base=base,
-        metadata={"base_weights_hash": meta.get("base_weights_hash", ""), "plait_adapter": str(adapter)},
-    )
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+    with staged_dir(out, overwrite=a.overwrite, exists_error=exists) as tmp:  # the old copy goes after the rename
+        write_peft_adapter(
+            tmp,
+            {k: v.to(_DTYPES[a.dtype]) for k, v in tensors.items()},
+            rank=int(meta["rank"]),
+            alpha=float(meta["alpha"]),
+            dropout=float(meta.get("dropout", 0.0) or 0.0),
+            targets=parse_targets(meta["targets"]),
+            base=base,
+            metadata={"base_weights_hash": meta.get("base_weights_hash", ""), "plait_adapter": str(adapter)},
+            chat_template=_trained_chat_template(adapter),
+        )
     print(
         f"wrote {out} (PEFT LoRA adapter, r={meta['rank']}, lora_alpha={float(meta['alpha']):g}, {a.dtype}) from "
         f"{adapter}\nload it onto the transformers export of its base: peft.PeftModel.from_pretrained("
@@ -473,6 +474,22 @@ def _export_peft(a: argparse.Namespace) -> int:
         + (f", with BASE_HF written by: plait ckpt export {base} --out BASE_HF" if base and not a.base else "")
     )
     return 0
+
+
+def _trained_chat_template(adapter: Path) -> str | None:
+    """The chat template a LoRA run's data was rendered with (its prepared directory's manifest records it under
+    loss_mask.chat_template), for the PEFT export to carry; None when the run trained without one."""
+    from plait.data.chat import load_chat_template
+    from plait.data.loader import read_manifest
+
+    run = adapter.parent.parent if adapter.parent.name == "adapters" else None
+    try:
+        source = Path(read_config(resolve_checkpoint(run)).data.source) if run is not None else None
+        recorded = (read_manifest(source).get("loss_mask") or {}).get("chat_template") if source else None
+    except PlaitError:  # a run without checkpoints, or data no longer here: nothing to carry
+        return None
+    chat = load_chat_template(source) if recorded else None
+    return chat.text if chat is not None else None
 
 
 def export_checkpoint_hf(

@@ -21,10 +21,12 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from plait.core.errors import ConfigError
+from plait.core.records import Record, first_line
 from plait.interop.hf.names import layer_hf_name, layer_plait_name
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
 _PREFIX = "base_model.model."
 _PLAIT_TO_PEFT = {"lora_a": "lora_A.weight", "lora_b": "lora_B.weight"}
 
@@ -64,8 +66,11 @@ def write_peft_adapter(
     targets: list[str],
     base: str,
     metadata: dict[str, str] | None = None,
+    chat_template: str | None = None,
 ) -> Path:
-    """Write plait's LoRA tensors (canonical names) as a PEFT adapter directory `out`; returns it."""
+    """Write plait's LoRA tensors (canonical names) as a PEFT adapter directory `out`; returns it. A chat
+    template the adapter was trained with goes beside it as chat_template.jinja, where transformers'
+    AutoTokenizer (and so PEFT's and vLLM's loaders) read it."""
     peft_tensors = {}
     for name, tensor in tensors.items():
         module, kind = name.rsplit(".", 1)
@@ -89,38 +94,87 @@ def write_peft_adapter(
     out.mkdir(parents=True, exist_ok=True)
     save_file(peft_tensors, out / WEIGHTS_FILE, metadata={"format": "pt", **(metadata or {})})
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-    for path in (out / WEIGHTS_FILE, out / CONFIG_FILE):
+    written = [out / WEIGHTS_FILE, out / CONFIG_FILE]
+    if chat_template:
+        (out / CHAT_TEMPLATE_FILE).write_text(chat_template, encoding="utf-8")
+        written.append(out / CHAT_TEMPLATE_FILE)
+    for path in written:
         os.chmod(path, 0o644)  # for others to load and serve
     return out
 
 
-def read_peft_adapter(path: str | Path) -> PeftAdapter:
-    """A PEFT LoRA adapter directory as plait's tensors and settings; what plait's LoRA cannot compute is
-    refused naming the setting."""
-    root = Path(path)
-    where = str(root)
-    try:
-        config = json.loads((root / CONFIG_FILE).read_text())
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{root / CONFIG_FILE} cannot be read as JSON ({e})") from None
-    if config.get("peft_type") != "LORA":
-        raise ConfigError(f"{where} is a PEFT {config.get('peft_type')} adapter; plait continues LoRA adapters")
-    for key, unsupported in (
-        ("use_rslora", True), ("use_dora", True), ("fan_in_fan_out", True),
-    ):  # fmt: skip
-        if config.get(key) == unsupported:
-            raise ConfigError(f"{where} sets {key}={unsupported}: plait's LoRA computes plain LoRA (alpha / r)")
+def check_peft_base(base: str) -> None:
+    """A base named for adapter_config.json's base_model_name_or_path: a plait run or checkpoint, or a
+    transformers directory, here (a typo would write a config nothing can load)."""
+    path = Path(base).expanduser()
+    if base.startswith("s3://"):
+        return
+    if not path.is_dir():
+        raise ConfigError(f"--base {base} does not exist: give the base model's plait run or transformers directory")
+    markers = ("config.json", "plait.json", "checkpoints")
+    if not any((path / name).exists() for name in markers):
+        raise ConfigError(
+            f"--base {base} is not a model (no config.json, plait.json or checkpoints/): give the base model's "
+            "plait run, checkpoint or transformers directory"
+        )
+
+
+@dataclass
+class PeftSettings:
+    """What plait reads of an adapter_config.json, each field checked (check_peft_config)."""
+
+    rank: int
+    alpha: float
+    dropout: float
+    targets: list[str]  # plait's names: wq, wk, ...
+    base: str
+
+
+def check_peft_config(config: object, path: Path | str) -> PeftSettings:
+    """An adapter_config.json's settings, each of its kind and range (by name), and what plait's LoRA cannot
+    compute refused naming the setting."""
+    fix = "PEFT writes r (an integer >= 1), lora_alpha (a number) and target_modules (module names)"
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path} holds a JSON {type(config).__name__}, not an object: {fix}")
+    c = Record(config, path, fix)
+    where = str(Path(path).parent)
+    peft_type = c.string("peft_type", default="")
+    if peft_type != "LORA":
+        raise ConfigError(f"{where} is a PEFT {peft_type or None} adapter; plait continues LoRA adapters")
+    for key in ("use_rslora", "use_dora", "fan_in_fan_out"):
+        if config.get(key) not in (None, False):
+            raise ConfigError(f"{where} sets {key}={config[key]}: plait's LoRA computes plain LoRA (alpha / r)")
     for key in ("rank_pattern", "alpha_pattern", "modules_to_save", "layers_to_transform"):
         if config.get(key):
             raise ConfigError(f"{where} sets {key}: plait's LoRA takes one rank and scale for every target layer")
     if config.get("bias", "none") != "none":
         raise ConfigError(f"{where} trains biases (bias={config['bias']!r}): plait's LoRA trains only A and B")
+    rank = c.integer("r", 1)
     leaves = {_leaf(t): t for t in ("wq", "wk", "wv", "wo", "w1", "w2", "w3")}
-    modules = config.get("target_modules") or []
-    modules = [modules] if isinstance(modules, str) else modules
+    modules = c.strings("target_modules", default=[])
     unknown = [m for m in modules if m not in leaves]
     if unknown or not modules:
         raise ConfigError(f"{where} targets {unknown or modules}: plait adapts {', '.join(leaves)}")
+    base = config.get("base_model_name_or_path")
+    return PeftSettings(
+        rank=rank,
+        alpha=c.number("lora_alpha", positive=True, default=rank),
+        dropout=c.number("lora_dropout", below=1.0, default=0.0),
+        targets=sorted({leaves[m] for m in modules}, key=list(leaves.values()).index),  # plait's order
+        base=c.string("base_model_name_or_path") if base is not None else "",
+    )
+
+
+def read_peft_adapter(path: str | Path) -> PeftAdapter:
+    """A PEFT LoRA adapter directory as plait's tensors and settings; its config is checked first
+    (check_peft_config), and what plait's LoRA cannot compute is refused naming the setting."""
+    root = Path(path)
+    where = str(root)
+    try:
+        config = json.loads((root / CONFIG_FILE).read_text())
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise ConfigError(f"{root / CONFIG_FILE} cannot be read as JSON ({first_line(e)})") from None
+    settings = check_peft_config(config, root / CONFIG_FILE)
     try:
         with safe_open(str(root / WEIGHTS_FILE), framework="pt") as f:
             raw = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (a safe_open handle is not a dict)
@@ -138,11 +192,11 @@ def read_peft_adapter(path: str | Path) -> PeftAdapter:
             raise ConfigError(f"{where}: tensor {key} adapts {module}, which plait's LoRA does not")
         tensors[f"{plait.removesuffix('.weight')}.{kind}"] = tensor.float()
     return PeftAdapter(
-        rank=int(config["r"]),
-        alpha=float(config.get("lora_alpha", config["r"])),
-        dropout=float(config.get("lora_dropout", 0.0)),
-        targets=sorted((leaves[m] for m in modules), key=list(leaves.values()).index),  # plait's order, not PEFT's set
+        rank=settings.rank,
+        alpha=settings.alpha,
+        dropout=settings.dropout,
+        targets=settings.targets,
         tensors=tensors,
-        base=str(config.get("base_model_name_or_path") or ""),
+        base=settings.base,
         metadata=metadata,
     )
