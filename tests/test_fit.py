@@ -203,3 +203,22 @@ def test_bad_input_is_one_line_and_exit_2(args, said):
     proc = subprocess.run([sys.executable, "-m", "plait.cli", "fit", *MODEL, *args], capture_output=True, text=True)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert said in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_fit_says_its_phases_and_the_steps_eta(monkeypatch, capsys):
+    """A large rank takes minutes on a CPU: each phase (the planner's timing, the build, each step, the
+    activations) says it is running, and the steps their count and ETA, on stderr; --quiet says nothing."""
+    from plait.config import load_config
+    from plait.planner import fit as fit_module
+
+    monkeypatch.setattr(fit_module, "SAY_EVERY", 0.001)  # every phase outlasts it: each says it ran
+    cfg = load_config(None, [s.removeprefix("--") for s in [*MODEL, *settings(dp_shard_degree=4, batch=4)]])
+    result = fit_module.fit_rank(cfg, 4, 0, steps=3)
+    err = capsys.readouterr().err
+    assert result.fits, result
+    for said in ("rank 0: the planner's prediction", "rank 0: building the model", "rank 0: step 1 of 3",
+                 "rank 0: step 3 of 3", "rank 0: training steps: 1/3 steps", "ETA",
+                 "rank 0: measuring one micro-batch's activations"):  # fmt: skip
+        assert said in err, (said, err)
+    fit_module.fit_rank(cfg, 4, 0, steps=1, quiet=True)
+    assert capsys.readouterr().err == ""

@@ -9,6 +9,7 @@ available), 2 for a bad setting. See plait.planner.fit.
 
 from __future__ import annotations
 
+import io
 import json
 import sys
 from pathlib import Path
@@ -48,16 +49,23 @@ def build_parser():
 
 
 def cmd_fit(argv: list[str]) -> int:
-    from plait.cli.args import config_argv, parse_config_args
+    from plait.cli.args import check_output_file, config_argv, parse_config_args
     from plait.config import load_config
-    from plait.planner.fit import extreme_ranks, fit_rank, in_subprocess
 
     a, settings = parse_config_args(build_parser(), argv)
     if a.world_size < 1:
         raise ConfigError(f"--world-size={a.world_size} must be at least 1, e.g. --world-size 64")
-    if a.json and Path(a.json).is_dir():
-        raise ConfigError(f"--json {a.json} is a directory; give a file path, e.g. {Path(a.json) / 'fit.json'}")
-    cfg = load_config(a.config, settings)
+    if a.steps < 1:
+        raise ConfigError(
+            f"--steps={a.steps} must be at least 1 (the first step also allocates the optimizer's states)"
+        )
+    if a.rank is not None and not 0 <= a.rank < a.world_size:
+        raise ConfigError(f"--rank={a.rank} is not a rank of a {a.world_size}-rank job; give 0 to {a.world_size - 1}")
+    check_output_file("--json", a.json, "fit.json")
+    cfg = load_config(a.config, settings)  # all checked before torch is imported (plait.planner.fit imports it)
+    from plait.core.progress import phase
+    from plait.planner.fit import extreme_ranks, fit_rank, in_subprocess
+
     if a.dry_run:
         from plait.planner.fit import predict_rank
 
@@ -72,12 +80,12 @@ def cmd_fit(argv: list[str]) -> int:
             if not 0 <= rank < a.world_size:
                 raise ConfigError(f"rank {rank} outside 0..{a.world_size - 1}")
         results = []
-        for rank in ranks:
-            if not a.quiet:
-                print(f"rank {rank} of {a.world_size} ...", file=sys.stderr, flush=True)
-            results.append(in_subprocess(own, rank))
+        for i, rank in enumerate(ranks):
+            with phase(f"rank {rank} of {a.world_size} ({i + 1} of {len(ranks)} ranks, each in a process of its own)",
+                       stream=io.StringIO() if a.quiet else None):  # fmt: skip
+                results.append(in_subprocess(own, rank))
     else:
-        results = [fit_rank(cfg, a.world_size, a.rank or 0, a.steps)]
+        results = [fit_rank(cfg, a.world_size, a.rank or 0, a.steps, quiet=a.quiet)]
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps([r.to_json() for r in results], indent=1) + "\n")

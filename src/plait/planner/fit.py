@@ -17,6 +17,7 @@ planner's compute time on this device.
 from __future__ import annotations
 
 import dataclasses
+import io
 import resource
 import statistics
 import time
@@ -25,8 +26,10 @@ import torch
 
 from plait.config import Config
 from plait.core.errors import ConfigError, PlaitError
+from plait.core.progress import Progress, phase
 
 GiB = 2**30
+SAY_EVERY = 5.0  # seconds between the lines that say a phase is still running (plait.core.progress)
 PARTS = ("states", "buffers", "activations", "transient")  # the prediction's parts, shown beside the peak
 
 
@@ -57,10 +60,12 @@ def extreme_ranks(cfg: Config, world_size: int) -> list[int]:
     return sorted({0, world_size - 1})
 
 
-def fit_rank(cfg: Config, world_size: int, rank: int, steps: int = 3) -> RankFit:
+def fit_rank(cfg: Config, world_size: int, rank: int, steps: int = 3, *, quiet: bool = False) -> RankFit:
     """Run rank `rank` of a `world_size`-rank job in this process (it must have no process group yet): the
     runtime's build, `steps` training steps on synthetic tokens, then one micro-batch's forward measured for
-    what it saves. Returns the measurement beside the planner's prediction."""
+    what it saves. Returns the measurement beside the planner's prediction. Its phases (measuring this
+    device, building the model, each step with an ETA, the activations) are said on stderr unless `quiet`:
+    at the shapes of a large job each can take minutes on a CPU."""
     from plait.core.hardware import device_memory_bytes, host_memory_bytes
     from plait.parallel.env import one_rank_of
     from plait.planner.cost import HOST_MEMORY_FRACTION, host_resident
@@ -74,7 +79,9 @@ def fit_rank(cfg: Config, world_size: int, rank: int, steps: int = 3) -> RankFit
             "which torch.compile does not trace through; set compile.enabled=false here, or run it on a GPU, where "
             "the CUDA allocator sees compiled code too"
         )
-    predicted, compute_s = _predict(cfg, world_size, dims, rank, bf16, device)
+    out = io.StringIO() if quiet else None  # None: stderr
+    with phase(f"rank {rank}: the planner's prediction (timing this device)", every=SAY_EVERY, stream=out):
+        predicted, compute_s = _predict(cfg, world_size, dims, rank, bf16, device)
     capacity = device_memory_bytes(device) or host_memory_bytes("MemAvailable") or 0
     base = dict(rank=rank, world_size=world_size, device=_device_name(device), capacity=capacity)
     if device.type == "cpu" and capacity and predicted["peak"] > capacity:
@@ -97,7 +104,7 @@ def fit_rank(cfg: Config, world_size: int, rank: int, steps: int = 3) -> RankFit
     with one_rank_of(dims, rank, device) as meshes:
         coordinates = _coordinates(meshes)
         try:
-            measured, step_s = _run(cfg, meshes, device, dims, steps)
+            measured, step_s = _run(cfg, meshes, device, dims, steps, Said(f"rank {rank}", out))
         except torch.OutOfMemoryError as e:
             first = str(e).splitlines()[0]
             return RankFit(coordinates=coordinates, measured={}, predicted=predicted, step_s=None,
@@ -173,10 +180,25 @@ def _synthetic(cfg: Config, dims, device: torch.device) -> tuple[torch.Tensor, t
     return synthetic_batch(cfg, cfg.train.global_batch_size // dims.dp, device)
 
 
-def _run(cfg: Config, meshes, device: torch.device, dims, steps: int) -> tuple[dict[str, float | None], float]:
+@dataclasses.dataclass
+class Said:
+    """Where a rank's phases are said: `who` starts each line; `stream` None is stderr."""
+
+    who: str
+    stream: io.StringIO | None = None
+
+    def phase(self, what: str):
+        return phase(f"{self.who}: {what}", every=SAY_EVERY, stream=self.stream)
+
+    def progress(self, what: str, total: int, unit: str) -> Progress:
+        return Progress(f"{self.who}: {what}", total, unit=unit, every=SAY_EVERY, stream=self.stream)
+
+
+def _run(
+    cfg: Config, meshes, device: torch.device, dims, steps: int, said: Said
+) -> tuple[dict[str, float | None], float]:
     from plait.core.live_bytes import LiveBytes
     from plait.engine.trainable import build_trainable
-    from plait.engine.trainer import train_step
 
     live = LiveBytes(device) if device.type == "cpu" else None
     if live is not None:
@@ -184,7 +206,8 @@ def _run(cfg: Config, meshes, device: torch.device, dims, steps: int) -> tuple[d
     else:
         torch.cuda.reset_peak_memory_stats(device)
     try:
-        t = build_trainable(cfg, device, meshes)
+        with said.phase("building the model (this rank's shards)"):
+            t = build_trainable(cfg, device, meshes)
         # the build's own peak (initialisation draws blocks of rows: a fixed few MiB of temporaries) apart
         build_peak = live.peak if live is not None else torch.cuda.max_memory_allocated(device)
         if live is not None:
@@ -192,13 +215,7 @@ def _run(cfg: Config, meshes, device: torch.device, dims, steps: int) -> tuple[d
         else:
             torch.cuda.reset_peak_memory_stats(device)
         inputs, targets = _synthetic(cfg, dims, device)
-        times = []
-        for _ in range(steps):
-            _sync(device)
-            start = time.perf_counter()
-            train_step(t, inputs, targets)
-            _sync(device)
-            times.append(time.perf_counter() - start)
+        times = _steps(t, inputs, targets, device, steps, said)
         peak = live.peak if live is not None else torch.cuda.max_memory_allocated(device)
     finally:
         if live is not None:
@@ -209,10 +226,32 @@ def _run(cfg: Config, meshes, device: torch.device, dims, steps: int) -> tuple[d
         "reserved": float(torch.cuda.max_memory_reserved(device)) if device.type == "cuda" else None,
         "host_rss": float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024),
         "states": float(_state_bytes(t, on=torch.device("cpu") if cfg.parallel.cpu_offload else device)),
-        "activations": None if t.pipeline is not None else float(_saved_bytes(t, inputs, targets, cfg, device)),
+        "activations": None if t.pipeline is not None else float(_activations(t, inputs, targets, cfg, device, said)),
     }
     step_s = statistics.median(times[1:]) if len(times) > 1 else times[0]
     return measured, step_s
+
+
+def _steps(t, inputs, targets, device: torch.device, steps: int, said: Said) -> list[float]:
+    """Each training step's seconds; a heartbeat during each, and the count with an ETA between them."""
+    from plait.engine.trainer import train_step
+
+    times = []
+    with said.progress("training steps", steps, "steps") as bar:
+        for i in range(steps):
+            with said.phase(f"step {i + 1} of {steps}"):
+                _sync(device)
+                start = time.perf_counter()
+                train_step(t, inputs, targets)
+                _sync(device)
+                times.append(time.perf_counter() - start)
+            bar.advance()
+    return times
+
+
+def _activations(t, inputs, targets, cfg: Config, device: torch.device, said: Said) -> int:
+    with said.phase("measuring one micro-batch's activations"):
+        return _saved_bytes(t, inputs, targets, cfg, device)
 
 
 def _sync(device: torch.device) -> None:
