@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from plait.cli.args import PlaitParser
 from plait.config import Config, to_dict, to_toml, validate
 from plait.core.errors import ConfigError, PlaitError
+from plait.core.progress import phase
 from plait.core.storage import Location, dcp_writer, file_sizes
 from plait.data.chat import chat_files
 from plait.engine.checkpoint import (
@@ -392,19 +393,21 @@ def _export(a: argparse.Namespace) -> int:
     registry = _export_registry(a, ckpt)
     dtype = _DTYPES[a.dtype]
     if a.format == "hf":
-        hashes = export_checkpoint_hf(
-            ckpt,
-            out,
-            tokenizer_path=local_file(ckpt / "tokenizer.json"),
-            dtype=dtype,
-            overwrite=a.overwrite,
-            max_shard_size=max_shard_size,
-            hashed=registry is not None,
-        )
+        with phase(f"exporting {ckpt} to {out}"):  # reads and writes every tensor: minutes for a large model
+            hashes = export_checkpoint_hf(
+                ckpt,
+                out,
+                tokenizer_path=local_file(ckpt / "tokenizer.json"),
+                dtype=dtype,
+                overwrite=a.overwrite,
+                max_shard_size=max_shard_size,
+                hashed=registry is not None,
+            )
         hint = f"load it with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})"
     else:
-        model = merge_lora(load_checkpoint_model(ckpt))  # a LoRA run: its adapters folded in
-        export_safetensors(model, target, dtype=dtype, overwrite=a.overwrite)
+        with phase(f"exporting {ckpt} to {target}"):
+            model = merge_lora(load_checkpoint_model(ckpt))  # a LoRA run: its adapters folded in
+            export_safetensors(model, target, dtype=dtype, overwrite=a.overwrite)
         hint = f"load it with plait.interop.load_safetensors({str(target)!r})"
         if model.args.retrieval_ids:  # the weights alone do not retrieve: a pointer to the database beside them
             hint += f"; its retrieval database: {_retrieval_pointer(ckpt, target)}"
@@ -617,20 +620,21 @@ def _write_import(a, hf, hf_dir: Path, out: Path, ckpt_dir: Path, run_dir: Path 
     ckpt_dir.parent.mkdir(parents=True, exist_ok=True)
     with contextlib.suppress(OSError):
         ckpt_dir.rmdir()  # an empty directory given as --out
-    digest = write_imported_checkpoint(
-        hf,
-        ckpt_dir,
-        config=to_dict(cfg),
-        tokenizer_path=tokenizer if tokenizer.is_file() else None,
-        extra={
-            "imported_from": {
-                "path": str(hf_dir.resolve()),
-                "model_type": hf.config.get("model_type"),
-                "architectures": hf.config.get("architectures"),
-                "dtype": hf.config.get("dtype", hf.config.get("torch_dtype")),
-            }
-        },
-    )
+    with phase(f"importing {hf_dir} into {ckpt_dir}"):  # every tensor read, converted and written
+        digest = write_imported_checkpoint(
+            hf,
+            ckpt_dir,
+            config=to_dict(cfg),
+            tokenizer_path=tokenizer if tokenizer.is_file() else None,
+            extra={
+                "imported_from": {
+                    "path": str(hf_dir.resolve()),
+                    "model_type": hf.config.get("model_type"),
+                    "architectures": hf.config.get("architectures"),
+                    "dtype": hf.config.get("dtype", hf.config.get("torch_dtype")),
+                }
+            },
+        )
     recorded = _record_import(a, ckpt_dir, run_dir, digest, to_dict(cfg))
     lines = [f"wrote {ckpt_dir}: {args.num_params() / 1e6:.2f}M parameters from {hf_dir}{recorded}"]
     if not tokenizer.is_file():
