@@ -152,6 +152,23 @@ def test_torchao_quantized_models_load_in_transformers_and_generate_plaits_greed
         assert (hf(prompts).logits - plait(prompts)).abs().max() < LOGITS_ATOL  # the same kernels on the same weights
 
 
+def test_quantize_prints_no_library_noise_and_publishes_readable_files(trained, tmp_path):
+    """A fresh process (the libraries' start-up lines print once per process): no torchao "Failed to load"
+    kernels line, no torch register_constant deprecation, no transformers progress bars; every file written
+    is readable by others (safetensors writes 0600), as in every other published directory."""
+    import subprocess
+    import sys
+
+    run, _ = trained
+    out = tmp_path / "ao"
+    cmd = [sys.executable, "-m", "plait.cli", "compress", "quantize", str(run), "--group-size", "32", "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for noise in ("Failed to load", "register_constant", "Loading weights", "Writing model shards", "Warning"):
+        assert noise not in done.stderr + done.stdout, (noise, done.stderr[-2000:])
+    assert {oct(p.stat().st_mode & 0o777) for p in out.iterdir()} == {"0o644"}
+
+
 def test_magnitude_pruning_keeps_its_zeros_through_the_fine_tune(trained, tmp_path):
     run, data = trained
     out = tmp_path / "pruned"

@@ -60,9 +60,12 @@ def _parser() -> PlaitParser:
 
 def cmd_compress(argv: list[str]) -> int:
     a = _parser().parse_args(argv)
+    if a.action == "quantize" and a.group_size < 1:
+        raise ConfigError(f"--group-size={a.group_size} must be a positive number of input columns per scale, e.g. 64")
     out = Path(a.out)
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"--out {out} exists and is not empty; choose another")
+    from plait.core.quiet import library_calm
     from plait.lifecycle import compress as C
     from plait.lifecycle.lora import merge_lora, model_weights_hash
     from plait.lifecycle.models import load_model
@@ -78,10 +81,11 @@ def cmd_compress(argv: list[str]) -> int:
     info: dict[str, Any] = {"method": a.action}
     if a.action == "quantize" and a.format == "torchao":
         C.check_torchao(source.model, a.bits, a.group_size)
-        written, digest = C.save_torchao(
-            source.model, out, bits=a.bits, group_size=a.group_size, tokenizer=source.tokenizer
-        )
-        model = C.torchao_quantize(copy.deepcopy(source.model), a.bits, a.group_size)
+        with library_calm():  # torchao's and transformers' harmless start-up lines (plait.core.quiet)
+            written, digest = C.save_torchao(
+                source.model, out, bits=a.bits, group_size=a.group_size, tokenizer=source.tokenizer
+            )
+            model = C.torchao_quantize(copy.deepcopy(source.model), a.bits, a.group_size)
         info.update(bits=a.bits, group_size=a.group_size, format="torchao", loads_in_transformers=True,
                     weight_files_mb=written / 2**20, bf16_mb=C.weights_bytes(source.model) / 2 / 2**20)  # fmt: skip
         kind = "quantized"

@@ -202,6 +202,8 @@ def save_torchao(
             if (Path(tmp) / "float" / name).is_file():
                 shutil.copyfile(Path(tmp) / "float" / name, out_dir / name)
     files = sorted(out_dir.glob("model*.safetensors"))
+    for path in out_dir.iterdir():  # safetensors writes 0600: a published model is for others to read
+        path.chmod(0o644)
     digest = hashlib.sha256()
     for path in files:
         digest.update(path.read_bytes())
