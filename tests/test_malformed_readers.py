@@ -259,3 +259,102 @@ def test_a_peft_export_to_a_mistyped_base_is_refused(lora, tmp_path, capsys):
     for base, words in ((tmp_path / "bsae", "does not exist"), (tmp_path, "is not a model")):
         argv = ["ckpt", "export", str(lora["lora"]), "--format", "peft", "--out", str(tmp_path / "out")]
         judge(f"--base {base.name}", [*argv, "--base", str(base)], words, tmp_path, capsys, protected=lora["lora"])
+
+
+# ----------------------------------------------------------------------------------- options out of range
+def _eval(run: Path, *extra: str) -> list[str]:
+    return ["eval", str(run), "--no-perplexity", "--lm-eval", "plait-shakespeare-mc", *extra]
+
+
+ARGUMENTS = [
+    (
+        "quantize --group-size 0",
+        lambda r, d: ["compress", "quantize", str(r), "--bits", "4", "--group-size", "0", "--out", str(d / "q")],
+        "--group-size=0 must be a positive",
+    ),  # fmt: skip
+    (
+        "quantize --group-size -64",
+        lambda r, d: ["compress", "quantize", str(r), "--group-size=-64", "--out", str(d / "q")],
+        "--group-size=-64",
+    ),  # fmt: skip
+    ("lm-eval --limit -1", lambda r, d: _eval(r, "--limit=-1"), "--limit=-1 must be at least 1"),
+    ("lm-eval --limit 0", lambda r, d: _eval(r, "--limit", "0"), "--limit=0"),
+    ("lm-eval --num-fewshot -3", lambda r, d: _eval(r, "--num-fewshot=-3"), "--num-fewshot=-3 must be 0 or more"),
+    (
+        "mixture weights overflowing",
+        lambda r, d: [
+            "train",
+            "--model.preset=debug",
+            "--run.device=cpu",
+            f"--data.sources=a={d}/a:1e308,b={d}/b:1e308",
+        ],
+        "add up to more than a float holds",
+    ),  # fmt: skip
+]
+
+
+@pytest.mark.parametrize("case", ARGUMENTS, ids=[c[0] for c in ARGUMENTS])
+def test_an_option_out_of_range_is_refused(case, lora, tmp_path, capsys):
+    name, argv, words = case
+    judge(name, argv(lora["base"], tmp_path), words, tmp_path, capsys, protected=lora["base"])
+
+
+def test_a_compile_cache_on_s3_with_a_wrong_secret_names_the_bucket(s3, tmp_path, capsys, monkeypatch):
+    from plait.core import storage
+
+    monkeypatch.setattr(storage, "_FILESYSTEMS", {})  # a filesystem of the wrong key, not the cached right one
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    argv = ["compile", "--model.preset=debug", "--run.device=cpu", f"--run.out_dir={tmp_path}",
+            f"--compile.cache_dir=s3://{s3.bucket}/cache", f"--checkpoint.s3_endpoint={s3.endpoint}"]  # fmt: skip
+    judge("compile, wrong secret", argv, f"bucket {s3.bucket}): check the credentials", tmp_path, capsys)
+
+
+# ------------------------------------------------------------------------------------- fuzz: random JSON
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+MANIFEST_KEYS = ["format", "chunk", "k", "corpus", "chunks", "database_chunks", "encoder", "train", "val", "dim",
+                 "path", "kind", "idf_sha256", "r"]  # fmt: skip
+FIELDS = st.dictionaries(st.sampled_from(MANIFEST_KEYS), JSON, max_size=8)
+
+
+def _valid_manifest() -> dict:
+    encoder = {"path": "lexical", "kind": "lexical", "dim": 4, "idf_sha256": "x"}
+    return {"format": "plait-retrieval-v1", "chunk": 8, "k": 2, "corpus": "c", "chunks": {"train": 10, "val": 3},
+            "database_chunks": 9, "encoder": encoder}  # fmt: skip
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.one_of(JSON, FIELDS, FIELDS.map(lambda f: {**_valid_manifest(), **f})))
+def test_fuzz_the_retrieval_manifest_check(value):
+    from plait.core.errors import ConfigError
+    from plait.data.retrieval import check_manifest
+
+    try:
+        check_manifest(value if isinstance(value, dict) else {"encoder": value}, "manifest.json")
+    except ConfigError as e:
+        assert "\n" not in str(e) and "manifest.json" in str(e)
+
+
+PEFT_KEYS = ["peft_type", "r", "lora_alpha", "lora_dropout", "target_modules", "bias", "use_rslora", "use_dora",
+             "fan_in_fan_out", "rank_pattern", "modules_to_save", "base_model_name_or_path"]  # fmt: skip
+PEFT_VALID = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    st.one_of(JSON, st.dictionaries(st.sampled_from(PEFT_KEYS), JSON, max_size=8).map(lambda f: {**PEFT_VALID, **f}))
+)
+def test_fuzz_the_peft_adapter_config_check(value):
+    from plait.core.errors import ConfigError
+    from plait.interop.peft import check_peft_config
+
+    try:
+        check_peft_config(value, "adapter/adapter_config.json")
+    except ConfigError as e:
+        assert "\n" not in str(e)

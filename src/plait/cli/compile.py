@@ -68,6 +68,9 @@ def cmd_compile(argv: list[str]) -> int:
               f"when it runs with {ENABLED} too)", file=sys.stderr)  # fmt: skip
         settings = [*settings, ENABLED]
         cfg = load_config(a.config, settings)  # checked again: some layouts refuse compiling
+    from plait.engine.compile_cache import check_cache_access
+
+    check_cache_access(cfg)
     with _run_lock(cfg) as lock:
         results = _compile(cfg, a, config_argv(a.config, settings), lock)
     for r in results:

@@ -65,23 +65,26 @@ def cmd_compress(argv: list[str]) -> int:
     out = Path(a.out)
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"--out {out} exists and is not empty; choose another")
-    from plait.core.quiet import library_calm
+    from plait.core.progress import phase
+    from plait.core.quiet import library_calm  # torchao's and transformers' harmless start-up lines
     from plait.lifecycle import compress as C
     from plait.lifecycle.lora import merge_lora, model_weights_hash
     from plait.lifecycle.models import load_model
 
-    source = load_model(a.teacher if a.action == "distill" else a.model)
+    with phase(f"loading {a.teacher if a.action == 'distill' else a.model}"):
+        source = load_model(a.teacher if a.action == "distill" else a.model)
     merge_lora(source.model)  # a LoRA run: quantize / prune / teach with its adapters folded in
     source.model.eval()
     data_dir = data_dir_of(a.data, source.config, source.model.args.vocab_size)
     if a.action != "quantize" and data_dir is None and (a.action == "distill" or a.finetune_steps):
         raise ConfigError("training needs data: pass --data DIR (a prepared directory)")
-    before = C.measure(source.model, data_dir, seq_len=a.seq_len, batches=a.batches)
+    with phase("measuring the source (size, speed, perplexity)"):
+        before = C.measure(source.model, data_dir, seq_len=a.seq_len, batches=a.batches)
     start = time.perf_counter()
     info: dict[str, Any] = {"method": a.action}
     if a.action == "quantize" and a.format == "torchao":
         C.check_torchao(source.model, a.bits, a.group_size)
-        with library_calm():  # torchao's and transformers' harmless start-up lines (plait.core.quiet)
+        with library_calm(), phase(f"quantizing to int{a.bits} with torchao and writing {out}"):
             written, digest = C.save_torchao(
                 source.model, out, bits=a.bits, group_size=a.group_size, tokenizer=source.tokenizer
             )
@@ -108,7 +111,8 @@ def cmd_compress(argv: list[str]) -> int:
             info["hf_out"] = str(Path(a.hf_out).resolve())
             info["loads_in_transformers"] = True
     info["seconds"] = time.perf_counter() - start
-    after = C.measure(model, data_dir, seq_len=a.seq_len, batches=a.batches)
+    with phase(f"measuring the {kind} model"):
+        after = C.measure(model, data_dir, seq_len=a.seq_len, batches=a.batches)
     if info.get("format") == "torchao":  # torchao's tensors report their float size: the files' is the truth
         after["size_mb"] = info["weight_files_mb"]
     C.print_comparison(f"{kind}: {source.path} -> {out}", C.compare(before, after), console)

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from plait.cli.args import PlaitParser
+from plait.cli.args import PlaitParser, check_input
 from plait.cli.lifecycle import console, data_dir_of, open_registry_near, registry_arg
 from plait.core.errors import ConfigError, PlaitError
 
@@ -58,17 +58,26 @@ def cmd_eval(argv: list[str]) -> int:
         raise ConfigError(f"need --batches >= 1 and --seq-len >= 2 (got {a.batches}, {a.seq_len})")
     if a.json and Path(a.json).is_dir():
         raise ConfigError(f"--json {a.json} is a directory; give a file path, e.g. {Path(a.json) / 'eval.json'}")
+    check_input("", a.model, "a checkpoint, run, Hugging Face directory or adapter file")  # before torch
+    check_input("--suite", a.suite, "a suite file (YAML)")
+    check_input("--data", a.data, "a prepared data directory")
+    from plait.core.progress import phase
     from plait.lifecycle.evaluate import Report, load_suite, perplexity, print_report, run_suite, write_json
     from plait.lifecycle.models import describe, load_model
 
     if (a.lm_eval_include or a.limit is not None or a.num_fewshot is not None) and not a.lm_eval:
         raise ConfigError("--lm-eval-include, --limit and --num-fewshot apply to --lm-eval TASKS: give the tasks")
+    if a.limit is not None and a.limit < 1:
+        raise ConfigError(f"--limit={a.limit} must be at least 1 (examples per task), e.g. --limit 100")
+    if a.num_fewshot is not None and a.num_fewshot < 0:
+        raise ConfigError(f"--num-fewshot={a.num_fewshot} must be 0 or more (examples shown before each question)")
     if a.lm_eval:
         from plait.lifecycle.harness import _harness
 
         _harness()  # installed, before the model loads
     suite = load_suite(a.suite) if a.suite else None  # check the suite before loading a model
-    loaded = load_model(a.model, device=a.device, base=a.base)
+    with phase(f"loading {a.model}"):
+        loaded = load_model(a.model, device=a.device, base=a.base)
     console.print(describe(loaded), highlight=False)
     report = Report(suite.name if suite else "", model=str(loaded.path))
     data_dir = None if a.no_perplexity else data_dir_of(a.data, loaded.config, loaded.model.args.vocab_size)
@@ -78,19 +87,22 @@ def cmd_eval(argv: list[str]) -> int:
         seq_len = a.seq_len or run.get("data", {}).get("seq_len", 256)
         batch = run.get("train", {}).get("global_batch_size", 4) if a.batches is None else 4
         batches = a.batches or run.get("eval", {}).get("num_batches", 8)
-        report.perplexity = perplexity(
-            loaded.model, data_dir, split=a.split, seq_len=seq_len, batch_size=batch, max_batches=batches
-        )
+        with phase(f"perplexity on {data_dir} ({a.split}, up to {batches} batches of {batch} x {seq_len})"):
+            report.perplexity = perplexity(
+                loaded.model, data_dir, split=a.split, seq_len=seq_len, batch_size=batch, max_batches=batches
+            )
         report.perplexity["data"] = str(data_dir)
     if suite is not None:
         if loaded.tokenizer is None:
             raise PlaitError(f"{loaded.path} has no tokenizer.json; the suite needs one to encode its prompts")
         from plait.data import load_tokenizer
 
-        ran = run_suite(loaded.model, load_tokenizer(loaded.tokenizer), suite)
+        with phase(f"suite {suite.name or a.suite} ({len(suite.cases)} cases)"):
+            ran = run_suite(loaded.model, load_tokenizer(loaded.tokenizer), suite)
         report.results, report.completions = ran.results, ran.completions
     if a.lm_eval:
-        report.lm_eval = _lm_eval(a, loaded)
+        with phase(f"lm-eval {a.lm_eval}"):
+            report.lm_eval = _lm_eval(a, loaded)
     print_report(report, console)
     if a.json:
         write_json(report, a.json)

@@ -172,6 +172,11 @@ def data_sources(text: str) -> list[tuple[str, str, float]]:
         if name in [n for n, _, _ in out]:
             raise ConfigError(f"data.sources names {name!r} twice: give each source its own name, NAME=DIR:WEIGHT")
         out.append((name, path.strip(), value))
+    if not math.isfinite(sum(w for _, _, w in out)):  # each finite, yet 1e308 + 1e308 is inf: every share 0
+        raise ConfigError(
+            f"data.sources weights {', '.join(f'{w:g}' for _, _, w in out)} add up to more than a float holds: "
+            "give relative weights of a finite sum, e.g. 0.7 and 0.3"
+        )
     return out
 
 

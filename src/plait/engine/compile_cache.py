@@ -29,7 +29,7 @@ import torch
 
 from plait.config import Config
 from plait.core import torch_private
-from plait.core.errors import PlaitError
+from plait.core.errors import ConfigError, PlaitError
 from plait.core.storage import Location, location
 from plait.core.trusted_dir import TrustedDir, private_dir
 from plait.parallel.compile import check_float8_support
@@ -46,6 +46,25 @@ def cache_location(cfg: Config) -> Location:
     if not cfg.compile.cache_dir:
         return cfg.run_dir / "compile_cache"
     return location(cfg.compile.cache_dir, cfg.checkpoint.s3_endpoint)
+
+
+def check_cache_access(cfg: Config) -> None:
+    """An s3:// compile.cache_dir listed once with the job's credentials before anything compiles, so a wrong
+    key is one line naming the bucket, not a traceback after the compile."""
+    where = cache_location(cfg)
+    if isinstance(where, Path):
+        return
+    from plait.core.storage import remote_key
+
+    try:
+        where.fs.find(remote_key(where))
+    except PermissionError:
+        bucket = where.url.removeprefix("s3://").split("/", 1)[0]
+        raise ConfigError(
+            f"S3 refused access to compile.cache_dir={where} (bucket {bucket}): check the credentials "
+            "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or the AWS profile; they are not printed) and the endpoint "
+            "(checkpoint.s3_endpoint)"
+        ) from None
 
 
 def point_caches_at(directory: Path) -> None:
