@@ -227,6 +227,43 @@ def test_heartbeats_see_a_take_over_and_the_run_stops(tmp_path, capsys):
     assert not lock.exists()
 
 
+def test_a_heartbeat_from_the_future_names_the_clock_skew(tmp_path, capsys):
+    """Another host's clock an hour ahead: the refusal says so (not 'last heartbeat 0 s ago'), and the lock
+    file's own age judges that holder: unchanged past the lease, it is taken over, naming the skew again."""
+    lock = tmp_path / "r.lock"
+    write_holder(lock, **ELSEWHERE, heartbeat=time.time() + 3600)
+    with pytest.raises(RunLocked) as e:
+        RunLock([lock]).acquire()
+    text = str(e.value)
+    assert "3600 s in the future" in text and "clock of host node-7 is ahead" in text, text
+    assert "0 s ago" not in text
+    old = time.time() - 2 * LEASE_S
+    os.utime(lock, (old, old))
+    RunLock([lock]).acquire().release()
+    err = " ".join(capsys.readouterr().err.split())
+    assert "taking over the lock" in err and "is ahead of this machine's by at least 3600 s" in err, err
+
+
+def test_a_run_whose_lock_was_taken_and_released_meanwhile_is_fenced(tmp_path, capsys):
+    """Taken over (break_lock) and released while this run was held up: the lock file is gone, but the run
+    that took it left word, so this run's next publish is refused and its heartbeat does not write it again."""
+    from plait.core.publish import LockLost, check_fence
+
+    lock = tmp_path / "r.lock"
+    first = RunLock([lock]).acquire()
+    check_fence(tmp_path / "r" / "checkpoints", "a checkpoint")  # its own: no error
+    second = RunLock([lock]).acquire(break_lock=True)
+    assert f"pid {os.getpid()}" in second.displaced()
+    second.release()
+    with pytest.raises(LockLost, match="was taken over by another run .* stops without publishing a checkpoint"):
+        check_fence(tmp_path / "r" / "checkpoints", "a checkpoint")
+    check_fence(tmp_path / "other", "elsewhere")  # another directory: not this lock's
+    first.heartbeat()
+    assert not lock.exists() and "taken over" in first.lost
+    first.release()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # its word read: removed
+
+
 def test_workers_run_under_their_launchers_lock_and_no_other(tmp_path, monkeypatch):
     lock = tmp_path / "r.lock"
     launcher = RunLock([lock]).acquire()
@@ -415,3 +452,77 @@ def test_s3_a_killed_worker_of_nproc_2_restarts_and_resumes(data_dir, tmp_path, 
     assert done.returncode == 0, done.stderr[-3000:]
     assert "restarting the group (1/2)" in done.stderr and "(step 10)" in done.stderr, done.stderr[-3000:]
     assert s3.keys("group/") and f"group/{runlock.LOCK_FILE}" not in s3.keys("group/")
+
+
+# ------------------------------------------------------------------------------------ fencing, real runs
+
+
+def published(ckpt_dir: Path) -> dict[str, bytes]:
+    """Each published checkpoint's plait.json: what a run that lost its lock must leave exactly as it is."""
+    return {c.name: (c / "plait.json").read_bytes() for c in list_checkpoints(ckpt_dir)}
+
+
+def config_of(ckpt: Path) -> dict:
+    return json.loads((ckpt / "plait.json").read_text())["config"]
+
+
+def lost_its_lock(proc: subprocess.Popen) -> str:
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2, err[-3000:]
+    last = [line for line in err.splitlines() if line.strip()][-1]
+    assert "was taken over by" in last and "two runs do not write one directory" in last, err[-3000:]
+    return err
+
+
+@pytest.mark.slow
+def test_break_lock_on_a_live_holder_fences_it_before_its_next_publish(data_dir, tmp_path):
+    """--run.break_lock=true on a run mid-way: the holder finds out at its next publish (or heartbeat), stops
+    with exit 2 and publishes nothing more; the new holder's checkpoints are left exactly as it wrote them."""
+    run_dir, ckpt_dir = tmp_path / "fenced", tmp_path / "fenced" / "checkpoints"
+    first = command(*settings(data_dir, tmp_path, "fenced"))
+    proc = subprocess.Popen(first, env=environment(PLAIT_FAULT_SLOW_RANK="0:0.5"), cwd=tmp_path,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        wait_for_step(run_dir, 3, proc)
+        second = command(*settings(data_dir, tmp_path, "fenced", "run.break_lock=true", "log.every_steps=5"))
+        done = subprocess.run(second, capture_output=True, text=True, env=environment(), cwd=tmp_path, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "run.break_lock=true" in " ".join(done.stderr.split())
+        theirs = published(ckpt_dir)
+        lost_its_lock(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert published(ckpt_dir) == theirs and f"step_{STEPS:08d}" in theirs
+    assert config_of(ckpt_dir / f"step_{STEPS:08d}")["log"]["every_steps"] == 5  # the second run's
+    assert not (tmp_path / "fenced.lock").exists()
+
+
+@pytest.mark.slow
+def test_a_stopped_holder_taken_over_after_its_lease_publishes_nothing_when_continued(data_dir, tmp_path):
+    """A holder paused (SIGSTOP) past its lease is taken over by the next run (its heartbeat is aged here as
+    the lease's 60 s would age it); the new run finishes and releases the lock; continued (SIGCONT), the old
+    holder stops with exit 2 before publishing, and nothing of the new run's is deleted or replaced."""
+    run_dir, ckpt_dir, lock = tmp_path / "paused", tmp_path / "paused" / "checkpoints", tmp_path / "paused.lock"
+    args = settings(data_dir, tmp_path, "paused")
+    proc = subprocess.Popen(command(*args), env=environment(PLAIT_FAULT_SLOW_RANK="0:0.2"), cwd=tmp_path,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        wait_for_step(run_dir, 12, proc)
+        proc.send_signal(signal.SIGSTOP)
+        holder = json.loads(lock.read_text())
+        lock.write_text(json.dumps({**holder, "heartbeat": time.time() - 2 * LEASE_S}))
+        second = command(*args, "log.every_steps=5")
+        done = subprocess.run(second, capture_output=True, text=True, env=environment(), cwd=tmp_path, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        text = " ".join(done.stderr.split())
+        assert "taking over the lock" in text and "its process is stopped" in text, text
+        theirs = published(ckpt_dir)
+        proc.send_signal(signal.SIGCONT)
+        lost_its_lock(proc)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGCONT)
+            proc.kill()
+    assert published(ckpt_dir) == theirs and config_of(ckpt_dir / f"step_{STEPS:08d}")["log"]["every_steps"] == 5
+    assert not lock.exists() and not list(tmp_path.glob(".paused.lock.displaced-*"))

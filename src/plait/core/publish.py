@@ -1,5 +1,11 @@
 """Directories that appear whole or not at all: written under a temporary sibling name, published by rename.
-The one place plait does this (prepared data, Hugging Face exports, imported checkpoints)."""
+The one place plait does this (prepared data, Hugging Face exports, imported checkpoints).
+
+Fences: a run that holds its directory's lock (plait.engine.runlock) registers a fence here, and every writer
+below it asks `check_fence(where)` just before it publishes there (a checkpoint, a final checkpoint). A fence
+re-reads the lock: if another run has taken it over (run.break_lock, or this process was held up past its
+lease), LockLost is raised and nothing is published. Registered from above, so that the writers need not
+import the lock (arrows point down)."""
 
 from __future__ import annotations
 
@@ -10,8 +16,49 @@ import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Protocol
 
 from plait.core.errors import PlaitError
+
+
+class LockLost(PlaitError):
+    """Another run took this run's lock over: it stops before publishing anything more (exit 2, as a run refused
+    by the lock at its start)."""
+
+
+class Fence(Protocol):
+    def covers(self, where: object) -> bool:
+        """Whether the lock guards this location (a run or checkpoint directory, or something inside it)."""
+        ...
+
+    def fenced(self) -> str:
+        """Why this process may no longer publish under the lock (it was taken over), or "" while it may."""
+        ...
+
+    def displaced(self) -> str:
+        """The holder this lock was taken from while it may still be running (its unfinished files are not
+        ours to delete), or ""."""
+        ...
+
+
+FENCES: list[Fence] = []
+"""The fences of the locks this process holds (added on acquire, removed on release)."""
+
+
+def check_fence(where: object, what: str) -> None:
+    """Raise LockLost if a lock guarding `where` was taken over by another run; `what` is what was about to be
+    published (for the message)."""
+    for fence in list(FENCES):
+        if fence.covers(where) and (why := fence.fenced()):
+            raise LockLost(
+                f"{why}: this run stops without publishing {what}, so that two runs do not write one directory "
+                f"(its earlier checkpoints are kept; the other run now owns the directory)"
+            )
+
+
+def displaced_holder(where: object) -> str:
+    """The holder (possibly still running) that a lock guarding `where` was taken from, or ""."""
+    return next((d for f in list(FENCES) if f.covers(where) and (d := f.displaced())), "")
 
 
 def is_nonempty(out: Path) -> bool:

@@ -22,6 +22,14 @@ expired is waited out (at most LEASE_S). The same job restarted by torchrun's el
 id, a higher restart count) takes its lock over from its earlier attempt without a warning; `plait train
 --nproc` holds the lock in its launcher across its restarts and hands it to its workers (PLAIT_RUN_LOCK).
 ``run.break_lock=true`` takes over a lock that still looks alive (after a warning naming its holder).
+
+Fencing: a holder can lose its lock without knowing it yet (run.break_lock, or it was stopped or held up past
+its lease and then went on). Its heartbeat notices within HEARTBEAT_S, but a save may end sooner: so every
+publish re-reads the lock first (the lock's token is the fencing token; plait.core.publish.check_fence) and a
+run whose lock was taken stops there with exit 2, publishing nothing more. A run that took the lock from a
+holder that may still be running (break_lock, an expired lease, a stopped process) deletes none of its
+unfinished files (plait.engine.checkpoint moves them aside and says so). A heartbeat from the future (the
+holder's clock is ahead) is named as such, and the lock file's own age judges that holder instead.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from plait.core import publish
 from plait.core.errors import ConfigError, PlaitError
 from plait.core.storage import Location, RemotePath
 
@@ -49,6 +58,9 @@ LEASE_S = 60.0
 held up by a slow shared file system for a while is not taken for dead."""
 LATE_S = 3 * HEARTBEAT_S
 """A heartbeat older than this but within the lease: the holder may be gone; the lease is waited out."""
+SKEW_S = 5.0
+"""A heartbeat more than this in the future: the holder's clock is ahead of ours (its heartbeats are not
+comparable with our clock; the lock file's age is used instead)."""
 LOCK_ENV = "PLAIT_RUN_LOCK"
 """Set by `plait train --nproc` for its workers: the token of the lock their launcher holds."""
 FORMAT = "plait-run-lock-v1"
@@ -162,7 +174,15 @@ def describe(holder: dict[str, Any] | None) -> str:
     since = holder.get("since")
     when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(since)) if isinstance(since, int | float) else "?"
     beat = holder.get("heartbeat")
-    age = f", last heartbeat {max(0.0, time.time() - beat):.0f} s ago" if isinstance(beat, int | float) else ""
+    age = ""
+    if isinstance(beat, int | float):
+        ahead = beat - time.time()
+        age = (
+            f", last heartbeat {ahead:.0f} s in the future (its clock is ahead of this machine's by at least "
+            f"{ahead:.0f} s)"
+            if ahead > SKEW_S
+            else f", last heartbeat {max(0.0, -ahead):.0f} s ago"
+        )
     user = f" (user {holder['user']})" if holder.get("user") else ""
     job = f", job {holder['job']} restart {holder.get('restart', 0)}" if holder.get("job") else ""
     command = str(holder.get("command") or "")
@@ -263,6 +283,21 @@ class _FileLock:
             with contextlib.suppress(OSError):
                 aside.unlink()
 
+    def _marker(self, token: str) -> Path:
+        return self.path.with_name(f".{self.path.name}.displaced-{token[:16]}")
+
+    def mark(self, token: str, data: bytes) -> None:
+        """Leave word for the holder of `token`, taken over while it may still run (see displaced())."""
+        tmp = self.path.with_name(f".{self.path.name}.{uuid.uuid4().hex[:12]}.tmp")
+        _write_synced(tmp, data)
+        os.replace(tmp, self._marker(token))
+
+    def marked(self, token: str) -> bool:
+        return self._marker(token).exists()
+
+    def unmark(self, token: str) -> None:
+        self._marker(token).unlink(missing_ok=True)
+
     def remove(self, tag: Any) -> None:
         now = self.read()
         if now is not None and now[1] == tag:
@@ -324,6 +359,19 @@ class _S3Lease:
 
     take_over = replace
 
+    def _marker(self, token: str) -> RemotePath:
+        return self.loc.parent / f"{self.loc.name}.displaced-{token[:16]}"
+
+    def mark(self, token: str, data: bytes) -> None:
+        self.loc.fs.pipe_file(self._marker(token).url.removeprefix("s3://"), data)
+
+    def marked(self, token: str) -> bool:
+        return self.loc.fs.exists(self._marker(token).url.removeprefix("s3://"))
+
+    def unmark(self, token: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.loc.fs.rm_file(self._marker(token).url.removeprefix("s3://"))
+
     def remove(self, tag: Any) -> None:
         try:
             self.loc.fs.call_s3("delete_object", Bucket=self.bucket, Key=self.key, IfMatch=tag)
@@ -358,13 +406,16 @@ def _backend(place: Location) -> _FileLock | _S3Lease:
 class RunLock:
     """The locks of one run (see the module docstring). `acquire()` takes them all or none; a heartbeat
     thread keeps them fresh until `release()`. If another process takes one over meanwhile (this process was
-    held up past its lease), `lost` says so and the trainer stops at its next step."""
+    held up past its lease), `lost` says so and the trainer stops at its next step; before that, `fenced()`
+    (asked by every publish, plait.core.publish.check_fence) re-reads the locks and refuses a publish."""
 
     def __init__(self, places: list[Location], *, token: str | None = None):
         self.places = places
         self.token = token or uuid.uuid4().hex
         self.lost = ""
         self.handed = False  # held by this process's launcher: neither refreshed nor released here
+        self._displaced = ""  # the holder this lock was taken from while it may still be running
+        self._fence_locks: list = []  # the locks fenced() re-reads
         self._held: list[list] = []  # [backend, tag of what we wrote]
         self._failing = False  # the last heartbeat failed
         self._stop = threading.Event()
@@ -392,6 +443,8 @@ class RunLock:
         except BaseException:
             self.release()
             raise
+        self._fence_locks = [lock for lock, _ in self._held]
+        publish.FENCES.append(self)
         self._thread = threading.Thread(target=self._beat, name="plait-run-lock", daemon=True)
         self._thread.start()
         return self
@@ -408,6 +461,8 @@ class RunLock:
                     f"start the run again"
                 )
         self.token, self.handed = token, True
+        self._fence_locks = [_backend(place) for place in self.places]
+        publish.FENCES.append(self)
 
     def _data(self) -> bytes:
         self._me["heartbeat"] = time.time()
@@ -447,10 +502,14 @@ class RunLock:
             tag = lock.take_over(data, found)
             if tag is not None:
                 self._held.append([lock, tag])
+                if verdict in ("held", "expired") and holder:  # it may still run: its unfinished files are not ours
+                    self._displaced = self._displaced or describe(holder)
+                    lock.mark(str(holder.get("token")), data)  # its word that it lost the lock, kept after ours ends
                 return
 
     def _judge(self, holder: dict | None, file_age: float) -> tuple[str, str]:
-        """('stale' | 'restart' | 'late' | 'held', why) for a lock found in place."""
+        """('stale' | 'restart' | 'expired' | 'late' | 'held', why) for a lock found in place. Stale: its holder
+        is gone; expired: no heartbeat within the lease (it may still run: stopped, or cut off)."""
         if holder is None:  # unreadable, or being written this instant: its file's age decides
             if file_age > LEASE_S:
                 return "stale", f"an unreadable lock file, unchanged for {file_age:.0f} s"
@@ -461,15 +520,25 @@ class RunLock:
             return "restart", "an earlier attempt of this job"  # torchrun restarted the group: no warning
         if alive is False:
             return "stale", "its process has ended"
-        if alive:
+        stopped = bool(alive) and _stopped(holder)
+        if alive and not stopped:
             return "held", "it is running on this machine"
+        where = "its process is stopped (SIGSTOP, Ctrl-Z) on this machine" if stopped else "on another machine"
         beat = holder.get("heartbeat")
         age = time.time() - beat if isinstance(beat, int | float) else file_age
+        skew = ""
+        if age < -SKEW_S:  # its clock is ahead: its heartbeats cannot be compared with our clock
+            skew = (
+                f"; its heartbeat is {-age:.0f} s in the future: the clock of host {holder.get('host', '?')} is "
+                f"ahead of this machine's by at least {-age:.0f} s, so the lock file's age ({max(0.0, file_age):.0f} "
+                f"s) is used instead; fix the clocks (NTP)"
+            )
+            age = file_age
         if age > LEASE_S:
-            return "stale", f"no heartbeat for {age:.0f} s"
+            return "expired", f"no heartbeat for {age:.0f} s ({where}){skew}"
         if age > LATE_S:
-            return "late", f"no heartbeat for {age:.0f} s"
-        return "held", f"on another machine; a lock is taken over {LEASE_S:.0f} s after its last heartbeat"
+            return "late", f"no heartbeat for {age:.0f} s ({where}){skew}"
+        return "held", f"{where}; a lock is taken over {LEASE_S:.0f} s after its last heartbeat{skew}"
 
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
@@ -480,9 +549,14 @@ class RunLock:
         another run sets `lost`."""
         for held in self._held:
             lock, tag = held
+            if self.lost:
+                return
             try:
                 got = lock.read()
                 if got is None:
+                    if lock.marked(self.token):  # taken over and released meanwhile (this process was held up)
+                        self.lost = f"the run lock {lock} was taken over by another run (which has ended since)"
+                        return
                     new = lock.create(self._data())
                     if new is not None:
                         held[1] = new
@@ -505,12 +579,45 @@ class RunLock:
                 continue
             self._failing = False
 
+    # ---------------------------------------------------------------------------- the fence (plait.core.publish)
+
+    def covers(self, where: object) -> bool:
+        """Whether `where` lies in a directory this lock guards (the run directory, checkpoint.dir)."""
+        text = str(where).rstrip("/")
+        return any(text == root or text.startswith(root + "/") for root in map(_guarded, self.places))
+
+    def fenced(self) -> str:
+        """Why this run may no longer publish ("" while every lock is still its own): re-reads each lock (one
+        small read; a GET on S3) just before a publish, so that a take-over since the last heartbeat counts."""
+        if self.lost:
+            return self.lost
+        for lock in self._fence_locks:
+            got = lock.read()
+            if got is None and lock.marked(self.token):  # taken over and released meanwhile
+                self.lost = f"the run lock {lock} was taken over by another run (which has ended since)"
+                return self.lost
+            if got is None:  # removed by hand: the heartbeat writes it again; no other run holds it
+                continue
+            holder = _parse(got[0])
+            if holder is None or holder.get("token") != self.token:
+                self.lost = f"the run lock {lock} was taken over by {describe(holder)}"
+                return self.lost
+        return ""
+
+    def displaced(self) -> str:
+        return self._displaced
+
     def release(self) -> None:
         """Remove the locks this process holds (those a launcher handed over stay with it)."""
+        with contextlib.suppress(ValueError):
+            publish.FENCES.remove(self)
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=2 * HEARTBEAT_S)
         self._thread = None
+        for lock in self._fence_locks if self.lost and not self.handed else []:  # its word to this run is read: removed
+            with contextlib.suppress(Exception):
+                lock.unmark(self.token)
         for lock, _ in reversed(self._held):
             try:
                 got = lock.read()
@@ -531,6 +638,19 @@ class RunLock:
     def handed_env(self) -> dict[str, str]:
         """The environment of workers that run under this (launcher's) lock."""
         return {LOCK_ENV: self.token}
+
+
+def _stopped(holder: dict[str, Any]) -> bool:
+    """The holder's process (on this machine) is stopped (SIGSTOP, Ctrl-Z): its heartbeat decides, as for a
+    holder elsewhere; it may go on later, and then finds its lock taken (the fence)."""
+    stat = _proc_stat(holder["pid"]) if isinstance(holder.get("pid"), int) else None
+    return stat is not None and stat[0] in ("T", "t")
+
+
+def _guarded(place: Location) -> str:
+    """The directory a lock guards: checkpoint.dir for its run.lock, the run directory for <run>.lock."""
+    text = str(place)
+    return text.rsplit("/", 1)[0] if text.endswith("/" + LOCK_FILE) else text.removesuffix(".lock")
 
 
 def _int(value: Any) -> int:

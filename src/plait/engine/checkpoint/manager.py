@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from plait.config import CheckpointConfig
 from plait.core import storage, torch_private
+from plait.core.publish import LockLost, check_fence, displaced_holder
 from plait.core.storage import DCP_METADATA, Location
 from plait.data.chat import chat_files
 from plait.engine.checkpoint.find import (
@@ -69,6 +70,7 @@ class _Outcome:
     blocked_s: float = 0.0
     write_s: float = 0.0
     num_bytes: int = 0
+    fenced: bool = False  # refused: another run took the lock over (error says which)
 
 
 class CheckpointManager:
@@ -130,10 +132,28 @@ class CheckpointManager:
         self.stopped_at = 0  # the step at which a stop request ended the run (0: not stopped)
         self._verified: dict[str, str] = {}  # checkpoint name -> its problems ("" for none), for retention
         self._replaced: dict[str, Location] = {}  # on S3: a complete checkpoint moved aside until its step is saved
+        self._displaced = displaced_holder(self.dir) if self.is_writer else ""
         if self.is_writer and isinstance(self.dir, Path):
             storage.makedirs(self.dir)
-            for stale in self.dir.glob("step_*.tmp"):  # saves an earlier process never finished
+            self._clear_unfinished()
+
+    def _clear_unfinished(self) -> None:
+        """Saves an earlier process never finished: removed, unless the lock was taken from a holder that may
+        still be running (run.break_lock, an expired lease): then they are its in-flight files, moved aside
+        (never deleted, never mixed with a save of ours), and said."""
+        unfinished = sorted(self.dir.glob("step_*.tmp"))
+        if not self._displaced:
+            for stale in unfinished:
                 storage.remove_tree(stale)
+            return
+        for stale in unfinished:
+            aside = set_aside_name(stale, "displaced")
+            storage.rename(stale, aside)
+            warn(
+                f"{stale} is an unfinished save of {self._displaced}, whose lock this run took over and which "
+                f"may still be running: moved to {aside}, not deleted (that run publishes nothing more); delete it "
+                f"once that run has ended"
+            )
 
     # ---------------------------------------------------------------------------------------- cadence
 
@@ -281,9 +301,17 @@ class CheckpointManager:
                 warn(f"run failed with a checkpoint save in flight; abandoned after {ABANDON_AFTER_S} s")
                 self._pending = None
                 return {}
-        report = self.wait()
+        try:
+            report = self.wait()
+        except LockLost:  # the last save was refused: another run holds the directory now
+            self._shut_down()
+            raise
         if self._control is not None and not failing:
             dist.barrier(group=self._control)
+        self._shut_down()
+        return report
+
+    def _shut_down(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=self._abandoned is None)
             self._executor = None
@@ -294,7 +322,6 @@ class CheckpointManager:
             if group is not None:
                 dist.destroy_process_group(group)
         self._save_group = self._control = None
-        return report
 
     # ------------------------------------------------------------------------------------------- save
 
@@ -413,6 +440,8 @@ class CheckpointManager:
             md: Metadata = written.result()
             if self.is_writer:
                 storage.retry(lambda: self._publish(step, meta, target), "publish")
+        except LockLost as e:  # nothing of the new holder's is touched: not even our own unfinished files
+            return _Outcome(step, False, str(e), blocked_s=staged - start, fenced=True)
         except BaseException as e:
             if isinstance(e, KeyboardInterrupt | SystemExit):
                 raise
@@ -442,6 +471,7 @@ class CheckpointManager:
         if self.is_writer:
             replaced = self._replaced.pop(target.name, None)  # (on S3: _clear_remote_step)
             try:
+                check_fence(self.dir, f"the cleanup of {target}")  # no other run's files under this name
                 storage.remove_tree(target)
                 if replaced is not None:  # put back the checkpoint this save was to replace
                     storage.rename(replaced, target)
@@ -461,6 +491,7 @@ class CheckpointManager:
         meta = {**meta, "dcp_metadata_sha256": hashlib.sha256(storage.read_bytes(target / DCP_METADATA)).hexdigest()}
         text = json.dumps(meta, indent=1).encode()
         final = self.dir / f"step_{step:08d}"
+        check_fence(self.dir, f"checkpoint {final}")  # this run's lock still its own: re-read just before publishing
         storage.write_bytes(target / META, text)  # on S3 written last: this is the publish
         if not isinstance(final, Path) or not isinstance(target, Path):
             if (replaced := self._replaced.pop(final.name, None)) is not None:  # (_clear_remote_step)
@@ -489,6 +520,8 @@ class CheckpointManager:
             return {}
         outcome: _Outcome = self._pending.result()
         self._pending = None
+        if outcome.fenced:
+            raise LockLost(outcome.error)
         if outcome.ok:
             self._last_write_s = outcome.write_s
             return {
@@ -512,6 +545,7 @@ class CheckpointManager:
         """Keep the newest checkpoint.keep_last complete checkpoints and every checkpoint.keep_every-th
         step; remove the other complete ones and what failed or interrupted saves left behind (no save is in
         flight now). Damaged checkpoints are neither counted nor removed: they are the user's to inspect."""
+        check_fence(self.dir, "retention's deletions")
         tree = storage.list_tree(self.dir)
         complete, damaged = classify(self.dir, tree)
         for c in complete:  # published checkpoints never change: each is verified once
@@ -532,7 +566,10 @@ class CheckpointManager:
         for name in tree:
             if name in known or not ANY_STEP_DIR.match(name):
                 continue
-            # a partial save: step_<N>.tmp on a local disk, an unpublished step_<N> prefix on S3
+            # a partial save: step_<N>.tmp on a local disk, an unpublished step_<N> prefix on S3; not while the
+            # run whose lock we took may still be writing one
+            if self._displaced:
+                continue
             if name.endswith(".tmp") or (steps and step_of(self.dir / name) < steps[-1]):
                 storage.remove_tree(self.dir / name)
 
