@@ -278,3 +278,33 @@ def test_a_running_job_redraws_its_plot_at_most_once_a_minute_and_never_above_it
     assert PLOT_SHARE * PLOT_REFRESH_S < 10 and not refresh.due()
     now[0] += 10 / PLOT_SHARE
     assert refresh.due()
+
+
+@pytest.mark.parametrize(
+    "args, toml, said",
+    [
+        (["generate", "run", "--promt", "x"], None, "unrecognized arguments: --promt x; did you mean --prompt?"),
+        (["fit", "--world-size", "2", "--stpes", "3"], None, "did you mean --steps?"),
+        (["ckpt", "export", "run", "--out", "x", "--formt", "hf"], None, "did you mean --format?"),
+        (["compile", "--json=c.json", "--rnak", "1"], None, "did you mean --rank?"),
+        (
+            ["config", "show", "my.toml"],
+            "[optim]\nlrr = 0.1\n",
+            "unknown setting 'optim.lrr' ([optim] lrr); did you mean 'optim.lr'?",
+        ),
+        (["config", "show", "my.toml"], "lr = 0.1\n", "'lr' is outside any section; did you mean it under [optim]"),
+        (["config", "show", "my.toml"], "[trainn]\nsteps = 3\n", "unknown section [trainn]; did you mean 'train'?"),
+        (["config", "show", "my.toml"], '[model]\npreset = "smal"\n', "did you mean 'small'?"),
+    ],
+)
+def test_a_typo_gets_the_nearest_name(args, toml, said, tmp_path, monkeypatch, capsys):
+    """Plain flags (of a command and of its subcommands) and a TOML file's sections and keys suggest the
+    nearest valid name, as --section.key settings and commands do."""
+    monkeypatch.chdir(tmp_path)
+    if toml is not None:
+        (tmp_path / "my.toml").write_text(toml)
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert said in err, err
+    if toml is not None and "preset" not in toml:  # the file is named with what is wrong in it
+        assert "config file 'my.toml'" in err

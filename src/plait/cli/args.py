@@ -58,6 +58,22 @@ class PlaitParser(argparse.ArgumentParser):
         return close[0] if close else ""
 
 
+def check_input(flag: str, path: str | None, give: str) -> None:
+    """A path a command reads (a model, a run, a suite, a data directory), checked before the heavy imports:
+    one that does not exist is refused naming it, what to give and, where a sibling is close, that sibling.
+    An s3:// reference is checked where it is read."""
+    if not path or "://" in str(path):
+        return
+    where = Path(path).expanduser()
+    if where.exists():
+        return
+    said = f"{flag} {path}" if flag else str(path)
+    parent = where.parent if where.parent.is_dir() else None
+    close = difflib.get_close_matches(where.name, os.listdir(parent), n=1, cutoff=0.7) if parent else []
+    hint = f"; did you mean {Path(path).parent / close[0]}?" if close else ""
+    raise ConfigError(f"{said} does not exist: give {give}{hint}")
+
+
 def check_output_file(flag: str, path: str | None, example: str) -> None:
     """A file a command will write (--json, --out FILE), checked before any work: not a directory, and its
     folder either one that can be written or one that can be made (the nearest existing folder is writable)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 from plait.cli.args import config_argv, config_parser, load_args, parse_config_args
 from plait.cli.run import run_worker
@@ -30,7 +31,7 @@ def cmd_train(argv: list[str]) -> int:
     if a.max_restarts < 0:
         raise ConfigError(f"--max-restarts={a.max_restarts} must be 0 or more (how often a failed group is restarted)")
     if "WORLD_SIZE" not in os.environ:  # not yet inside a launched worker
-        load_args(args)  # a bad setting is refused now, before torch is even imported
+        check_paths(load_args(args))  # a bad setting or path is refused now, before torch is even imported
         from plait.cli.launch import _validate_before_launch, default_nproc, launch_local
 
         nproc = default_nproc() if a.nproc is None else a.nproc
@@ -61,6 +62,31 @@ def cmd_train(argv: list[str]) -> int:
 
     train(cfg)
     return 0
+
+
+def check_paths(cfg) -> None:
+    """The paths a run reads and writes, checked before the heavy imports and any set-up: each prepared data
+    directory (data.source, data.sources; not the bundled corpus or s3://, read later) and run.out_dir."""
+    from plait.cli.args import check_output_dir
+    from plait.config.validate import data_sources
+
+    local = [] if cfg.data.sources else [("data.source", cfg.data.source)]
+    local += [("data.sources", path) for _, path, _ in data_sources(cfg.data.sources)] if cfg.data.sources else []
+    for setting, path in local:
+        if path == "shakespeare" or "://" in path:
+            continue
+        where = Path(path).expanduser()
+        if not where.exists():
+            raise ConfigError(
+                f"{setting}: {path!r} does not exist; give 'shakespeare' or a directory made by `plait data prepare "
+                f"INPUTS --out DIR`"
+            )
+        if not (where / "manifest.json").is_file():
+            raise ConfigError(
+                f"{setting}: {path!r} is not a prepared directory (it has no manifest.json); prepare it first: "
+                f"`plait data prepare {path} --out data/NAME`, then train on data/NAME"
+            )
+    check_output_dir("run.out_dir", cfg.run.out_dir)
 
 
 def worker(argv: list[str]) -> None:

@@ -55,10 +55,28 @@ def _read_toml(path: Path) -> dict[str, dict[str, Any]]:
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
     for section, body in data.items():
-        _check_section(section)
         if not isinstance(body, dict):
-            raise ConfigError(f"{path}: '{section}' must be a table ([{section}]), not a single value")
+            raise ConfigError(f"config file {str(path)!r}: {_outside_a_table(section)}")
+        if section not in SECTIONS:
+            raise ConfigError(f"config file {str(path)!r}: unknown section [{section}]{_suggest(section, SECTIONS)}")
+        known = [*hints(SECTIONS[section]), *(["preset"] if section == "model" else [])]
+        for name in body:
+            if name not in known:
+                hint = _suggest_setting(section, name, known)
+                raise ConfigError(
+                    f"config file {str(path)!r}: unknown setting '{section}.{name}' ([{section}] {name}){hint}"
+                )
     return data
+
+
+def _outside_a_table(key: str) -> str:
+    """What is wrong with `key = value` above every [section] of a TOML file, and where it belongs."""
+    if key in SECTIONS:
+        return f"'{key}' must be a table ([{key}]), not a single value"
+    owners = [section for section, kind in SECTIONS.items() if key in hints(kind)]
+    if owners:
+        return f"'{key}' is outside any section; did you mean it under [{owners[0]}] ({owners[0]}.{key})?"
+    return f"'{key}' is outside any section, and no section has it{_suggest(key, SECTIONS)}"
 
 
 def _split_override(item: str) -> tuple[str, str]:
@@ -104,7 +122,9 @@ def _build(values: dict[str, dict[str, Any]]) -> Config:
     if isinstance(model, dict) and "preset" in model:  # first, whatever the sections' order: the rest wins
         preset = str(model["preset"])
         if preset not in PRESETS:
-            raise ConfigError(f"model.preset={preset!r} is not a preset; valid: {', '.join(PRESETS)}")
+            close = difflib.get_close_matches(preset, list(PRESETS), n=1)
+            hint = f"did you mean {close[0]!r}? valid" if close else "valid"
+            raise ConfigError(f"model.preset={preset!r} is not a preset; {hint}: {', '.join(PRESETS)}")
         cfg.model = ModelArgs(**PRESETS[preset])
         cfg.optim.lr = PRESET_LR.get(preset, (cfg.optim.lr, ""))[0]
     for section, body in values.items():
