@@ -119,7 +119,7 @@ class MetricsLogger:
         self.last.update(record)
         if self._progress is not None:
             self._progress.status = _status_parts(self.last)
-        elif line := _status_line(record):  # records without a headline figure (guard/, checkpoint/) stay quiet
+        elif line := _status_line(_with_scored(record, self.last)):  # records without a headline figure stay quiet
             console.print(f"step {step:>6} {line}", highlight=False)
 
     def advance(self, step: int) -> None:
@@ -191,6 +191,13 @@ class ProgressLine:
         return text
 
 
+def _with_scored(record: dict[str, Any], last: dict[str, Any]) -> dict[str, Any]:
+    """A validation loss's record with the token counts logged just before it at the same step."""
+    if "val/loss" not in record or last.get("step") != record["step"] or "val/heldout_tokens" not in last:
+        return record
+    return {**record, "val/scored_tokens": last["val/scored_tokens"], "val/heldout_tokens": last["val/heldout_tokens"]}
+
+
 def _status_line(m: dict[str, Any]) -> str:
     return " | ".join(_status_parts(m))
 
@@ -200,7 +207,10 @@ def _status_parts(m: dict[str, Any]) -> list[str]:
     if "train/loss" in m:
         parts.append(f"loss {m['train/loss']:.3f}")
     if "val/loss" in m:
-        parts.append(f"val {m['val/loss']:.3f}")
+        part = f"val {m['val/loss']:.3f}"
+        if m.get("val/heldout_tokens"):  # how much of the held-out split it scored (plait.engine.validation)
+            part += f" ({m['val/scored_tokens']:,} of {m['val/heldout_tokens']:,} held-out tokens)"
+        parts.append(part)
     if "train/lr" in m:
         parts.append(f"lr {m['train/lr']:.2e}")
     if "train/tokens_per_s" in m:
