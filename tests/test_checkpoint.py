@@ -325,6 +325,27 @@ def test_disk_full_saves_clean_up_and_a_lost_final_checkpoint_fails_the_run(data
     assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000002"]
 
 
+def adopting(data_dir: Path, tmp_path: Path, where: list[str], ckpt_dir) -> None:
+    """Run 'first' to the end in a checkpoint.dir; 'second' there is refused naming 'first' and touching
+    nothing, then continues it with checkpoint.adopt=true."""
+    from plait.api import train
+
+    run(data_dir, tmp_path, "first", *where)
+    before = {c.name: read_meta(c) for c in list_checkpoints(ckpt_dir)}
+    with pytest.raises(ConfigError) as e:
+        train(load_config(None, base(data_dir, tmp_path, "second", *where, "train.steps=10")))
+    text = str(e.value)
+    assert "holds the checkpoints of another run, 'first'" in text and "--checkpoint.adopt=true" in text, text
+    assert {c.name: read_meta(c) for c in list_checkpoints(ckpt_dir)} == before
+    train(load_config(None, base(data_dir, tmp_path, "second", *where, "train.steps=10", "checkpoint.adopt=true")))
+    assert list(records(tmp_path / "second")["loss"]) == [9, 10]  # resumed the first run's step 8
+    assert steps(list_checkpoints(ckpt_dir))[-1] == 10
+
+
+def test_a_checkpoint_dir_of_another_run_is_refused_unless_adopted(data_dir, tmp_path):
+    adopting(data_dir, tmp_path, [f"checkpoint.dir={tmp_path / 'shared'}"], tmp_path / "shared")
+
+
 def test_rng_state_is_restored(data_dir, tmp_path):
     from plait.data import TokenDataset, TokenLoader
     from plait.engine.trainer import build_trainable
@@ -513,6 +534,11 @@ def test_s3_save_and_resume(s3, data_dir, straight, tmp_path):
     (tmp_path / "s" / "metrics.jsonl").unlink()
     resumed = run(data_dir, tmp_path, "s", *s3_args(s3, "runs/s"))
     assert resumed["loss"] == {s: ref["loss"][s] for s in range(saved[-2] + 1, 9)}
+
+
+@pytest.mark.slow
+def test_s3_a_checkpoint_dir_of_another_run_is_refused_unless_adopted(s3, data_dir, tmp_path):
+    adopting(data_dir, tmp_path, s3_args(s3, "runs/adopt"), location(f"s3://{s3.bucket}/runs/adopt", s3.endpoint))
 
 
 def test_s3_a_damaged_checkpoint_is_set_aside_and_an_unfinished_save_cleared_before_its_step_is_saved(

@@ -176,6 +176,9 @@ class CheckpointConfig:
     s3_endpoint: str = ""
     """S3 endpoint URL for s3:// checkpoints, e.g. http://127.0.0.1:8333 ('' = AWS, or $AWS_ENDPOINT_URL);
     credentials come from the usual AWS environment variables or profile."""
+    adopt: bool = False
+    """Continue the run whose checkpoints are in checkpoint.dir although it had another run.name (without
+    this, a checkpoint.dir holding another run's checkpoints is refused, naming that run)."""
 
 
 @dataclass

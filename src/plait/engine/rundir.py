@@ -80,6 +80,7 @@ def inspect_run_dir(cfg: Config, is_main: bool = True) -> RunDirPlan:
     if not candidates:
         return RunDirPlan(run_dir, fresh=True)
     meta = read_meta(candidates[0])
+    _refuse_another_runs(cfg, candidates[0], meta)
     changed = _changed_settings(meta.get("config", {}), to_dict(cfg))
     if meta.get("weights_only"):  # `plait ckpt import`: weights only, no data consumed, nothing else to keep
         changed = [c for c in changed if c.startswith("model.")]
@@ -101,12 +102,30 @@ def inspect_run_dir(cfg: Config, is_main: bool = True) -> RunDirPlan:
     return RunDirPlan(run_dir, candidates)
 
 
+def _refuse_another_runs(cfg: Config, newest: Location, meta: dict) -> None:
+    """A checkpoint.dir shared by two run names: the second would silently continue the first's checkpoints.
+    Refused, naming that run, unless checkpoint.adopt=true says to continue it."""
+    saved = meta.get("config", {}).get("run", {}) if isinstance(meta.get("config"), dict) else {}
+    owner = saved.get("name") if isinstance(saved, dict) else None
+    if not cfg.checkpoint.dir or meta.get("weights_only") or not owner or owner == cfg.run.name:
+        return
+    if cfg.checkpoint.adopt:
+        info(f"checkpoint.adopt=true: continuing run {owner!r}'s checkpoints ({newest.name}) as run {cfg.run.name!r}")
+        return
+    raise ConfigError(
+        f"checkpoint.dir={cfg.checkpoint.dir} holds the checkpoints of another run, {owner!r} (newest: "
+        f"{newest.name}); choose another checkpoint.dir, use --run.name={owner} to resume it, or pass "
+        f"--checkpoint.adopt=true to continue it as run {cfg.run.name!r}"
+    )
+
+
 RESUME_UNSAFE = ("data.source:", "data.seq_len", "data.shuffle", "run.seed", "finetune.")
 """Settings a resumed run must keep: with another corpus, sequence length, order or adapter set, the restored
 data position and optimizer state would belong to a different run. (model.* is refused on its own.) A
 mixture's weights (data.sources) may change: the position is per source (plait.data.mixture), reported."""
 RESUME_QUIET = (
-    "run.overwrite", "run.break_lock", "data.cache_dir", "data.prefetch", "log.", "parallel.", "compile.cache_dir",
+    "run.overwrite", "run.break_lock", "checkpoint.adopt", "data.cache_dir", "data.prefetch", "log.", "parallel.",
+    "compile.cache_dir",
 )  # fmt: skip
 """Changes that do not touch the numbers (or, for parallel.*, are what resharding is for): not reported."""
 
