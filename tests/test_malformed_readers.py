@@ -358,3 +358,35 @@ def test_fuzz_the_peft_adapter_config_check(value):
         check_peft_config(value, "adapter/adapter_config.json")
     except ConfigError as e:
         assert "\n" not in str(e)
+
+
+# ---------------------------------------------------------------------------------------------- lm-eval offline
+def test_a_hub_task_without_its_data_or_network_is_one_line(lora, tmp_path, capsys, monkeypatch):
+    """No network and no cached copy: one line naming the task, the dataset and the offline setting, before
+    the harness's retries (not its traceback after 30 s)."""
+    pytest.importorskip("lm_eval")
+    import time
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))  # an empty cache
+    started = time.perf_counter()
+    argv = ["eval", str(lora["base"]), "--no-perplexity", "--lm-eval", "hellaswag"]
+    err = judge("hellaswag offline", argv, "--lm-eval hellaswag: its dataset", tmp_path, capsys)
+    assert "HF_DATASETS_OFFLINE" in err and time.perf_counter() - started < 60
+
+
+def test_plaits_own_task_scores_offline(lora, tmp_path, capsys, monkeypatch):
+    """plait-shakespeare-mc: named like any task, scored with no network (its data ships with plait)."""
+    pytest.importorskip("lm_eval")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    report = tmp_path / "eval.json"
+    assert run_cli([*_eval(lora["base"]), "--limit", "8", "--json", str(report)], tmp_path) == 0
+    scores = json.loads(report.read_text())["lm_eval"]["plait-shakespeare-mc"]
+    assert 0 <= scores["acc,none"] <= 1
+
+
+def test_an_include_directory_warns_that_its_python_runs(lora, tmp_path, capsys):
+    (tmp_path / "tasks").mkdir()
+    run_cli([*_eval(lora["base"]), "--limit", "2", "--lm-eval-include", str(tmp_path / "tasks")], tmp_path)
+    assert "!function entries run the Python files there" in capsys.readouterr().err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -40,9 +41,15 @@ def _parser() -> PlaitParser:
     parser.add_argument(
         "--lm-eval",
         metavar="TASKS",
-        help="lm-evaluation-harness tasks, comma-separated (e.g. hellaswag,arc_easy): scored on this model.",
+        help="lm-evaluation-harness tasks, comma-separated (e.g. hellaswag,arc_easy): scored on this model. "
+        "plait-shakespeare-mc is plait's own and runs offline; a Hub task needs its dataset cached or the network.",
     )
-    parser.add_argument("--lm-eval-include", metavar="DIR", help="A directory of task YAMLs of your own.")
+    parser.add_argument(
+        "--lm-eval-include",
+        metavar="DIR",
+        help="A directory of task YAMLs of your own. Its Python runs: a YAML's '!function module.name' entries "
+        "import and execute DIR's .py files, so include only a directory you trust.",
+    )
     parser.add_argument("--limit", type=int, help="--lm-eval: at most this many examples per task.")
     parser.add_argument("--num-fewshot", type=int, help="--lm-eval: few-shot examples (default: each task's).")
     parser.add_argument("--base", help="For an adapter: its base model (default: the path the adapter records).")
@@ -75,6 +82,11 @@ def cmd_eval(argv: list[str]) -> int:
         from plait.lifecycle.harness import _harness
 
         _harness()  # installed, before the model loads
+    if a.lm_eval_include:
+        if not Path(a.lm_eval_include).is_dir():
+            raise ConfigError(f"--lm-eval-include {a.lm_eval_include} is not a directory of task YAMLs")
+        print(f"warning: --lm-eval-include {a.lm_eval_include}: its tasks' !function entries run the Python files "
+              "there", file=sys.stderr)  # fmt: skip
     suite = load_suite(a.suite) if a.suite else None  # check the suite before loading a model
     with phase(f"loading {a.model}"):
         loaded = load_model(a.model, device=a.device, base=a.base)

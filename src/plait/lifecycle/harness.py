@@ -12,6 +12,7 @@ tokens, rolling windows are the harness's.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +110,24 @@ def plait_lm(model, tokenizer, *, device: str = "cpu"):
     return PlaitLM()
 
 
+TASKS_DIR = Path(__file__).with_name("tasks")
+"""plait's own tasks (offline: their data ships with plait), each a YAML whose {data} is the JSONL beside it."""
+LOCAL_BUILDERS = ("json", "csv", "parquet", "text", "arrow")
+
+
+def bundled_tasks() -> Path:
+    """A task directory of plait's own tasks with their data's paths filled in (the harness resolves a task's
+    data_files from the working directory, not from its YAML's)."""
+    import json
+    import tempfile
+
+    out = Path(tempfile.mkdtemp(prefix="plait-lm-eval-tasks-"))
+    for template in TASKS_DIR.glob("*.yaml"):
+        data = template.with_suffix(".jsonl")
+        (out / template.name).write_text(template.read_text().replace("{data}", json.dumps(str(data.resolve()))))
+    return out
+
+
 def run_lm_eval(
     model,
     tokenizer: str | Path,
@@ -119,19 +138,80 @@ def run_lm_eval(
     num_fewshot: int | None = None,
     device: str = "cpu",
 ) -> dict[str, dict[str, Any]]:
-    """The harness's results per task (metric -> value) for a plait model and its tokenizer.json."""
+    """The harness's results per task (metric -> value) for a plait model and its tokenizer.json. plait's own
+    tasks (TASKS_DIR) are always there; a task whose data is on the Hugging Face Hub is refused at once where
+    it is not cached and cannot be fetched (check_reachable), before the harness's retries."""
     lm_eval, _ = _harness()
     from lm_eval.tasks import TaskManager
 
     from plait.data import load_tokenizer
 
-    manager = TaskManager(include_path=include_path) if include_path else TaskManager()
+    own = bundled_tasks()
+    try:
+        return _evaluate(lm_eval, TaskManager, own, model, load_tokenizer(tokenizer), tasks, include_path, limit,
+                         num_fewshot, device)  # fmt: skip
+    finally:
+        shutil.rmtree(own, ignore_errors=True)
+
+
+def _evaluate(lm_eval, TaskManager, own: Path, model, tok, tasks, include_path, limit, num_fewshot, device):
+    manager = TaskManager(include_path=[str(own), include_path] if include_path else str(own))
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
         where = f"--lm-eval-include {include_path}" if include_path else "no --lm-eval-include"
-        raise ConfigError(f"--lm-eval: no task {unknown[0]!r} in the harness ({where})")
-    lm = plait_lm(model, load_tokenizer(tokenizer), device=device)
+        raise ConfigError(
+            f"--lm-eval: no task {unknown[0]!r} in the harness ({where}); plait's own, offline: "
+            f"{', '.join(sorted(p.stem for p in TASKS_DIR.glob('*.yaml')))}"
+        )
+    for task in tasks:
+        check_reachable(task, _dataset_path(manager, task))
+    lm = plait_lm(model, tok, device=device)
     out = lm_eval.simple_evaluate(
         model=lm, tasks=tasks, task_manager=manager, limit=limit, num_fewshot=num_fewshot, bootstrap_iters=0
     )
     return {task: {k: v for k, v in metrics.items() if k != "alias"} for task, metrics in out["results"].items()}
+
+
+def _dataset_path(manager, task: str) -> str | None:
+    """A task's dataset_path as its YAML gives it (None for a group, or where this harness version hides it)."""
+    index = getattr(manager, "task_index", None) or getattr(manager, "_task_index", {})
+    entry = index.get(task)
+    cfg = getattr(entry, "cfg", None) if not isinstance(entry, dict) else entry.get("cfg")
+    path = cfg.get("dataset_path") if isinstance(cfg, dict) else None
+    return path if isinstance(path, str) else None
+
+
+def check_reachable(task: str, dataset: str | None) -> None:
+    """A task's Hub dataset in the local cache, or the Hub reachable (a 3 s connection): otherwise one line
+    naming the task and what is missing, rather than the datasets library's retries and traceback."""
+    import os
+    import socket
+    from urllib.parse import urlparse
+
+    if dataset is None or dataset in LOCAL_BUILDERS or Path(dataset).expanduser().exists() or _cached(dataset):
+        return
+    offline = [v for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE") if os.environ.get(v, "").lower() in ("1", "true")]
+    fix = "run it once with the network to cache it, or score a local task (e.g. --lm-eval plait-shakespeare-mc)"
+    if offline:
+        raise ConfigError(f"--lm-eval {task}: its dataset {dataset} is not cached here and {offline[0]} is set: {fix}")
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    host = urlparse(endpoint).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, urlparse(endpoint).port or 443), timeout=3).close()
+    except OSError:
+        raise ConfigError(
+            f"--lm-eval {task}: its dataset {dataset} is not cached here and {host} cannot be reached (no network): "
+            f"{fix}"
+        ) from None
+
+
+def _cached(dataset: str) -> bool:
+    """Whether the datasets library's cache or the Hub's holds `dataset` (org/name)."""
+    import os
+
+    home = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")).expanduser()
+    datasets_cache = Path(os.environ.get("HF_DATASETS_CACHE", home / "datasets")).expanduser()
+    hub_cache = Path(os.environ.get("HF_HUB_CACHE", home / "hub")).expanduser()
+    return (datasets_cache / dataset.replace("/", "___")).is_dir() or (
+        hub_cache / f"datasets--{dataset.replace('/', '--')}"
+    ).is_dir()
