@@ -308,3 +308,38 @@ def test_a_typo_gets_the_nearest_name(args, toml, said, tmp_path, monkeypatch, c
     assert said in err, err
     if toml is not None and "preset" not in toml:  # the file is named with what is wrong in it
         assert "config file 'my.toml'" in err
+
+
+def tour_lines() -> list[str]:
+    """The README's "A quick tour" block, line by line as a user pastes it (comments and all)."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = readme.split("## A quick tour", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    return [line for line in block.splitlines() if line.strip()]
+
+
+@pytest.mark.full
+@pytest.mark.slow
+def test_the_readme_tour_runs_verbatim_in_order(tmp_path):
+    """Each line of the tour, unchanged, through bash, top to bottom, in a fresh directory holding what the
+    tour says is the user's own (books/ of .txt files, notes.jsonl): every line exits 0, and what one line
+    writes (my.toml, runs/mine-toml, data/mine) is what the next one reads."""
+    import gzip
+    import shutil
+
+    corpus = Path(__file__).resolve().parents[1] / "src/plait/data/corpus/shakespeare.jsonl.gz"
+    with gzip.open(corpus, "rt") as f:
+        rows = [json.loads(line) for line in f][:6]
+    (tmp_path / "books").mkdir()
+    for i, row in enumerate(rows[:3]):
+        (tmp_path / "books" / f"book{i}.txt").write_text(row["text"])
+    (tmp_path / "notes.jsonl").write_text("".join(json.dumps({"text": r["text"]}) + "\n" for r in rows[3:]))
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # this interpreter's `plait`
+    assert shutil.which("plait", path=env["PATH"]), "the plait command is not installed (pip install -e .)"
+    for line in tour_lines():
+        done = subprocess.run(["bash", "-c", line], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=1800)  # fmt: skip
+        assert done.returncode == 0, f"{line}\n{done.stdout[-1500:]}\n{done.stderr[-3000:]}"
+    assert "[model]" in (tmp_path / "my.toml").read_text()
+    for run in ("mine-toml", "mine", "mix"):
+        assert (tmp_path / "runs" / run / "checkpoints" / "step_00000100").is_dir(), run
