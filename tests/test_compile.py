@@ -365,8 +365,12 @@ def test_compiled_parallel_layouts_match_eager(names, data_dir, tmp_path):
     ],
 )
 def test_unsupported_compile_combinations_are_refused(overrides, message):
+    """By the config check, or (the layouts compiled blocks run in: rules.compile_problem) the layout check."""
+    from plait.parallel import ParallelDims, validate_layout
+
     with pytest.raises(ConfigError, match=message):
-        load_config(None, ["model.preset=debug", "compile.enabled=true", *overrides])
+        cfg = load_config(None, ["model.preset=debug", "compile.enabled=true", *overrides])
+        validate_layout(cfg, ParallelDims.from_config(cfg.parallel, cfg.parallel.pp_degree, cfg.model))
 
 
 @pytest.mark.parametrize("release,refused", [((2, 11), False), ((2, 12), True), ((2, 13), True)])
@@ -374,12 +378,15 @@ def test_compile_with_tp_is_refused_only_on_torch_releases_where_it_is_broken(mo
     from plait.core import torch_private
 
     monkeypatch.setattr(torch_private, "_torch_minor", lambda: release)
-    overrides = ["model.preset=debug", "compile.enabled=true", "parallel.tp_degree=2"]
+    from plait.parallel import ParallelDims, validate_layout
+
+    cfg = load_config(None, ["model.preset=debug", "compile.enabled=true", "parallel.tp_degree=2"])
+    dims = ParallelDims.from_config(cfg.parallel, 2, cfg.model)
     if refused:
         with pytest.raises(ConfigError, match=r"tp_degree=2 is refused on torch .*broken in it.*torch 2.11 compiles"):
-            load_config(None, overrides)
+            validate_layout(cfg, dims)
     else:
-        assert load_config(None, overrides).compile.enabled
+        validate_layout(cfg, dims)
 
 
 @pytest.mark.slow

@@ -392,10 +392,14 @@ def test_continued_pretraining_starts_from_the_given_weights(runs, corpus):
     ],
 )
 def test_bad_finetune_settings_are_refused(extra, message):
+    """By the config check, or (the layouts adapters train in: rules.lora_problem) the runtime's layout check."""
     from plait.config import load_config
+    from plait.parallel import ParallelDims, validate_layout
 
     with pytest.raises(ConfigError, match=message):
-        load_config(None, [e.removeprefix("--") for e in extra])
+        cfg = load_config(None, [e.removeprefix("--") for e in extra])
+        world = cfg.parallel.tp_degree * cfg.parallel.pp_degree
+        validate_layout(cfg, ParallelDims.from_config(cfg.parallel, world, cfg.model))
 
 
 def test_init_from_another_model_shape_is_refused(runs, corpus, capsys):

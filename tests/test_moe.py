@@ -152,10 +152,13 @@ def test_refused_settings_name_the_fix():
         cfg("model.moe_score=relu")
     from plait.parallel import ParallelDims, validate_layout
 
+    def layout(c):
+        validate_layout(c, ParallelDims.from_config(c.parallel, 6, c.model))
+
     with pytest.raises(ConfigError, match=r"ep_degree=3 must divide model.moe_experts=8 .* in \[1, 2, 4, 8\]"):
-        cfg("parallel.ep_degree=3")
+        layout(cfg("parallel.ep_degree=3"))
     with pytest.raises(ConfigError, match="model is dense"):
-        load_config(None, ["parallel.ep_degree=2"])
+        layout(load_config(None, ["parallel.ep_degree=2"]))
     with pytest.raises(ConfigError, match=r"ep_degree=4 must divide dp_shard x cp x tp = 2 .* in \[1, 2\]"):
         moe_ep = cfg("parallel.ep_degree=4", "parallel.dp_replicate_degree=2")
         validate_layout(moe_ep, ParallelDims.from_config(moe_ep.parallel, 4, moe_ep.model))
@@ -416,8 +419,15 @@ def test_compiled_moe_blocks_match_eager_in_bf16(data_dir, tmp_path, monkeypatch
     ],
 )
 def test_compiled_moe_refuses_what_it_does_not_support_yet(overrides, message):
+    """By the config check (precision), or the layout check (rules.compile_problem: what the planner knows too)."""
+    from plait.parallel import ParallelDims, validate_layout
+
     with pytest.raises(ConfigError, match=message):
-        load_config(None, ["model.preset=moe-debug", "compile.enabled=true", "train.mixed_precision=bf16", *overrides])
+        cfg = load_config(
+            None, ["model.preset=moe-debug", "compile.enabled=true", "train.mixed_precision=bf16", *overrides]
+        )
+        world = cfg.parallel.pp_degree * max(cfg.parallel.dp_shard_degree, 1)
+        validate_layout(cfg, ParallelDims.from_config(cfg.parallel, world, cfg.model))
 
 
 @pytest.mark.full

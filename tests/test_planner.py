@@ -575,10 +575,11 @@ def test_mixture_of_experts_is_planned_on_active_flops():
         plan(deepseek, get_cluster("h100", nodes=256), hints=False, pins={"ep": 1})
 
 
-def test_the_search_and_the_runtime_accept_and_refuse_the_same_500_layouts():
-    """One set of layout rules (plait.parallel.rules): 500 random models, sequences, batches, worlds and
-    layouts drawn from the planner's search space; each is a layout `enumerate_layouts` offers exactly when
-    `validate_layout` lets a run start with it. Seeded: the same 500 every run."""
+def test_the_search_and_the_runtime_accept_and_refuse_the_same_600_layouts():
+    """One set of layout rules (plait.parallel.rules): 600 random models, sequences, batches, worlds, layouts,
+    compile and LoRA settings drawn from the planner's search space; each is a layout `enumerate_layouts` offers
+    exactly when `validate_layout` lets a run start with it. Seeded: the same 600 every run (600, not the 500 of
+    before compile and LoRA were drawn: they refuse more, and both verdicts must stay well represented)."""
     import random
 
     from plait.config import Config
@@ -587,9 +588,9 @@ def test_the_search_and_the_runtime_accept_and_refuse_the_same_500_layouts():
     from plait.planner.cost import SCHEDULES
     from plait.planner.search import VIRTUAL_STAGES, _cp_degrees, divisors, enumerate_layouts
 
-    rng = random.Random(2029)
+    rng, features = random.Random(2029), random.Random(7)  # features: compile and LoRA, drawn apart
     agreed = {True: 0, False: 0}
-    for case in range(500):
+    for case in range(600):
         heads = rng.choice([2, 4, 6, 8])
         experts = rng.choice([0, 0, 4, 8])
         args = ModelArgs(
@@ -600,7 +601,8 @@ def test_the_search_and_the_runtime_accept_and_refuse_the_same_500_layouts():
         )  # fmt: skip
         seq, world = rng.choice([256, 512, 2048, 4096]), rng.choice([1, 2, 4, 8, 12, 16])
         batch = rng.choice([rng.randint(1, 32), world * rng.randint(1, 4)])
-        work = Workload(args, seq, batch)
+        compiled, lora = features.random() < 0.2, features.choice([0, 0, 0, 0, 4])
+        work = Workload(args, seq, batch, compiled=compiled, lora_rank=lora)
         cluster = get_cluster("h100", nodes=1, devices_per_node=world)
         tp = rng.choice(divisors(world))
         cp = rng.choice([c for c in _cp_degrees(work, world) if (world // tp) % c == 0] or [1])
@@ -614,6 +616,7 @@ def test_the_search_and_the_runtime_accept_and_refuse_the_same_500_layouts():
         cfg = Config()
         cfg.model, cfg.data.seq_len = args, seq
         cfg.train.global_batch_size, cfg.train.micro_batch_size = batch, micro
+        cfg.compile.enabled, cfg.finetune.lora_rank = compiled, lora
         if pp > 1:
             cfg.parallel.pp_schedule, cfg.parallel.pp_virtual_stages = SCHEDULES[code], virtual
         dims = ParallelDims(rest // shard, shard, tp, pp, cp=cp, ep=ep, moe=bool(experts), qk_norm=args.qk_norm)
@@ -629,6 +632,42 @@ def test_the_search_and_the_runtime_accept_and_refuse_the_same_500_layouts():
                 lay.micro_batch.tolist(), strict=True)
         )  # fmt: skip
         key = (rest // shard, shard, tp, pp, cp, ep, code, virtual, micro)
-        assert (key in offered) == runs, f"case {case}: {key} runs={runs} offered={key in offered} ({args}, {seq=})"
+        why = f"{args}, {seq=}, {compiled=}, {lora=}"
+        assert (key in offered) == runs, f"case {case}: {key} runs={runs} offered={key in offered} ({why})"
         agreed[runs] += 1
-    assert min(agreed.values()) > 100, agreed  # both verdicts well represented (seed 2029: 110 run, 390 refused)
+    assert min(agreed.values()) > 100, agreed  # both verdicts well represented (seeds 2029, 7: 117 run, 483 refused)
+
+
+@pytest.mark.parametrize("setting", ["compile", "lora"])
+def test_the_planner_never_offers_a_compiled_or_lora_layout_the_run_refuses(setting):
+    """The two reproductions: llama3-70b on 8 H100s with compile.enabled=true or finetune.lora_rank=8 was planned
+    as tp 4 x pp 2, which the run refuses; now every layout offered passes the runtime's check."""
+    from plait.config import load_config
+    from plait.parallel.dims import ParallelDims, validate_layout
+    from plait.parallel.rules import compile_problem, lora_problem
+    from plait.planner.preflight import workload_of
+    from plait.planner.search import layout_config
+
+    extra = ["compile.enabled=true"] if setting == "compile" else ["finetune.lora_rank=8", "finetune.init_from=x"]
+    cfg = load_config(None, ["model.preset=llama3-70b", "data.seq_len=4096", "train.global_batch_size=64", *extra])
+    result = plan(workload_of(cfg, bf16=True), get_cluster("h100", nodes=1, devices_per_node=8))
+    for i in result.top(20):
+        rec = result.record(i)
+        assert not compile_problem(cfg.compile.enabled, False, rec["tp"], rec["cp"], rec["pp"], 1, rec["schedule"]), rec
+        assert not lora_problem(cfg.finetune.lora_rank, rec["tp"], rec["pp"]), rec
+    chosen = layout_config(result, cfg)  # what `plait train --layout auto` runs: the runtime's check passes
+    validate_layout(chosen, ParallelDims.from_config(chosen.parallel, 8, chosen.model))
+
+
+def test_plan_refuses_a_pinned_schedule_the_run_refuses(tmp_path, capsys):
+    """A gpipe config with pp_virtual_stages = 3 (which the runtime refuses) exits 2 with the runtime's reason,
+    instead of being planned as v = 1 without a word."""
+    from plait.cli import main
+
+    path = tmp_path / "gpipe.toml"
+    path.write_text(
+        '[model]\npreset = "llama3-8b"\n[data]\nseq_len = 4096\n[train]\nglobal_batch_size = 64\n'
+        '[parallel]\npp_degree = 2\npp_schedule = "gpipe"\npp_virtual_stages = 3\n'
+    )
+    assert main(["plan", "--config", str(path), "--cluster", "h100", "--nodes", "1", "--devices-per-node", "8"]) == 2
+    assert "pp_schedule='gpipe' runs one stage per rank" in capsys.readouterr().err

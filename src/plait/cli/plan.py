@@ -184,6 +184,14 @@ def cmd_plan(argv: list[str]) -> int:
     if cluster.efficiency > 1:
         raise ConfigError(f"--efficiency={cluster.efficiency} is a fraction of peak: at most 1, e.g. 0.55")
     work = Workload(model, seq, tokens // seq, a.precision)
+    if base is not None:  # what the config's run would do: its head, optimizer states, compile and adapters
+        work = dataclasses.replace(
+            work,
+            fused_head=base.train.fused_head,
+            moment_bytes=2 if base.optim.state_dtype == "bf16" else 4,
+            compiled=base.compile.enabled,
+            lora_rank=base.finetune.lora_rank,
+        )
     pins = config_pins(a.config, base, cluster.world_size) if base is not None else {}
     result = plan(work, cluster, pins=pins)
     if a.json:
@@ -203,11 +211,12 @@ def config_pins(path: str, base, world_size: int) -> dict[str, int]:
     with the runtime's own reason (plait.parallel.rules)."""
     import tomllib
 
-    from plait.parallel.rules import cp_problem, pp_problem, tp_problem
+    from plait.parallel.rules import cp_problem, pp_problem, stages_problem, tp_problem
     from plait.planner.cost import AC_MODES, SCHEDULES
 
     with open(path, "rb") as f:
-        written = tomllib.load(f).get("parallel") or {}
+        document = tomllib.load(f)
+    written, train = document.get("parallel") or {}, document.get("train") or {}
     p = base.parallel
     pins: dict[str, int] = {}
     for key, column in (
@@ -227,6 +236,14 @@ def config_pins(path: str, base, world_size: int) -> dict[str, int]:
         pins["offload"] = int(p.cpu_offload)
     if "pp_schedule" in written and p.pp_degree > 1:
         pins["schedule"] = SCHEDULES.index(p.pp_schedule)
+    if "pp_virtual_stages" in written and p.pp_degree > 1:
+        pins["virtual"] = p.pp_virtual_stages
+    if "fsdp_reshard_after_forward" in written:
+        pins["reshard"] = int(p.fsdp_reshard_after_forward)
+    if "fsdp_reduce_every_micro_batch" in written:
+        pins["sync_each"] = int(p.fsdp_reduce_every_micro_batch)
+    if train.get("micro_batch_size"):
+        pins["micro_batch"] = base.train.micro_batch_size
     fixed = pins.get("dp_replicate", 1) * pins.get("tp", 1) * pins.get("pp", 1) * pins.get("dp_shard", 1)
     fixed *= pins.get("cp", 1)
     if world_size % fixed:
@@ -240,7 +257,11 @@ def config_pins(path: str, base, world_size: int) -> dict[str, int]:
     # the data-parallel ranks, the micro-batches) hold for the layouts the search still covers, or it says so.
     m, seq, tp = base.model, base.data.seq_len, pins.get("tp", 1)
     problem = (
-        ("tp" in pins and tp_problem(m, seq, tp))
+        (
+            ("pp_schedule" in written or "pp_virtual_stages" in written)
+            and stages_problem(p.pp_schedule, p.pp_virtual_stages)
+        )
+        or ("tp" in pins and tp_problem(m, seq, tp))
         or ("cp" in pins and cp_problem(m, seq, pins["cp"], tp))
         or ("pp" in pins and pp_problem(m, pins["pp"]))
     )

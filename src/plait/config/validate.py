@@ -8,7 +8,6 @@ import math
 from plait.config.fields import convert, hints
 from plait.config.sections import LORA_TARGETS, SECTIONS, Config, LogConfig
 from plait.core.errors import ConfigError
-from plait.core.torch_private import compile_with_tp_works, torch_version
 
 
 def _check_trackers(log: LogConfig) -> None:
@@ -72,14 +71,6 @@ def _validate_retrieval(cfg: Config) -> None:
             f"model.retrieval_chunk={m.retrieval_chunk}: a neighbour (2 chunks) must fit model.max_seq_len="
             f"{m.max_seq_len}"
         )
-
-
-def _refuse_degrees(what: str, reasons: list[tuple[str, int, str]], remedy) -> None:
-    """ConfigError for the first parallel degree above 1 among `reasons` (name, degree, why it is refused):
-    "<what> parallel.<name>=<degree> is not supported yet (<why>); <remedy(name)>"."""
-    for name, degree, why in reasons:
-        if degree > 1:
-            raise ConfigError(f"{what} parallel.{name}={degree} is not supported yet ({why}); {remedy(name)}")
 
 
 def _validate_ranges(cfg: Config) -> None:
@@ -277,22 +268,12 @@ def a_or_an(noun: str) -> str:
 
 
 def _validate_moe(cfg: Config) -> None:
-    m, p = cfg.model, cfg.parallel
+    # How the experts split over ranks (parallel.ep_degree) is a layout rule: plait.parallel.rules.ep_problem.
+    m = cfg.model
     _non_negative("model", m, ["moe_experts", "moe_hidden_dim", "moe_shared_experts", "moe_dense_layers"])
     _non_negative("model", m, ["moe_aux_loss", "moe_bias_rate"])
-    if p.ep_degree > 1 and not m.moe_experts:
-        raise ConfigError(
-            f"parallel.ep_degree={p.ep_degree} splits a mixture of experts, but this model is dense "
-            "(model.moe_experts=0); set parallel.ep_degree=1, or choose an MoE model (e.g. model.preset=moe-debug)"
-        )
     if not m.moe_experts:
         return
-    if m.moe_experts % p.ep_degree:
-        ok = [d for d in range(1, m.moe_experts + 1) if m.moe_experts % d == 0]
-        raise ConfigError(
-            f"parallel.ep_degree={p.ep_degree} must divide model.moe_experts={m.moe_experts} (each ep rank holds "
-            f"an equal share of the experts); choose ep_degree in {ok}"
-        )
     if not 1 <= m.moe_top_k <= m.moe_experts:
         raise ConfigError(f"model.moe_top_k={m.moe_top_k} must be in [1, model.moe_experts={m.moe_experts}]")
     if m.moe_score not in ("softmax", "sigmoid"):
@@ -302,56 +283,26 @@ def _validate_moe(cfg: Config) -> None:
             f"model.moe_dense_layers={m.moe_dense_layers} leaves no MoE block of model.n_layers={m.n_layers}; "
             "lower it, or set model.moe_experts=0 for a dense model"
         )
-    if cfg.compile.enabled:
-        _validate_moe_compile(cfg)
-
-
-def _validate_moe_compile(cfg: Config) -> None:
-    """Compiled MoE blocks: their experts must run as grouped matmuls (static shapes, offsets on the device;
-    the per-expert loop needs each expert's token count on the host, a graph break), which are bf16 kernels;
-    the device's side of it is checked when the blocks are compiled (plait.parallel.compile)."""
-    p = cfg.parallel
-    if cfg.train.mixed_precision == "fp32":
+    # Compiled MoE blocks run their experts as grouped matmuls (static shapes, offsets on the device; the
+    # per-expert loop needs each expert's token count on the host, a graph break), which are bf16 kernels; the
+    # device's side is checked when the blocks are compiled (plait.parallel.compile), the layouts they run in
+    # by plait.parallel.rules.compile_problem.
+    if cfg.compile.enabled and cfg.train.mixed_precision == "fp32":
         raise ConfigError(
             "compile.enabled=true with a mixture-of-experts model needs train.mixed_precision='bf16' (or 'auto' on "
             "a bf16 GPU): compiled experts run as grouped bf16 matmuls; set it, or compile.enabled=false"
         )
-    _refuse_degrees(
-        "compile.enabled=true with a mixture-of-experts model and",
-        [
-            ("ep_degree", p.ep_degree, "the all-to-all's split sizes are read on the host in every block"),
-            ("tp_degree", p.tp_degree, "the balancing loss sums routing counts over the ranks inside the block"),
-            ("cp_degree", p.cp_degree, "the balancing loss sums routing counts over the ranks inside the block"),
-            ("pp_degree", p.pp_degree, "a stage's shape inference runs the blocks without counting (a recompile)"),
-        ],
-        lambda name: (
-            f"compiled MoE runs on data-parallel layouts (DDP, FSDP, HSDP): set parallel.{name}=1 or "
-            "compile.enabled=false"
-        ),
-    )
 
 
 def _validate_compile(cfg: Config) -> None:
-    c, p = cfg.compile, cfg.parallel
+    """compile's own settings; the layouts compiled blocks run in: plait.parallel.rules.compile_problem."""
+    c = cfg.compile
     if c.float8 == "true" and not c.enabled:
         raise ConfigError("compile.float8=true needs compile.enabled=true (torchao's float8 casts are fast compiled)")
     if c.float8_recipe != "tensorwise" and c.float8 == "false":
         raise ConfigError(
             f"compile.float8_recipe={c.float8_recipe} takes effect only with float8 matmuls: set compile.float8=true "
             "or auto (with compile.enabled=true), or leave compile.float8_recipe unset"
-        )
-    if c.enabled and p.tp_degree > 1 and not compile_with_tp_works():
-        raise ConfigError(
-            f"compile.enabled=true with parallel.tp_degree={p.tp_degree} is refused on torch {torch_version()}: "
-            "torch.compile with tensor parallelism is broken in it (TP alone fails in backward with \"'Tensor' "
-            "object has no attribute '_local_tensor'\"; FSDP2 + TP trains on wrong gradients); torch 2.11 "
-            "compiles it correctly. Set parallel.tp_degree=1 or compile.enabled=false, or use torch 2.11"
-        )
-    if c.enabled and p.pp_degree > 1 and p.pp_schedule == "zero_bubble":
-        raise ConfigError(
-            "compile.enabled=true with parallel.pp_schedule='zero_bubble' is refused: zero-bubble splits each "
-            "stage's backward into separate input- and weight-gradient passes, not verified through compiled "
-            "blocks (plait's compile tests run 1f1b); use pp_schedule='1f1b', or compile.enabled=false"
         )
 
 
@@ -375,11 +326,7 @@ def _validate_finetune(cfg: Config) -> None:
             f"finetune.lora_rank={f.lora_rank} adapts a trained model: set finetune.init_from to its checkpoint, "
             f"run directory or Hugging Face directory"
         )
-    if cfg.parallel.tp_degree > 1 or cfg.parallel.pp_degree > 1:
-        raise ConfigError(
-            "finetune.lora_rank > 0 runs on one process or data parallel (DDP/FSDP/HSDP): set "
-            "parallel.tp_degree=1 and parallel.pp_degree=1"
-        )
+    # the layouts adapters train in: plait.parallel.rules.lora_problem
 
 
 def _positive(section: str, obj, names: list[str]) -> None:

@@ -31,8 +31,10 @@ from plait.core.torch_private import flatten_mesh, merge_inner_axes, unflatten_m
 from plait.parallel import rules
 from plait.parallel.rules import (
     batch_problem,
+    compile_problem,
     cp_problem,
     ep_problem,
+    lora_problem,
     pipeline_problem,
     reduce_every_micro_batch_problem,
     tp_problem,
@@ -248,6 +250,8 @@ def validate_layout(cfg: Config, dims: ParallelDims) -> None:
             m, dims.pp, p.pp_schedule, p.pp_virtual_stages, t.global_batch_size // dims.dp, t.micro_batch_size,
             t.fused_head,
         )
+        or compile_problem(cfg.compile.enabled, bool(m.moe_experts), dims.tp, dims.cp, dims.pp, dims.ep, p.pp_schedule)
+        or lora_problem(cfg.finetune.lora_rank, dims.tp, dims.pp)
     )  # fmt: skip
     if problem:
         raise ConfigError(problem)

@@ -1,5 +1,6 @@
 """Every rule of a parallel layout, written once: which degrees can split this model and sequence, how a batch
-divides over ranks and micro-batches, what a pipeline schedule needs, and when FSDP wraps the model.
+divides over ranks and micro-batches, what a pipeline schedule needs, when FSDP wraps the model, and the layouts
+that compiled blocks (compile_problem) and LoRA adapters (lora_problem) run in.
 
 The runtime's check before any worker starts (plait.parallel.dims.validate_layout), the planner's search over
 candidate layouts (plait.planner.search) and its cost model all call these. The element-wise ones (tp_whole,
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from plait.core.torch_private import torch_version, weight_pass_takes_custom_functions
+from plait.core.torch_private import compile_with_tp_works, torch_version, weight_pass_takes_custom_functions
 
 if TYPE_CHECKING:
     from plait.model.args import ModelArgs
@@ -127,10 +128,22 @@ def schedule_problem(schedule: str, fused_head: bool) -> str | None:
 
 
 def ep_problem(m: ModelArgs, ep: int, dp_shard: int, cp: int, moe_tp: int) -> str | None:
-    """Why expert parallelism of degree ep cannot split this model in this layout (None: it can): its ranks
-    are ranks of one FSDP shard group that hold different tokens, dp_shard x cp (x tp for an MoE block)."""
+    """Why expert parallelism of degree ep cannot split this model in this layout (None: it can): each ep rank
+    holds an equal share of the experts, and its ranks are ranks of one FSDP shard group that hold different
+    tokens, dp_shard x cp (x tp for an MoE block)."""
     if ep == 1:
         return None
+    if not m.moe_experts:
+        return (
+            f"parallel.ep_degree={ep} splits a mixture of experts, but this model is dense "
+            "(model.moe_experts=0); set parallel.ep_degree=1, or choose an MoE model (e.g. model.preset=moe-debug)"
+        )
+    if m.moe_experts % ep:
+        ok = [d for d in range(1, m.moe_experts + 1) if m.moe_experts % d == 0]
+        return (
+            f"parallel.ep_degree={ep} must divide model.moe_experts={m.moe_experts} (each ep rank holds "
+            f"an equal share of the experts); choose ep_degree in {ok}"
+        )
     ranks = dp_shard * cp * moe_tp
     if ranks % ep:
         ok = [d for d in range(1, ranks + 1) if ranks % d == 0]
@@ -159,12 +172,9 @@ def batch_problem(global_batch: int, dp: int, micro_batch_size: int) -> str | No
     return None
 
 
-def pipeline_problem(
-    m: ModelArgs, pp: int, schedule: str, virtual: int, local: int, micro_batch_size: int, fused_head: bool
-) -> str | None:
-    """Why this pipeline cannot run (None: it can, or there is none): the schedule's stages per rank, the
-    stages against the model's blocks, the micro-batches each schedule needs, the model (pp_problem) and this
-    torch (schedule_problem)."""
+def stages_problem(schedule: str, virtual: int) -> str | None:
+    """Why a schedule cannot run this many stages per rank (None: it can); `plait plan --config` refuses a
+    pinned pair with it, as the run does."""
     if virtual < 1:
         return "parallel.pp_virtual_stages must be at least 1"
     if schedule in ("gpipe", "1f1b") and virtual != 1:
@@ -172,8 +182,18 @@ def pipeline_problem(
             f"parallel.pp_schedule='{schedule}' runs one stage per rank: set parallel.pp_virtual_stages=1 "
             f"or use pp_schedule='interleaved_1f1b'"
         )
-    if pp == 1:
-        return None
+    return None
+
+
+def pipeline_problem(
+    m: ModelArgs, pp: int, schedule: str, virtual: int, local: int, micro_batch_size: int, fused_head: bool
+) -> str | None:
+    """Why this pipeline cannot run (None: it can, or there is none): the schedule's stages per rank, the
+    stages against the model's blocks, the micro-batches each schedule needs, the model (pp_problem) and this
+    torch (schedule_problem)."""
+    problem = stages_problem(schedule, virtual)
+    if problem or pp == 1:
+        return problem
     stages = pp * virtual
     if m.n_layers < stages:
         return (
@@ -210,5 +230,55 @@ def reduce_every_micro_batch_problem(asked: bool, fsdp: bool, pp: int, schedule:
             "parallel.fsdp_reduce_every_micro_batch=true with pp_schedule='zero_bubble' is refused: that "
             "schedule computes weight gradients apart from their backward, so they accumulate unsharded; "
             "use pp_schedule='interleaved_1f1b' or set it false"
+        )
+    return None
+
+
+def compile_problem(compiled: bool, moe: bool, tp: int, cp: int, pp: int, ep: int, schedule: str) -> str | None:
+    """Why compiled blocks cannot run in this layout (None: they can, or nothing is compiled): the runtime's
+    check, the planner's search and the agreement test share it, so `--layout auto` with compile.enabled never
+    picks a layout the run refuses."""
+    if not compiled:
+        return None
+    if tp > 1 and not compile_with_tp_works():
+        return (
+            f"compile.enabled=true with parallel.tp_degree={tp} is refused on torch {torch_version()}: "
+            "torch.compile with tensor parallelism is broken in it (TP alone fails in backward with \"'Tensor' "
+            "object has no attribute '_local_tensor'\"; FSDP2 + TP trains on wrong gradients); torch 2.11 "
+            "compiles it correctly. Set parallel.tp_degree=1 or compile.enabled=false, or use torch 2.11"
+        )
+    if pp > 1 and schedule == "zero_bubble":
+        return (
+            "compile.enabled=true with parallel.pp_schedule='zero_bubble' is refused: zero-bubble splits each "
+            "stage's backward into separate input- and weight-gradient passes, not verified through compiled "
+            "blocks (plait's compile tests run 1f1b); use pp_schedule='1f1b', or compile.enabled=false"
+        )
+    if not moe:
+        return None
+    # Compiled MoE blocks run their experts as grouped matmuls with static shapes; each of these degrees needs
+    # something inside the block that a graph cannot hold.
+    for name, degree, why in (
+        ("ep_degree", ep, "the all-to-all's split sizes are read on the host in every block"),
+        ("tp_degree", tp, "the balancing loss sums routing counts over the ranks inside the block"),
+        ("cp_degree", cp, "the balancing loss sums routing counts over the ranks inside the block"),
+        ("pp_degree", pp, "a stage's shape inference runs the blocks without counting (a recompile)"),
+    ):
+        if degree > 1:
+            return (
+                f"compile.enabled=true with a mixture-of-experts model and parallel.{name}={degree} is not "
+                f"supported yet ({why}); compiled MoE runs on data-parallel layouts (DDP, FSDP, HSDP): set "
+                f"parallel.{name}=1 or compile.enabled=false"
+            )
+    return None
+
+
+def lora_problem(lora_rank: int, tp: int, pp: int) -> str | None:
+    """Why LoRA adapters cannot train in this layout (None: they can, or there are none): the adapters are
+    plain parameters beside the frozen weight, which TP's plans and the pipeline's stage split do not cover."""
+    if lora_rank and (tp > 1 or pp > 1):
+        return (
+            f"finetune.lora_rank={lora_rank} runs on one process or data parallel (DDP/FSDP/HSDP), not with "
+            f"parallel.tp_degree={tp} x parallel.pp_degree={pp}: set parallel.tp_degree=1 and "
+            "parallel.pp_degree=1"
         )
     return None

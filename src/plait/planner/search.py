@@ -20,9 +20,11 @@ import numpy as np
 from plait.core.errors import ConfigError
 from plait.parallel.rules import (
     batch_problem,
+    compile_problem,
     cp_problem,
     ep_problem,
     fsdp_enabled,
+    lora_problem,
     pipeline_problem,
     pp_problem,
     schedule_problem,
@@ -125,9 +127,15 @@ def enumerate_layouts(work: Workload, cluster: Cluster) -> Layouts:
             local = batch // dp
             options = ((0, 1),) if pp == 1 else schedules(pp, a.n_layers, work.fused_head)
             runs = {mb: [o for o in options if not o[0] or pipeline_runs(pp, *o, local, mb)] for mb in divisors(local)}
+            if lora_problem(work.lora_rank, tp, pp):
+                continue
             for shard, mb in itertools.product(divisors(dp), divisors(local)):
                 for ep in _ep_degrees(a, shard, cp, tp):
-                    base += [(dp // shard, shard, tp, pp, mb, cp, ep, code, v) for code, v in runs[mb]]
+                    base += [
+                        (dp // shard, shard, tp, pp, mb, cp, ep, code, v)
+                        for code, v in runs[mb]
+                        if not compile_problem(work.compiled, bool(a.moe_experts), tp, cp, pp, ep, SCHEDULES[code])
+                    ]
     if not base:
         return Layouts(*(np.zeros(0, dtype=np.int64) for _ in range(13)))
     rows_a = np.asarray(base, dtype=np.int64)

@@ -34,6 +34,10 @@ class Workload:
     product is a temporary first."""
     moment_bytes: int = 4
     """Bytes of each of AdamW's two moments per parameter: 4 (fp32), or 2 (optim.state_dtype = "bf16")."""
+    compiled: bool = False
+    """compile.enabled: the search offers only layouts compiled blocks run in (rules.compile_problem)."""
+    lora_rank: int = 0
+    """finetune.lora_rank: the search offers only layouts adapters train in (rules.lora_problem)."""
 
     @property
     def act_bytes(self) -> int:
