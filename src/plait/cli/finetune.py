@@ -1,6 +1,6 @@
 """`plait finetune prepare|merge|generate`: instruction data, adapters folded in, many adapters in one batch.
 
-plait finetune prepare DATA.jsonl --out DIR --tokenizer tokenizer.json
+plait finetune prepare DATA.jsonl --out DIR --tokenizer TOKENIZER_DIR [--chat-template chatml|plain|FILE.jinja]
 plait finetune merge ADAPTER_OR_LORA_RUN --out DIR [--format plait|hf]
 plait finetune generate BASE --adapter A --adapter B --prompt TEXT   (all adapters in one batch)
 """
@@ -28,6 +28,12 @@ def cmd_finetune(argv: list[str]) -> int:
         "--tokenizer",
         required=True,
         help="The base model's tokenizer directory (its chat template renders the records) or tokenizer.json.",
+    )
+    p.add_argument(
+        "--chat-template",
+        metavar="NAME|FILE.jinja",
+        help="The chat template, for a tokenizer without one (plait's own, base models) or in place of its own: "
+        "a built-in (chatml, plain) or a .jinja file; recorded in the data and carried by its runs and exports.",
     )
     p.add_argument(
         "--template",
@@ -65,6 +71,7 @@ def _ft_prepare(a) -> int:
         a.out,
         tokenizer=a.tokenizer,
         template=a.template.replace("\\n", "\n") if a.template else None,  # a literal \n in a shell
+        chat_template=a.chat_template,
         prompt_field=a.prompt_field,
         response_field=a.response_field,
         val_fraction=a.val_fraction,
@@ -74,10 +81,13 @@ def _ft_prepare(a) -> int:
     s = manifest["splits"]
     chat = manifest["loss_mask"]["chat_template"]
     rendered = (
-        f"the chat template of {chat['source']}"
-        if chat
-        else f"the prompt template {manifest['loss_mask']['template']!r}"
+        f"the chat template {chat['source']}" if chat else f"the prompt template {manifest['loss_mask']['template']!r}"
     )
+    if chat and chat["markers_spelled_out"]:
+        rendered += (
+            f"\nnote: {', '.join(chat['markers_spelled_out'])} are not tokens of this tokenizer: each is spelled out "
+            "in ordinary tokens, learned like any text"
+        )
     print(
         f"rendered with {rendered}\n"
         f"wrote {a.out}: train {s['train']['num_documents']} examples / {s['train']['num_tokens']:,} tokens "

@@ -1,26 +1,28 @@
-"""Conversations rendered with a tokenizer's own chat template, as the model will be served.
+"""Conversations rendered with a chat template, as the model will be served.
 
 A tokenizer directory (Hugging Face layout) carries its `chat_template` in `tokenizer_config.json` (a string,
-or a list of named templates: "default" is used) or in `chat_template.jinja`. It is rendered as transformers
-renders it (`apply_chat_template`): Jinja in an immutable sandbox (the template is data, never trusted code),
-with trim_blocks and lstrip_blocks, loop controls, its `tojson` filter, `raise_exception`, `strftime_now`
-and `{% generation %}` marks, and the tokenizer's special tokens (bos_token, ...) as variables. The rendered
-text is tokenised whole, without added special tokens, so the ids equal `apply_chat_template(messages,
+or a list of named templates: "default" is used) or in `chat_template.jinja`; HF chat models have one, base
+models and plait's own (`plait data prepare`'s BPE) do not, and take a built-in by name (BUILTIN_TEMPLATES:
+`chatml`, `plain`) or a .jinja file (named_chat_template). A template is rendered as transformers renders it
+(`apply_chat_template`): Jinja in an immutable sandbox, with trim_blocks and lstrip_blocks, loop controls, its
+`tojson` filter, `raise_exception`, `strftime_now`, `dict`, `namespace` and `{% generation %}` marks, and the
+tokenizer's special tokens (bos_token, ...) as variables; and within limits of time, size and depth, since a
+template is data from outside (plait.data.sandbox: 2 s and 8 Mi characters per render). The rendered text is
+tokenised whole, without added special tokens, so the ids equal `apply_chat_template(messages,
 tokenize=True)` exactly (tests/test_chat.py checks it against transformers).
 
 Only assistant turns are learned: each assistant turn's text is where it lies in the rendered conversation,
 found by rendering the conversation up to the turn (with the generation prompt) and through it; a token is
 a target when it holds any of its characters (as transformers' assistant mask: equal, where a template marks
-its generations). A template that renders earlier turns differently once later ones
-follow (some drop earlier reasoning) cannot be masked that way and is refused, naming the turn.
+its generations). A template that renders earlier turns differently once later ones follow (some drop
+earlier reasoning), or whose turn does not hold the assistant's text, is refused, naming the turn.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import re
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -28,85 +30,155 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from plait.core.errors import ConfigError
+from plait.data.sandbox import RenderLimit, compile_template, render_limited
 
 ROLES = ("system", "user", "assistant", "tool")
 CHAT_FILES = ("tokenizer_config.json", "chat_template.jinja")  # where a tokenizer directory keeps its template
 
 
+BUILTIN_TEMPLATES = {  # --chat-template NAME: for models that carry no template (plait's own, base models)
+    # ChatML (Qwen, SmolLM2): <|im_start|>role ... <|im_end|>; the assistant's text marked for transformers
+    "chatml": (
+        "{% for message in messages %}{% if message['role'] == 'assistant' %}<|im_start|>assistant\n"
+        "{% generation %}{{ message['content'] }}<|im_end|>\n{% endgeneration %}"
+        "{% else %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    ),
+    # plain text, no markers: for a small tokenizer (plait data prepare's BPE) where each marker costs tokens
+    "plain": (
+        "{% for message in messages %}{% if message['role'] == 'assistant' %}### Assistant:\n"
+        "{% generation %}{{ message['content'] }}\n\n{% endgeneration %}"
+        "{% else %}### {{ message['role'] | capitalize }}:\n{{ message['content'] }}\n\n{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}### Assistant:\n{% endif %}"
+    ),
+}
+
+
 @dataclass
 class ChatTemplate:
-    source: str  # where it was read: named in errors
+    source: str  # where it was read (a file, or "built-in NAME"): named in errors
     text: str
     special: dict[str, str] = field(default_factory=dict)  # bos_token, eos_token, ... as strings
-    _compiled: Callable[..., str] | None = None
+    name: str | None = None  # a built-in's name (BUILTIN_TEMPLATES)
+    _compiled: Any = None
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        if self._compiled is None:
-            self._compiled = _compile(self.text, self.source)
+        """The conversation as transformers' apply_chat_template(tokenize=False) renders it, within the limits
+        of plait.data.sandbox (RENDER_TIME_S per render, MAX_CHARS built): past one, a ConfigError naming the
+        template's file."""
+        import jinja2
+
         try:
-            return self._compiled(messages=messages, add_generation_prompt=add_generation_prompt, **self.special)
+            if self._compiled is None:
+                self._compiled = compile_template(self.text)
+            return render_limited(
+                self._compiled, messages=messages, add_generation_prompt=add_generation_prompt, **self.special
+            )
+        except RenderLimit as e:
+            raise ConfigError(f"the chat template of {self.source} {e}: it was stopped") from None
+        except jinja2.exceptions.TemplateSyntaxError as e:
+            raise ConfigError(f"the chat template of {self.source} is not valid Jinja ({_one_line(e)})") from None
         except Exception as e:  # the template's own raise_exception, or a sandbox refusal
-            raise ConfigError(f"the chat template of {self.source} refused a conversation: {e}") from None
+            raise ConfigError(f"the chat template of {self.source} refused a conversation: {_one_line(e)}") from None
 
 
-def _compile(text: str, source: str) -> Callable[..., str]:
-    import jinja2
-    import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())[:500] or type(e).__name__
 
-    def raise_exception(message: str) -> None:
-        raise jinja2.exceptions.TemplateError(message)
 
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    class Generation(jinja2.ext.Extension):
-        """transformers' {% generation %} ... {% endgeneration %} marks of an assistant's text: rendered as
-        their body (the assistant turns are located by rendering, so the marks are not needed)."""
-
-        tags = {"generation"}
-
-        def parse(self, parser):
-            next(parser.stream)
-            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
-
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", Generation]
-    )
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+def _read_config(path: Path) -> dict[str, Any]:
+    """tokenizer_config.json: a JSON object (an empty one where there is no file)."""
+    if not path.is_file():
+        return {}
     try:
-        return env.from_string(text).render
-    except jinja2.exceptions.TemplateSyntaxError as e:
-        raise ConfigError(f"the chat template of {source} is not valid Jinja ({e})") from None
+        config = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path} is not UTF-8 text ({e})") from None
+    except ValueError as e:
+        raise ConfigError(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path} holds a JSON {type(config).__name__}, expected an object (a tokenizer config)")
+    return config
+
+
+def _config_template(config: dict[str, Any], path: Path) -> str | None:
+    """tokenizer_config.json's 'chat_template': a string, or a list of {name, template} ("default" is used)."""
+    text = config.get("chat_template")
+    if isinstance(text, list):
+        named = {}
+        for i, t in enumerate(text):
+            if not (isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)):
+                raise ConfigError(
+                    f"{path}: 'chat_template' entry {i} must be an object with string 'name' and 'template'"
+                )
+            named[t["name"]] = t["template"]
+        text = named.get("default")
+    if text is not None and not isinstance(text, str):
+        raise ConfigError(
+            f"{path}: 'chat_template' is a JSON {type(text).__name__}, expected a string or a list of "
+            "{name, template} objects"
+        )
+    return text
+
+
+def read_template_file(path: Path) -> str:
+    """A .jinja file's text (UTF-8, as transformers reads it)."""
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path} is not UTF-8 text ({e}): save the template as UTF-8") from None
+    except OSError as e:
+        raise ConfigError(f"{path} cannot be read ({e.strerror or e})") from None
+
+
+def _special_tokens(config: dict[str, Any]) -> dict[str, str]:
+    special = {}
+    for key, value in config.items():
+        if key.endswith("_token") and isinstance(value, str):
+            special[key] = value
+        elif key.endswith("_token") and isinstance(value, dict) and isinstance(value.get("content", ""), str):
+            special[key] = value.get("content", "")
+    return special
 
 
 def load_chat_template(tokenizer: str | Path) -> ChatTemplate | None:
     """The chat template beside a tokenizer (its directory, or the directory of its tokenizer.json); None if
-    it has none."""
+    it has none. A malformed tokenizer_config.json or chat_template.jinja is a ConfigError naming it."""
     root = Path(tokenizer)
     root = root if root.is_dir() else root.parent
-    config: dict[str, Any] = {}
     config_path = root / "tokenizer_config.json"
-    if config_path.is_file():
-        try:
-            config = json.loads(config_path.read_text(encoding="utf-8"))
-        except ValueError as e:
-            raise ConfigError(f"{config_path} is not valid JSON ({e})") from None
-    text, source = config.get("chat_template"), str(config_path)
-    if isinstance(text, list):  # named templates
-        named = {t.get("name"): t.get("template") for t in text if isinstance(t, dict)}
-        text = named.get("default")
+    config = _read_config(config_path)
+    text, source = _config_template(config, config_path), str(config_path)
     if (root / "chat_template.jinja").is_file():
-        text, source = (root / "chat_template.jinja").read_text(encoding="utf-8"), str(root / "chat_template.jinja")
-    if not isinstance(text, str) or not text:
+        text, source = read_template_file(root / "chat_template.jinja"), str(root / "chat_template.jinja")
+    if not text:
         return None
-    special = {}
-    for key, value in config.items():
-        if key.endswith("_token") and isinstance(value, (str, dict)):
-            special[key] = value if isinstance(value, str) else str(value.get("content", ""))
-    return ChatTemplate(source, text, special)
+    return ChatTemplate(source, text, _special_tokens(config))
+
+
+def named_chat_template(spec: str, tokenizer: str | Path) -> ChatTemplate:
+    """--chat-template SPEC: a built-in (BUILTIN_TEMPLATES) or a .jinja file; the special tokens (bos_token, ...)
+    those of the tokenizer's tokenizer_config.json, where it has one."""
+    root = Path(tokenizer)
+    config = _read_config((root if root.is_dir() else root.parent) / "tokenizer_config.json")
+    if spec in BUILTIN_TEMPLATES:
+        return ChatTemplate(f"built-in {spec}", BUILTIN_TEMPLATES[spec], _special_tokens(config), spec)
+    path = Path(spec).expanduser()
+    if not path.is_file():
+        raise ConfigError(
+            f"--chat-template={spec} is neither a built-in template ({', '.join(BUILTIN_TEMPLATES)}) nor a file"
+        )
+    text = read_template_file(path)
+    if not text.strip():
+        raise ConfigError(f"--chat-template={spec}: {path} is empty")
+    return ChatTemplate(str(path), text, _special_tokens(config))
+
+
+def missing_markers(template: ChatTemplate, tok: Tokenizer) -> list[str]:
+    """The <|...|> markers the template prints that are not tokens of `tok`: each is spelled out in ordinary
+    tokens (learned like any text) rather than being one special token."""
+    markers = dict.fromkeys(re.findall(r"<\|[^|<>\s{}']{1,40}\|>", template.text))
+    return [m for m in markers if tok.token_to_id(m) is None]
 
 
 def chat_files(tokenizer: str | Path) -> list[Path]:
@@ -148,8 +220,20 @@ def rendered(template: ChatTemplate, messages: list[dict], where: str) -> tuple[
                 f"{i} differently once later turns follow (it may drop earlier turns or reasoning): its assistant "
                 "turns cannot be located to be learned; use a template that renders conversations incrementally"
             )
+        _check_content(template, m["content"], through[len(before) :], f"{where}: assistant message {i}")
         spans.append((len(before), len(through)))
     return text, spans
+
+
+def _check_content(template: ChatTemplate, content: str, turn: str, where: str) -> None:
+    """The rendered turn holds the message's text (whitespace aside: templates trim, or reflow reasoning);
+    otherwise the loss would learn the template's own markers and none of the assistant's words."""
+    if "".join(content.split()) not in "".join(turn.split()):
+        raise ConfigError(
+            f"{where}: the chat template of {template.source} does not render the message's content (the turn "
+            f"renders as {turn[:60]!r}): nothing of the assistant's text would be learned; use a template that "
+            "prints message['content']"
+        )
 
 
 def chat_tokens(

@@ -4,8 +4,10 @@ An input is a file, a directory (its supported files, sorted, recursively), a `d
 disk (its Arrow files in the dataset's order), or an `s3://bucket/prefix` (its supported objects, sorted by
 key; the endpoint and credentials as for checkpoints: checkpoint.s3_endpoint / AWS_ENDPOINT_URL and the AWS
 environment, never printed). Formats: UTF-8 text (one document per file), JSONL (gzipped or not), Parquet
-and Arrow (the column `text_field`). An object on S3 is copied to a local scratch file while it is read, one
-at a time, retried as the training reads are (plait.data.remote), and removed after.
+and Arrow (the column `text_field`, a string column: a file whose column holds nulls is refused, with their
+count, before any of it is read: a null is a missing document, not an empty one, and is fixed in the data).
+An object on S3 is copied to a local scratch file while it is read, one at a time, retried as the training
+reads are (plait.data.remote), and removed after.
 """
 
 from __future__ import annotations
@@ -57,7 +59,10 @@ class Input:
         fd, scratch = tempfile.mkstemp(prefix="plait-prepare-", suffix=f"-{self.name}")
         os.close(fd)
         try:
-            _read(lambda: remote.fs.get_file(remote.url, scratch), remote.url)
+            try:
+                _read(lambda: remote.fs.get_file(remote.url, scratch), remote.url)
+            except FileNotFoundError:
+                raise ConfigError(f"input {remote.url} is gone from S3 (removed after it was listed)") from None
             yield Path(scratch)
         finally:
             os.unlink(scratch)
@@ -123,7 +128,10 @@ def _s3_inputs(url: str, endpoint: str) -> list[Input]:
     root = location(url, endpoint)
     assert isinstance(root, RemotePath)
     key = root.url.removeprefix("s3://")
-    found = _read(lambda: root.fs.find(key, detail=True), f"the listing of {root}")
+    try:
+        found = _read(lambda: root.fs.find(key, detail=True), f"the listing of {root}")
+    except FileNotFoundError:  # s3fs: no such bucket
+        raise ConfigError(f"input {url} does not exist: no such bucket (check the bucket and the endpoint)") from None
     objects = sorted((name, info) for name, info in found.items() if info.get("type", "file") == "file")
     if not objects:
         raise ConfigError(f"input {url} holds no objects: check the bucket and prefix (and the endpoint)")
@@ -206,41 +214,87 @@ def _text_column(pa, schema, name: str, field: str) -> None:
         raise ConfigError(f"{name}: column {field!r} has type {ctype}, expected a string column")
 
 
+def _nulls(name: str, field: str, nulls: int, rows: int) -> ConfigError:
+    return ConfigError(
+        f"{name}: column {field!r} holds {nulls:,} nulls of {rows:,} rows: a null is not a document; drop or "
+        f"fill those rows (e.g. with pyarrow.compute.drop_null) and prepare again"
+    )
+
+
 def _read_parquet(path: Path, name: str, field: str, advance: Advance) -> Iterator[str]:
     pa = _pyarrow(name)
     import pyarrow.parquet as pq
 
     try:
         pf = pq.ParquetFile(path)
+        _text_column(pa, pf.schema_arrow, name, field)
+        nulls = _parquet_nulls(pf, field)
     except (pa.ArrowException, OSError) as e:
-        raise ConfigError(f"{name} is not a readable Parquet file ({e})") from e
-    _text_column(pa, pf.schema_arrow, name, field)
+        raise ConfigError(f"{name} is not a readable Parquet file ({_first_line(e)})") from None
+    if nulls:
+        raise _nulls(name, field, nulls, pf.metadata.num_rows)
     size = path.stat().st_size
     for rg in range(pf.num_row_groups):  # one row group at a time bounds memory on large files
-        column = pf.read_row_group(rg, columns=[field]).column(0)
+        try:
+            column = pf.read_row_group(rg, columns=[field]).column(0)
+        except (pa.ArrowException, OSError) as e:
+            raise ConfigError(f"{name}: row group {rg} cannot be read ({_first_line(e)})") from None
         advance(size * (rg + 1) // pf.num_row_groups)
-        yield from (text or "" for text in column.to_pylist())
+        yield from column.to_pylist()
+
+
+def _parquet_nulls(pf, field: str) -> int:
+    """The nulls in the text column: from the row groups' statistics, or (where one has none) by reading the
+    column one row group at a time."""
+    index = pf.schema_arrow.get_field_index(field)
+    nulls = 0
+    for rg in range(pf.num_row_groups):
+        stats = pf.metadata.row_group(rg).column(index).statistics
+        if stats is not None and stats.has_null_count:
+            nulls += stats.null_count
+        else:
+            nulls += pf.read_row_group(rg, columns=[field]).column(0).null_count
+    return nulls
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).splitlines() or [type(e).__name__])[0][:300]
+
+
+def _arrow_batches(pa, source, name: str):
+    """(schema, record batches) of a memory-mapped Arrow IPC file, stream format (as `datasets` writes) or file
+    format; a file that is neither is a ConfigError."""
+    try:
+        reader = pa.ipc.open_stream(source)
+        return reader.schema, iter(reader)
+    except (pa.ArrowException, OSError, ValueError):
+        source.seek(0)
+    try:
+        file = pa.ipc.open_file(source)
+    except (pa.ArrowException, OSError, ValueError) as e:
+        raise ConfigError(f"{name} is not an Arrow stream or file ({_first_line(e)})") from None
+    return file.schema, (file.get_batch(i) for i in range(file.num_record_batches))
 
 
 def _read_arrow(path: Path, name: str, field: str, advance: Advance) -> Iterator[str]:
-    """An Arrow IPC file, stream format (as `datasets` writes) or file format, memory-mapped: one record
-    batch at a time."""
+    """An Arrow IPC file, memory-mapped: its text column counted for nulls first (cheap: validity bitmaps
+    only), then read one record batch at a time."""
     pa = _pyarrow(name)
-    with pa.memory_map(str(path)) as source:
-        try:
-            reader = pa.ipc.open_stream(source)
-            batches = iter(reader)
-        except pa.ArrowInvalid:
-            source.seek(0)
+    for counting in (True, False):
+        with pa.memory_map(str(path)) as source:
+            schema, batches = _arrow_batches(pa, source, name)
+            _text_column(pa, schema, name, field)
+            nulls = rows = 0
             try:
-                file = pa.ipc.open_file(source)
-            except pa.ArrowInvalid as e:
-                raise ConfigError(f"{name} is not an Arrow stream or file ({e})") from None
-            reader, batches = file, (file.get_batch(i) for i in range(file.num_record_batches))
-        _text_column(pa, reader.schema, name, field)
-        for batch in batches:
-            advance(source.tell())
-            yield from (text or "" for text in batch.column(field).to_pylist())
+                for batch in batches:
+                    nulls, rows = nulls + batch.column(field).null_count, rows + batch.num_rows
+                    if not counting:
+                        advance(source.tell())
+                        yield from batch.column(field).to_pylist()
+            except (pa.ArrowException, OSError) as e:
+                raise ConfigError(f"{name}: a record batch cannot be read ({_first_line(e)})") from None
+        if nulls:
+            raise _nulls(name, field, nulls, rows)
 
 
 _READERS = {

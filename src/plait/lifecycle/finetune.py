@@ -29,7 +29,15 @@ from plait.config import Config
 from plait.core.errors import ConfigError, PlaitError
 from plait.core.publish import staged_dir
 from plait.core.storage import Location
-from plait.data.chat import ChatTemplate, chat_files, chat_tokens, check_messages, load_chat_template
+from plait.data.chat import (
+    ChatTemplate,
+    chat_files,
+    chat_tokens,
+    check_messages,
+    load_chat_template,
+    missing_markers,
+    named_chat_template,
+)
 from plait.data.inputs import jsonl_records
 from plait.engine.callbacks import Callback
 from plait.engine.checkpoint import list_checkpoints, load_model_weights, read_meta, resolve_checkpoint
@@ -224,6 +232,7 @@ def prepare_instructions(
     *,
     tokenizer: str | Path,
     template: str | None = None,
+    chat_template: str | None = None,
     prompt_field: str = "prompt",
     response_field: str = "response",
     val_fraction: float = 0.1,
@@ -233,23 +242,26 @@ def prepare_instructions(
     """Tokenise instruction records into a prepared directory with loss masks; returns its manifest.
 
     A record is a conversation (``{"messages": [{"role", "content"}, ...]}``) or a prompt and a response (a
-    user turn and an assistant turn). With the tokenizer's chat template (plait.data.chat; a tokenizer
-    directory) each conversation is rendered as it is served, its ids those of ``apply_chat_template``, and
-    only the assistant turns are learned. With ``template`` (a format with {prompt}), or where the tokenizer
-    has no chat template, a prompt/response record becomes ``template.format(prompt=...)`` + response
-    (default: DEFAULT_TEMPLATE) and the response is learned; conversations then need a chat template.
+    user turn and an assistant turn). With a chat template (plait.data.chat: the tokenizer directory's own, or
+    ``chat_template``: a built-in name such as "chatml", or a .jinja file) each conversation is rendered as it
+    is served, its ids those of ``apply_chat_template``, and only the assistant turns are learned; the template
+    travels in the directory (chat_template.jinja) and its manifest (``loss_mask.chat_template``: name, source,
+    sha256, text). With ``template`` (a format with {prompt}), or where there is no chat template, a
+    prompt/response record becomes ``template.format(prompt=...)`` + response (default: DEFAULT_TEMPLATE) and
+    the response is learned; conversations then need a chat template.
     Each record ends with EOS (unless its tokens already do), learned where its last turn is the assistant's.
     ``train_on_prompt`` learns every token. The directory has the ``plait-tokens-v1`` layout the trainer
     reads (``--data.source=DIR``), plus ``<split>_mask_*.bin`` files.
     """
     from plait.data import eos_id, load_tokenizer
-    from plait.data.loader import FORMAT, MANIFEST
 
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ConfigError(f"{out} exists; pass --overwrite or choose another --out")
     if template is not None and "{prompt}" not in template:
         raise ConfigError(f"the prompt template {template!r} must contain {{prompt}}")
+    if template is not None and chat_template is not None:
+        raise ConfigError("--template (a prompt format) and --chat-template exclude each other: give one")
     if not 0 <= val_fraction < 1:
         raise ConfigError(f"val_fraction={val_fraction} must be in [0, 1)")
     files = [Path(p) for p in inputs]
@@ -258,9 +270,11 @@ def prepare_instructions(
             raise ConfigError(f"instruction input {path} must be an existing .jsonl or .jsonl.gz file")
     tok = load_tokenizer(tokenizer)
     eos = eos_id(tok)
-    vocab = tok.get_vocab_size(with_added_tokens=True)
-    dtype = np.dtype("<u2") if vocab <= 65535 else np.dtype("<u4")
-    chat = load_chat_template(tokenizer) if template is None else None
+    dtype = np.dtype("<u2") if tok.get_vocab_size(with_added_tokens=True) <= 65535 else np.dtype("<u4")
+    if chat_template is not None:
+        chat = named_chat_template(chat_template, tokenizer)
+    else:
+        chat = load_chat_template(tokenizer) if template is None else None
     docs, sources = _tokenised(
         files, tok, eos, dtype, chat or template or DEFAULT_TEMPLATE, prompt_field, response_field, val_fraction,
         train_on_prompt,
@@ -268,29 +282,61 @@ def prepare_instructions(
     exists = ConfigError(f"{out} exists; pass --overwrite or choose another --out")
     with staged_dir(out, overwrite=overwrite, exists_error=exists) as tmp:
         splits = {split: _write_split(tmp, split, items, dtype) for split, items in docs.items()}
-        shutil.copyfile(
-            Path(tokenizer) / "tokenizer.json" if Path(tokenizer).is_dir() else tokenizer, tmp / "tokenizer.json"
-        )
-        for path in chat_files(tokenizer) if chat is not None else []:  # runs on this data carry the template on
-            shutil.copyfile(path, tmp / path.name)
-        manifest = {
-            "format": FORMAT,
-            "dtype": "uint16" if dtype.itemsize == 2 else "uint32",
-            "vocab_size": vocab,
-            "eos_id": eos,
-            "splits": splits,
-            "sources": sources,
-            "tokenizer": "tokenizer.json",
-            "tokenizer_sha256": hashlib.sha256((tmp / "tokenizer.json").read_bytes()).hexdigest(),
-            "loss_mask": {
-                "template": template or DEFAULT_TEMPLATE if chat is None else None,
-                "chat_template": None
-                if chat is None
-                else {"source": chat.source, "sha256": hashlib.sha256(chat.text.encode()).hexdigest()},
-                "train_on_prompt": train_on_prompt,
-            },
+        _copy_tokenizer(tmp, tokenizer, chat, named=chat_template is not None)
+        mask = {
+            "template": template or DEFAULT_TEMPLATE if chat is None else None,
+            "chat_template": None if chat is None else _template_record(chat, tok),
+            "train_on_prompt": train_on_prompt,
         }
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        manifest = _instruction_manifest(tmp, tok, eos, dtype, splits, sources, mask)
+    return manifest
+
+
+def _copy_tokenizer(tmp: Path, tokenizer: str | Path, chat: ChatTemplate | None, named: bool) -> None:
+    """tokenizer.json, and the chat template the data was rendered with, so runs on it carry the template on:
+    the tokenizer's own files, or (a named one) its tokenizer_config.json (special tokens) and
+    chat_template.jinja, which a reader prefers to the config's template."""
+    root = Path(tokenizer)
+    shutil.copyfile(root / "tokenizer.json" if root.is_dir() else root, tmp / "tokenizer.json")
+    if chat is None:
+        return
+    if not named:
+        for path in chat_files(tokenizer):
+            shutil.copyfile(path, tmp / path.name)
+        return
+    config = (root if root.is_dir() else root.parent) / "tokenizer_config.json"
+    if config.is_file():
+        shutil.copyfile(config, tmp / config.name)
+    (tmp / "chat_template.jinja").write_text(chat.text, encoding="utf-8")
+
+
+def _template_record(chat: ChatTemplate, tok) -> dict[str, Any]:
+    """The manifest's loss_mask.chat_template: the template's name (a built-in's), where it came from, its
+    text and hash, and the <|...|> markers it prints that the tokenizer spells out in ordinary tokens."""
+    return {
+        "name": chat.name,
+        "source": chat.source,
+        "sha256": hashlib.sha256(chat.text.encode()).hexdigest(),
+        "text": chat.text,
+        "markers_spelled_out": missing_markers(chat, tok),
+    }
+
+
+def _instruction_manifest(tmp: Path, tok, eos: int, dtype, splits, sources, loss_mask) -> dict[str, Any]:
+    from plait.data.loader import FORMAT, MANIFEST
+
+    manifest = {
+        "format": FORMAT,
+        "dtype": "uint16" if dtype.itemsize == 2 else "uint32",
+        "vocab_size": tok.get_vocab_size(with_added_tokens=True),
+        "eos_id": eos,
+        "splits": splits,
+        "sources": sources,
+        "tokenizer": "tokenizer.json",
+        "tokenizer_sha256": hashlib.sha256((tmp / "tokenizer.json").read_bytes()).hexdigest(),
+        "loss_mask": loss_mask,
+    }
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
 
 
@@ -314,7 +360,7 @@ def _tokenised(files, tok, eos: int, dtype, template: ChatTemplate | str, prompt
                 raise ConfigError(
                     f"{talks[0]} is a conversation ('messages'): it is rendered with the tokenizer's chat template; "
                     "pass --tokenizer as a tokenizer directory with one (tokenizer_config.json 'chat_template' or "
-                    "chat_template.jinja), and no --template"
+                    "chat_template.jinja), or --chat-template chatml (or plain, or a .jinja file), and no --template"
                 )
             encoded = _formatted(tok, template, [messages for _, messages, _ in records])
         for (_, messages, _), (ids, mask) in zip(records, encoded, strict=True):
