@@ -58,13 +58,19 @@ def _parser() -> PlaitParser:
     return parser
 
 
-def cmd_compress(argv: list[str]) -> int:
-    a = _parser().parse_args(argv)
+def _checked_out(a) -> Path:
+    """--out, empty, once the options are in range (before any model loads)."""
     if a.action == "quantize" and a.group_size < 1:
         raise ConfigError(f"--group-size={a.group_size} must be a positive number of input columns per scale, e.g. 64")
     out = Path(a.out)
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"--out {out} exists and is not empty; choose another")
+    return out
+
+
+def cmd_compress(argv: list[str]) -> int:
+    a = _parser().parse_args(argv)
+    out = _checked_out(a)
     from plait.core.progress import phase
     from plait.core.quiet import library_calm  # torchao's and transformers' harmless start-up lines
     from plait.lifecycle import compress as C

@@ -72,21 +72,7 @@ def cmd_eval(argv: list[str]) -> int:
     from plait.lifecycle.evaluate import Report, load_suite, perplexity, print_report, run_suite, write_json
     from plait.lifecycle.models import describe, load_model
 
-    if (a.lm_eval_include or a.limit is not None or a.num_fewshot is not None) and not a.lm_eval:
-        raise ConfigError("--lm-eval-include, --limit and --num-fewshot apply to --lm-eval TASKS: give the tasks")
-    if a.limit is not None and a.limit < 1:
-        raise ConfigError(f"--limit={a.limit} must be at least 1 (examples per task), e.g. --limit 100")
-    if a.num_fewshot is not None and a.num_fewshot < 0:
-        raise ConfigError(f"--num-fewshot={a.num_fewshot} must be 0 or more (examples shown before each question)")
-    if a.lm_eval:
-        from plait.lifecycle.harness import _harness
-
-        _harness()  # installed, before the model loads
-    if a.lm_eval_include:
-        if not Path(a.lm_eval_include).is_dir():
-            raise ConfigError(f"--lm-eval-include {a.lm_eval_include} is not a directory of task YAMLs")
-        print(f"warning: --lm-eval-include {a.lm_eval_include}: its tasks' !function entries run the Python files "
-              "there", file=sys.stderr)  # fmt: skip
+    _check_lm_eval_args(a)
     suite = load_suite(a.suite) if a.suite else None  # check the suite before loading a model
     with phase(f"loading {a.model}"):
         loaded = load_model(a.model, device=a.device, base=a.base)
@@ -138,6 +124,26 @@ def cmd_eval(argv: list[str]) -> int:
             events=[(None, "eval", report.to_dict())],
         )
     return 1 if report.failed else 0
+
+
+def _check_lm_eval_args(a) -> None:
+    """--lm-eval's settings, before the model loads: the harness installed, --limit and --num-fewshot in range,
+    and a warning that --lm-eval-include's Python runs."""
+    if (a.lm_eval_include or a.limit is not None or a.num_fewshot is not None) and not a.lm_eval:
+        raise ConfigError("--lm-eval-include, --limit and --num-fewshot apply to --lm-eval TASKS: give the tasks")
+    if a.limit is not None and a.limit < 1:
+        raise ConfigError(f"--limit={a.limit} must be at least 1 (examples per task), e.g. --limit 100")
+    if a.num_fewshot is not None and a.num_fewshot < 0:
+        raise ConfigError(f"--num-fewshot={a.num_fewshot} must be 0 or more (examples shown before each question)")
+    if a.lm_eval:
+        from plait.lifecycle.harness import _harness
+
+        _harness()  # installed
+    if a.lm_eval_include:
+        if not Path(a.lm_eval_include).is_dir():
+            raise ConfigError(f"--lm-eval-include {a.lm_eval_include} is not a directory of task YAMLs")
+        print(f"warning: --lm-eval-include {a.lm_eval_include}: its tasks' !function entries run the Python files "
+              "there", file=sys.stderr)  # fmt: skip
 
 
 def _lm_eval(a, loaded) -> dict[str, dict[str, Any]]:
