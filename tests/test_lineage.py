@@ -254,3 +254,44 @@ def test_checkpoint_hash_is_taken_from_shards_and_is_layout_independent(tmp_path
             model = load_model(ckpt).model  # whole, in one process
             whole = {n: p.detach() for n, p in model.named_parameters()}
             assert recorded == model_weights_hash(model) == weights_hash(whole), (name, ckpt.name)
+
+
+def test_a_base_checkpoint_is_kept_by_retention_while_something_is_made_from_it(data_dir, tmp_path, capsys):
+    """An adapter and a fine-tune made from a training run's step-4 checkpoint pin it: that run's keep_last=1
+    retention keeps it (saying so, naming them) and `plait lineage pins` lists it; a run resuming its own
+    checkpoint pins nothing. Deleted by hand anyway, the error says what happened and what to do."""
+    import shutil
+
+    from plait.api import train
+    from plait.config import load_config
+    from plait.engine.checkpoint import list_checkpoints, resolve_checkpoint
+    from runs import debug_run
+
+    def base(steps: int):
+        settings = debug_run(data_dir, tmp_path, "base", steps, "checkpoint.every_steps=2", "checkpoint.keep_last=1")
+        train(load_config(None, settings))
+
+    base(4)
+    ckpts = tmp_path / "base" / "checkpoints"
+    step4 = ckpts / "step_00000004"
+    assert [c.name for c in list_checkpoints(ckpts)] == [step4.name]
+    reg = Registry(tmp_path / "reg.sqlite")
+    ckpt = reg.record("checkpoint", name="base/step_00000004", path=step4)
+    reg.record("adapter", name="sft-1", path=tmp_path / "sft-1.safetensors", parent=ckpt)
+    reg.record("run", name="ft", path=tmp_path / "ft", parent=ckpt, config={"finetune": {"init_from": str(step4)}})
+    reg.record("run", name="base", path=tmp_path / "base", parent=ckpt, config={"finetune": {"init_from": ""}})
+    assert len(list((ckpts / "pins").iterdir())) == 2
+    capsys.readouterr()
+    base(8)
+    assert [c.name for c in list_checkpoints(ckpts)] == [step4.name, "step_00000008"]
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"checkpoint {step4} kept past checkpoint.keep_last: adapter sft-1" in err and "run ft" in err, err
+    assert err.count("kept past checkpoint.keep_last") == 1  # said once, not at every save
+    assert main(["lineage", "pins", "--registry", str(reg.path)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"{step4}: kept for adapter sft-1" in out and "run ft" in out, out
+    shutil.rmtree(step4)
+    with pytest.raises(PlaitError) as e:
+        resolve_checkpoint(step4)
+    text = str(e.value)
+    assert "does not exist (any more)" in text and "step_00000008" in text and "retention" in text, text

@@ -1,4 +1,5 @@
-"""`plait lineage show REF | diff A B | list [--kind K] [--registry FILE]`: where models came from."""
+"""`plait lineage show REF | diff A B | pins | list [--kind K] [--registry FILE]`: where models came from, and
+which checkpoints are kept for what is made from them."""
 
 from __future__ import annotations
 
@@ -19,6 +20,10 @@ def cmd_lineage(argv: list[str]) -> int:
     p.add_argument("a")
     p.add_argument("b")
     registry_arg(p)
+    p = sub.add_parser(
+        "pins", help="Checkpoints kept by their run's retention because something is made from them, and what."
+    )
+    registry_arg(p)
     p = sub.add_parser("list", help="Every artifact, oldest first.")
     p.add_argument("--kind", help="Only this kind (run, checkpoint, adapter, eval, ...).")
     registry_arg(p)
@@ -33,6 +38,12 @@ def cmd_lineage(argv: list[str]) -> int:
         views.show(reg, reg.find(a.ref), console)
     elif a.action == "diff":
         views.diff(reg, reg.find(a.a), reg.find(a.b), console)
+    elif a.action == "pins":
+        pins = reg.pins()
+        for ckpt, pin_file, what in pins:
+            console.print(f"{ckpt}: kept for {what} ({pin_file}; delete it once that is gone)", highlight=False)
+        if not pins:
+            console.print("no pinned checkpoints", highlight=False)
     else:
         views.listing(reg, a.kind, console)
     return 0

@@ -40,6 +40,9 @@ REGISTRY_FILE = "lineage.sqlite"
 SCHEMA_VERSION = 1
 BUSY_TIMEOUT_S = 60.0
 KINDS = ("import", "run", "checkpoint", "adapter", "export", "merged", "eval", "quantized", "pruned", "distilled")
+PINNING_KINDS = ("run", "adapter", "export", "merged", "quantized", "pruned", "distilled")
+"""Artifacts made from a checkpoint that keep it from its run's retention (a pin, plait.engine.checkpoint.pins):
+a fine-tune (a run with finetune.init_from), an export, an adapter, a compressed model."""
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS artifacts (
@@ -206,7 +209,45 @@ class Registry:
                     "INSERT INTO events (artifact_id, step, kind, created, payload) VALUES (?, ?, ?, ?, ?)",
                     (aid, step, event_kind, now, _dump(payload)),
                 )
+        self._pin_base(aid, kind, name, path, parent, config)
         return aid
+
+    def _pin_base(self, aid: str, kind: str, name, path, parent: str | None, config: Mapping | None) -> None:
+        """The checkpoint an artifact is made from is pinned (kept by its run's retention, said when it is):
+        not a run's own checkpoint it resumes, only the base a fine-tune starts from (finetune.init_from)."""
+        if not parent or kind not in PINNING_KINDS:
+            return
+        base = self.get(parent)
+        if base.kind != "checkpoint" or not base.path:
+            return
+        if kind == "run":
+            init = _norm(str(((config or {}).get("finetune") or {}).get("init_from") or "")) if config else ""
+            if not init or not (base.path == init or base.path.startswith(init.rstrip("/") + "/")):
+                return
+        from plait.core.storage import location
+        from plait.engine.checkpoint.pins import pin
+
+        holder = {"kind": kind, "name": name, "path": _norm(path), "artifact": aid, "registry": str(self.path)}
+        try:
+            pin(location(base.path), holder, aid)
+        except Exception as e:  # the record stands; the base is then only as safe as its run's keep_last
+            from plait.engine.metrics import warn
+
+            warn(f"could not pin {base.path} for {kind} {name or aid} ({type(e).__name__}: {e}); its run's retention "
+                 f"may delete it: copy it, or raise that run's checkpoint.keep_last")  # fmt: skip
+
+    def pins(self) -> list[tuple[str, str, str]]:
+        """(checkpoint, pin file, what depends on it) for every pin in the checkpoint directories this registry
+        knows (`plait lineage pins`)."""
+        from plait.core.storage import location
+        from plait.engine.checkpoint.pins import pins_of
+
+        dirs = sorted({a.path.rsplit("/", 1)[0] for a in self.all("checkpoint") if a.path and "/" in a.path})
+        out = []
+        for d in dirs:
+            with contextlib.suppress(Exception):  # a directory gone or unreachable holds no pins to list
+                out += [(f"{d}/{c}", f"{d}/pins/{n}", what) for c, n, what in pins_of(location(d))]
+        return out
 
     def update(self, aid: str, **fields: Any) -> None:
         """Change fields of an artifact; ``metrics`` and ``extra`` are merged into the stored dicts."""

@@ -83,6 +83,26 @@ def classify(root: Location, tree: dict[str, set[str]]) -> tuple[list[Location],
     return [root / n for _, n, _ in sorted(complete)], [(root / n, why) for _, n, why in sorted(damaged)]
 
 
+def _missing(loc: Location) -> str:
+    """Why a checkpoint named by its step is not there, and what to do (its run's retention, or a hand, deleted
+    it; a base something depends on is kept only where that dependent pinned it)."""
+    plain = f"{loc} does not exist: give a checkpoint directory or a run directory"
+    if not STEP_DIR.match(loc.name):
+        return plain
+    try:
+        left = list_checkpoints(loc.parent)
+    except Exception:
+        return plain
+    if not left:
+        return plain
+    return (
+        f"checkpoint {loc} does not exist (any more): {loc.parent} now holds {', '.join(c.name for c in left[-4:])}; "
+        f"its run's retention (checkpoint.keep_last) or a hand deleted it. A fine-tune, export or adapter made from "
+        f"it keeps it only if recorded in the lineage registry (`plait lineage pins`). Start again from one that "
+        f"exists (e.g. --finetune.init_from={left[-1]}), or restore that checkpoint from a copy"
+    )
+
+
 def checkpoint_problems(path: Location) -> str:
     """Why a checkpoint with both files present still cannot be loaded ("" if it looks loadable): plait.json
     unreadable or without a step and config, .metadata not the one plait.json names, shard files missing or
@@ -147,7 +167,7 @@ def resolve_checkpoint(ref: str | os.PathLike | Location, endpoint: str = "") ->
     except Exception as e:
         raise PlaitError(f"cannot read {loc}: {one_line(e)}") from None
     if not found:
-        raise PlaitError(f"{loc} does not exist: give a checkpoint directory or a run directory")
+        raise PlaitError(_missing(loc))
     ckpts, broken = scan_checkpoints(loc / "checkpoints")
     if not ckpts and not broken:
         ckpts, broken = scan_checkpoints(loc)

@@ -38,6 +38,7 @@ from plait.engine.checkpoint.find import (
     step_of,
 )
 from plait.engine.checkpoint.load import NO_DIST_WARNING, load_state, rng_state, state_dicts
+from plait.engine.checkpoint.pins import describe_pin, pinned
 from plait.engine.checkpoint.verify import flatten
 from plait.engine.checkpoint.wording import mb, one_line, short, warn
 
@@ -132,6 +133,7 @@ class CheckpointManager:
         self.stopped_at = 0  # the step at which a stop request ended the run (0: not stopped)
         self._verified: dict[str, str] = {}  # checkpoint name -> its problems ("" for none), for retention
         self._replaced: dict[str, Location] = {}  # on S3: a complete checkpoint moved aside until its step is saved
+        self._said_pinned: set[str] = set()  # pinned checkpoints retention has said it keeps
         self._displaced = displaced_holder(self.dir) if self.is_writer else ""
         if self.is_writer and isinstance(self.dir, Path):
             storage.makedirs(self.dir)
@@ -559,9 +561,18 @@ class CheckpointManager:
         keep = set(steps[-max(1, self.cfg.keep_last) :]) | kept_forever(steps, self.cfg.keep_every)
         if self.cfg.keep_best:
             keep |= self._best(complete)
+        pins = pinned(tree)
         for c in complete:
-            if step_of(c) not in keep:
-                storage.remove_tree(c)
+            if step_of(c) in keep:
+                continue
+            if c.name in pins:  # the base of a fine-tune, an export, an adapter: kept, said once
+                if c.name not in self._said_pinned:
+                    self._said_pinned.add(c.name)
+                    users = "; ".join(describe_pin(self.dir, n) for n in pins[c.name])
+                    warn(f"checkpoint {c} kept past checkpoint.keep_last: {users} depends on it (pinned in "
+                         f"{self.dir / 'pins'})")  # fmt: skip
+                continue
+            storage.remove_tree(c)
         known = {c.name for c in complete} | {d.name for d, _ in damaged}
         for name in tree:
             if name in known or not ANY_STEP_DIR.match(name):
