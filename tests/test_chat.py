@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +15,7 @@ import pytest
 from tokenizers import AddedToken, Tokenizer
 
 from plait.core.errors import ConfigError
-from plait.data.chat import chat_tokens, load_chat_template
+from plait.data.chat import BUILTIN_TEMPLATES, ChatTemplate, chat_tokens, load_chat_template, rendered
 from plait.lifecycle.finetune import prepare_instructions
 
 transformers = pytest.importorskip("transformers")
@@ -72,7 +73,11 @@ def hf_ids(hf, messages, **kw):
     return out if isinstance(out, list) else out["input_ids"]
 
 
-@pytest.mark.parametrize("template,in_file", [(CHATML, False), (LLAMA3, True)], ids=["chatml-config", "llama3-jinja"])
+@pytest.mark.parametrize(
+    "template,in_file",
+    [(CHATML, False), (LLAMA3, True), (BUILTIN_TEMPLATES["chatml"], False), (BUILTIN_TEMPLATES["plain"], True)],
+    ids=["chatml-config", "llama3-jinja", "builtin-chatml", "builtin-plain"],
+)
 def test_ids_equal_apply_chat_template(tmp_path, data_dir, template, in_file):
     root = tokenizer_dir(tmp_path / "tok", data_dir, template, in_file)
     hf = transformers.AutoTokenizer.from_pretrained(str(root))
@@ -186,3 +191,64 @@ def test_the_template_travels_from_the_data_to_the_checkpoint_and_the_export(tmp
     served = transformers.AutoTokenizer.from_pretrained(str(out))
     for messages in CONVERSATIONS:
         assert hf_ids(served, messages) == hf_ids(transformers.AutoTokenizer.from_pretrained(str(root)), messages)
+
+
+def test_a_builtin_template_serves_a_tokenizer_without_one_and_travels_in_the_manifest(tmp_path, data_dir):
+    """plait's own tokenizer has no template: --chat-template chatml renders with the built-in (its markers
+    spelled out in ordinary tokens, and said so), and the prepared directory carries it: chat_template.jinja
+    (which checkpoints and exports carry on) and loss_mask.chat_template's name, source, hash and full text."""
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    shutil.copy(Path(data_dir) / "tokenizer.json", plain / "tokenizer.json")
+    src = tmp_path / "chat.jsonl"
+    src.write_text("\n".join(json.dumps({"messages": m}) for m in CONVERSATIONS) + "\n")
+    manifest = prepare_instructions([src], tmp_path / "out", tokenizer=plain, chat_template="chatml", val_fraction=0)
+    record = manifest["loss_mask"]["chat_template"]
+    assert record["name"] == "chatml" and record["source"] == "built-in chatml"
+    assert record["text"] == BUILTIN_TEMPLATES["chatml"] == (tmp_path / "out" / "chat_template.jinja").read_text()
+    assert record["markers_spelled_out"] == ["<|im_start|>", "<|im_end|>"]
+    assert load_chat_template(tmp_path / "out").text == BUILTIN_TEMPLATES["chatml"]
+    assert 0 < manifest["splits"]["train"]["num_target_tokens"] < manifest["splits"]["train"]["num_tokens"]
+    jinja = tmp_path / "mine.jinja"
+    jinja.write_text(LLAMA3)
+    manifest = prepare_instructions([src], tmp_path / "out2", tokenizer=plain, chat_template=str(jinja))
+    assert manifest["loss_mask"]["chat_template"]["name"] is None
+    assert manifest["loss_mask"]["chat_template"]["source"] == str(jinja)
+
+
+def test_the_limits_leave_real_conversations_alone(tmp_path):
+    """A 200-turn conversation of 2 M characters renders with the Llama 3 layout in well under its 2 s (the
+    limit is per render), equal to the template rendered without limits, and the address-space limit set
+    while it renders is restored after."""
+    import resource
+
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    messages = [{"role": ("user", "assistant")[i % 2], "content": f"turn {i} " + "word " * 2000} for i in range(200)]
+    chat = ChatTemplate("test", LLAMA3, {"bos_token": "<|begin_of_text|>"})
+    before = resource.getrlimit(resource.RLIMIT_AS)
+    text, spans = rendered(chat, messages, "test")
+    assert len(spans) == 100 and len(text) > 2_000_000
+    started = time.perf_counter()
+    assert chat.render(messages) == text
+    assert time.perf_counter() - started < 0.5  # one render, of the whole conversation
+    assert resource.getrlimit(resource.RLIMIT_AS) == before
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = lambda m: (_ for _ in ()).throw(jinja2.exceptions.TemplateError(m))
+    assert text == env.from_string(LLAMA3).render(messages=messages, bos_token="<|begin_of_text|>")
+
+
+def test_a_turn_without_the_assistants_text_is_refused(tmp_path, data_dir):
+    markers_only = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] != 'assistant' %}{{ m['content'] }}"
+        "{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    root = tokenizer_dir(tmp_path / "tok", data_dir, markers_only, True)
+    src = tmp_path / "chat.jsonl"
+    src.write_text(json.dumps({"messages": CONVERSATIONS[1]}) + "\n")
+    with pytest.raises(
+        ConfigError, match="chat.jsonl:1: assistant message 2: the chat template of .*chat_template.jinja"
+    ):
+        prepare_instructions([src], tmp_path / "out", tokenizer=root)
+    assert not (tmp_path / "out").exists()

@@ -30,7 +30,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from plait.core.errors import ConfigError
-from plait.data.sandbox import RenderLimit, compile_template, render_limited
+from plait.data.sandbox import RenderLimit, compile_template, memory_window, render_limited
 
 ROLES = ("system", "user", "assistant", "tool")
 CHAT_FILES = ("tokenizer_config.json", "chat_template.jinja")  # where a tokenizer directory keeps its template
@@ -206,7 +206,13 @@ def check_messages(messages: Any, where: str) -> list[dict]:
 
 
 def rendered(template: ChatTemplate, messages: list[dict], where: str) -> tuple[str, list[tuple[int, int]]]:
-    """The conversation's text and the character span of each assistant turn in it."""
+    """The conversation's text and the character span of each assistant turn in it (its renders within one
+    memory window of plait.data.sandbox)."""
+    with memory_window():
+        return _rendered(template, messages, where)
+
+
+def _rendered(template: ChatTemplate, messages: list[dict], where: str) -> tuple[str, list[tuple[int, int]]]:
     text = template.render(messages)
     spans = []
     for i, m in enumerate(messages):
