@@ -59,7 +59,7 @@ def read_metrics(run_dir: Path) -> dict[str, dict[int, float]]:
             out["grad_norm"][r["step"]] = r["train/grad_norm"]
         if "val/loss" in r:
             out["val_loss"][r["step"]] = r["val/loss"]
-        for key in ("moe/aux_loss", "moe/load_imbalance"):  # a mixture-of-experts model's routing
+        for key in ("moe/aux_loss", "moe/load_imbalance", "train/mem_peak_gib"):  # MoE routing; the memory
             if key in r:
                 out.setdefault(key, {})[r["step"]] = r[key]
     return out
