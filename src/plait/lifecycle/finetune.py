@@ -258,16 +258,7 @@ def prepare_instructions(
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ConfigError(f"{out} exists; pass --overwrite or choose another --out")
-    if template is not None and "{prompt}" not in template:
-        raise ConfigError(f"the prompt template {template!r} must contain {{prompt}}")
-    if template is not None and chat_template is not None:
-        raise ConfigError("--template (a prompt format) and --chat-template exclude each other: give one")
-    if not 0 <= val_fraction < 1:
-        raise ConfigError(f"val_fraction={val_fraction} must be in [0, 1)")
-    files = [Path(p) for p in inputs]
-    for path in files:
-        if not path.is_file() or not path.name.endswith((".jsonl", ".jsonl.gz")):
-            raise ConfigError(f"instruction input {path} must be an existing .jsonl or .jsonl.gz file")
+    files = _instruction_files(inputs, template, chat_template, val_fraction)
     tok = load_tokenizer(tokenizer)
     eos = eos_id(tok)
     dtype = np.dtype("<u2") if tok.get_vocab_size(with_added_tokens=True) <= 65535 else np.dtype("<u4")
@@ -290,6 +281,21 @@ def prepare_instructions(
         }
         manifest = _instruction_manifest(tmp, tok, eos, dtype, splits, sources, mask)
     return manifest
+
+
+def _instruction_files(inputs, template: str | None, chat_template: str | None, val_fraction: float) -> list[Path]:
+    """The inputs, once the settings are checked (before any work)."""
+    if template is not None and "{prompt}" not in template:
+        raise ConfigError(f"the prompt template {template!r} must contain {{prompt}}")
+    if template is not None and chat_template is not None:
+        raise ConfigError("--template (a prompt format) and --chat-template exclude each other: give one")
+    if not 0 <= val_fraction < 1:
+        raise ConfigError(f"val_fraction={val_fraction} must be in [0, 1)")
+    files = [Path(p) for p in inputs]
+    for path in files:
+        if not path.is_file() or not path.name.endswith((".jsonl", ".jsonl.gz")):
+            raise ConfigError(f"instruction input {path} must be an existing .jsonl or .jsonl.gz file")
+    return files
 
 
 def _copy_tokenizer(tmp: Path, tokenizer: str | Path, chat: ChatTemplate | None, named: bool) -> None:
