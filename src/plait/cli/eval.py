@@ -65,14 +65,18 @@ def cmd_eval(argv: list[str]) -> int:
         raise ConfigError(f"need --batches >= 1 and --seq-len >= 2 (got {a.batches}, {a.seq_len})")
     if a.json and Path(a.json).is_dir():
         raise ConfigError(f"--json {a.json} is a directory; give a file path, e.g. {Path(a.json) / 'eval.json'}")
-    check_input("", a.model, "a checkpoint, run, Hugging Face directory or adapter file")  # before torch
+    _check_lm_eval_args(a)  # how the options go together, then where they point: all before torch
+    check_input("", a.model, "a checkpoint, run, Hugging Face directory or adapter file")
     check_input("--suite", a.suite, "a suite file (YAML)")
     check_input("--data", a.data, "a prepared data directory")
     from plait.core.progress import phase
     from plait.lifecycle.evaluate import Report, load_suite, perplexity, print_report, run_suite, write_json
     from plait.lifecycle.models import describe, load_model
 
-    _check_lm_eval_args(a)
+    if a.lm_eval:
+        from plait.lifecycle.harness import _harness
+
+        _harness()  # installed, before the model loads
     suite = load_suite(a.suite) if a.suite else None  # check the suite before loading a model
     with phase(f"loading {a.model}"):
         loaded = load_model(a.model, device=a.device, base=a.base)
@@ -127,7 +131,7 @@ def cmd_eval(argv: list[str]) -> int:
 
 
 def _check_lm_eval_args(a) -> None:
-    """--lm-eval's settings, before the model loads: the harness installed, --limit and --num-fewshot in range,
+    """--lm-eval's settings, before anything is imported: --limit and --num-fewshot in range and with tasks,
     and a warning that --lm-eval-include's Python runs."""
     if (a.lm_eval_include or a.limit is not None or a.num_fewshot is not None) and not a.lm_eval:
         raise ConfigError("--lm-eval-include, --limit and --num-fewshot apply to --lm-eval TASKS: give the tasks")
@@ -135,10 +139,6 @@ def _check_lm_eval_args(a) -> None:
         raise ConfigError(f"--limit={a.limit} must be at least 1 (examples per task), e.g. --limit 100")
     if a.num_fewshot is not None and a.num_fewshot < 0:
         raise ConfigError(f"--num-fewshot={a.num_fewshot} must be 0 or more (examples shown before each question)")
-    if a.lm_eval:
-        from plait.lifecycle.harness import _harness
-
-        _harness()  # installed
     if a.lm_eval_include:
         if not Path(a.lm_eval_include).is_dir():
             raise ConfigError(f"--lm-eval-include {a.lm_eval_include} is not a directory of task YAMLs")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from plait.cli.args import PlaitParser
+from plait.cli.args import PlaitParser, check_input
 from plait.core.errors import ConfigError
 
 
@@ -26,6 +26,7 @@ def cmd_generate(argv: list[str]) -> int:
         "--show-neighbours", action="store_true", help="A retrieval model: print the neighbours each chunk retrieved."
     )
     a = parser.parse_args(argv)
+    check_input("", a.checkpoint, "a checkpoint directory or a run directory")  # before torch
     for flag, value, ok, valid in (
         ("--temperature", a.temperature, a.temperature >= 0, "0 or more (0: greedy), e.g. 0.8"),
         ("--top-k", a.top_k, a.top_k >= 0, "0 or more (0: off), e.g. 50"),

@@ -173,8 +173,9 @@ def _evaluate(lm_eval, TaskManager, own: Path, model, tok, tasks, include_path, 
 
 
 def _dataset_path(manager, task: str) -> str | None:
-    """A task's dataset_path as its YAML gives it (None for a group, or where this harness version hides it)."""
-    index = getattr(manager, "task_index", None) or getattr(manager, "_task_index", {})
+    """A task's dataset_path as its YAML gives it (None for a group, or where this harness version does not
+    publish its task index: TaskManager.task_index, lm_eval >= 0.4.8 as pyproject asks)."""
+    index = getattr(manager, "task_index", None) or {}
     entry = index.get(task)
     cfg = getattr(entry, "cfg", None) if not isinstance(entry, dict) else entry.get("cfg")
     path = cfg.get("dataset_path") if isinstance(cfg, dict) else None
