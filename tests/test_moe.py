@@ -301,6 +301,7 @@ def test_resume_restores_the_routing_bias(data_dir, reference, tmp_path):
     trains steps 7-10 as the uninterrupted run did."""
     ckpts = reference / "checkpoints"
     job = [*base(data_dir), "parallel.dp_shard_degree=2", "checkpoint.every_steps=0", f"checkpoint.dir={ckpts}"]
+    job.append("checkpoint.adopt=true")  # the reference run's checkpoints, continued on purpose
     (got,) = run_layouts(2, [job])
     check("FSDP 2 resumed at step 6", got, read_metrics(reference), steps=range(7, STEPS + 1))
 
@@ -332,7 +333,7 @@ def test_checkpoints_reshard_across_expert_parallel_degrees(data_dir, reference,
 
     ref = read_metrics(reference)
     saved = tmp_path / "ep2-checkpoints"
-    resume = [*base(data_dir), "checkpoint.every_steps=0"]
+    resume = [*base(data_dir), "checkpoint.every_steps=0", "checkpoint.adopt=true"]  # other runs' checkpoints
     ep4, ep2 = run_layouts(
         4,
         [

@@ -89,7 +89,8 @@ def save_job(data_dir: Path, root: Path, layout: str) -> list[str]:
 
 def resume_job(data_dir: Path, root: Path, layout: str, source: str) -> list[str]:
     # Saves nothing: the source directory must keep only step 6 for the later launches.
-    return [*base(data_dir), *LAYOUTS[layout], "checkpoint.every_steps=0", f"checkpoint.dir={ckpt_dir(root, source)}"]
+    return [*base(data_dir), *LAYOUTS[layout], "checkpoint.every_steps=0", f"checkpoint.dir={ckpt_dir(root, source)}",
+            "checkpoint.adopt=true"]  # another run's checkpoints, continued on purpose  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +140,9 @@ def matrix(data_dir, tmp_path_factory, s3) -> dict[str, dict]:
     jobs = [resume_job(data_dir, root, layout, src) for layout, src in w2]
     names = [f"{layout} <- {src}" for layout, src in w2]
     if s3:
-        jobs.append([*base(data_dir), *LAYOUTS["PP 2 gpipe"], "checkpoint.every_steps=0", *s3_dir])
+        jobs.append(
+            [*base(data_dir), *LAYOUTS["PP 2 gpipe"], "checkpoint.every_steps=0", *s3_dir, "checkpoint.adopt=true"]
+        )
         names.append("PP 2 gpipe <- S3")
     results.update(zip(names, run_layouts(2, jobs), strict=True))
     for _, layout, src in (r for r in RESUMES if r[0] == 1):

@@ -254,7 +254,9 @@ def test_a_retrieval_model_trains_resumes_bitwise_and_every_layout_equals_one_pr
     other = tmp_path / "other-layout"
     shutil.copytree(tmp_path / "ref" / "checkpoints", other)
     shutil.rmtree(other / "step_00000006")
-    layouts["TP 2, resuming one process's step 3"] = ["parallel.tp_degree=2", f"checkpoint.dir={other}"]
+    layouts["TP 2, resuming one process's step 3"] = [  # the reference run's checkpoints, continued on purpose
+        "parallel.tp_degree=2", f"checkpoint.dir={other}", "checkpoint.adopt=true",
+    ]  # fmt: skip
     results = run_layouts(2, [[*base, *extra] for extra in layouts.values()])
     for name, got in zip(layouts, results, strict=True):
         assert "error" not in got, (name, got.get("error"))

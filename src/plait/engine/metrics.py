@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import sys
 import threading
 import time
@@ -18,6 +19,7 @@ from rich.live import Live
 from rich.text import Text
 
 from plait.config import LogConfig
+from plait.core.publish import check_fence
 
 console = Console(stderr=True, soft_wrap=True)  # paths stay on one line: copy-pasteable, greppable
 log = logging.getLogger("plait")
@@ -64,6 +66,11 @@ def warn(message: str) -> None:
     log.warning(message)
 
 
+FENCE_EVERY_S = 2.0
+"""How often the metrics writer re-reads the run lock's fence (a step's metrics are written only while this run
+holds the directory; a takeover is seen within this many seconds, and at the latest by the lock's heartbeat)."""
+
+
 class MetricsLogger:
     def __init__(
         self,
@@ -85,6 +92,7 @@ class MetricsLogger:
         self._progress: ProgressLine | None = None
         self._live: Live | None = None
         self.last: dict[str, Any] = {}
+        self.run_dir, self._fenced_at = run_dir, -math.inf
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -112,6 +120,7 @@ class MetricsLogger:
             return
         record = {"step": step, "time": time.time(), **({"run_id": self.run_id} if self.run_id else {})}
         record.update({f"{prefix}/{k}": v for k, v in metrics.items()})
+        self._fence()
         self._jsonl.write(json.dumps(record) + "\n")
         scalars = {f"{prefix}/{k}": v for k, v in metrics.items() if isinstance(v, int | float)}
         for tracker in self._trackers:
@@ -121,6 +130,14 @@ class MetricsLogger:
             self._progress.status = _status_parts(self.last)
         elif line := _status_line(_with_scored(record, self.last)):  # records without a headline figure stay quiet
             console.print(f"step {step:>6} {line}", highlight=False)
+
+    def _fence(self) -> None:
+        """A run whose lock was taken over writes no more metrics into the directory (core.publish.check_fence;
+        the lock is re-read at most every FENCE_EVERY_S seconds: on S3 each read is a request)."""
+        now = time.monotonic()
+        if now - self._fenced_at >= FENCE_EVERY_S:
+            self._fenced_at = now
+            check_fence(self.run_dir, "metrics")
 
     def advance(self, step: int) -> None:
         if self._progress is not None:
