@@ -69,6 +69,21 @@ class Ctx:
         path.write_text(json.dumps(meta))
         return self.run()
 
+    def wider(self) -> Path:
+        """The run, its checkpoint's config asking for twice the model width its tensors have."""
+        path = self.ckpt() / "plait.json"
+        meta = json.loads(path.read_text())
+        meta["config"]["model"]["dim"] *= 2
+        path.write_text(json.dumps(meta))
+        return self.run()
+
+    def data_without(self, name: str) -> Path:
+        """A copy of the prepared data without one of its files."""
+        dst = self.d / "data"
+        shutil.copytree(self.data, dst)
+        (dst / name).unlink()
+        return dst
+
     def damaged(self, name: str, data: bytes | str) -> Path:
         """The run, with one file of its checkpoint replaced by `data`."""
         (self.ckpt() / name).write_bytes(data.encode() if isinstance(data, str) else data)
@@ -263,6 +278,16 @@ CASES = [
         "--dtype",
     ),
     ("export: no --out", lambda c: ["ckpt", "export", str(c.run())], "--out"),
+    (
+        "train: prepared data without its tokenizer",  # refused before training, not at the first checkpoint
+        lambda c: t(f"--data.source={c.data_without('tokenizer.json')}", f"--run.out_dir={c.d}"),
+        "has no tokenizer.json",
+    ),
+    (
+        "export: a config of another width",  # every tensor differs: one short line, not four shapes
+        lambda c: ["ckpt", "export", str(c.wider()), "--out", str(c.d / "hf")],
+        "tensors differ, e.g. model.tok_embeddings.weight",
+    ),
     (
         "import: not a directory",
         lambda c: ["ckpt", "import", "/nonexistent", "--out", str(c.d / "o")],

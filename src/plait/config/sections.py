@@ -54,9 +54,8 @@ class DataConfig:
     """Where the bundled corpus is tokenised and cached."""
     document_mask: bool = False
     """Attend each document of a packed sequence alone (the EOS token ends one; positions restart at 0 after
-    it), as Llama 3 trains: one process, DDP, FSDP/HSDP, TP+SP, EP and pipelines, eager or compiled. A
-    document longer than seq_len is cut at the window's end, each piece attended alone. Not yet with
-    cp_degree > 1."""
+    it), as Llama 3 trains: one process, DDP, FSDP/HSDP, TP+SP, CP, EP and pipelines, eager or compiled. A
+    document longer than seq_len is cut at the window's end, each piece attended alone."""
     remote_cache_mb: int = 256
     """A corpus on S3 (data.source=s3://bucket/prefix, with checkpoint.s3_endpoint and the AWS_* credentials):
     MiB of 1 MiB blocks each split keeps in memory, least recently used out first."""

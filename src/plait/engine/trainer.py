@@ -293,6 +293,7 @@ class Trainer:
             self.train_data = open_mixture(sources, "train", cfg.model.vocab_size, mb)
             self.val_split = open_mixture(sources, "val", cfg.model.vocab_size, mb)
             self.data_dir = Path(sources[0][1])
+            _check_tokenizer(self.data_dir)
             for split in (*self.train_data.datasets, *self.val_split.datasets):  # fail now if one cannot be cut
                 split.check_seq_len(cfg.data.seq_len)
             return
@@ -308,6 +309,7 @@ class Trainer:
             prepared = box[0]
         data_dir = Path(prepared)
         self.data_dir = data_dir
+        _check_tokenizer(data_dir)
         mb = cfg.data.remote_cache_mb
         if cfg.model.retrieval_ids:  # RETRO: windows on chunk boundaries, each with its chunks' neighbours
             m = cfg.model
@@ -512,3 +514,13 @@ class Trainer:
 
 if __name__ == "__main__":  # the command line lives above this module: say where, never do nothing
     raise SystemExit("plait: this module is the training loop; run `plait train ...` or `python -m plait train ...`")
+
+
+def _check_tokenizer(data_dir: Path) -> None:
+    """A prepared directory's tokenizer.json goes into every checkpoint (generation reads prompts with it): one
+    without it is refused before training, not when the first checkpoint is written."""
+    if not (data_dir / "tokenizer.json").is_file():
+        raise ConfigError(
+            f"the prepared directory {data_dir} has no tokenizer.json, which every checkpoint carries: copy the "
+            "tokenizer.json it was prepared with there, or prepare the data again (plait data prepare)"
+        )

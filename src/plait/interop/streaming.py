@@ -150,11 +150,11 @@ class CheckpointTensors:
         for name, shape in {**self.shapes, **self.adapters}.items():
             entry = saved.get(f"model.{name}")
             if not isinstance(entry, TensorStorageMetadata) or tuple(entry.size) != tuple(shape):
-                found = "missing" if entry is None else getattr(entry, "size", "not a tensor")
-                problems.append(f"model.{name} {found} (config: {tuple(shape)})")
-        if problems:
-            more = f" and {len(problems) - 4} more" if len(problems) > 4 else ""
-            raise PlaitError(f"checkpoint {ckpt} does not match its own config: {', '.join(problems[:4])}{more}")
+                found = "missing" if entry is None else tuple(getattr(entry, "size", ())) or "not a tensor"
+                problems.append(f"model.{name} {found} in the checkpoint, {tuple(shape)} in its config")
+        if problems:  # one line: how many, and the first (a wrong config makes every tensor differ)
+            many = f"{len(problems)} tensors differ, e.g. " if len(problems) > 1 else ""
+            raise PlaitError(f"checkpoint {ckpt} does not match its own config: {many}{problems[0]}")
 
     def read(self, name: str) -> torch.Tensor:
         value = self._read(name, self.shapes[name])
