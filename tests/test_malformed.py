@@ -176,6 +176,11 @@ CASES = [
         lambda c: ["data", "prepare", "/nonexistent.txt", "--out", str(c.d / "o")],
         "nonexistent.txt",
     ),
+    (
+        "prepare: a null text in JSONL",  # as in Parquet: refused with where it is, never dropped in silence
+        lambda c: ["data", "prepare", c.file("n.jsonl", '{"text": "a b"}\n{"text": null}\n'), "--out", str(c.d / "o")],
+        "n.jsonl:2: field 'text' is null",
+    ),
     ("prepare empty corpus", lambda c: ["data", "prepare", c.file("e.txt", "  \n"), "--out", str(c.d / "o")], "e.txt"),
     (
         "prepare into a non-empty dir",

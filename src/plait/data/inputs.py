@@ -5,7 +5,8 @@ disk (its Arrow files in the dataset's order), or an `s3://bucket/prefix` (its s
 key; the endpoint and credentials as for checkpoints: checkpoint.s3_endpoint / AWS_ENDPOINT_URL and the AWS
 environment, never printed). Formats: UTF-8 text (one document per file), JSONL (gzipped or not), Parquet
 and Arrow (the column `text_field`, a string column: a file whose column holds nulls is refused, with their
-count, before any of it is read: a null is a missing document, not an empty one, and is fixed in the data).
+count, before any of it is read: a null is a missing document, not an empty one, and is fixed in the data; a
+JSONL record whose text is null is refused the same way, naming its line).
 An object on S3 is copied to a local scratch file while it is read, one at a time, retried as the training
 reads are (plait.data.remote), and removed after.
 """
@@ -148,8 +149,11 @@ def _s3_inputs(url: str, endpoint: str) -> list[Input]:
 
 
 def _check_text(value: Any, where: str, field: str) -> str:
-    if value is None:
-        return ""
+    if value is None:  # as a Parquet or Arrow null: refused, never dropped in silence
+        raise ConfigError(
+            f"{where}: field {field!r} is null: a null is not a document; drop the record or give it text, and "
+            "prepare again"
+        )
     if not isinstance(value, str):
         raise ConfigError(f"{where}: field {field!r} is a {type(value).__name__}, expected a string")
     return value
