@@ -45,3 +45,24 @@ def test_a_resumed_run_shows_its_step_from_the_start(tmp_path, monkeypatch):
     assert logger._progress is not None and "250/400" in logger._progress.render(80).plain
     logger.close()
     assert "0/400" not in out.getvalue().replace("250/400", "")
+
+
+def test_a_long_command_off_a_terminal_prints_a_line_every_few_seconds_with_an_eta():
+    """core.progress: counted work in a log (not a terminal) gets a line per interval with count, percent, rate
+    and ETA, and a closing line with the time taken; an uncountable phase gets a heartbeat and its duration."""
+    from plait.core.progress import Progress, phase
+
+    out = io.StringIO()
+    with Progress("data retrieve: train", 100, unit="chunks", every=0.01, stream=out) as p:
+        for i in range(1, 101):
+            time.sleep(0.001)
+            p.update(i)
+    lines = out.getvalue().splitlines()
+    assert len(lines) >= 3 and "\x1b" not in out.getvalue(), lines  # plain lines: a log holds no escapes
+    assert re.match(r"data retrieve: train: \d+/100 chunks, \d+%, [\d,.]+ chunks/s, ETA \d+ s, \d+ s so far", lines[0])
+    assert lines[-1].startswith("data retrieve: train: 100/100 chunks in "), lines[-1]
+    beat = io.StringIO()
+    with phase("compiling", every=0.02, stream=beat):
+        time.sleep(0.1)
+    said = beat.getvalue().splitlines()
+    assert said[0] == "compiling: still running, 0 s so far" and said[-1] == "compiling: done in 0 s", said

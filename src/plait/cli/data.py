@@ -99,10 +99,13 @@ def cmd_data(argv: list[str]) -> int:
 
 
 def _retrieve(a) -> int:
+    import contextlib
+    import sys
     import time
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+    from plait.core.progress import Progress as Lines
     from plait.data.retrieval import RETRIEVAL_DIR, build_database, check_build_settings
     from plait.lifecycle.retrieval import encoder_for
 
@@ -113,10 +116,19 @@ def _retrieve(a) -> int:
     started = time.perf_counter()
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[rate]}"),
                TimeRemainingColumn()]  # fmt: skip
-    with Progress(*columns, transient=True) as bar:
+    terminal = sys.stderr.isatty()  # a bar redrawn in place; in a log, a line every few seconds (core.progress)
+    with Progress(*columns, transient=True, disable=not terminal) as bar, contextlib.ExitStack() as lines:
         tasks: dict[str, tuple[int, float]] = {}
+        logged: dict[str, Lines] = {}
 
         def progress(stage: str, done: int, total: int) -> None:
+            if not terminal:
+                if stage not in logged:
+                    logged[stage] = lines.enter_context(Lines(f"data retrieve: {stage}", total, unit="chunks"))
+                logged[stage].update(done)
+                if done >= total:
+                    logged[stage].close()  # its closing line now, with its own time
+                return
             if stage not in tasks:
                 tasks[stage] = (bar.add_task(stage, total=total, rate=""), time.perf_counter())
             task, since = tasks[stage]

@@ -34,7 +34,7 @@ class Progress:
     ):
         self.label, self.total, self.unit, self.every = label, total, unit, every
         self.stream = stream if stream is not None else sys.stderr
-        self.done = 0
+        self.done, self._closed = 0, False
         self._start = self._last = time.monotonic()
         self._tty = bool(getattr(self.stream, "isatty", lambda: False)())
 
@@ -43,10 +43,18 @@ class Progress:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+
+    def close(self) -> None:
+        """The closing line (once): the count and the time taken, if that was longer than `every`."""
+        if self._closed:
+            return
+        self._closed = True
         elapsed = time.monotonic() - self._start
         if self._tty:
             self.stream.write("\r\x1b[2K")
-        if exc_type is None and elapsed >= self.every:
+        if elapsed >= self.every:
             self.stream.write(f"{self.label}: {self._count()} in {_duration(elapsed)}\n")
         self.stream.flush()
 
@@ -55,6 +63,8 @@ class Progress:
 
     def update(self, done: int) -> None:
         self.done = done
+        if self._closed:
+            return
         now = time.monotonic()
         if now - self._last < (0.2 if self._tty else self.every):
             return

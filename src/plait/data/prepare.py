@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -24,6 +25,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from tokenizers import Tokenizer
 
 from plait.core.errors import ConfigError
+from plait.core.progress import Progress as Lines
 from plait.core.publish import is_nonempty, staged_dir
 from plait.data.inputs import Input, documents, expand_inputs, needs_pyarrow
 from plait.data.loader import FORMAT, MANIFEST, read_manifest, shard_paths
@@ -263,6 +265,19 @@ def _progress(total_bytes: int) -> Iterator[Callable[[str], _Task]]:
     rate, tokens written and theirs."""
     if total_bytes < _PROGRESS_MIN_BYTES:
         yield lambda description: _Task()
+        return
+    if not sys.stderr.isatty():  # in a log: a line every few seconds (core.progress), not a bar
+        with contextlib.ExitStack() as lines:
+            started: list[Lines] = []
+
+            def start_lines(description: str) -> _Task:
+                if started:
+                    started[-1].close()  # the phase before has ended: its closing line, with its own time
+                line = lines.enter_context(Lines(f"data prepare: {description}", total_bytes >> 20, unit="MiB"))
+                started.append(line)
+                return _Task(lambda completed=None, **_: completed is not None and line.update(completed >> 20))
+
+            yield start_lines
         return
     columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                TextColumn("{task.fields[tokens]}"), TimeRemainingColumn())  # fmt: skip
