@@ -165,7 +165,7 @@ def test_what_cannot_be_rendered_or_masked_is_refused(tmp_path, data_dir):
     assert not any((tmp_path / name).exists() for name in ("o1", "o2", "o3", "o4"))
 
 
-def test_the_template_travels_from_the_data_to_the_checkpoint_and_the_export(tmp_path, data_dir):
+def test_the_template_travels_from_the_data_to_the_checkpoint_and_the_export(tmp_path, data_dir, capsys):
     """A fine-tune on chat data: its checkpoints keep the chat template beside tokenizer.json, and its
     transformers export carries it, so the model is served with the template it was trained with."""
     import subprocess
@@ -191,6 +191,19 @@ def test_the_template_travels_from_the_data_to_the_checkpoint_and_the_export(tmp
     served = transformers.AutoTokenizer.from_pretrained(str(out))
     for messages in CONVERSATIONS:
         assert hf_ids(served, messages) == hf_ids(transformers.AutoTokenizer.from_pretrained(str(root)), messages)
+    # `plait generate --chat` renders the prompt as the run learned: the answer is greedy decoding after
+    # transformers' own rendering of the user's message with the generation prompt.
+    from plait.cli import main
+    from plait.engine.generate import generate, load_for_generation
+
+    question = CONVERSATIONS[0][0]["content"]
+    assert main(["generate", str(ckpt), "--chat", "--prompt", question, "--temperature", "0",
+                 "--max-new-tokens", "6", "--device", "cpu"]) == 0  # fmt: skip
+    answer = capsys.readouterr().out
+    ids = hf_ids(served, [{"role": "user", "content": question}], add_generation_prompt=True)
+    model, tok, eos = load_for_generation(ckpt, "cpu")
+    greedy = generate(model, [ids], max_new_tokens=6, temperature=0.0, eos_id=eos)[0]
+    assert answer == tok.decode(greedy[len(ids) :]) + "\n"
 
 
 def test_a_builtin_template_serves_a_tokenizer_without_one_and_travels_in_the_manifest(tmp_path, data_dir):

@@ -283,6 +283,7 @@ CASES = [
         "--dtype",
     ),
     ("export: no --out", lambda c: ["ckpt", "export", str(c.run())], "--out"),
+    ("generate --chat of a plain run", lambda c: ["generate", str(c.run()), "--chat"], "carries no chat template"),
     (
         "train: prepared data without its tokenizer",  # refused before training, not at the first checkpoint
         lambda c: t(f"--data.source={c.data_without('tokenizer.json')}", f"--run.out_dir={c.d}"),

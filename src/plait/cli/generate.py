@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from plait.cli.args import PlaitParser, check_input
 from plait.core.errors import ConfigError
 
@@ -25,6 +27,12 @@ def cmd_generate(argv: list[str]) -> int:
     parser.add_argument(
         "--show-neighbours", action="store_true", help="A retrieval model: print the neighbours each chunk retrieved."
     )
+    parser.add_argument(
+        "--chat",
+        action="store_true",
+        help="The prompt is a user's message: render it with the chat template the checkpoint carries (the one its "
+        "run's data was rendered with), as the run learned to answer, and print the answer alone.",
+    )
     a = parser.parse_args(argv)
     check_input("", a.checkpoint, "a checkpoint directory or a run directory")  # before torch
     for flag, value, ok, valid in (
@@ -43,7 +51,11 @@ def cmd_generate(argv: list[str]) -> int:
     found = resolve_checkpoint(a.checkpoint)
     model, tok, eos = load_for_generation(found, a.device)
     info(f"sampling {_describe(found)}")
-    ids = tok.encode(a.prompt).ids
+    chat = _chat_template(found) if a.chat else None
+    if chat is None and not a.chat and isinstance(found, Path) and _has_chat_template(found):
+        info(f"{found} carries the chat template its run learned with: --chat renders the prompt as a user's message")
+    text = chat.render([{"role": "user", "content": a.prompt}], add_generation_prompt=True) if chat else a.prompt
+    ids = tok.encode(text, add_special_tokens=chat is None).ids  # a template writes its own special tokens
     if not ids:
         raise ConfigError("--prompt is empty after tokenisation; give some text")
     if len(ids) >= model.args.max_seq_len:
@@ -70,10 +82,34 @@ def cmd_generate(argv: list[str]) -> int:
     for i, out in enumerate(outs):
         if a.num_samples > 1:
             print(f"--- sample {i + 1}")
-        print(tok.decode(out))
+        print(tok.decode(out[len(ids) :] if chat else out))  # a chat: the answer alone
         if a.show_neighbours:
             _print_neighbours(tok, out, [(chunk, found) for row, chunk, found in used or [] if row == i], retrieve)
     return 0
+
+
+def _has_chat_template(ckpt: Path) -> bool:
+    from plait.core.errors import PlaitError
+    from plait.data.chat import load_chat_template
+
+    try:
+        return load_chat_template(ckpt) is not None
+    except PlaitError:
+        return False
+
+
+def _chat_template(ckpt):
+    """--chat: the chat template a checkpoint carries (beside its tokenizer.json), or a one-line refusal."""
+    from plait.data.chat import load_chat_template
+
+    template = load_chat_template(ckpt) if isinstance(ckpt, Path) else None
+    if template is None:
+        raise ConfigError(
+            f"--chat: {ckpt} carries no chat template (its run trained on plain text, or on prompt/response data "
+            "without one); drop --chat, or fine-tune on data prepared with `plait finetune prepare --chat-template "
+            "chatml`"
+        )
+    return template
 
 
 def _describe(ckpt) -> str:
