@@ -137,13 +137,13 @@ class CheckpointManager:
         self._displaced = displaced_holder(self.dir) if self.is_writer else ""
         if self.is_writer and isinstance(self.dir, Path):
             storage.makedirs(self.dir)
-            self._clear_unfinished()
+            self._clear_unfinished(self.dir)
 
-    def _clear_unfinished(self) -> None:
+    def _clear_unfinished(self, root: Path) -> None:
         """Saves an earlier process never finished: removed, unless the lock was taken from a holder that may
         still be running (run.break_lock, an expired lease): then they are its in-flight files, moved aside
         (never deleted, never mixed with a save of ours), and said."""
-        unfinished = sorted(self.dir.glob("step_*.tmp"))
+        unfinished = sorted(root.glob("step_*.tmp"))  # a local directory (on S3 a save writes in place)
         if not self._displaced:
             for stale in unfinished:
                 storage.remove_tree(stale)
