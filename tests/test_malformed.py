@@ -120,6 +120,8 @@ def t(*args: str) -> list[str]:
     return ["train", "--model.preset=debug", "--train.steps=1", "--run.device=cpu", *args]
 
 
+LORA_BASE = ["--finetune.init_from=x", "--model.preset=debug"]
+
 # (id, argv from a Ctx, words the message must contain)
 CASES = [
     # ----------------------------------------------------------------------------- settings on the command line
@@ -380,6 +382,14 @@ CASES = [
         "launch: script exists",
         lambda c: ["launch", "slurm", "--nodes", "1", "--out", c.file("job.sbatch", "x")],
         "exists",
+    ),
+    ("compile: rank past the job", lambda c: ["compile", "--world-size", "4", "--rank", "4"], "--rank"),
+    ("compile: zero ranks", lambda c: ["compile", "--world-size", "0"], "--world-size"),
+    ("compile: --json is a directory", lambda c: ["compile", "--json", str(c.d)], "--json"),
+    (
+        "compile: a layout the run refuses",  # the runtime's own reason (rules), before anything is compiled
+        lambda c: ["compile", "--world-size=2", "--parallel.pp_degree=2", "--finetune.lora_rank=4", *LORA_BASE],
+        "finetune.lora_rank=4 runs on one process or data parallel",
     ),
     ("plot: no such run", lambda c: ["plot", "/nonexistent/run", "--out", str(c.d / "p.png")], "metrics.jsonl"),
     ("plot: not a PNG", lambda c: ["plot", str(c.run()), "--out", str(c.d / "p.jpg")], "PNG"),
