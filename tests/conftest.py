@@ -100,6 +100,18 @@ def torch_threads_restored():
         torch.set_num_threads(threads)
 
 
+@pytest.fixture(autouse=True)
+def excepthook_restored():
+    """A test that creates a process group itself (not through plait, which puts the hook back) leaves torch's
+    "[rankN]: " excepthook wrapper installed; restored after each test, so that the suite's own tracebacks (an
+    interrupted run's) are not prefixed once per such test."""
+    import sys
+
+    hook = sys.excepthook
+    yield
+    sys.excepthook = hook
+
+
 @pytest.fixture(scope="module")
 def threads_pinned():
     """OMP_NUM_THREADS set to this process's torch thread count for a module whose runs are compared bitwise

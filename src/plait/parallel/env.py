@@ -129,8 +129,9 @@ _EXCEPTHOOK: list = []
 
 
 def _keep_excepthook() -> None:
-    if not _EXCEPTHOOK:
-        _EXCEPTHOOK.append(sys.excepthook)
+    """Called just before plait creates a process group: the hook now is the one to put back (an entry left by
+    a group someone else destroyed is stale, and replaced)."""
+    _EXCEPTHOOK[:] = [sys.excepthook]
 
 
 def heartbeat_store(timeout_s: float = 30.0):
