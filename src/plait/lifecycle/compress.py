@@ -37,7 +37,7 @@ import shutil
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +52,7 @@ from plait.core.torch_private import local_box
 from plait.engine.callbacks import Callback, RunState
 from plait.engine.loss import IGNORE_INDEX
 from plait.model.llama import ModelArgs, Transformer, canonical_name
+from plait.model.mlp import FeedForward
 from plait.parallel.parallelize import load_local_shard
 
 QUANT_FORMAT = "plait-quant-v1"
@@ -65,6 +66,11 @@ class QuantLinear(nn.Module):
     """A linear layer whose weight is stored as int8 (per-output-channel scales) or packed int4 (per-group
     scales) and dequantized when used. A bias (Qwen2's q/k/v) stays in fp32: out_features values, nothing
     to gain from quantizing them."""
+
+    # Buffers (register_buffer), declared for the type checker.
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    bias: torch.Tensor | None
 
     def __init__(
         self, in_features: int, out_features: int, bits: int, group_size: int = 0, device=None, bias: bool = False
@@ -96,6 +102,7 @@ class QuantLinear(nn.Module):
             linear.in_features, linear.out_features, bits, group_size, device=w.device, bias=linear.bias is not None
         )
         if linear.bias is not None:
+            assert q.bias is not None  # made with bias=True just above
             q.bias.copy_(linear.bias.detach().float())
         if bits == 8:
             scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127  # (out,)
@@ -142,7 +149,7 @@ def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
 def quantize_model(model: Transformer, bits: int, group_size: int = 64) -> Transformer:
     """Replace every target linear by a QuantLinear (in place); returns the model."""
     for name in _quant_targets(model):
-        _set_module(model, name, QuantLinear.from_linear(model.get_submodule(name), bits, group_size))
+        _set_module(model, name, QuantLinear.from_linear(cast(nn.Linear, model.get_submodule(name)), bits, group_size))
     return model
 
 
@@ -155,14 +162,17 @@ def torchao_config(bits: int, group_size: int):
         raise ConfigError("--format torchao needs torchao and transformers: pip install 'plait[quant]'") from None
     if bits == 8:
         return Int8WeightOnlyConfig()
-    return IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(group_size))
+    return IntxWeightOnlyConfig(
+        weight_dtype=torch.int4,  # type: ignore[attr-defined]  # torch's stubs lack the sub-byte dtypes
+        granularity=PerGroup(group_size),
+    )
 
 
 def check_torchao(model: Transformer, bits: int, group_size: int) -> None:
     """What torchao's format cannot hold, refused before any work."""
     if model.args.moe_experts:
         raise ConfigError("--format torchao quantizes dense models; a mixture of experts quantizes with --format plait")
-    widths = {model.get_submodule(n).in_features for n in _quant_targets(model) if n != "output"}
+    widths = {cast(nn.Linear, model.get_submodule(n)).in_features for n in _quant_targets(model) if n != "output"}
     if bits == 4 and any(w % group_size for w in widths):
         raise ConfigError(
             f"--group-size={group_size} must divide every quantized layer's input width ({sorted(widths)}), e.g. 32"
@@ -255,7 +265,7 @@ def load_quantized(path: str | Path, device: str | torch.device = "cpu") -> tupl
     model.args = args
     model.layers = skeleton.layers.to_empty(device=device)
     for name in targets:
-        lin = skeleton.get_submodule(name)
+        lin = cast(nn.Linear, skeleton.get_submodule(name))
         quant = QuantLinear(lin.in_features, lin.out_features, bits, group, device=device, bias=lin.bias is not None)
         _set_module(model, name, quant)
     if args.tie_embeddings:
@@ -286,7 +296,7 @@ def weights_bytes(model: nn.Module) -> int:
 @torch.no_grad()
 def throughput(model: nn.Module, seq_len: int = 128, batch: int = 4, repeats: int = 3) -> float:
     """Forward tokens per second on a fixed random batch (best of ``repeats`` after one warm-up)."""
-    args = model.args
+    args = cast(ModelArgs, model.args)
     seq_len = min(seq_len, args.max_seq_len)
     device = next(iter(model.state_dict().values())).device
     x = torch.randint(0, args.vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(0)).to(device)
@@ -398,7 +408,7 @@ def structured_prune(model: Transformer, sparsity: float, multiple_of: int = 8) 
     small = empty_model(args, next(model.parameters()).device)
     state = {k: v for k, v in model.state_dict().items() if not k.startswith("rope_")}
     for i, block in model.layers.items():
-        ff = block.feed_forward
+        ff = cast(FeedForward, block.feed_forward)  # structured pruning is of dense SwiGLU layers
         score = ff.w1.weight.norm(dim=1) * ff.w3.weight.norm(dim=1) * ff.w2.weight.norm(dim=0)  # (hidden,)
         idx = score.topk(keep).indices.sort().values
         prefix = f"layers.{i}.feed_forward"
@@ -444,8 +454,14 @@ class StartFrom(Callback):
         for part in parts:
             for name, param in part.named_parameters():
                 value, device = self.state[canonical_name(name)], param.device
+
+                def read(
+                    offset: tuple[int, ...], shape: tuple[int, ...], v: torch.Tensor = value, d: torch.device = device
+                ) -> torch.Tensor:
+                    return v[_box(offset, shape)].to(d)
+
                 with torch.no_grad():
-                    load_local_shard(param, lambda offset, shape, v=value, d=device: v[_box(offset, shape)].to(d))
+                    load_local_shard(param, read)
 
 
 def _box(offset: tuple[int, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
