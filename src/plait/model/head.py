@@ -16,6 +16,8 @@ The math knows nothing about parallelism: a vocabulary split over ranks (tensor 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -176,7 +178,7 @@ class TokenMixture:
         return r
 
 
-_COMPILED = None
+_COMPILED: tuple[Callable[..., Any], ...] | None = None
 FUSED_ACCUMULATION: bool | None = None  # None: not tried yet; then whether torch.addmm accumulates in fp32 here
 
 
@@ -225,7 +227,8 @@ class LinearCrossEntropy(torch.autograd.Function):
             if one_pass:
                 losses, g = chunk_loss_and_gradient(logits, yc, grads)
             else:
-                lse, picked = combine_statistics(*statistics(logits, yc, shards.vocab_start), shards)
+                local_lse, local_picked = statistics(logits, yc, shards.vocab_start)
+                lse, picked = combine_statistics(local_lse, local_picked, shards)
                 losses = torch.where(yc != IGNORE_INDEX, lse - picked, 0.0)
                 g = gradient(logits, lse, yc, shards.vocab_start, logits.dtype) if grads else None
             del logits

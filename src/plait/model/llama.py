@@ -18,6 +18,7 @@ import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -195,6 +196,7 @@ class Attention(nn.Module):
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)  # (B, T, n_kv_heads, head_dim)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
         if self.q_norm is not None:  # per head, before the rotation (Qwen3)
+            assert self.k_norm is not None  # qk_norm sets both
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         start = 0
@@ -256,6 +258,7 @@ class TransformerBlock(nn.Module):
     def forward(self, x, cos, sin, cache: KVCache | None = None, docs=None, retrieved=None, neighbour_rope=None):
         h = x + self.attention.wo(self.attend(x, cos, sin, cache, docs))
         if self.cross is not None and retrieved is not None:
+            assert self.cross_norm is not None  # set with cross
             h = h + self.cross(self.cross_norm(h), retrieved, *neighbour_rope)
         if isinstance(self.feed_forward, MoE):
             return h + self.feed_forward(self.ffn_norm(h))
@@ -268,7 +271,8 @@ class TransformerBlock(nn.Module):
         return self.attention.mix(self.attention_norm(x), cos, sin, cache, docs)
 
     def gated(self, h):
-        return self.feed_forward.gate(self.ffn_norm(h))
+        # Only a dense block's: an MoE layer's forward does not come here
+        return cast(FeedForward, self.feed_forward).gate(self.ffn_norm(h))
 
 
 class NeighbourEncoder(nn.Module):
@@ -293,6 +297,9 @@ class Transformer(nn.Module):
     """Token ids (B, T) -> logits (B, T, vocab), or with targets (B, T) the summed next-token loss through the
     fused head (plait.model.head: no (B, T, vocab) logits). Build it under ``torch.device("meta")``, then
     ``to_empty(device=...)`` and ``init_weights()``."""
+
+    rope_cos: torch.Tensor  # buffers (register_buffer in __init__)
+    rope_sin: torch.Tensor
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -353,7 +360,7 @@ class Transformer(nn.Module):
         # RETRO: the rotary tables of a neighbour's positions 0 .. 2c - 1, for the cross-attention
         neighbour_rope = self.rope(0, 2 * self.args.retrieval_chunk) if retrieved is not None else None
         for layer in self.layers.values():
-            kwargs = {"docs": docs} if docs is not None else {}
+            kwargs: dict[str, Any] = {"docs": docs} if docs is not None else {}
             if retrieved is not None and layer.cross is not None:
                 kwargs["retrieved"], kwargs["neighbour_rope"] = retrieved, neighbour_rope
             h = layer(h, cos, sin, cache=cache, **kwargs)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -58,11 +59,12 @@ class LoRALinear(nn.Linear):
             raise PlaitError(f"LoRA applies to plain nn.Linear modules, not {type(linear).__name__}")
         device = linear.weight.device
         linear.__class__ = cls
-        linear.lora_a = nn.Parameter(a_init.to(device=device, dtype=torch.float32))
-        linear.lora_b = nn.Parameter(torch.zeros(linear.out_features, rank, device=device))
-        linear.scaling = alpha / rank
-        linear.lora_dropout = dropout
-        return linear  # type: ignore[return-value]
+        lora = cast(LoRALinear, linear)  # the same module, its class now swapped
+        lora.lora_a = nn.Parameter(a_init.to(device=device, dtype=torch.float32))
+        lora.lora_b = nn.Parameter(torch.zeros(linear.out_features, rank, device=device))
+        lora.scaling = alpha / rank
+        lora.lora_dropout = dropout
+        return lora
 
     @property
     def rank(self) -> int:
@@ -83,7 +85,7 @@ class LoRALinear(nn.Linear):
             delattr(self, name)
         for name in ("scaling", "lora_dropout"):
             self.__dict__.pop(name, None)
-        self.__class__ = nn.Linear
+        cast(nn.Linear, self).__class__ = nn.Linear  # back to a plain nn.Linear, in place
         return self
 
     def extra_repr(self) -> str:

@@ -133,7 +133,7 @@ class NeighbourCopy(nn.Module):
         self.weight = nn.Parameter(torch.zeros(2))  # w_u, w_b
 
     def shares(self) -> torch.Tensor:
-        w = self.weight
+        w: torch.Tensor = self.weight
         w = w.to_local() if hasattr(w, "to_local") else w  # replicated on every tensor-parallel rank
         w = w * COPY_GRAD_SCALE + (w * (1 - COPY_GRAD_SCALE)).detach()  # its value, its gradient scaled
         return w.float().clamp(0.0, COPY_SHARE_MAX)
