@@ -35,13 +35,16 @@ import math
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from plait.core.errors import PlaitError
+
+if TYPE_CHECKING:
+    from plait.model.llama import ModelArgs, Transformer
 
 ASSERTIONS = ("contains", "not_contains", "regex", "not_regex", "exact", "max_length", "max_perplexity", "equivalent")
 TEST_KEYS = ("name", "prompt", "prompts", "text", "expect", "max_new_tokens", "temperature")
@@ -132,8 +135,11 @@ def parse_suite(data: Any, where: str = "suite") -> Suite:
                 prompts=prompts,
                 text=text,
                 checks=checks,
-                max_new_tokens=int(raw.get("max_new_tokens", data.get("max_new_tokens", 32))),
-                temperature=float(raw.get("temperature", data.get("temperature", 0.0))),
+                # raw[k] if present, else the suite's value (not raw.get(k, default): mypy types it Optional)
+                max_new_tokens=int(
+                    raw["max_new_tokens"] if "max_new_tokens" in raw else data.get("max_new_tokens", 32)
+                ),
+                temperature=float(raw["temperature"] if "temperature" in raw else data.get("temperature", 0.0)),
             )
         )
     return Suite(str(data.get("name") or Path(where).stem), cases, where)
@@ -213,17 +219,16 @@ def complete(model: nn.Module, tok, prompt: str, max_new_tokens: int, temperatur
     ids = tok.encode(prompt, add_special_tokens=False).ids
     if not ids:
         raise PlaitError(f"prompt {prompt!r} is empty after tokenisation")
-    room = model.args.max_seq_len - len(ids)
+    args = cast("ModelArgs", model.args)
+    room = args.max_seq_len - len(ids)
     if room < 1:
-        raise PlaitError(
-            f"prompt {prompt[:40]!r}... has {len(ids)} tokens; the model supports {model.args.max_seq_len}"
-        )
+        raise PlaitError(f"prompt {prompt[:40]!r}... has {len(ids)} tokens; the model supports {args.max_seq_len}")
     try:
         eos = eos_id(tok)
     except PlaitError:
         eos = None
     out = generate(
-        model,
+        cast("Transformer", model),
         [ids],
         max_new_tokens=min(max_new_tokens, room),
         temperature=temperature,
@@ -244,7 +249,7 @@ def text_perplexity(model: nn.Module, tok, text: str, context: str = "") -> floa
     ids = tok.encode(text, add_special_tokens=False).ids
     if not ids or (not ctx and len(ids) < 2):
         raise PlaitError(f"text {text[:40]!r} is too short to score")
-    full = (ctx + ids)[-model.args.max_seq_len :]
+    full = (ctx + ids)[-cast("ModelArgs", model.args).max_seq_len :]
     scored = min(len(ids), len(full) - 1)
     x = torch.tensor([full[:-1]], device=_device(model))
     y = torch.tensor([full[1:]], device=_device(model))
@@ -278,6 +283,7 @@ def _evaluate(check: Check, case: Case, outs: list[str], model, tok) -> Result:
     kind, arg = check.kind, check.arg
     label = f"{kind}: {arg!r}" if kind != "equivalent" else "equivalent"
     if kind == "max_perplexity":
+        assert case.text is not None  # parse_suite refuses max_perplexity without a 'text'
         ppl = text_perplexity(model, tok, case.text, case.prompts[0] if case.prompts else "")
         return Result(case.name, label, ppl <= arg, f"perplexity {ppl:.2f} (bound {arg})")
     if kind == "equivalent":
@@ -310,8 +316,8 @@ def _evaluate(check: Check, case: Case, outs: list[str], model, tok) -> Result:
 def _device(model: nn.Module) -> torch.device:
     for t in model.parameters():
         return t.device
-    for t in model.buffers():
-        return t.device
+    for b in model.buffers():
+        return b.device
     return torch.device("cpu")
 
 
@@ -328,7 +334,8 @@ def perplexity(
     """exp(mean token NLL) over the first windows of a prepared split (loss-masked targets are not counted)."""
     from plait.data import TokenDataset, TokenLoader
 
-    args = model.args
+    args = cast("ModelArgs", model.args)
+    dataset: TokenDataset  # or its RetrievalDataset
     if args.retrieval_ids:  # RETRO: each window with its chunks' neighbours, the window a whole number of chunks
         from plait.data.retrieval import RetrievalDataset
 
@@ -338,7 +345,7 @@ def perplexity(
         )
     else:
         dataset = TokenDataset(data_dir, split)
-    seq_len = min(seq_len, model.args.max_seq_len, max(1, dataset.num_tokens - 1))
+    seq_len = min(seq_len, args.max_seq_len, max(1, dataset.num_tokens - 1))
     batch_size = max(1, min(batch_size, dataset.num_samples(seq_len)))
     loader = TokenLoader(
         dataset, seq_len=seq_len, global_batch_size=batch_size, shuffle=False, prefetch=0, device=_device(model)
