@@ -21,6 +21,7 @@ import io
 import resource
 import statistics
 import time
+from typing import Any
 
 import torch
 
@@ -83,7 +84,7 @@ def fit_rank(cfg: Config, world_size: int, rank: int, steps: int = 3, *, quiet: 
     with phase(f"rank {rank}: the planner's prediction (timing this device)", every=SAY_EVERY, stream=out):
         predicted, compute_s = _predict(cfg, world_size, dims, rank, bf16, device)
     capacity = device_memory_bytes(device) or host_memory_bytes("MemAvailable") or 0
-    base = dict(rank=rank, world_size=world_size, device=_device_name(device), capacity=capacity)
+    base: dict[str, Any] = dict(rank=rank, world_size=world_size, device=_device_name(device), capacity=capacity)
     if device.type == "cpu" and capacity and predicted["peak"] > capacity:
         # The kernel's OOM killer would end this process without a word; the GPU's allocator raises instead.
         note = f"not run: predicted {predicted['peak'] / GiB:.1f} GiB, {capacity / GiB:.1f} GiB available"

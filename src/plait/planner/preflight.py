@@ -152,11 +152,14 @@ def check_memory(cfg: Config, world_size: int, local_size: int, machine: Machine
         """The largest share of a limit the run needs, what it needs, of what, and the prediction."""
         m = predict(cfg, world_size, local_size, bf16, layout, "cuda" if on_gpu else "cpu")
         if not on_gpu:  # device and host are one memory, shared by the local processes
+            assert host is not None  # noqa: S101  # without a device, the host's memory is known (checked above)
             need = local_size * (m["total"] - RESERVED_GIB * GiB + CPU_PROCESS_GIB * GiB + m["host"])
             return need / host, f"{need / GiB:.1f} GiB for {procs}", f"{host / GiB:.1f} GiB available", m
+        device_bytes = machine.device_bytes
+        assert device_bytes is not None  # noqa: S101  # on_gpu
         needs = f"{m['total'] / GiB:.1f} GiB per device"
-        limits = f"{machine.device_bytes / GiB:.1f} GiB on {machine.name}"
-        share = m["total"] / machine.device_bytes
+        limits = f"{device_bytes / GiB:.1f} GiB on {machine.name}"
+        share = m["total"] / device_bytes
         if host is not None and m["host"] > 0:  # CPU offload: the states of every local process in host memory
             need = local_size * host_resident(m["host"])
             limits += (

@@ -297,7 +297,7 @@ def _memory(rec: dict) -> str:
 def _why_slower(rec: dict, best: dict) -> str:
     """The component that grew most against the winner, in words."""
     deltas = {k: rec[k] - best[k] for k in TIME_PARTS}
-    key = max(deltas, key=deltas.get)
+    key = max(deltas, key=lambda k: deltas[k])
     d = deltas[key]
     what = PART_NAMES[key]
     if key == "t_bubble":

@@ -10,16 +10,18 @@ from plait.model.args import ModelArgs
 # A parameter is (dim0, dim1, how tensor parallel splits it): 0 = Shard(0) (column-parallel linear, and the
 # vocabulary-split embedding / output), 1 = Shard(1) (row-parallel linear), -1 = replicated (norm weights).
 # FSDP2 then splits dim 0 of the TP-local tensor into dp_shard chunks, padding it to ceil(dim0 / dp_shard)
-# rows on every rank: that padded size is what each rank allocates.
+# rows on every rank: that padded size is what each rank allocates. dim1 is a float where a part is weighted by
+# its share of the blocks.
+Param = tuple[int, float, int]
 
 
-def layer_params(a: ModelArgs) -> list[tuple[int, int, int]]:
+def layer_params(a: ModelArgs) -> list[Param]:
     """One block's parameters that tensor parallelism splits and FSDP shards over dp_shard x cp: attention,
     norms and the dense MLP; for a model mixing dense and MoE blocks, the average block (each MLP's columns
     weighted by its share of the blocks: every count below is linear in them). The MoE parts: moe_params."""
     q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
     h, f = a.dim, a.hidden_dim
-    out = [(q, h, 0), (kv, h, 0), (kv, h, 0), (h, q, 1), (h, 1, -1), (h, 1, -1)]
+    out: list[Param] = [(q, h, 0), (kv, h, 0), (kv, h, 0), (h, q, 1), (h, 1, -1), (h, 1, -1)]
     moe = a.n_moe_layers / a.n_layers
     if moe < 1:
         out += [(f, h * (1 - moe), 0), (f, h * (1 - moe), 0), (h, f * (1 - moe), 1)]
@@ -30,7 +32,7 @@ def layer_params(a: ModelArgs) -> list[tuple[int, int, int]]:
     return out
 
 
-def encoder_params(a: ModelArgs) -> list[tuple[int, int, int]]:
+def encoder_params(a: ModelArgs) -> list[Param]:
     """RETRO's neighbour encoder (none without retrieval): its dense bidirectional blocks, split by tensor
     parallelism as the decoder's are, and its final norm. FSDP shards it with the model's root unit, which is
     gathered through the step."""
@@ -41,21 +43,21 @@ def encoder_params(a: ModelArgs) -> list[tuple[int, int, int]]:
     return [*block, (a.dim, 1, -1)]
 
 
-def moe_params(a: ModelArgs) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+def moe_params(a: ModelArgs) -> tuple[list[Param], list[Param]]:
     """An average block's parameters that tensor parallelism leaves whole (ParallelDims.tp_whole), as (the q/k
     norms and the MoE router and shared expert, the routed experts; MoE parts weighted by the MoE blocks'
     share). FSDP shards both over dp_shard x cp x tp (an MoE block runs on each tp rank's sequence shard, a
     q/k norm on its heads), the experts after expert parallelism has split them by expert (dim 0 of the
     stacked (experts, F x h) weights: the 0 below)."""
     moe = a.n_moe_layers / a.n_layers
-    rest = [(a.head_dim, 1, -1), (a.head_dim, 1, -1)] if a.qk_norm else []
+    rest: list[Param] = [(a.head_dim, 1, -1), (a.head_dim, 1, -1)] if a.qk_norm else []
     if not moe:
         return rest, []
     h, e, fe, shared = a.dim, a.moe_experts, a.expert_hidden_dim, a.expert_hidden_dim * a.moe_shared_experts
     rest += [(e, h * moe, -1)]  # the router
     if shared:
         rest += [(shared, h * moe, -1), (shared, h * moe, -1), (h, shared * moe, -1)]
-    experts = [(e, fe * h * moe, 0), (e, fe * h * moe, 0), (e, h * fe * moe, 0)]
+    experts: list[Param] = [(e, fe * h * moe, 0), (e, fe * h * moe, 0), (e, h * fe * moe, 0)]
     return rest, experts
 
 
@@ -105,12 +107,12 @@ def _block_numel(a: ModelArgs, tp, fsdp_shard, ep) -> tuple:
     return sharded, gathered
 
 
-def embed_params(a: ModelArgs) -> list[tuple[int, int, int]]:
+def embed_params(a: ModelArgs) -> list[Param]:
     return [(a.vocab_size, a.dim, 0)]
 
 
-def head_params(a: ModelArgs) -> list[tuple[int, int, int]]:
-    out = [(a.dim, 1, -1)]
+def head_params(a: ModelArgs) -> list[Param]:
+    out: list[Param] = [(a.dim, 1, -1)]
     return out if a.tie_embeddings else [*out, (a.vocab_size, a.dim, 0)]
 
 
@@ -132,7 +134,7 @@ def local_numel(params, tp):
     return total
 
 
-def matmul_params(a: ModelArgs) -> int:
+def matmul_params(a: ModelArgs) -> float:
     return a.matmul_params()
 
 

@@ -5,6 +5,7 @@ the allocator's slack."""
 from __future__ import annotations
 
 import functools
+from typing import overload
 
 import numpy as np
 
@@ -55,7 +56,11 @@ llama3-8b at 16 blocks, fp32 moments, RSS 76.1 GiB over 67.7 of states (+12.4%);
 bf16 moments, RSS 101.9 GiB over 89.75 (+13.5%)."""
 
 
-def host_resident(offloaded_states: float) -> float:
+@overload
+def host_resident(offloaded_states: float) -> float: ...
+@overload
+def host_resident(offloaded_states: np.ndarray) -> np.ndarray: ...
+def host_resident(offloaded_states: float | np.ndarray) -> float | np.ndarray:
     """Host bytes a CPU-offloaded rank's process is predicted to hold: its states and OFFLOAD_HOST_OVERHEAD."""
     return offloaded_states * (1 + OFFLOAD_HOST_OVERHEAD)
 
@@ -234,8 +239,8 @@ def _rank_actions(schedule: str, p: int, v: int, m: int, r: int) -> tuple[np.nda
     round by round; zero bubble splits each backward into I and a W that lags r backward ops behind."""
     if schedule in ("gpipe", "1f1b"):
         warm = m if schedule == "gpipe" else min(m, p - r)
-        ops = [_F] * warm + [_B, _F] * (m - warm) + [_B] * warm
-        return np.array(ops), np.zeros(len(ops), dtype=np.int64)
+        seq = [_F] * warm + [_B, _F] * (m - warm) + [_B] * warm
+        return np.array(seq), np.zeros(len(seq), dtype=np.int64)
     zero_bubble = schedule == "zero_bubble"
     per_round = m // max(1, m // p)
     total = m * v
@@ -377,6 +382,7 @@ def peak_activations(schedule, pp, virtual, m, rank_is_last: bool, weight) -> di
         return out
     columns = [np.asarray(x, dtype=np.int64)[piped] for x in (schedule, pp, virtual, m)]
     groups, group = distinct(*columns)  # the distinct (schedule, pp, v, m), and each layout's
+    assert group is not None  # noqa: S101  # the columns are 1-D arrays, never scalars
     # Layouts of one group often have the same units (what tells them apart, e.g. how the data-parallel ranks
     # split into replicas and shards, changes no activation or gradient here): each distinct column is priced
     # once and its result shared.
