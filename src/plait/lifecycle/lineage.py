@@ -32,9 +32,12 @@ import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from plait.core.errors import PlaitError
+
+if TYPE_CHECKING:  # not at run time: plait.core.storage imports torch
+    from plait.core.storage import Location
 
 REGISTRY_FILE = "lineage.sqlite"
 SCHEMA_VERSION = 1
@@ -166,7 +169,7 @@ class Registry:
         kind: str,
         *,
         name: str | None = None,
-        path: str | Path | None = None,
+        path: str | Location | None = None,
         parent: str | None = None,
         status: str = "done",
         weights_hash: str | None = None,
@@ -284,7 +287,8 @@ class Registry:
         return Artifact.from_row(row)
 
     def all(self, kind: str | None = None) -> list[Artifact]:
-        query, args = "SELECT * FROM artifacts", ()
+        query = "SELECT * FROM artifacts"
+        args: tuple[str, ...] = ()
         if kind:
             query, args = query + " WHERE kind = ?", (kind,)
         with self._connect() as db:
@@ -304,7 +308,7 @@ class Registry:
             rows = db.execute(query + " ORDER BY id", args).fetchall()
         return [{**dict(r), "payload": json.loads(r["payload"]) if r["payload"] else None} for r in rows]
 
-    def by_path(self, path: str | Path, kinds: tuple[str, ...] | None = None) -> Artifact | None:
+    def by_path(self, path: str | Location, kinds: tuple[str, ...] | None = None) -> Artifact | None:
         """The newest artifact recorded at this path (of one of ``kinds``)."""
         with self._connect() as db:
             rows = db.execute(
@@ -352,8 +356,9 @@ class Registry:
                     return found
             for column in ("id", "weights_hash"):
                 if len(ref) >= 4:
-                    rows = db.execute(f"SELECT * FROM artifacts WHERE {column} LIKE ? ORDER BY created", (ref + "%",))
-                    rows = rows.fetchall()
+                    rows = db.execute(
+                        f"SELECT * FROM artifacts WHERE {column} LIKE ? ORDER BY created", (ref + "%",)
+                    ).fetchall()
                     ids = {r["id"] for r in rows}
                     if column == "id" and len(ids) > 1:
                         raise PlaitError(f"{ref!r} matches {len(ids)} artifacts in {self.path}; give more characters")
@@ -387,10 +392,10 @@ def _dump(value: Mapping | None) -> str | None:
     return None if value is None else json.dumps(value, sort_keys=True, default=str)
 
 
-def _norm(path: str | Path | None) -> str | None:
+def _norm(path: str | Location | None) -> str | None:
     if path is None or "://" in str(path):  # a remote location (s3://...) is kept as written
         return None if path is None else str(path).rstrip("/")
-    return str(Path(path).expanduser().resolve())
+    return str(Path(str(path)).expanduser().resolve())  # str or Path here (a RemotePath's str has "://")
 
 
 def registry_path(out_dir: str | Path, path: str = "") -> Path:

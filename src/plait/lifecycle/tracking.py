@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,6 +28,12 @@ from plait.core.storage import Location, exists, location
 from plait.engine.callbacks import Callback
 from plait.lifecycle.lineage import Registry, code_version, data_fingerprint, process_info, registry_path
 from plait.lifecycle.lora import lora_tensors, model_weights_hash, save_adapter, weights_hash
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+    from plait.lifecycle.evaluate import Suite
+    from plait.model.llama import Transformer
 
 _USER_DATA = {"source": "a dataset given to plait.Trainer(data=...)", "dir": None, "fingerprint": None}
 
@@ -43,12 +49,15 @@ class Lineage(Callback):
         self.lineage.attach(run.checkpointer)
 
     def after_eval(self, run, step: int, val_loss: float) -> None:
+        assert self.lineage is not None  # set by on_start
         self.lineage.monitor(step)  # eval.suite's behavioural assertions, if any
 
     def after_checkpoint(self, run, step: int, saved: dict[str, Any]) -> None:
+        assert self.lineage is not None  # set by on_start
         self.lineage.checkpoint(step, saved, run.final)  # weights hash (and a LoRA run's adapter) of a save begun now
 
     def on_end(self, run, final: dict[str, Any]) -> None:
+        assert self.lineage is not None  # set by on_start
         self.lineage.finish(final)
 
 
@@ -61,9 +70,9 @@ class RunLineage:
         self.base_path: str | None = None
         self.lora = cfg.finetune.lora_rank > 0
         self.hashable = t.pipeline is None
-        self.suite = None
-        self.tokenizer = None
-        self._suite_copy = None  # multi-process runs: the main rank's plain copy for the suite
+        self.suite: Suite | None = None
+        self.tokenizer: Tokenizer | None = None
+        self._suite_copy: Transformer | None = None  # multi-process runs: the main rank's plain copy for the suite
         self._recorded: set[int] = set()  # steps whose checkpoints are in the registry
         self._hashes: dict[int, str] = {}  # step -> weights hash of a save begun, until it is recorded
         self.first_step = 1
@@ -75,7 +84,7 @@ class RunLineage:
         self = cls(cfg, t, env.is_main, metrics)
         f = cfg.finetune
         resuming = resume_from is not None
-        if resuming:
+        if resume_from is not None:  # resuming
             from plait.engine.checkpoint import step_of
 
             self.first_step = step_of(resume_from) + 1
@@ -301,9 +310,11 @@ class RunLineage:
             stages: list | None = [None] * meshes.dims.pp if self.is_main else None
             dist.gather_object(tensors, stages, group=meshes.pp.get_group(), group_dst=0)
             if self.is_main:
+                assert stages is not None  # the main rank's list, filled by gather_object
                 tensors = {k: v for stage in stages for k, v in stage.items()}
         if not self.is_main:
             return None
+        assert self._suite_copy is not None  # made above on the main rank
         target = dict(self._suite_copy.named_parameters())
         missing = sorted(set(target) - set(tensors))
         if missing:
