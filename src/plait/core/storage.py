@@ -398,6 +398,8 @@ class _RetryingWrites(_WriterBase):
     their own files independently; DCP's collectives only see the final outcome). The coordinator first
     clears the target directory (dcp_writer's before_write)."""
 
+    plait_before_write: Callable[[], object]  # set on each writer by dcp_writer
+
     def set_up_storage_writer(self, is_coordinator: bool, *args, **kwargs) -> None:
         self._coordinator = is_coordinator
         super().set_up_storage_writer(is_coordinator, *args, **kwargs)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+from typing import Any, cast
 
 
 def local_box(dtensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -95,7 +96,9 @@ def bounded_receive_stage(stage_class):
         if isinstance(loss, torch.Tensor) and loss.grad_fn is not None and loss._base is None:
             loss.detach_()
 
-    class BoundedStage(stage_class):
+    base: Any = stage_class  # a class known at run time only
+
+    class BoundedStage(base):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.plait_losses: dict = {}  # zero bubble: losses whose weight pass is still to come
@@ -316,7 +319,7 @@ class LabelledRecords:
     (`plait_where`: '<file> at byte <offset>'), for the messages of a record that fails its checksum."""
 
     def _slice_file(self, file, sinfo):
-        view = super()._slice_file(file, sinfo)
+        view = cast(Any, super())._slice_file(file, sinfo)  # a mixin: the reader after it in the MRO has it
         view.plait_where = f"{sinfo.relative_path} at byte {sinfo.offset}"
         return view
 
@@ -594,12 +597,12 @@ def watch_allocations(on_tensor, on_resize):
         on_resize(storage, before, storage.nbytes())
         return result
 
-    torch.UntypedStorage.resize_ = resize_
+    setattr(torch.UntypedStorage, "resize_", resize_)  # noqa: B010 - a method patched for the duration
     try:
         with _Watch():
             yield
     finally:
-        torch.UntypedStorage.resize_ = original
+        setattr(torch.UntypedStorage, "resize_", original)  # noqa: B010
 
 
 def unanimous_static_stage(stage_class):
