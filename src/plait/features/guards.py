@@ -35,6 +35,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TextIO, cast
 
 import torch
 
@@ -207,7 +208,8 @@ class Watchdog:
         self._last = time.monotonic()
         self._target = threading.get_ident()  # the training thread: the one that builds the guard
         self._stop = threading.Event()
-        self._store = None  # connected by the watchdog thread, not the training thread (it may take a while)
+        # connected by the watchdog thread, not the training thread (it may take a while)
+        self._store: torch.distributed.Store | None = None
         self._store_tried, self._beat_failed = -math.inf, False
         self._thread = threading.Thread(target=self._watch, name="plait-watchdog", daemon=True)
         self._thread.start()
@@ -308,6 +310,7 @@ class Watchdog:
     def _read_beats(self) -> dict[int, tuple[float, int, int, str, str]]:
         """rank -> (age in seconds, step, pid, host, where) of every heartbeat in the store."""
         now, beats = time.time(), {}
+        assert self._store is not None  # noqa: S101  # culprits connected it before any read
         for r in range(self.world_size):
             with contextlib.suppress(Exception):
                 t, step, pid, host, where = self._store.multi_get([str(r)])[0].decode().split(" ", 4)
@@ -318,7 +321,8 @@ class Watchdog:
         phase, where = describe_stack(sys._current_frames().get(self._target))
         collective = last_collective(self._target) or "none recorded"
         culprit, silent, stalled = self.culprits()
-        out = sys.stderr if _has_fileno(sys.stderr) else sys.__stderr__
+        # sys.__stderr__ is None only without a console (pythonw): never for a training process
+        out = cast("TextIO", sys.stderr if _has_fileno(sys.stderr) else sys.__stderr__)
         print(
             f"plait: hang watchdog: rank {self.rank} ({socket.gethostname()}, pid {os.getpid()}) made no progress "
             f"for {idle:.1f} s (guard.hang_timeout_s={self.timeout_s:g}) in step {self.step}, phase {phase}, "
@@ -570,13 +574,16 @@ class Guards(Callback):
         )
 
     def before_step(self, run, step: int) -> None:
+        assert self.guard is not None  # noqa: S101  # on_start built it
         self.guard.before_step(step)
 
     def should_step(self, run: RunState, loss, grad_norm) -> None:
+        assert self.guard is not None  # noqa: S101  # on_start built it
         if not self.guard.should_step(loss, grad_norm):
             run.withhold_step(f"guard: {self.guard.verdict}")
 
     def after_step(self, run: RunState, step: int, result) -> None:
+        assert self.guard is not None  # noqa: S101  # on_start built it
         self.guard.after_step(step, run.state, roll_back=run.roll_back)
 
     def close(self, run) -> None:

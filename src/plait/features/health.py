@@ -18,6 +18,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -105,7 +106,7 @@ BUSY_THREAD = 0.1  # threads that ran less than this share of the window (idle h
 def _schedstat() -> dict[str, tuple[int, int]]:
     """This process's threads: tid -> (ns on a CPU, ns waiting on a run queue), from Linux's schedstat;
     empty where the kernel does not expose it."""
-    out = {}
+    out: dict[str, tuple[int, int]] = {}
     try:
         tids = os.listdir("/proc/self/task")
     except OSError:
@@ -158,7 +159,9 @@ def check_compute(
     a = torch.randn(size, size, generator=gen).to(device)
     b = torch.randn(size, size, generator=gen).to(device)
     with _highest_precision():
-        times, c, contention = [], None, None
+        times: list[float] = []
+        c: torch.Tensor | None = None
+        contention: float | None = None
         for turn in range(turns[1] if turns else 1):
             if turns is None or turn == turns[0]:
                 begin, sched = time.perf_counter(), _schedstat()
@@ -175,6 +178,7 @@ def check_compute(
                     contention = run_queue_contention(sched, _schedstat(), time.perf_counter() - begin)
             if turns is not None:
                 dist.barrier()
+        assert c is not None  # noqa: S101  # this rank's turn ran at least one matmul
         for fault in COMPUTE_FAULTS:
             fault("result", rank, c)
         ref = a.double() @ b.double()
@@ -417,7 +421,7 @@ def run_checks(
     mine = check_compute(device, rank, turns=turns)
     compute = [mine]
     if dist.is_initialized() and dist.get_world_size() > 1:
-        compute = [None] * dist.get_world_size()
+        compute = cast("list[ComputeResult]", [None] * dist.get_world_size())  # all_gather_object fills it
         dist.all_gather_object(compute, mine)
     rows = check_collectives(meshes, device, sizes, iters)
     return HealthReport(compute, rows, slow_ratio, time.perf_counter() - start)
