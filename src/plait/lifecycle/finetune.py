@@ -152,6 +152,7 @@ def load_init_weights(parts: list[nn.Module], ref: str, args: ModelArgs) -> dict
         from plait.interop.hf import open_hf
         from plait.parallel.parallelize import load_local_shard
 
+        assert isinstance(path, Path)  # resolve_weights gives 'hf' only for a local directory
         hf = open_hf(path)
         check_same_model(hf.args, args, ref)
         for part in parts:
@@ -262,6 +263,7 @@ def prepare_instructions(
     tok = load_tokenizer(tokenizer)
     eos = eos_id(tok)
     dtype = np.dtype("<u2") if tok.get_vocab_size(with_added_tokens=True) <= 65535 else np.dtype("<u4")
+    chat: ChatTemplate | None
     if chat_template is not None:
         chat = named_chat_template(chat_template, tokenizer)
     else:
@@ -400,7 +402,11 @@ def _write_split(tmp: Path, split: str, items: list, dtype) -> dict[str, Any]:
     """One split's tokens and loss mask as one shard each (with their hashes); its manifest entry."""
     tokens = np.concatenate([i for i, _ in items]) if items else np.zeros(0, dtype=dtype)
     masks = np.concatenate([m for _, m in items]) if items else np.zeros(0, dtype=np.uint8)
-    shard = {"file": f"{split}_00000.bin", "mask_file": f"{split}_mask_00000.bin", "num_tokens": len(tokens)}
+    shard: dict[str, Any] = {
+        "file": f"{split}_00000.bin",
+        "mask_file": f"{split}_mask_00000.bin",
+        "num_tokens": len(tokens),
+    }
     for key, array in (("file", tokens), ("mask_file", masks)):
         data = array.tobytes()
         (tmp / shard[key]).write_bytes(data)

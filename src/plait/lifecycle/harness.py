@@ -33,6 +33,7 @@ def _harness():
 
 def plait_lm(model, tokenizer, *, device: str = "cpu"):
     """A harness model of a plait Transformer and its tokenizer (tokenizers.Tokenizer)."""
+    TemplateLM: Any  # lm_eval's base class, imported only here: declared Any so that it can be subclassed
     _, TemplateLM = _harness()
     from plait.data import eos_id
     from plait.engine.generate import generate

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -97,8 +97,9 @@ def _load_checkpoint(ckpt: Location, device) -> Loaded:
 
     meta = read_meta(ckpt)
     cfg = read_config(ckpt)
-    model = checkpoint_model(ckpt, device)  # a LoRA run's checkpoint: the base and its adapters (not merged)
-    extra = {k: meta[k] for k in ("imported_from", "weights_only", "train_state") if k in meta}
+    # a LoRA run's checkpoint: the base and its adapters (not merged); a plait Transformer either way
+    model = cast(Transformer, checkpoint_model(ckpt, device))
+    extra: dict[str, Any] = {k: meta[k] for k in ("imported_from", "weights_only", "train_state") if k in meta}
     return Loaded(model, "checkpoint", ckpt, local_file(ckpt / "tokenizer.json"), to_dict(cfg), extra)
 
 

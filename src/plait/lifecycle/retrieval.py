@@ -55,7 +55,7 @@ def load_encoder(ref: str, corpus_manifest: dict[str, Any], device: str = "cpu")
     from plait.lifecycle.lora import model_weights_hash
 
     description = {
-        "path": str(Path(loaded.path).resolve()) if not str(loaded.path).startswith("s3://") else str(loaded.path),
+        "path": str(loaded.path.resolve()) if isinstance(loaded.path, Path) else str(loaded.path),  # s3:// as is
         "kind": loaded.kind,
         "weights_hash": model_weights_hash(loaded.model),
         "dim": loaded.model.args.dim,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +24,9 @@ from torch import nn
 
 from plait.core.errors import PlaitError
 from plait.lifecycle.lora import base_weights_hash, check_base, read_adapter, target_linears
+
+if TYPE_CHECKING:
+    from plait.model.llama import Transformer
 
 
 class MultiLoRALinear(nn.Linear):
@@ -80,8 +84,9 @@ class SharedStem:
                     stack_b[k, :, : b.shape[1]] = b
                     scale[k] = scaling
             lin.__class__ = MultiLoRALinear
-            lin.stack_a, lin.stack_b, lin.stack_scale, lin.row_adapter = stack_a, stack_b, scale, None
-            self.modules.append(lin)  # type: ignore[arg-type]
+            multi = cast(MultiLoRALinear, lin)  # the same module, now of the class just set
+            multi.stack_a, multi.stack_b, multi.stack_scale, multi.row_adapter = stack_a, stack_b, scale, None
+            self.modules.append(multi)
 
     def ids(self, adapters: Sequence[str | None]) -> torch.Tensor:
         unknown = [a for a in adapters if a is not None and a not in self.names]
@@ -133,7 +138,7 @@ class SharedStem:
         for members in groups.values():
             with self.rows([requests[i][1] for i in members]):
                 results = generate(
-                    self.model,
+                    cast("Transformer", self.model),  # a plait model, its target linears made MultiLoRALinear
                     [requests[i][0] for i in members],
                     max_new_tokens=max_new_tokens,
                     temperature=temperature,
