@@ -317,13 +317,18 @@ def needs_pyarrow(files: list[Input]) -> None:
         _pyarrow(tabular[0].where)
 
 
+def _after(advance: Advance, done: int) -> Advance:
+    """`advance` of a file's bytes, counted after the `done` bytes of the files before it."""
+    return lambda pos: advance(done + pos)
+
+
 def documents(files: list[Input], field: str, counts: list[int], advance: Advance) -> Iterator[str]:
     """Non-empty documents of all files in order; `advance` gets bytes consumed across all files."""
     done = 0
     for i, inp in enumerate(files):
         reader = _READERS[_suffix(inp.name) or ""]
         with inp.local() as path:
-            for text in reader(path, inp.where, field, lambda pos, done=done: advance(done + pos)):
+            for text in reader(path, inp.where, field, _after(advance, done)):
                 if text.strip():
                     counts[i] += 1
                     yield text

@@ -16,6 +16,7 @@ batch is the same at every data-parallel degree.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import torch
@@ -129,26 +130,30 @@ class MixtureLoader(TokenLoader):
         super().__init__(mixture.datasets[0], **kw)
         self._samples_consumed = tuple(0 for _ in mixture.names)  # type: ignore[assignment]
 
-    def _make_plan(self, seq_len: int, global_batch_size: int, seed: int):  # type: ignore[override]
+    def _make_plan(self, seq_len: int, global_batch_size: int, seed: int):
         return _MixturePlan(self.mixture, seq_len, global_batch_size, self.dp_rank, self.dp_degree, seed,
                             self.shuffle)  # fmt: skip
+
+    def _cursor(self) -> tuple[int, ...]:
+        """The sequences served per source: a mixture's cursor (TokenLoader's is one int)."""
+        return cast(tuple[int, ...], self._samples_consumed)
 
     @property
     def epoch(self) -> int:
         """Passes over the most-passed source."""
-        cursor = self._samples_consumed
-        return max(n // p.num_windows for n, p in zip(cursor, self._plan.plans, strict=True))  # type: ignore
+        plans = cast(_MixturePlan, self._plan).plans
+        return max(n // p.num_windows for n, p in zip(self._cursor(), plans, strict=True))
 
     def source_tokens(self) -> dict[str, int]:
         """Tokens served per source so far (the sequences handed to the caller, seq_len each)."""
-        cursor = self._samples_consumed
-        return {n: int(c) * self.seq_len for n, c in zip(self.mixture.names, cursor, strict=True)}  # type: ignore
+        cursor = self._cursor()
+        return {n: int(c) * self.seq_len for n, c in zip(self.mixture.names, cursor, strict=True)}
 
     def state_dict(self) -> dict:
-        cursor = self._samples_consumed
+        cursor = self._cursor()
         return {
-            "samples_consumed": int(sum(cursor)),  # type: ignore[arg-type]
-            "source_samples": dict(zip(self.mixture.names, map(int, cursor), strict=True)),  # type: ignore
+            "samples_consumed": int(sum(cursor)),
+            "source_samples": dict(zip(self.mixture.names, map(int, cursor), strict=True)),
             "seed": self._plan.seed,
             "seq_len": self.seq_len,
             "global_batch_size": self.global_batch_size,

@@ -275,7 +275,12 @@ def _progress(total_bytes: int) -> Iterator[Callable[[str], _Task]]:
                     started[-1].close()  # the phase before has ended: its closing line, with its own time
                 line = lines.enter_context(Lines(f"data prepare: {description}", total_bytes >> 20, unit="MiB"))
                 started.append(line)
-                return _Task(lambda completed=None, **_: completed is not None and line.update(completed >> 20))
+
+                def update(completed: int | None = None, **_) -> None:
+                    if completed is not None:
+                        line.update(completed >> 20)
+
+                return _Task(update)
 
             yield start_lines
         return

@@ -90,7 +90,8 @@ class BlockCache:
     """The most recently used blocks of remote objects, at most `blocks` of them (thread-safe)."""
 
     def __init__(self, blocks: int) -> None:
-        self.blocks, self._data, self._lock = blocks, OrderedDict(), threading.Lock()
+        self.blocks, self._lock = blocks, threading.Lock()
+        self._data: OrderedDict[tuple[str, int], bytes] = OrderedDict()
         self.reads = 0  # ranged GETs made
 
     def get(self, loc: RemotePath, index: int, size: int) -> bytes:

@@ -245,7 +245,7 @@ def _in_blocks(journal: _Journal, key: str, total: int, k: int, search, what: st
         progress(what, stop, total)
 
 
-def _array(path: Path, shape: tuple[int, ...], dtype, fresh: bool) -> np.ndarray:
+def _array(path: Path, shape: tuple[int, ...], dtype, fresh: bool) -> np.memmap:
     """The array an interrupted build left (its shape and dtype checked), or a fresh one."""
     if fresh or not path.exists():
         return np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape)

@@ -12,7 +12,8 @@ sequence is read in epochs (in order; shuffle it yourself if you want another or
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
+from typing import cast
 
 import torch
 
@@ -35,21 +36,22 @@ class SampleLoader:
         self.samples, self.seq_len, self.global_batch_size = samples, seq_len, global_batch_size
         self.dp_rank, self.dp_degree, self.device = dp_rank, dp_degree, torch.device(device)
         self.indexed = hasattr(samples, "__len__") and hasattr(samples, "__getitem__")
-        if self.indexed and len(samples) == 0:
+        if self.indexed and len(cast(Sequence, samples)) == 0:
             raise ConfigError("the dataset given to the trainer is empty")
         self._consumed = 0
         self._iter: Iterator | None = None
 
     @property
     def steps_per_epoch(self) -> int:
-        return len(self.samples) // self.global_batch_size if self.indexed else 1 << 62
+        return len(cast(Sequence, self.samples)) // self.global_batch_size if self.indexed else 1 << 62
 
     def __iter__(self) -> SampleLoader:
         return self
 
     def _sample(self, i: int):
         if self.indexed:
-            return self.samples[i % len(self.samples)]
+            indexed = cast(Sequence, self.samples)  # it has __len__ and __getitem__
+            return indexed[i % len(indexed)]
         if self._iter is None:  # (re)start: skip what a resumed run already consumed
             self._iter = iter(self.samples)
             for _ in range(i):

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
 import jinja2
 import jinja2.ext
@@ -220,7 +220,7 @@ class _LimitedEnvironment(ImmutableSandboxedEnvironment):
             dict=lambda *args, **kwargs: dict(*args, **kwargs),
             namespace=_Namespace,
         )
-        lipsum = self.globals["lipsum"]
+        lipsum = cast(Callable[..., str], self.globals["lipsum"])
         self.globals["lipsum"] = lambda n=5, html=True, min=20, max=100: lipsum(
             _capped(n * max * 12, n), html, min, max
         )
