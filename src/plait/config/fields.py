@@ -7,7 +7,7 @@ import dataclasses
 import math
 import typing
 from functools import cache
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from plait.core.errors import ConfigError
 
@@ -38,7 +38,7 @@ def convert(key: str, raw: Any, typ: Any) -> Any:
         raise ConfigError(f"{key} expects {expected}, got {raw!r}") from None
     if choices and raw not in choices:
         raise ConfigError(f"{key}={raw!r} is not allowed; choose one of {', '.join(map(repr, choices))}")
-    if base is float and not math.isfinite(raw):
+    if base is float and not math.isfinite(cast(float, raw)):  # a float: checked above
         raise ConfigError(f"{key} must be a finite number, got {raw!r}")
     return raw
 

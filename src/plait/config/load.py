@@ -12,7 +12,7 @@ import tomllib
 import typing
 from functools import cache
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from plait.config.fields import convert, hints, type_name
 from plait.config.recipes import PRESET_LR
@@ -133,7 +133,7 @@ def _build(values: dict[str, dict[str, Any]]) -> Config:
             raise ConfigError(f"config section '{section}' must be a table of settings, not {body!r:.40}")
         body = {k: v for k, v in body.items() if not (section == "model" and k == "preset")}
         target = getattr(cfg, section)
-        known = hints(type(target))
+        known = hints(cast(type, type(target)))  # type[Any] is not seen as Hashable
         for name, raw in body.items():
             if name not in known:
                 valid = list(known) + (["preset"] if section == "model" else [])
@@ -147,10 +147,11 @@ def field_docs(cls: type) -> dict[str, str]:
     """Docstrings written under dataclass fields (Python does not keep them, so read the source)."""
     docs: dict[str, str] = {}
     tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body
+    body = cast(ast.ClassDef, tree.body[0]).body  # the source of a class
     for node, nxt in zip(body, body[1:], strict=False):
-        documented = isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and documented:
+        if not (isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)):
+            continue  # no docstring under it
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
             docs[node.target.id] = " ".join(str(nxt.value.value).split())
     return docs
 
