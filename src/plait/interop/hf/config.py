@@ -4,6 +4,7 @@ ModelArgs read back from a family's config, every setting checked."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -109,7 +110,7 @@ def _attention_config(args: ModelArgs, family: str) -> dict:
     if family == "mistral":
         return {"sliding_window": args.sliding_window}  # MistralConfig defaults to 4096: always written
     if family in ("qwen3", "qwen3_moe"):
-        config = {
+        config: dict[str, Any] = {
             "attention_bias": False,
             "use_sliding_window": False,
             "sliding_window": None,

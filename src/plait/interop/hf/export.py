@@ -11,6 +11,7 @@ import shutil
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import cast
 
 import torch
 from safetensors.torch import save_file
@@ -168,7 +169,7 @@ def _special_tokens(tokenizer_path: Path) -> dict[str, tuple[str, int]]:
     found = {}
     with contextlib.suppress(ConfigError):
         eos = eos_id(tok)
-        found["eos_token"] = (tok.id_to_token(eos), eos)
+        found["eos_token"] = (cast(str, tok.id_to_token(eos)), eos)  # eos_id found it by its text
     for key, candidates in (("bos_token", BOS_TOKENS), ("pad_token", PAD_TOKENS)):
         for text in candidates:
             if (idx := tok.token_to_id(text)) is not None:
