@@ -22,11 +22,11 @@ import shutil
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
-from rich.console import Console
+from rich.console import Console, JustifyMethod
 from rich.table import Table
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
@@ -117,7 +117,7 @@ def cmd_ckpt(argv: list[str]) -> int:
 
 def load_checkpoint_model(ckpt: Location, device: str | torch.device = "cpu") -> Transformer:
     """The model of a checkpoint directory (its weights only, a LoRA run's adapters included), in fp32."""
-    return checkpoint_model(ckpt, device)  # type: ignore[return-value]
+    return cast(Transformer, checkpoint_model(ckpt, device))
 
 
 def write_weights_checkpoint(
@@ -274,7 +274,7 @@ def _tensor_table(ckpt) -> Table:
         ("dtype", "left"),
         ("bytes", "right"),
     ):
-        table.add_column(col, justify=justify, overflow="fold")
+        table.add_column(col, justify=cast(JustifyMethod, justify), overflow="fold")
     titles = {"model": "model", "optim": "optimizer", "rng": "rng"}
     for group in sorted({g for g, *_ in rows}, key=lambda g: list(titles).index(g) if g in titles else 9):
         mine = [(k, v) for k, v in rows.items() if k[0] == group]
@@ -366,7 +366,7 @@ def _prod(shape) -> int:
     return out
 
 
-def _bytes(n: int) -> str:
+def _bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -406,7 +406,7 @@ def _export(a: argparse.Namespace) -> int:
         hint = f"load it with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})"
     else:
         with phase(f"exporting {ckpt} to {target}"):
-            model = merge_lora(load_checkpoint_model(ckpt))  # a LoRA run: its adapters folded in
+            model = cast(Transformer, merge_lora(load_checkpoint_model(ckpt)))  # a LoRA run: its adapters folded in
             export_safetensors(model, target, dtype=dtype, overwrite=a.overwrite)
         hint = f"load it with plait.interop.load_safetensors({str(target)!r})"
         if model.args.retrieval_ids:  # the weights alone do not retrieve: a pointer to the database beside them
@@ -417,7 +417,10 @@ def _export(a: argparse.Namespace) -> int:
 
             source = model_weights_hash(model)
             hashes = source, model_weights_hash(model.to(dtype).float()) if dtype != torch.float32 else source
-    recorded = _record_export(a, registry, ckpt, target, *hashes) if registry is not None else ""
+    recorded = ""
+    if registry is not None:
+        assert hashes is not None  # hashed for a registry
+        recorded = _record_export(a, registry, ckpt, target, *hashes)
     tune = read_config(ckpt).finetune
     if tune.lora_rank:
         hint += f"; a LoRA run: its r={tune.lora_rank} adapters are merged in (--format peft writes them alone)"
@@ -425,7 +428,7 @@ def _export(a: argparse.Namespace) -> int:
     return 0
 
 
-def _retrieval_pointer(ckpt: Path, target: Path) -> Path:
+def _retrieval_pointer(ckpt: Location, target: Path) -> Path:
     """Write `<weights>.retrieval.json` beside an exported retrieval model: the database it trained with
     (plait.data.retrieval.database_record), which generation reads (plait generate --data DIR)."""
     from plait.data.retrieval import database_record
@@ -491,7 +494,7 @@ def _trained_chat_template(adapter: Path) -> str | None:
         recorded = (read_manifest(source).get("loss_mask") or {}).get("chat_template") if source else None
     except PlaitError:  # a run without checkpoints, or data no longer here: nothing to carry
         return None
-    chat = load_chat_template(source) if recorded else None
+    chat = load_chat_template(source) if recorded and source is not None else None
     return chat.text if chat is not None else None
 
 
@@ -549,7 +552,7 @@ def _export_registry(a: argparse.Namespace, ckpt: Location):
     """The lineage registry covering the checkpoint (--registry, else one in or above it), or None."""
     from plait.lifecycle.lineage import open_registry
 
-    return open_registry(a.registry, ckpt)
+    return open_registry(a.registry, ckpt if isinstance(ckpt, Path) else str(ckpt))  # a URL: none near it
 
 
 def _record_export(

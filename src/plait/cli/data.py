@@ -103,7 +103,7 @@ def _retrieve(a) -> int:
     import sys
     import time
 
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
 
     from plait.core.progress import Progress as Lines
     from plait.data.retrieval import RETRIEVAL_DIR, build_database, check_build_settings
@@ -118,7 +118,7 @@ def _retrieve(a) -> int:
                TimeRemainingColumn()]  # fmt: skip
     terminal = sys.stderr.isatty()  # a bar redrawn in place; in a log, a line every few seconds (core.progress)
     with Progress(*columns, transient=True, disable=not terminal) as bar, contextlib.ExitStack() as lines:
-        tasks: dict[str, tuple[int, float]] = {}
+        tasks: dict[str, tuple[TaskID, float]] = {}
         logged: dict[str, Lines] = {}
 
         def progress(stage: str, done: int, total: int) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from plait.cli.args import PlaitParser, check_input
 from plait.cli.lifecycle import console, data_dir_of, open_registry_near, registry_arg
@@ -93,7 +93,7 @@ def cmd_eval(argv: list[str]) -> int:
             report.perplexity = perplexity(
                 loaded.model, data_dir, split=a.split, seq_len=seq_len, batch_size=batch, max_batches=batches
             )
-        report.perplexity["data"] = str(data_dir)
+        cast(dict[str, Any], report.perplexity)["data"] = str(data_dir)  # set above; the data beside the numbers
     if suite is not None:
         if loaded.tokenizer is None:
             raise PlaitError(f"{loaded.path} has no tokenizer.json; the suite needs one to encode its prompts")

@@ -8,10 +8,14 @@ plait finetune generate BASE --adapter A --adapter B --prompt TEXT   (all adapte
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 from plait.cli.args import PlaitParser
 from plait.cli.lifecycle import open_registry_near, registry_arg, write_run
 from plait.core.errors import ConfigError, PlaitError
+
+if TYPE_CHECKING:
+    from plait.model.llama import Transformer
 
 
 def cmd_finetune(argv: list[str]) -> int:
@@ -119,7 +123,7 @@ def _ft_merge(a) -> int:
     if a.format == "hf":
         from plait.interop.hf import export_hf
 
-        export_hf(model, out, tokenizer_path=loaded.tokenizer)
+        export_hf(cast("Transformer", model), out, tokenizer_path=loaded.tokenizer)  # merge_lora: the same model
         digest, target = model_weights_hash(model), out
     else:
         target = write_run(model, out, loaded, None, {"merged_from": str(loaded.path)})

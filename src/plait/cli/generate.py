@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from plait.cli.args import PlaitParser, check_input
 from plait.core.errors import ConfigError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 def cmd_generate(argv: list[str]) -> int:
@@ -60,6 +64,7 @@ def cmd_generate(argv: list[str]) -> int:
         raise ConfigError("--prompt is empty after tokenisation; give some text")
     if len(ids) >= model.args.max_seq_len:
         raise ConfigError(f"--prompt has {len(ids)} tokens; the model supports {model.args.max_seq_len}")
+    used: list[tuple[int, int, np.ndarray]] | None
     retrieve, used = (
         (_retriever(a.checkpoint, a.data, model, a.device), []) if model.args.retrieval_ids else (None, None)
     )

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from plait.core.errors import PlaitError
 from plait.model.llama import KVCache, Transformer
+
+if TYPE_CHECKING:
+    from plait.core.storage import Location
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, gen: torch.Generator):
@@ -129,7 +132,7 @@ def _generate_retrieving(model: Transformer, prompt_ids, max_new_tokens: int, re
     return out
 
 
-def load_for_generation(path: str | Path, device: str = "auto"):
+def load_for_generation(path: str | Location, device: str = "auto"):
     """(model, tokenizer, eos id) from a checkpoint directory, or from a run directory's newest checkpoint: the
     model as its run trained it (a LoRA run's base with its adapters; ``checkpoint_model``)."""
     from plait.core.hardware import resolve_device
