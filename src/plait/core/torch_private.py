@@ -64,6 +64,37 @@ def reducing_pipeline_stage():
     return ReducingStage
 
 
+def _receive_buffers_on_meta(infos) -> None:
+    """bounded_receive_stage: each receive buffer back to a meta tensor of its shape (the template for its next)."""
+    import torch
+
+    for info in infos:
+        buffer = getattr(info, "buffer", None)  # root arguments (first stage) have none
+        if isinstance(buffer, torch.Tensor) and buffer.device.type != "meta":
+            info.buffer = torch.empty_like(buffer, device="meta").requires_grad_(buffer.requires_grad)
+
+
+def _receive_buffers_on_device(infos, device) -> None:
+    """bounded_receive_stage: each receive buffer made on the device, just before its receive is posted."""
+    import torch
+
+    for info in infos:
+        buffer = getattr(info, "buffer", None)
+        if isinstance(buffer, torch.Tensor) and buffer.device.type == "meta":
+            info.buffer = torch.empty_like(buffer, device=device).requires_grad_(buffer.requires_grad)
+
+
+def _let_go(loss) -> None:
+    """The last stage's losses stay in the schedule until the step ends (_internal_losses). After their backward,
+    the graph behind one has no saved tensors left but still holds the stage's input (the leaf its AccumulateGrad
+    node refers to), so every micro-batch's received input would live to the end of the step: detached in place,
+    the graph goes."""
+    import torch
+
+    if isinstance(loss, torch.Tensor) and loss.grad_fn is not None and loss._base is None:
+        loss.detach_()
+
+
 def bounded_receive_stage(stage_class):
     """A pipeline stage class whose receive buffers exist only while their micro-batch is in flight. torch's
     stage makes one buffer per micro-batch and direction when it first runs (`args_recv_info` /
@@ -73,29 +104,7 @@ def bounded_receive_stage(stage_class):
     forward / backward has run; autograd and the stage's forward cache hold what backward still needs, so the
     memory lives exactly as long as the micro-batch does. Between uses each buffer is a meta tensor of the same
     shape, dtype and requires_grad, the template for the next one. The last stage's loss of a micro-batch is
-    detached once its backward is done (see let_go)."""
-    import torch
-
-    def on_meta(infos) -> None:
-        for info in infos:
-            buffer = getattr(info, "buffer", None)  # root arguments (first stage) have none
-            if isinstance(buffer, torch.Tensor) and buffer.device.type != "meta":
-                info.buffer = torch.empty_like(buffer, device="meta").requires_grad_(buffer.requires_grad)
-
-    def on_device(infos, device) -> None:
-        for info in infos:
-            buffer = getattr(info, "buffer", None)
-            if isinstance(buffer, torch.Tensor) and buffer.device.type == "meta":
-                info.buffer = torch.empty_like(buffer, device=device).requires_grad_(buffer.requires_grad)
-
-    def let_go(loss) -> None:
-        # The last stage's losses stay in the schedule until the step ends (_internal_losses). After their
-        # backward, the graph behind one has no saved tensors left but still holds the stage's input (the leaf
-        # its AccumulateGrad node refers to), so every micro-batch's received input would live to the end of
-        # the step: detached in place, the graph goes.
-        if isinstance(loss, torch.Tensor) and loss.grad_fn is not None and loss._base is None:
-            loss.detach_()
-
+    detached once its backward is done (see _let_go)."""
     base: Any = stage_class  # a class known at run time only
 
     class BoundedStage(base):
@@ -106,42 +115,42 @@ def bounded_receive_stage(stage_class):
         def _prepare_forward_infra(self, *args, **kwargs):
             out = super()._prepare_forward_infra(*args, **kwargs)
             for infos in self.args_recv_info.values():
-                on_meta(infos)
+                _receive_buffers_on_meta(infos)
             return out
 
         def _prepare_backward_infra(self, *args, **kwargs):
             out = super()._prepare_backward_infra(*args, **kwargs)
             for infos in self.grad_recv_info.values():
-                on_meta(infos)
+                _receive_buffers_on_meta(infos)
             return out
 
         def get_fwd_recv_ops(self, fwd_chunk_id):
-            on_device(self.args_recv_info[fwd_chunk_id], self.device)
+            _receive_buffers_on_device(self.args_recv_info[fwd_chunk_id], self.device)
             return super().get_fwd_recv_ops(fwd_chunk_id)
 
         def get_bwd_recv_ops(self, bwd_chunk_id):
             if self.has_backward and not self.is_last:
-                on_device(self.grad_recv_info[bwd_chunk_id], self.device)
+                _receive_buffers_on_device(self.grad_recv_info[bwd_chunk_id], self.device)
             return super().get_bwd_recv_ops(bwd_chunk_id)
 
         def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
             out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
-            on_meta(self.args_recv_info[fwd_chunk_id])
+            _receive_buffers_on_meta(self.args_recv_info[fwd_chunk_id])
             return out
 
         def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
             out = super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
             if bwd_chunk_id in self.grad_recv_info:
-                on_meta(self.grad_recv_info[bwd_chunk_id])
+                _receive_buffers_on_meta(self.grad_recv_info[bwd_chunk_id])
             if full_backward:
-                let_go(loss)
+                _let_go(loss)
             else:  # zero bubble: the weight pass of the first stage walks the graph from the loss again
                 self.plait_losses[bwd_chunk_id] = loss
             return out
 
         def backward_weight_one_chunk(self, bwd_chunk_id, *args, **kwargs):
             out = super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
-            let_go(self.plait_losses.pop(bwd_chunk_id, None))
+            _let_go(self.plait_losses.pop(bwd_chunk_id, None))
             return out
 
     BoundedStage.__name__ = f"Bounded{stage_class.__name__}"
