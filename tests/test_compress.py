@@ -169,6 +169,27 @@ def test_quantize_prints_no_library_noise_and_publishes_readable_files(trained, 
     assert {oct(p.stat().st_mode & 0o777) for p in out.iterdir()} == {"0o644"}
 
 
+@pytest.mark.parametrize("fmt,writer", [("plait", "save_quantized"), ("torchao", "save_torchao")])
+def test_a_crash_while_a_quantized_model_is_written_leaves_no_partial_directory(trained, tmp_path, fmt, writer,
+                                                                                 monkeypatch):  # fmt: skip
+    """The quantized directory is written beside --out and renamed into place whole: a crash after its weights
+    are written (before the directory is complete) leaves no --out at all, and nothing beside it."""
+    from plait.lifecycle import compress as C
+
+    real = getattr(C, writer)
+
+    def crash(model, out_dir, **kw):
+        real(model, out_dir, **kw)  # every file written, then the process dies
+        raise RuntimeError("crash")
+
+    monkeypatch.setattr(C, writer, crash)
+    run, _ = trained
+    out = tmp_path / "q"
+    with pytest.raises(RuntimeError, match="crash"):
+        main(["compress", "quantize", str(run), "--format", fmt, "--group-size", "32", "--out", str(out)])
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_magnitude_pruning_keeps_its_zeros_through_the_fine_tune(trained, tmp_path):
     run, data = trained
     out = tmp_path / "pruned"

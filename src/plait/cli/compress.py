@@ -72,7 +72,6 @@ def cmd_compress(argv: list[str]) -> int:
     a = _parser().parse_args(argv)
     out = _checked_out(a)
     from plait.core.progress import phase
-    from plait.core.quiet import library_calm  # torchao's and transformers' harmless start-up lines
     from plait.lifecycle import compress as C
     from plait.lifecycle.lora import merge_lora, model_weights_hash
     from plait.lifecycle.models import load_model
@@ -88,23 +87,8 @@ def cmd_compress(argv: list[str]) -> int:
         before = C.measure(source.model, data_dir, seq_len=a.seq_len, batches=a.batches)
     start = time.perf_counter()
     info: dict[str, Any] = {"method": a.action}
-    if a.action == "quantize" and a.format == "torchao":
-        C.check_torchao(source.model, a.bits, a.group_size)
-        with library_calm(), phase(f"quantizing to int{a.bits} with torchao and writing {out}"):
-            written, digest = C.save_torchao(
-                source.model, out, bits=a.bits, group_size=a.group_size, tokenizer=source.tokenizer
-            )
-            model = C.torchao_quantize(copy.deepcopy(source.model), a.bits, a.group_size)
-        info.update(bits=a.bits, group_size=a.group_size, format="torchao", loads_in_transformers=True,
-                    weight_files_mb=written / 2**20, bf16_mb=C.weights_bytes(source.model) / 2 / 2**20)  # fmt: skip
-        kind = "quantized"
-    elif a.action == "quantize":
-        model = C.quantize_model(copy.deepcopy(source.model), a.bits, a.group_size)
-        info.update(bits=a.bits, group_size=a.group_size, format="plait", loads_in_transformers=False)
-        meta = {"source": str(source.path), "config": source.config}
-        digest = C.save_quantized(
-            model, out, bits=a.bits, group_size=a.group_size, meta=meta, tokenizer=source.tokenizer
-        )
+    if a.action == "quantize":
+        model, digest = _quantize(a, source, out, info)
         kind = "quantized"
     else:
         model, kind, trained = (_prune if a.action == "prune" else _distill)(a, source, data_dir, info)
@@ -127,6 +111,36 @@ def cmd_compress(argv: list[str]) -> int:
         path.write_text(json.dumps(report, indent=2, default=str) + "\n")
     _record(a, source, out if kind == "quantized" else checkpoint, kind, digest, report)
     return 0
+
+
+def _quantize(a, source, out: Path, info: dict[str, Any]):
+    """The quantized model and its content hash; its directory is written beside --out and renamed into place
+    whole (core.publish.staged_dir): a crash on the way leaves no partial directory."""
+    from plait.core.progress import phase
+    from plait.core.publish import staged_dir
+    from plait.core.quiet import library_calm  # torchao's and transformers' harmless start-up lines
+    from plait.lifecycle import compress as C
+
+    exists = ConfigError(f"--out {out} exists and is not empty; choose another")
+    if a.format == "torchao":
+        C.check_torchao(source.model, a.bits, a.group_size)
+        with library_calm(), phase(f"quantizing to int{a.bits} with torchao and writing {out}"):
+            with staged_dir(out, overwrite=False, exists_error=exists) as tmp:
+                written, digest = C.save_torchao(
+                    source.model, tmp, bits=a.bits, group_size=a.group_size, tokenizer=source.tokenizer
+                )
+            model = C.torchao_quantize(copy.deepcopy(source.model), a.bits, a.group_size)
+        info.update(bits=a.bits, group_size=a.group_size, format="torchao", loads_in_transformers=True,
+                    weight_files_mb=written / 2**20, bf16_mb=C.weights_bytes(source.model) / 2 / 2**20)  # fmt: skip
+        return model, digest
+    model = C.quantize_model(copy.deepcopy(source.model), a.bits, a.group_size)
+    info.update(bits=a.bits, group_size=a.group_size, format="plait", loads_in_transformers=False)
+    meta = {"source": str(source.path), "config": source.config}
+    with staged_dir(out, overwrite=False, exists_error=exists) as tmp:
+        digest = C.save_quantized(
+            model, tmp, bits=a.bits, group_size=a.group_size, meta=meta, tokenizer=source.tokenizer
+        )
+    return model, digest
 
 
 def _prune(a, source, data_dir, info: dict[str, Any]):
