@@ -177,6 +177,19 @@ def test_export_that_fits_one_shard_writes_one_file(tmp_path):
     assert sorted(p.name for p in (tmp_path / "hf").glob("model*")) == ["model.safetensors"]
 
 
+def test_a_crash_while_a_weights_checkpoint_is_written_leaves_no_partial_checkpoint(tmp_path):
+    """An import's (or a merge's) checkpoint is written beside its place and renamed in whole: a failure after
+    the tensors are written (here: the tokenizer to copy is gone) leaves no step directory and nothing beside."""
+    from test_interop import tiny_model
+
+    model, ckpts = tiny_model(), tmp_path / "run" / "checkpoints"
+    ckpts.mkdir(parents=True)
+    with pytest.raises(FileNotFoundError):
+        write_weights_checkpoint(model, ckpts / "step_00000000", config={}, tokenizer_path=tmp_path / "gone.json",
+                                 extra={})  # fmt: skip
+    assert list(ckpts.iterdir()) == []
+
+
 # ------------------------------------------------------------------------------------- transformers -> plait
 
 

@@ -164,11 +164,11 @@ def write_imported_checkpoint(
 
 def _publish_weights(ckpt_dir: Path, save, *, config: dict, tokenizer_path: Path | None, extra: dict) -> Path:
     """Run ``save(tmp)`` (which writes the tensors and returns more plait.json entries), write plait.json and
-    the tokenizer, and rename ``<dir>.tmp`` to ``ckpt_dir``."""
-    tmp = ckpt_dir.with_name(ckpt_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    the tokenizer, and publish the directory whole as ``ckpt_dir`` (core.publish.staged_dir, the one way)."""
+    from plait.core.publish import staged_dir
+
+    exists = ConfigError(f"{ckpt_dir} exists; choose another --out")
+    with staged_dir(ckpt_dir, overwrite=False, exists_error=exists) as tmp:
         described = save(tmp)
         meta = {
             "format": CHECKPOINT_FORMAT,
@@ -183,10 +183,6 @@ def _publish_weights(ckpt_dir: Path, save, *, config: dict, tokenizer_path: Path
             shutil.copyfile(tokenizer_path, tmp / "tokenizer.json")
             for path in chat_files(tokenizer_path):  # an instruct model's chat template comes along
                 shutil.copyfile(path, tmp / path.name)
-        tmp.rename(ckpt_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return ckpt_dir
 
 
