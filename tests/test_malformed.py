@@ -120,6 +120,7 @@ def t(*args: str) -> list[str]:
     return ["train", "--model.preset=debug", "--train.steps=1", "--run.device=cpu", *args]
 
 
+GPIPE_V3 = '[model]\npreset = "llama3-8b"\n[parallel]\npp_degree = 2\npp_schedule = "gpipe"\npp_virtual_stages = 3\n'
 LORA_BASE = ["--finetune.init_from=x", "--model.preset=debug"]
 
 # (id, argv from a Ctx, words the message must contain)
@@ -171,6 +172,13 @@ CASES = [
     ("TOML unknown key", lambda c: t(c.file("k.toml", "[train]\nstepz = 3\n")), "train.stepz"),
     ("TOML wrong type", lambda c: t(c.file("w.toml", '[optim]\nlr = "x"\n')), "optim.lr"),
     ("TOML section not a table", lambda c: t(c.file("n.toml", "train = 3\n")), "train"),
+    ("TOML key outside its section", lambda c: t(c.file("o.toml", "lr = 1e-3\n")), "under [optim]"),
+    ("TOML key misspelt", lambda c: t(c.file("m.toml", "[optim]\nlrr = 1e-3\n")), "optim.lrr"),
+    (
+        "plan: a pinned schedule the run refuses",  # the runtime's reason, not a plan with v = 1
+        lambda c: ["plan", "--config", c.file("g.toml", GPIPE_V3), "--cluster", "h100", "--nodes", "1"],
+        "pp_schedule='gpipe' runs one stage per rank",
+    ),
     ("config is a directory", lambda c: t(str(c.d)), "directory"),
     # ------------------------------------------------------------------------------------------------- data
     (
