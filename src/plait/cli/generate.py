@@ -55,9 +55,10 @@ def cmd_generate(argv: list[str]) -> int:
     found = resolve_checkpoint(a.checkpoint)
     model, tok, eos = load_for_generation(found, a.device)
     info(f"sampling {_describe(found)}")
-    chat = _chat_template(found) if a.chat else None
-    if chat is None and not a.chat and isinstance(found, Path) and _has_chat_template(found):
+    chat = _chat_template(found, required=a.chat)
+    if chat is not None and not a.chat:
         info(f"{found} carries the chat template its run learned with: --chat renders the prompt as a user's message")
+        chat = None
     text = chat.render([{"role": "user", "content": a.prompt}], add_generation_prompt=True) if chat else a.prompt
     ids = tok.encode(text, add_special_tokens=chat is None).ids  # a template writes its own special tokens
     if not ids:
@@ -93,22 +94,19 @@ def cmd_generate(argv: list[str]) -> int:
     return 0
 
 
-def _has_chat_template(ckpt: Path) -> bool:
+def _chat_template(ckpt, *, required: bool):
+    """The chat template a checkpoint carries beside its tokenizer.json. With --chat (`required`): a one-line
+    refusal where there is none, and a damaged one's own error; without it, None in both cases (only a hint)."""
     from plait.core.errors import PlaitError
     from plait.data.chat import load_chat_template
 
     try:
-        return load_chat_template(ckpt) is not None
+        template = load_chat_template(ckpt) if isinstance(ckpt, Path) else None
     except PlaitError:
-        return False
-
-
-def _chat_template(ckpt):
-    """--chat: the chat template a checkpoint carries (beside its tokenizer.json), or a one-line refusal."""
-    from plait.data.chat import load_chat_template
-
-    template = load_chat_template(ckpt) if isinstance(ckpt, Path) else None
-    if template is None:
+        if required:
+            raise
+        return None
+    if template is None and required:
         raise ConfigError(
             f"--chat: {ckpt} carries no chat template (its run trained on plain text, or on prompt/response data "
             "without one); drop --chat, or fine-tune on data prepared with `plait finetune prepare --chat-template "
