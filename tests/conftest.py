@@ -1,8 +1,13 @@
 """Fixtures every test module shares."""
 
+import os
 from pathlib import Path
 
 import pytest
+
+# Fault injection (PLAIT_FAULT_*) is a test's tool, not plait's: the suite attaches it to every run it starts,
+# in this process and in the worker processes that inherit the environment.
+os.environ.setdefault("PLAIT_CALLBACKS", "plait.features.faults:from_environment")
 
 
 def pytest_addoption(parser):

@@ -14,6 +14,7 @@ examples/custom_model.py for a model of your own under FSDP.
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 from collections.abc import Iterable
@@ -36,12 +37,12 @@ __all__ = ["Callback", "Config", "Trainer", "default_callbacks", "load_config", 
 
 
 def default_callbacks(cfg: Config) -> list[Callback]:
-    """plait's standard features of a run, in their order: fault injection (only when a PLAIT_FAULT_*
-    variable is set), the health check, fine-tuning (finetune.*), the lineage record, the guards and hang
-    watchdog (guard.*), and the end-of-run report. Each does nothing its settings do not ask for."""
+    """plait's standard features of a run, in their order: the callbacks named by PLAIT_CALLBACKS (if set), the
+    health check, fine-tuning (finetune.*), the lineage record, the guards and hang watchdog (guard.*), and the
+    end-of-run report. Each does nothing its settings do not ask for."""
     del cfg  # each reads its own section when the run starts
     return [
-        *_fault_injection(),
+        *callbacks_from_environment(),
         HealthCheck(),
         Finetune(),
         Lineage(),
@@ -50,13 +51,24 @@ def default_callbacks(cfg: Config) -> list[Callback]:
     ]
 
 
-def _fault_injection() -> list[Callback]:
-    """plait.features.faults' callback, only where a test asked for it with a PLAIT_FAULT_* variable."""
-    if not any(k.startswith("PLAIT_FAULT_") and v.strip() for k, v in os.environ.items()):
-        return []
-    from plait.features.faults import Faults
-
-    return [Faults()]
+def callbacks_from_environment() -> list[Callback]:
+    """The callbacks PLAIT_CALLBACKS names, for `plait train` and its workers (which take no Python objects):
+    a comma-separated list of MODULE:FACTORY, each called with no argument and returning a Callback or a list
+    of them; e.g. the test suite's fault injection, `plait.features.faults:from_environment`."""
+    spec = os.environ.get("PLAIT_CALLBACKS", "").strip()
+    found: list[Callback] = []
+    for entry in filter(None, (e.strip() for e in spec.split(","))):
+        module, _, name = entry.partition(":")
+        try:
+            made = getattr(importlib.import_module(module), name)()
+        except (ImportError, AttributeError, TypeError, ValueError) as e:
+            why = f"expected MODULE:FACTORY that makes callbacks ({e})"
+            raise ArgumentError(f"PLAIT_CALLBACKS entry {entry!r}: {why}") from None
+        made = made if isinstance(made, list) else [made]
+        if not all(isinstance(c, Callback) for c in made):
+            raise ArgumentError(f"PLAIT_CALLBACKS entry {entry!r}: made {made!r}, not plait.Callback objects")
+        found += made
+    return found
 
 
 class Trainer(TrainingLoop):

@@ -1,6 +1,10 @@
 """torch APIs that are not public, each behind a function here, so a torch upgrade that moves one breaks one
 place (and its test), not the callers. Nothing else in plait imports a private torch module or name, reads a
-`_`-attribute of torch, or passes torch a `_`-keyword: tests/test_layers.py reads the source to hold that."""
+`_`-attribute of torch, or passes torch a `_`-keyword: tests/test_layers.py reads the source to hold that. The
+private API of the libraries beside torch (torchao, s3fs) is kept here too, at the end, for the same reason.
+
+Longer than the house's 450 lines on purpose: the rule is one module for all of them, so that a torch upgrade
+is checked by reading one file; each function is a few lines."""
 
 from __future__ import annotations
 
@@ -416,6 +420,23 @@ def local_tensor(t):
     return getattr(t, "_local_tensor", t)
 
 
+def view_base(t):
+    """The tensor `t` is a view of (e.g. the weight behind weight.t() inside F.linear), or `t` itself."""
+    return t._base if t._base is not None else t
+
+
+def version_counter(t) -> int:
+    """The tensor's in-place version counter: it changes whenever the tensor is written in place."""
+    return t._version
+
+
+def swap_parameters(swaps) -> None:
+    """Set each (module, name, parameter) as that module's parameter in place, without the checks and hooks
+    of setattr (a whole tensor stands in for a sharded one while a module resets itself, then goes back)."""
+    for module, name, param in swaps:
+        module._parameters[name] = param
+
+
 # ------------------------------------------------------------------------------ collectives' recorder
 
 
@@ -636,3 +657,18 @@ def is_fake_group(group) -> bool:
     import torch.distributed as dist
 
     return dist.get_backend(group) == "fake"
+
+
+# ------------------------------------------------------------------------------ beside torch: torchao, s3fs
+
+
+def float8_auto_filter(recipe: str):
+    """torchao's own heuristic of the linear layers float8 pays for, under `recipe` (module, fqn) -> bool."""
+    from torchao.float8 import _auto_filter_for_recipe
+
+    return _auto_filter_for_recipe(recipe, filter_fqns=[])
+
+
+async def s3_get_object(fs, bucket: str, key: str) -> dict:
+    """One GET of an object through s3fs's client (body, ETag and LastModified of one version together)."""
+    return await fs._call_s3("get_object", Bucket=bucket, Key=key)

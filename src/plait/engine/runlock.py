@@ -47,7 +47,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from plait.core import publish
+from plait.core import publish, torch_private
 from plait.core.errors import ConfigError, PlaitError
 from plait.core.storage import Location, RemotePath
 
@@ -344,7 +344,7 @@ class _S3Lease:
         fs = self.loc.fs
 
         async def get():
-            got = await fs._call_s3("get_object", Bucket=self.bucket, Key=self.key)
+            got = await torch_private.s3_get_object(fs, self.bucket, self.key)
             async with got["Body"] as body:
                 return await body.read(), got["ETag"], got.get("LastModified")
 

@@ -1,5 +1,6 @@
-"""Fault injection for resilience tests, as one callback attached only when a PLAIT_FAULT_* variable is set
-(plait.api.default_callbacks); production runs carry none of it.
+"""Fault injection for resilience tests, as one callback, attached only where the environment names it:
+PLAIT_CALLBACKS=plait.features.faults:from_environment (the test suite sets it; plait.api reads no fault
+variable) and a PLAIT_FAULT_* variable is set. Production runs carry none of it.
 
 - PLAIT_FAULT_KILL=RANK:STEP[,RANK:STEP...] kills a rank (hard exit, as a lost machine would) when it is
   about to run STEP; the i-th entry fires in elastic attempt i (the first run is attempt 0), so one run can
@@ -49,6 +50,14 @@ def parse_fault_kills(spec: str) -> list[tuple[int, int]]:
     if not kills or any(len(k) != 2 or min(k) < 0 for k in kills):
         raise ConfigError(f"PLAIT_FAULT_KILL={spec!r}: expected RANK:STEP[,RANK:STEP...], e.g. '1:5,0:9'")
     return kills  # type: ignore[return-value]
+
+
+def from_environment() -> list[Callback]:
+    """The Faults callback where a PLAIT_FAULT_* variable asks for one, else none: the factory the test suite
+    names in PLAIT_CALLBACKS (plait.api.callbacks_from_environment), so plait itself never reads them."""
+    if not any(k.startswith("PLAIT_FAULT_") and v.strip() for k, v in os.environ.items()):
+        return []
+    return [Faults()]
 
 
 class Faults(Callback):

@@ -16,7 +16,7 @@ from contextlib import ExitStack
 import torch
 from torch import nn
 
-from plait.core.torch_private import is_checkpoint_wrapper, local_tensor, sac_cached_tensors
+from plait.core.torch_private import is_checkpoint_wrapper, local_tensor, sac_cached_tensors, view_base
 
 _active: list[SavedBytes] = []  # the measurements running now (selective AC reports its caches to them)
 
@@ -68,7 +68,7 @@ class SavedBytes:
             return ("id", id(t)), t.numel() * t.element_size()
 
     def _count(self, tensor: torch.Tensor, in_block: bool) -> None:
-        base = tensor._base if tensor._base is not None else tensor  # e.g. weight.t() inside F.linear
+        base = view_base(tensor)  # e.g. weight.t() inside F.linear
         if isinstance(base, nn.Parameter):
             return
         key, size = self._key(_local(tensor))

@@ -76,9 +76,9 @@ def float8_layers(choice: str, recipe: str = "tensorwise"):
     own heuristic for the recipe expects to gain (its H100 measurements: tensorwise scaling loses where
     K <= 4096 and N <= 1024; rowwise, with more work per matmul, needs larger ones). The output projection
     always stays in bf16 (the vocabulary matmul is the most sensitive to precision)."""
-    from torchao.float8 import _auto_filter_for_recipe
+    from plait.core.torch_private import float8_auto_filter
 
-    pays = _auto_filter_for_recipe(recipe, filter_fqns=[]) if choice == "auto" else None
+    pays = float8_auto_filter(recipe) if choice == "auto" else None
 
     def eligible(module: nn.Module, fqn: str) -> bool:
         if not (isinstance(module, nn.Linear) and fqn.startswith("layers.")):

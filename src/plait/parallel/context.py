@@ -153,10 +153,10 @@ def _kinds(docs: Tensor, cp: int) -> list[list[int]]:
     """block_kinds, read once per document ids tensor: every layer, forward and backward, takes the same."""
     global _kinds_seen
     seen = _kinds_seen
-    if seen is not None and seen[0]() is docs and seen[1] == docs._version and seen[2] == cp:
+    if seen is not None and seen[0]() is docs and seen[1] == torch_private.version_counter(docs) and seen[2] == cp:
         return seen[3]
     kinds = block_kinds(docs, cp)
-    _kinds_seen = (weakref.ref(docs), docs._version, cp, kinds)
+    _kinds_seen = (weakref.ref(docs), torch_private.version_counter(docs), cp, kinds)
     return kinds
 
 

@@ -475,17 +475,15 @@ def _seed(seed: int, name: str) -> int:
 
 @torch.no_grad()
 def _reset_in_full(module: nn.Module, seed: int) -> None:
-    owners = [(m, key, p) for m in module.modules() for key, p in m._parameters.items() if p is not None]
+    owners = [(m, key, p) for m in module.modules() for key, p in m.named_parameters(recurse=False)]
     full = {id(p): torch.empty(p.shape, dtype=p.dtype) for _, _, p in owners}  # global shapes, on the CPU
     try:
-        for m, key, p in owners:
-            m._parameters[key] = nn.Parameter(full[id(p)], requires_grad=False)
+        torch_private.swap_parameters((m, key, nn.Parameter(full[id(p)], requires_grad=False)) for m, key, p in owners)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             getattr(module, "reset_parameters")()  # noqa: B009 - what the module defines (checked by the caller)
     finally:
-        for m, key, p in owners:
-            m._parameters[key] = p
+        torch_private.swap_parameters(owners)
     for _, _, p in owners:
         load_local_shard(p, partial(_box_of, full[id(p)]))
 
