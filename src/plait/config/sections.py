@@ -93,6 +93,10 @@ class TrainConfig:
 
 @dataclass
 class OptimConfig:
+    name: Literal["adamw", "muon"] = "adamw"
+    """'adamw', or 'muon': orthogonalised momentum for the blocks' matrices and each expert's, AdamW (these same
+    settings) for embeddings, head, norms, biases, routers and adapters (plait.engine.muon). lr and
+    weight_decay carry over from AdamW (Moonlight's RMS match)."""
     lr: float = 3e-3
     """Peak learning rate."""
     min_lr_ratio: float = 0.1
@@ -112,6 +116,12 @@ class OptimConfig:
     """AdamW beta2."""
     eps: float = 1e-8
     """AdamW epsilon."""
+    muon_momentum: float = 0.95
+    """Muon's momentum (Nesterov), as torch.optim.Muon's default."""
+    muon_ns_steps: int = 5
+    """Muon's Newton-Schulz iterations per step, as torch.optim.Muon's default."""
+    muon_ns_dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    """Muon's Newton-Schulz arithmetic: 'auto' is bf16 on a GPU (as torch.optim.Muon) and fp32 on a CPU."""
     state_dtype: Literal["fp32", "bf16"] = "fp32"
     """AdamW's two moments: 'fp32', or 'bf16' with stochastic rounding (plait.engine.bf16_adamw): 12 bytes a
     parameter instead of 16, for runs whose states do not fit (llama3-8b with CPU offload on a 128 GiB host)."""

@@ -204,6 +204,18 @@ def _validate_data(cfg: Config) -> None:
         raise ConfigError(f"data.sources={d.sources!r} names no source; e.g. 'web=/data/web:0.7,code=/data/code:0.3'")
 
 
+def _validate_muon(o) -> None:
+    if not 0 <= o.muon_momentum < 1:
+        raise ConfigError(f"optim.muon_momentum={o.muon_momentum} must be in [0, 1), e.g. 0.95")
+    if not 1 <= o.muon_ns_steps <= 20:
+        raise ConfigError(f"optim.muon_ns_steps={o.muon_ns_steps} must be in [1, 20], e.g. 5 (torch.optim.Muon's)")
+    if o.name == "muon" and o.state_dtype == "bf16":
+        raise ConfigError(
+            "optim.name='muon' with optim.state_dtype='bf16' is not supported yet (Muon keeps one fp32 momentum "
+            "buffer a matrix, a third of AdamW's states already); set optim.state_dtype='fp32'"
+        )
+
+
 def _validate_training(cfg: Config) -> None:
     t, o = cfg.train, cfg.optim
     if not 0 < cfg.sample.top_p <= 1:
@@ -214,6 +226,7 @@ def _validate_training(cfg: Config) -> None:
         raise ConfigError(f"optim.beta1={o.beta1} and optim.beta2={o.beta2} must be in [0, 1), e.g. 0.9, 0.95")
     if not 0 < o.decay_fraction <= 1:
         raise ConfigError(f"optim.decay_fraction={o.decay_fraction} must be in (0, 1], e.g. 0.2")
+    _validate_muon(o)
     if t.micro_batch_size and t.global_batch_size % t.micro_batch_size:
         raise ConfigError(
             f"train.global_batch_size={t.global_batch_size} is not a multiple of "

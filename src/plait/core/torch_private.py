@@ -659,6 +659,30 @@ def is_fake_group(group) -> bool:
     return dist.get_backend(group) == "fake"
 
 
+# ------------------------------------------------------------------------------ DTensor placements
+
+
+def sharded_dim(placement) -> int | None:
+    """The tensor dimension a placement splits (Shard, and FSDP2's strided shard over tensor parallelism, which
+    torch 2.13 does not count as a Shard), or None (Replicate, Partial)."""
+    from torch.distributed.tensor.placement_types import Shard, _StridedShard
+
+    if isinstance(placement, Shard | _StridedShard):
+        return placement.dim
+    return None
+
+
+def shifted_placement(placement, by: int):
+    """The same placement of a tensor with `by` new leading dimensions (a stack of such tensors)."""
+    from torch.distributed.tensor.placement_types import Shard, _StridedShard
+
+    if isinstance(placement, _StridedShard):
+        return _StridedShard(placement.dim + by, split_factor=placement.split_factor)
+    if isinstance(placement, Shard):
+        return Shard(placement.dim + by)
+    return placement
+
+
 # ------------------------------------------------------------------------------ beside torch: torchao, s3fs
 
 

@@ -1,9 +1,11 @@
-"""AdamW and its learning-rate schedules (warm-up, then cosine, warmup-stable-decay or constant)."""
+"""The optimizer (AdamW, or Muon with AdamW for the rest) and its learning-rate schedules (warm-up, then cosine,
+warmup-stable-decay or constant)."""
 
 from __future__ import annotations
 
 import math
 from functools import partial
+from typing import Any
 
 import torch
 from torch import nn
@@ -11,32 +13,46 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from plait.config import OptimConfig
 from plait.engine.bf16_adamw import BF16StateAdamW
+from plait.engine.muon import Muon, split_parameters
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
     """AdamW with weight decay on matrices only (not on norms or the embedding table); with
-    ``optim.state_dtype = "bf16"``, its moments in bfloat16 (plait.engine.bf16_adamw).
+    ``optim.state_dtype = "bf16"``, its moments in bfloat16 (plait.engine.bf16_adamw); with ``optim.name =
+    "muon"``, Muon for the blocks' matrices and this AdamW for the rest (plait.engine.muon).
 
     The fused kernel is used on CUDA and on the CPU (torch 2.13, this repo's models, one thread: 4x faster
     than foreach for the 0.7M debug model, 8x for tiny, 11x for 56M small; bench numbers in
     docs/performance.md), the foreach implementation elsewhere.
     """
-    decay: list[nn.Parameter] = []
-    no_decay: list[nn.Parameter] = []
-    for name, param in model.named_parameters():
-        if not param.requires_grad:
-            continue
-        (no_decay if param.ndim < 2 or "tok_embeddings" in name else decay).append(param)
+    muon, named = split_parameters(model) if cfg.name == "muon" else ([], _trainable(model))
+    decay = [p for name, p in named if p.ndim >= 2 and "tok_embeddings" not in name]
+    no_decay = [p for name, p in named if not (p.ndim >= 2 and "tok_embeddings" not in name)]
     groups = [
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+    fused = device.type in ("cuda", "cpu")
+    adamw: dict[str, Any] = {"betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps, "fused": fused, "foreach": not fused}
+    if cfg.name == "muon":
+        ns_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(cfg.muon_ns_dtype)
+        return Muon(
+            [p for _, p in muon],
+            groups,
+            lr=cfg.lr,
+            weight_decay=cfg.weight_decay,
+            momentum=cfg.muon_momentum,
+            ns_steps=cfg.muon_ns_steps,
+            ns_dtype=ns_dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32),
+            adamw=adamw,
+        )
     if cfg.state_dtype == "bf16":
         return BF16StateAdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
-    fused = device.type in ("cuda", "cpu")
-    return torch.optim.AdamW(
-        groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused, foreach=not fused
-    )
+    return torch.optim.AdamW(groups, lr=cfg.lr, **adamw)
+
+
+def _trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
 
 
 def lr_factor(step: int, *, cfg: OptimConfig, total_steps: int) -> float:

@@ -1,0 +1,146 @@
+"""Muon (optim.name = "muon"): torch.optim.Muon's update on one process, the same update in every layout, the
+one rule of which parameters take it, and its state through checkpoints.
+
+Parity tolerances are the layouts' AdamW ones (tests/test_parallel.py, relative 1e-5, fp32): the Newton-Schulz
+iterations run in fp32 on the CPU (optim.muon_ns_dtype=auto), on whole matrices, so a layout changes only the
+order of fp32 sums in the gradients, as under AdamW; the iteration is a polynomial of bounded degree, so it
+carries those rounding differences through without growing them past the tolerance over ten steps.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+from parallel_harness import read_metrics, run_layouts
+from plait.config import load_config
+from plait.core.errors import ConfigError
+from plait.engine.muon import Muon, describe, split_parameters, takes_muon
+from plait.model import preset_args
+from plait.model.build import empty_model
+from test_parallel import base as dense_base
+from test_parallel import check as dense_check
+
+
+def muon(params, **kw) -> Muon:
+    args = dict(lr=0.02, weight_decay=0.1, momentum=0.95, ns_steps=5, ns_dtype=torch.float32, adamw={})
+    return Muon(params, [], **{**args, **kw})
+
+
+def test_one_process_equals_torch_muon_bitwise():
+    """torch.optim.Muon with Moonlight's scale is the reference: bf16 iterations as it runs them, bitwise."""
+    torch.manual_seed(0)
+    ours = [nn.Parameter(torch.randn(48, 32)), nn.Parameter(torch.randn(32, 80))]
+    ref = [nn.Parameter(w.detach().clone()) for w in ours]
+    mine = muon(ours, ns_dtype=torch.bfloat16)
+    theirs = torch.optim.Muon(ref, lr=0.02, weight_decay=0.1, momentum=0.95, adjust_lr_fn="match_rms_adamw")
+    for _ in range(3):
+        for a, b in zip(ours, ref, strict=True):
+            a.grad = torch.randn_like(a)
+            b.grad = a.grad.clone()
+        mine.step()
+        theirs.step()
+    for a, b in zip(ours, ref, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_stack_of_experts_is_orthogonalised_per_expert():
+    torch.manual_seed(0)
+    stack = nn.Parameter(torch.randn(3, 16, 24))
+    apart = [nn.Parameter(stack.detach()[i].clone()) for i in range(3)]
+    a, b = muon([stack]), muon(apart)
+    stack.grad = torch.randn_like(stack)
+    for i, m in enumerate(apart):
+        m.grad = stack.grad[i].clone()
+    a.step()
+    b.step()
+    for i, m in enumerate(apart):
+        assert torch.equal(stack[i], m)
+
+
+def test_the_update_is_orthogonal_and_scaled_to_adamw_rms():
+    """After 5 iterations the singular values sit in torch's band (about 0.7-1.2), and the update's RMS is near
+    0.2 (Moonlight's match of AdamW's), whatever the gradient's scale."""
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.zeros(64, 256))
+    opt = muon([w], lr=1.0, weight_decay=0.0, momentum=0.0)
+    w.grad = torch.randn(64, 256) * 1e-4
+    opt.step()
+    s = torch.linalg.svdvals(-w.detach() / (0.2 * 256**0.5))
+    assert s.min() > 0.6 and s.max() < 1.25
+    assert (-w.detach()).pow(2).mean().sqrt().item() == pytest.approx(0.2, rel=0.2)
+
+
+def test_one_rule_picks_the_blocks_matrices_and_each_experts():
+    dense = empty_model(preset_args("debug"))
+    muon_names = [n for n, _ in split_parameters(dense)[0]]
+    assert muon_names and all(".attention.w" in n or ".feed_forward.w" in n for n in muon_names)
+    assert len(muon_names) == 7 * len(dense.layers)
+    moe = empty_model(preset_args("moe-debug"))
+    names = {n for n, _ in split_parameters(moe)[0]}
+    assert any(n.endswith("experts.w1") for n in names) and not any("router" in n for n in names)
+    for name in ("tok_embeddings.weight", "output.weight", "norm.weight", "layers.0.attention_norm.weight"):
+        assert not takes_muon(name, torch.empty(4, 4) if "norm" not in name else torch.empty(4))
+    assert not takes_muon("layers.0.attention.wq.lora_A", torch.empty(4, 64))
+    assert "optimizer: Muon for 28 matrices" in describe(dense)
+
+
+def test_settings_out_of_range_are_refused():
+    with pytest.raises(ConfigError, match="optim.muon_momentum=1.0 must be in"):
+        load_config(None, ["optim.name=muon", "optim.muon_momentum=1.0"])
+    with pytest.raises(ConfigError, match="optim.muon_ns_steps=0 must be in"):
+        load_config(None, ["optim.name=muon", "optim.muon_ns_steps=0"])
+    with pytest.raises(ConfigError, match="state_dtype='bf16' is not supported yet"):
+        load_config(None, ["optim.name=muon", "optim.state_dtype=bf16"])
+    with pytest.raises(ConfigError, match="optim.name"):
+        load_config(None, ["optim.name=lion"])
+
+
+MUON = ["optim.name=muon"]
+
+DENSE_LAYOUTS = {
+    2: {
+        "FSDP 2": ["parallel.dp_shard_degree=2"],
+        "TP 2 (SP)": ["parallel.tp_degree=2"],
+        "CP 2": ["parallel.cp_degree=2"],
+        "PP 2 1f1b": ["parallel.pp_degree=2", "parallel.pp_schedule=1f1b"],
+        "PP 2 interleaved": [
+            "parallel.pp_degree=2",
+            "parallel.pp_schedule=interleaved_1f1b",
+            "parallel.pp_virtual_stages=2",
+        ],
+    },
+    4: {
+        "FSDP 4": ["parallel.dp_shard_degree=4"],
+        "FSDP 4, accumulation": ["parallel.dp_shard_degree=4", "train.micro_batch_size=1"],
+        "HSDP 2x2": ["parallel.dp_replicate_degree=2", "parallel.dp_shard_degree=2"],
+        "FSDP 2 x TP 2": ["parallel.dp_shard_degree=2", "parallel.tp_degree=2"],
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def reference(data_dir, tmp_path_factory):
+    from plait.api import train
+
+    out = tmp_path_factory.mktemp("muon-ref")
+    train(load_config(None, [*dense_base(data_dir), *MUON, f"run.out_dir={out}", "run.name=ref"]))
+    return read_metrics(out / "ref")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", sorted(DENSE_LAYOUTS))
+def test_every_layout_takes_the_one_process_muon_step(world, data_dir, reference):
+    assert max(reference["grad_norm"].values()) > 1.0  # train.grad_clip=1.0 clips: the layouts clip as one process
+    jobs = {name: [*dense_base(data_dir), *MUON, *extra] for name, extra in DENSE_LAYOUTS[world].items()}
+    for name, got in zip(jobs, run_layouts(world, list(jobs.values())), strict=True):
+        dense_check(f"Muon, {name} (world {world})", got, reference)
+
+
+def test_muon_trains_a_different_curve_than_adamw(data_dir, reference, tmp_path):
+    """The setting takes effect: the same run under AdamW has other losses from step 2 on."""
+    from plait.api import train
+
+    train(load_config(None, [*dense_base(data_dir), f"run.out_dir={tmp_path}", "run.name=adamw"]))
+    adamw = read_metrics(tmp_path / "adamw")
+    assert adamw["loss"][1] == pytest.approx(reference["loss"][1], rel=1e-6)
+    assert abs(adamw["loss"][5] - reference["loss"][5]) > 1e-3
