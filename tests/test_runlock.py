@@ -23,7 +23,7 @@ from plait.core.storage import location
 from plait.engine import runlock
 from plait.engine.checkpoint import list_checkpoints, load_model_weights
 from plait.engine.core_callbacks import LockWatch
-from plait.engine.runlock import LEASE_S, LOCK_ENV, RunLock, RunLocked, identity
+from plait.engine.runlock import LEASE_S, LOCK_ENV, RunLock, RunLocked, holder, identity
 from runs import debug_run
 
 
@@ -148,12 +148,12 @@ def test_an_expired_lease_is_taken_over_and_a_late_one_waited_out(tmp_path, caps
 def test_dead_zombie_and_reused_pids_on_this_machine_are_stale(tmp_path, capsys):
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     lock = tmp_path / "r.lock"
-    write_holder(lock, pid=child.pid, pid_start=runlock._proc_stat(child.pid)[1])
+    write_holder(lock, pid=child.pid, pid_start=holder._proc_stat(child.pid)[1])
     with pytest.raises(RunLocked, match="it is running on this machine"):
         RunLock([lock]).acquire()
     child.send_signal(signal.SIGKILL)
     time.sleep(0.3)  # killed, not reaped: a zombie
-    assert runlock._proc_stat(child.pid)[0] == "Z"
+    assert holder._proc_stat(child.pid)[0] == "Z"
     RunLock([lock]).acquire().release()
     assert "its process has ended" in capsys.readouterr().err
     child.wait()
@@ -220,7 +220,7 @@ def test_heartbeats_see_a_take_over_and_the_run_stops(tmp_path, capsys):
         lock = first
 
     with pytest.raises(PlaitError, match="it stops before step 7 so that two runs do not write one directory"):
-        LockWatch().before_step(Run, 7)
+        LockWatch(first).before_step(Run, 7)
     first.release()  # not its lock any more: left alone
     assert json.loads(lock.read_text())["token"] == second.token
     second.release()
