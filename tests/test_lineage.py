@@ -12,9 +12,10 @@ import pytest
 from rich.console import Console
 
 from plait.cli import main
+from plait.cli import views_lineage as views
 from plait.core.errors import PlaitError
-from plait.lifecycle import views
 from plait.lifecycle.lineage import Registry, data_fingerprint, effective_status, find_registry
+from plait.lifecycle.lineage_diff import diff_rows
 
 WRITER = """
 import sys, time
@@ -178,7 +179,7 @@ def test_show_draws_the_tree_back_to_the_import(family):
 
 def test_diff_names_config_keys_data_parents_and_code(family):
     reg, ids = family
-    rows = views.diff_rows(reg, reg.get(ids["run_a"]), reg.get(ids["run_b"]))
+    rows = diff_rows(reg, reg.get(ids["run_a"]), reg.get(ids["run_b"]))
     keys = {(aspect, key) for aspect, key, *_ in rows}
     assert {("config", "optim.lr"), ("config", "run.name"), ("data", "fingerprint"), ("code", "git_commit")} <= keys
     assert ("config", "finetune.lora_rank") not in keys  # equal values are not differences
@@ -186,7 +187,7 @@ def test_diff_names_config_keys_data_parents_and_code(family):
     common = next(r for r in rows if r[1] == "common ancestor")
     assert "import smol" in common[2]
     # A checkpoint inherits its run's config for the comparison; descent is reported.
-    rows = views.diff_rows(reg, reg.get(ids["adapter"]), reg.get(ids["run_a"]))
+    rows = diff_rows(reg, reg.get(ids["adapter"]), reg.get(ids["run_a"]))
     assert any(r[1] == "relation" and "descends from B (2 generations)" in r[2] for r in rows)
     assert not any(r[0] == "config" for r in rows)
 

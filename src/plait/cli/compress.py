@@ -71,6 +71,7 @@ def _checked_out(a) -> Path:
 def cmd_compress(argv: list[str]) -> int:
     a = _parser().parse_args(argv)
     out = _checked_out(a)
+    from plait.cli.views_reports import print_comparison
     from plait.core.progress import phase
     from plait.lifecycle import compress as C
     from plait.lifecycle.lora import merge_lora, model_weights_hash
@@ -105,7 +106,7 @@ def cmd_compress(argv: list[str]) -> int:
         after = C.measure(model, data_dir, seq_len=a.seq_len, batches=a.batches)
     if info.get("format") == "torchao":  # torchao's tensors report their float size: the files' is the truth
         after["size_mb"] = info["weight_files_mb"]
-    C.print_comparison(f"{kind}: {source.path} -> {out}", C.compare(before, after), console)
+    print_comparison(f"{kind}: {source.path} -> {out}", C.compare(before, after), console)
     report = {"source": str(source.path), "out": str(out.resolve()), "info": info, "before": before, "after": after}
     for path in (out / "compress.json", *([Path(a.json)] if a.json else [])):
         path.write_text(json.dumps(report, indent=2, default=str) + "\n")

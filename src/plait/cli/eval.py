@@ -69,8 +69,9 @@ def cmd_eval(argv: list[str]) -> int:
     check_input("", a.model, "a checkpoint, run, Hugging Face directory or adapter file")
     check_input("--suite", a.suite, "a suite file (YAML)")
     check_input("--data", a.data, "a prepared data directory")
+    from plait.cli.views_reports import print_report
     from plait.core.progress import phase
-    from plait.lifecycle.evaluate import Report, load_suite, perplexity, print_report, run_suite, write_json
+    from plait.lifecycle.evaluate import Report, load_suite, perplexity, run_suite, write_json
     from plait.lifecycle.models import describe, load_model
 
     if a.lm_eval:

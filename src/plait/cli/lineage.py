@@ -32,7 +32,7 @@ def cmd_lineage(argv: list[str]) -> int:
     reg = open_registry_near(a.registry, near if near and Path(near).exists() else None)
     if reg is None:
         raise PlaitError("no lineage registry found (looked in and above the path, and ./runs); pass --registry FILE")
-    from plait.lifecycle import views
+    from plait.cli import views_lineage as views
 
     if a.action == "show":
         views.show(reg, reg.find(a.ref), console)

@@ -363,33 +363,5 @@ def perplexity(
     return {"loss": loss, "perplexity": math.exp(loss), "tokens": count}
 
 
-# ------------------------------------------------------------------------------------------------ rendering
-
-
-def print_report(report: Report, console=None) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    console = console or Console(width=120)
-    if report.perplexity:
-        p = report.perplexity
-        console.print(f"perplexity {p['perplexity']:.3f} (loss {p['loss']:.4f} nats/token over {p['tokens']:,} tokens)")
-    for task, metrics in report.lm_eval.items():
-        shown = ", ".join(
-            f"{k.split(',')[0]} {v:.4f}" for k, v in metrics.items() if isinstance(v, float) and "stderr" not in k
-        )
-        console.print(f"lm-eval {task}: {shown}")
-    if not report.results:
-        return
-    table = Table(title=f"suite {report.suite}", title_justify="left")
-    for col in ("test", "assertion", "result", "detail"):
-        table.add_column(col, overflow="fold")
-    for r in report.results:
-        table.add_row(r.test, r.assertion, "[green]PASS[/]" if r.passed else "[red]FAIL[/]", r.detail)
-    console.print(table)
-    colour = "green" if not report.failed else "red"
-    console.print(f"[{colour}]{report.passed} passed, {report.failed} failed[/]")
-
-
 def write_json(report: Report, path: str | Path) -> None:
     Path(path).write_text(json.dumps(report.to_dict(), indent=2) + "\n")

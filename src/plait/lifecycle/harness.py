@@ -35,80 +35,89 @@ def plait_lm(model, tokenizer, *, device: str = "cpu"):
     """A harness model of a plait Transformer and its tokenizer (tokenizers.Tokenizer)."""
     TemplateLM: Any  # lm_eval's base class, imported only here: declared Any so that it can be subclassed
     _, TemplateLM = _harness()
-    from plait.data import eos_id
-    from plait.engine.generate import generate
-    from plait.interop.hf.names import BOS_TOKENS
 
-    class PlaitLM(TemplateLM):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model, self.tok = model.eval(), tokenizer
-            self.max_length = model.args.max_seq_len
-            self._device = device
-            self._eos = eos_id(tokenizer)
-            bos = next((i for t in BOS_TOKENS if (i := tokenizer.token_to_id(t)) is not None), None)
-            self._prefix = bos if bos is not None else self._eos
+    class PlaitLM(_PlaitScoring, TemplateLM):
+        pass
 
-        @property
-        def eot_token_id(self) -> int:
-            return self._eos
+    return PlaitLM(model, tokenizer, device)
 
-        @property
-        def prefix_token_id(self) -> int:
-            return self._prefix
 
-        def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
-            return self.tok.encode(string, add_special_tokens=bool(add_special_tokens)).ids
+class _PlaitScoring:
+    """PlaitLM's methods: the harness's model interface on a plait model. The other base, lm_eval's TemplateLM,
+    is imported only when a harness model is made (plait_lm), so this class stands alone."""
 
-        def tok_decode(self, tokens: list[int]) -> str:
-            return self.tok.decode(tokens, skip_special_tokens=False)
+    def __init__(self, model, tokenizer, device: str) -> None:
+        from plait.data import eos_id
+        from plait.interop.hf.names import BOS_TOKENS
 
-        @torch.no_grad()
-        def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
-            results = []
-            for _, context, continuation in requests:
-                ids = (context + continuation)[-(self.max_length + 1) :][:-1]
-                x = torch.tensor([ids], device=self._device)
-                logprobs = F.log_softmax(self.model(x)[0, -len(continuation) :].float(), dim=-1)
-                target = torch.tensor(continuation, device=self._device)
-                total = float(logprobs.gather(1, target[:, None]).sum())
-                results.append((total, bool((logprobs.argmax(-1) == target).all())))
-            return results
+        super().__init__()
+        self.model, self.tok = model.eval(), tokenizer
+        self.max_length = model.args.max_seq_len
+        self._device = device
+        self._eos = eos_id(tokenizer)
+        bos = next((i for t in BOS_TOKENS if (i := tokenizer.token_to_id(t)) is not None), None)
+        self._prefix = bos if bos is not None else self._eos
 
-        def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
-            from lm_eval import utils
+    @property
+    def eot_token_id(self) -> int:
+        return self._eos
 
-            out = []
-            for (string,) in [r.args for r in requests]:
-                windows = map(
-                    utils.make_disjoint_window,
-                    utils.get_rolling_token_windows(
-                        token_list=self.tok_encode(string),
-                        prefix_token=self.prefix_token_id,
-                        max_seq_len=self.max_length,
-                        context_len=1,
-                    ),
-                )
-                scored = self._loglikelihood_tokens([(None, c, t) for c, t in windows])
-                out.append(sum(lp for lp, _ in scored))
-            return out
+    @property
+    def prefix_token_id(self) -> int:
+        return self._prefix
 
-        def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-            out = []
-            for context, gen_kwargs in [r.args for r in requests]:
-                kwargs: dict[str, Any] = dict(gen_kwargs)
-                until = kwargs.pop("until", None) or []
-                until = [until] if isinstance(until, str) else list(until)
-                max_new = int(kwargs.pop("max_gen_toks", 256))
-                ids = self.tok_encode(context)[-(self.max_length - max_new) :] or [self.prefix_token_id]
-                tokens = generate(self.model, [ids], max_new_tokens=max_new, temperature=0.0, eos_id=self._eos)
-                text = self.tok_decode([t for t in tokens[0][len(ids) :] if t != self._eos])
-                for stop in until:
-                    text = text.split(stop)[0]
-                out.append(text)
-            return out
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+        return self.tok.encode(string, add_special_tokens=bool(add_special_tokens)).ids
 
-    return PlaitLM()
+    def tok_decode(self, tokens: list[int]) -> str:
+        return self.tok.decode(tokens, skip_special_tokens=False)
+
+    @torch.no_grad()
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+        results = []
+        for _, context, continuation in requests:
+            ids = (context + continuation)[-(self.max_length + 1) :][:-1]
+            x = torch.tensor([ids], device=self._device)
+            logprobs = F.log_softmax(self.model(x)[0, -len(continuation) :].float(), dim=-1)
+            target = torch.tensor(continuation, device=self._device)
+            total = float(logprobs.gather(1, target[:, None]).sum())
+            results.append((total, bool((logprobs.argmax(-1) == target).all())))
+        return results
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        from lm_eval import utils
+
+        out = []
+        for (string,) in [r.args for r in requests]:
+            windows = map(
+                utils.make_disjoint_window,
+                utils.get_rolling_token_windows(
+                    token_list=self.tok_encode(string),
+                    prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length,
+                    context_len=1,
+                ),
+            )
+            scored = self._loglikelihood_tokens([(None, c, t) for c, t in windows])
+            out.append(sum(lp for lp, _ in scored))
+        return out
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        from plait.engine.generate import generate
+
+        out = []
+        for context, gen_kwargs in [r.args for r in requests]:
+            kwargs: dict[str, Any] = dict(gen_kwargs)
+            until = kwargs.pop("until", None) or []
+            until = [until] if isinstance(until, str) else list(until)
+            max_new = int(kwargs.pop("max_gen_toks", 256))
+            ids = self.tok_encode(context)[-(self.max_length - max_new) :] or [self.prefix_token_id]
+            tokens = generate(self.model, [ids], max_new_tokens=max_new, temperature=0.0, eos_id=self._eos)
+            text = self.tok_decode([t for t in tokens[0][len(ids) :] if t != self._eos])
+            for stop in until:
+                text = text.split(stop)[0]
+            out.append(text)
+        return out
 
 
 TASKS_DIR = Path(__file__).with_name("tasks")

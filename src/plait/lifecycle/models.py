@@ -75,7 +75,7 @@ def load_model(
             return Loaded(load_safetensors(path, device), "safetensors", path, tok if tok.is_file() else None)
         raise PlaitError(f"{path} is not a plait adapter or safetensors export")
     if (path / "model.safetensors").is_file() and not (path / "config.json").is_file():
-        from plait.lifecycle.compress import QUANT_FORMAT, load_quantized
+        from plait.lifecycle.quantize import QUANT_FORMAT, load_quantized
 
         if safetensors_format(path / "model.safetensors") == QUANT_FORMAT:
             model, meta = load_quantized(path, device)
