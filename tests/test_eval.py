@@ -21,8 +21,8 @@ TEXT = "First Citizen: Before we proceed any further, hear me speak.\nAll: Speak
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     """Prepared data, a tiny model and its weights-only checkpoint (whose config names the data)."""
-    from plait.cli.ckpt import write_weights_checkpoint
     from plait.config import Config, to_dict
+    from plait.engine.checkpoint.weights import write_weights_checkpoint
 
     root = tmp_path_factory.mktemp("eval")
     docs = root / "docs"

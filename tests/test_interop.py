@@ -13,9 +13,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from plait.cli.ckpt import cmd_ckpt, load_checkpoint_model
+from plait.cli.ckpt import cmd_ckpt
 from plait.core.errors import PlaitError
 from plait.engine.checkpoint import list_checkpoints
+from plait.engine.checkpoint.weights import load_checkpoint_model
 from plait.engine.trainer import build_model
 from plait.interop import export_hf, export_safetensors, import_hf, load_hf_model, load_safetensors
 from plait.model import ModelArgs

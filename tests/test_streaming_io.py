@@ -25,11 +25,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from plait.cli import main
-from plait.cli.ckpt import cmd_ckpt, load_checkpoint_model, write_weights_checkpoint
+from plait.cli.ckpt import cmd_ckpt
 from plait.config import Config, to_dict
 from plait.core.errors import ConfigError
 from plait.core.storage import DCP_METADATA, parse_metadata
 from plait.engine.checkpoint import list_checkpoints, read_meta
+from plait.engine.checkpoint.weights import load_checkpoint_model, write_weights_checkpoint
 from plait.interop.hf import args_from_hf_config, hf_name, open_hf, param_shapes
 from plait.interop.shards import INDEX_FILE, parse_shard_size
 

@@ -47,8 +47,8 @@ def data_dir_of(explicit: str | None, config: dict | None, vocab: int) -> Path |
 def write_run(model, out: Path, source, data_dir: Path | None, info: dict) -> Path:
     """A plait run directory holding the model as a weights-only checkpoint plus its config.toml; returns the
     checkpoint."""
-    from plait.cli.ckpt import write_weights_checkpoint
     from plait.config import Config, from_dict, to_dict, to_toml, validate
+    from plait.engine.checkpoint.weights import write_weights_checkpoint
 
     cfg = from_dict(source.config) if source.config else Config()
     cfg.model = model.args

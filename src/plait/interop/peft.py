@@ -103,6 +103,56 @@ def write_peft_adapter(
     return out
 
 
+def publish_peft_adapter(
+    out: Path,
+    adapter: Path,
+    meta: dict,
+    tensors: dict[str, torch.Tensor],
+    *,
+    targets: list[str],
+    dtype: torch.dtype,
+    base: str,
+    overwrite: bool,
+) -> Path:
+    """A plait adapter file's contents (its metadata and tensors, plait.lifecycle.lora.read_adapter) written
+    as a PEFT adapter directory `out`, in `dtype`, published whole (core.publish.staged_dir: a replaced `out`
+    is removed only after the rename). The chat template its run trained with comes along."""
+    from plait.core.publish import staged_dir
+
+    exists = ConfigError(f"{out} exists; pass --overwrite or choose another --out")
+    with staged_dir(out, overwrite=overwrite, exists_error=exists) as tmp:
+        write_peft_adapter(
+            tmp,
+            {k: v.to(dtype) for k, v in tensors.items()},
+            rank=int(meta["rank"]),
+            alpha=float(meta["alpha"]),
+            dropout=float(meta.get("dropout", 0.0) or 0.0),
+            targets=targets,
+            base=base,
+            metadata={"base_weights_hash": meta.get("base_weights_hash", ""), "plait_adapter": str(adapter)},
+            chat_template=trained_chat_template(adapter),
+        )
+    return out
+
+
+def trained_chat_template(adapter: Path) -> str | None:
+    """The chat template a LoRA run's data was rendered with (its prepared directory's manifest records it under
+    loss_mask.chat_template), for the PEFT export to carry; None when the run trained without one."""
+    from plait.core.errors import PlaitError
+    from plait.data.chat import load_chat_template
+    from plait.data.loader import read_manifest
+    from plait.engine.checkpoint import read_config, resolve_checkpoint
+
+    run = adapter.parent.parent if adapter.parent.name == "adapters" else None
+    try:
+        source = Path(read_config(resolve_checkpoint(run)).data.source) if run is not None else None
+        recorded = (read_manifest(source).get("loss_mask") or {}).get("chat_template") if source else None
+    except PlaitError:  # a run without checkpoints, or data no longer here: nothing to carry
+        return None
+    chat = load_chat_template(source) if recorded and source is not None else None
+    return chat.text if chat is not None else None
+
+
 def check_peft_base(base: str) -> None:
     """A base named for adapter_config.json's base_model_name_or_path: a plait run or checkpoint, or a
     transformers directory, here (a typo would write a config nothing can load)."""
