@@ -36,7 +36,8 @@ def one_case(preset: str, world: int, method: str) -> dict:
     from plait.core.torch_private import init_fake_process_group
     from plait.model import Transformer
     from plait.parallel import Meshes, ParallelDims
-    from plait.parallel.parallelize import init_local_shard, parallelize
+    from plait.parallel.materialize import init_local_shard
+    from plait.parallel.parallelize import parallelize
 
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     t0 = time.perf_counter()

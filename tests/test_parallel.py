@@ -472,7 +472,7 @@ dist.destroy_process_group()
 )
 def test_embedding_and_output_are_not_kept_gathered_between_forward_and_backward(overrides, between):
     """Under FSDP (4 ranks of a fake process group) the embedding, and the output under the fused head, are
-    units of their own, gathered for their forward only (parallelize._shard_embedding_and_head): after forward,
+    units of their own, gathered for their forward only (plait.parallel.fsdp._shard_embedding_and_head): after forward,
     before backward, their weights are sharded again while the root (final norm) stays gathered; their
     gradients still arrive. Parity with one process: test_layouts_match_single_process."""
     import subprocess

@@ -10,7 +10,7 @@ from torch import nn
 from plait.config import load_config
 from plait.core.errors import PlaitError
 from plait.model import Transformer, preset_args
-from plait.parallel.parallelize import materialize
+from plait.parallel.materialize import materialize
 from plait.parallel.placement import allocate, check_placement, misplaced
 
 ACCELERATOR = torch.device("meta")  # a second device a CPU test can tell from the CPU

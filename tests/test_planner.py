@@ -124,7 +124,7 @@ FAKE_PG_SCRIPT = textwrap.dedent(
         ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module)
     from plait.model import ModelArgs, Transformer
     from plait.model.llama import rope_tables
-    from plait.parallel.parallelize import gather_norm_outputs, tp_plan_block
+    from plait.parallel.tensor_parallel import gather_norm_outputs, tp_plan_block
 
     WORLD = 12
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)

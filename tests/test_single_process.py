@@ -127,7 +127,7 @@ from plait.config import load_config
 from plait.model import Transformer
 from plait.parallel import Meshes, ParallelDims
 from plait.parallel.parallelize import parallelize
-from plait.parallel.parallelize import init_local_shard
+from plait.parallel.materialize import init_local_shard
 from plait.core.torch_private import init_fake_process_group, local_box
 from plait.engine.trainer import build_model
 

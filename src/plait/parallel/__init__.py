@@ -1,8 +1,11 @@
-"""Parallelism from outside the model: layout and mesh, TP/SP, activation checkpointing, FSDP2, pipelines.
+"""Parallelism from outside the model: the layout's rules and its meshes, the plan that parallelises a model
+built on meta (plait.parallel.parallelize: TP/SP, context and expert parallelism, activation checkpointing,
+compilation, FSDP2, each a module of its own), pipelines, and materialisation of the sharded weights.
 
-The layout rules (`plait.parallel.dims`) load without torch, so bad layouts are refused in milliseconds; the
-process-group set-up loads on first use. `parallelize` and `materialize` are imported from
-`plait.parallel.parallelize` (a lazy package attribute of that name would be shadowed by the module)."""
+The layout rules (`plait.parallel.rules`, applied by `plait.parallel.dims.validate_layout`) load without torch,
+so bad layouts are refused in milliseconds; the process-group set-up (`plait.parallel.env`) loads on first use.
+`parallelize` is imported from `plait.parallel.parallelize` and `materialize` from `plait.parallel.materialize`
+(a lazy package attribute of either name would be shadowed by its module)."""
 
 from plait.parallel.dims import Meshes, ParallelDims, validate_layout
 

@@ -33,7 +33,8 @@ from plait.model.args import split_layers
 from plait.model.llama import ModelArgs, Transformer
 from plait.model.moe import MoE
 from plait.parallel.dims import Meshes
-from plait.parallel.parallelize import materialize, parallelize
+from plait.parallel.materialize import materialize
+from plait.parallel.parallelize import parallelize
 from plait.parallel.rules import num_micro_batches
 
 

@@ -5,7 +5,9 @@ that compiled blocks (compile_problem) and LoRA adapters (lora_problem) run in.
 The runtime's check before any worker starts (plait.parallel.dims.validate_layout), the planner's search over
 candidate layouts (plait.planner.search) and its cost model all call these. The element-wise ones (tp_whole,
 fsdp_enabled) take plain values or numpy columns of candidate layouts alike, so the planner's vectorised form
-is these functions, not a second encoding of them.
+is these functions, not a second encoding of them. One exception: reduce_every_micro_batch_problem is a
+per-layout choice the search filters its numpy columns by (plait.planner.search.enumerate_layouts), keeping
+it only where FSDP accumulates: a subset of what the rule allows.
 """
 
 from __future__ import annotations
@@ -116,8 +118,10 @@ def pp_problem(m: ModelArgs, pp: int) -> str | None:
 
 
 def schedule_problem(schedule: str, fused_head: bool) -> str | None:
-    """Why this torch cannot run a pipeline schedule with this head (None: it can); shared by the runtime's
-    check and the planner's search, so `--layout auto` never picks what the run would refuse."""
+    """Why this torch cannot run a pipeline schedule with this head (None: it can). The runtime's check calls it
+    through pipeline_problem; the planner's search through pipeline_problem too, and before that to leave such
+    schedules out of its candidates (plait.planner.search), so `--layout auto` never picks a schedule the run
+    would refuse (tests/test_parallel.py checks both)."""
     if schedule == "zero_bubble" and fused_head and not weight_pass_takes_custom_functions():
         return (
             f"pp_schedule='zero_bubble' with train.fused_head=true does not run on torch {torch_version()}: its "

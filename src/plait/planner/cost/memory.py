@@ -583,12 +583,12 @@ def _resharding_gathered(a: ModelArgs, tp, layer_u, emb_u, head_u, fused: bool):
     start of backward: (forward, backward). Forward, at the fused head's peak: the output projection with the
     last block (the output is freed before backward); backward: the current and the prefetched block. Untied,
     the embedding is a unit of its own gathered for its forward only
-    (plait.parallel.parallelize._shard_embedding_and_head); tied, it stays gathered with the root."""
+    (plait.parallel.fsdp._shard_embedding_and_head); tied, it stays gathered with the root."""
     if a.tie_embeddings:
         both = 2 * layer_u + emb_u + head_u
         return both, both
     out_u = local_numel([(a.vocab_size, a.dim, 0)], tp)
-    # At the head's peak: the last block (kept gathered for backward: plait.parallel.parallelize.apply_fsdp),
+    # At the head's peak: the last block (kept gathered for backward: plait.parallel.fsdp.apply_fsdp),
     # FSDP2's buffer of its latest all-gather (held until the next one), and the output (measured by plait fit).
     if fused:
         return 2 * layer_u + out_u + a.dim, 2 * layer_u + a.dim

@@ -205,7 +205,7 @@ def _fsdp_exposed(work: Workload, lay: Layouts, c: Columns, links: Links, rank: 
     micro-batch only: accumulation skips the sync) behind its backward. The first group's gather and the last
     group's reduction cannot overlap anything. Each FSDP group over its own ranks: dense parts over
     fsdp_shard, MoE router and shared expert over fsdp_shard x tp, experts over fsdp_shard x tp / ep
-    (plait.parallel.parallelize._shard_moe)."""
+    (plait.parallel.fsdp._shard_moe)."""
     e, layers, mf = work.act_bytes, rank["layers"], c.m.astype(np.float64)
     block_u = block_numel(work.model, c.tp, c.fsdp_shard, c.ep)[1]
     groups = layers + 1
