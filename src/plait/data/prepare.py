@@ -9,7 +9,6 @@ reader never sees a half-written one.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import shutil
@@ -27,6 +26,7 @@ from tokenizers import Tokenizer
 from plait.core.errors import ConfigError
 from plait.core.progress import Progress as Lines
 from plait.core.publish import is_nonempty, staged_dir
+from plait.data.encoding import ShardWriter, sha256_file, tokenize_splits
 from plait.data.inputs import Input, documents, expand_inputs, needs_pyarrow
 from plait.data.loader import FORMAT, MANIFEST, read_manifest, shard_paths
 from plait.data.tokenizer import eos_id, load_tokenizer, train_bpe
@@ -35,9 +35,6 @@ TOKENIZER_FILE = "tokenizer.json"
 
 _PROGRESS_MIN_BYTES = 1 << 20  # below this the work takes about a second: a bar would only flicker
 _BPE_MAX_BYTES = 256 << 20  # BPE merges stabilise long before this; more text only costs time and memory
-_ENCODE_CHUNK_CHARS = 4 << 20  # encode_batch parallelises within a chunk; chunks bound memory
-_ENCODE_CHUNK_DOCS = 1024
-_HASH_CHUNK = 1 << 20
 
 
 def bundled_corpus_path() -> Path:
@@ -52,196 +49,6 @@ def _first_bytes(docs: Iterator[str], limit: int) -> Iterator[str]:
         total += len(text)
         if total >= limit:
             return
-
-
-# ---------------------------------------------------------------------------------------------- output
-
-
-def _is_val(index: int, text: str, val_fraction: float) -> bool:
-    """Deterministic split: sha1 of (index, content) read as a fraction in [0, 1)."""
-    digest = hashlib.sha1(f"{index}\0".encode() + text.encode("utf-8", "surrogatepass")).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64 < val_fraction
-
-
-class _ShardWriter:
-    """Appends tokens to `{split}_{i:05d}.bin` files of at most `shard_tokens` tokens, hashing as it goes."""
-
-    def __init__(self, out_dir: Path, split: str, dtype: np.dtype, shard_tokens: int, first: int = 0) -> None:
-        self.out_dir, self.split, self.dtype, self.shard_tokens = out_dir, split, dtype, shard_tokens
-        self.first = first  # the number of the first shard file (after those a prepare being appended to has)
-        self.shards: list[dict[str, Any]] = []
-        self.num_documents = 0
-        self._file: Any = None
-        self._hash: Any = None
-        self._count = 0
-
-    def write_document(self, ids: np.ndarray) -> None:
-        self.num_documents += 1
-        while len(ids):
-            if self._file is None:
-                name = f"{self.split}_{self.first + len(self.shards):05d}.bin"
-                self._file, self._hash, self._count = open(self.out_dir / name, "wb"), hashlib.sha256(), 0  # noqa: SIM115
-                self.shards.append({"file": name})
-            take = min(len(ids), self.shard_tokens - self._count)
-            data = ids[:take].tobytes()
-            self._file.write(data)
-            self._hash.update(data)
-            self._count += take
-            ids = ids[take:]
-            if self._count == self.shard_tokens:
-                self._finish_shard()
-
-    def state(self) -> dict[str, Any]:
-        """What a resumed prepare restores (restore): the shards, the open one's tokens so far (flushed)."""
-        if self._file is not None:
-            self._file.flush()
-        count = self._count if self._file is not None else None
-        return {"shards": [dict(s) for s in self.shards], "open_tokens": count, "num_documents": self.num_documents}
-
-    def restore(self, state: dict[str, Any]) -> None:
-        """Continue from `state`: the open shard cut back to what it held then, later shard files removed."""
-        self.shards, self.num_documents = [dict(s) for s in state["shards"]], state["num_documents"]
-        n = len(self.shards)
-        for later in self.out_dir.glob(f"{self.split}_*.bin"):
-            if int(later.stem.rsplit("_", 1)[1]) >= self.first + n:
-                later.unlink()
-        if state["open_tokens"] is not None:
-            path = self.out_dir / self.shards[-1]["file"]
-            self._file = open(path, "r+b")  # noqa: SIM115 - kept open for the writes that follow
-            self._file.truncate(state["open_tokens"] * self.dtype.itemsize)
-            self._file.seek(0, os.SEEK_END)
-            self._hash, self._count = hashlib.sha256(path.read_bytes()), state["open_tokens"]
-
-    def _finish_shard(self) -> None:
-        self._file.close()
-        self.shards[-1].update(num_tokens=self._count, sha256=self._hash.hexdigest())
-        self._file = None
-
-    def close(self) -> dict[str, Any]:
-        if self._file is not None:
-            self._finish_shard()
-        num_tokens = sum(s["num_tokens"] for s in self.shards)
-        return {"shards": self.shards, "num_tokens": num_tokens, "num_documents": self.num_documents}
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(_HASH_CHUNK):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _chunks(docs: Iterator[str]) -> Iterator[list[str]]:
-    chunk: list[str] = []
-    chars = 0
-    for text in docs:
-        chunk.append(text)
-        chars += len(text)
-        if chars >= _ENCODE_CHUNK_CHARS or len(chunk) >= _ENCODE_CHUNK_DOCS:
-            yield chunk
-            chunk, chars = [], 0
-    if chunk:
-        yield chunk
-
-
-def _encode_chunk(tok: Tokenizer, eos: int, dtype: np.dtype, start: int, chunk: list[str], val_fraction: float):
-    """One chunk of documents from document number `start`: (their ids, each followed by EOS, concatenated;
-    each one's length; whether each is held out)."""
-    # add_special_tokens=False: pretrained post-processors (e.g. BOS) must not differ from EOS packing.
-    encoded = tok.encode_batch_fast(chunk, add_special_tokens=False)
-    lengths = np.array([len(e.ids) + 1 for e in encoded], dtype=np.int64)
-    ids = np.empty(int(lengths.sum()), dtype=dtype)
-    at = 0
-    for e, n in zip(encoded, lengths, strict=True):
-        ids[at : at + n - 1] = e.ids
-        ids[at + n - 1] = eos
-        at += n
-    held = [_is_val(start + i, text, val_fraction) for i, text in enumerate(chunk)]
-    return ids, lengths, held
-
-
-_WORKER: dict[str, Any] = {}
-
-
-def _worker_init(tokenizer_path: str, eos: int, dtype: str, val_fraction: float) -> None:
-    _WORKER.update(tok=Tokenizer.from_file(tokenizer_path), eos=eos, dtype=np.dtype(dtype), val=val_fraction)
-
-
-def _worker_encode(job: tuple[int, list[str]]):
-    w = _WORKER
-    return _encode_chunk(w["tok"], w["eos"], w["dtype"], job[0], job[1], w["val"])
-
-
-def _encoded_chunks(docs, tok, eos, dtype, val_fraction, workers: int, tokenizer_path: Path | None, first: int = 0):
-    """The chunks of `docs` (numbered from `first`) encoded, in order: here, or by `workers` processes with at
-    most 2 chunks each in flight (reading never runs far ahead of the writing)."""
-    jobs = ((start, chunk) for start, chunk in _numbered(_chunks(docs), first))
-    if workers <= 1:
-        for start, chunk in jobs:
-            yield _encode_chunk(tok, eos, dtype, start, chunk, val_fraction)
-        return
-    import multiprocessing
-    from collections import deque
-
-    ctx = multiprocessing.get_context("spawn")  # the tokenizer's thread pool does not survive a fork
-    args = (str(tokenizer_path), eos, dtype.str, val_fraction)
-    with ctx.Pool(workers, initializer=_worker_init, initargs=args) as pool:
-        pending: deque = deque()
-        for job in jobs:
-            pending.append(pool.apply_async(_worker_encode, (job,)))
-            if len(pending) >= 2 * workers:
-                yield pending.popleft().get()
-        while pending:
-            yield pending.popleft().get()
-
-
-def _numbered(chunks: Iterator[list[str]], start: int = 0) -> Iterator[tuple[int, list[str]]]:
-    for chunk in chunks:
-        yield start, chunk
-        start += len(chunk)
-
-
-def _tokenize_splits(
-    docs: Iterator[str],
-    tok: Tokenizer,
-    eos: int,
-    dtype: np.dtype,
-    writers: dict[str, _ShardWriter],
-    val_fraction: float,
-    workers: int = 1,
-    tokenizer_path: Path | None = None,
-    on_tokens: Callable[[int], None] = lambda n: None,
-    first_index: int = 0,
-    on_chunk: Callable[[int], None] = lambda written: None,
-) -> None:
-    """Encode documents (in `workers` processes), append EOS, and route each to train or val, in the
-    documents' order whatever the number of workers.
-
-    The last document is held back so that, if nothing landed in val (small corpora), it can go there.
-    """
-    pending: tuple[str, np.ndarray] | None = None
-    index = 0
-    assert workers <= 1 or tokenizer_path is not None
-    chunks = _encoded_chunks(docs, tok, eos, dtype, val_fraction, workers, tokenizer_path, first_index)
-    for ids, lengths, held in chunks:
-        at = 0
-        for n, val in zip(lengths, held, strict=True):
-            if pending is not None:
-                writers[pending[0]].write_document(pending[1])
-            pending = ("val" if val else "train", ids[at : at + n])
-            at += n
-            index += 1
-        on_tokens(len(ids))
-        on_chunk(first_index + index - 1)  # documents written (the last one is held back)
-    if pending is None:
-        return
-    split, ids = pending
-    if val_fraction > 0 and index >= 2 and writers["val"].num_documents == 0:
-        split = "val"
-    elif writers["train"].num_documents == 0:
-        split = "train"
-    writers[split].write_document(ids)
 
 
 class _Task:
@@ -324,8 +131,9 @@ def prepare(
         files = expand_inputs(inputs, s3_endpoint)
         return _append(files, Path(out_dir), tokenizer, text_field, shard_tokens, workers, val_fraction)
     out = Path(out_dir)
+    exists = ConfigError(f"{out} exists; pass --overwrite or choose another --out")
     if is_nonempty(out) and not overwrite:  # refused before any work
-        raise ConfigError(f"{out} exists; pass --overwrite or choose another --out")
+        raise exists
     if not 0 <= val_fraction < 1:
         raise ConfigError(f"val_fraction={val_fraction} must be in [0, 1)")
     if shard_tokens < 1:
@@ -333,21 +141,10 @@ def prepare(
     files = expand_inputs(inputs, s3_endpoint)
     needs_pyarrow(files)
     given_tok = load_tokenizer(tokenizer) if tokenizer is not None else None
-
-    exists = ConfigError(f"{out} exists; pass --overwrite or choose another --out")
     # An interrupted prepare left its work in `stage`, with a journal: the same command continues it.
     stage = out.parent / f".{out.name}.partial"
     signature = _signature(files, tokenizer, vocab_size, val_fraction, text_field, shard_tokens)
-    journal = _read_journal(stage)
-    if journal is not None and journal["signature"] != signature:
-        if not overwrite:
-            raise ConfigError(
-                f"{stage} holds an interrupted prepare of other inputs or settings: run that command again to "
-                f"resume it, or pass --overwrite to discard it"
-            )
-        journal = None
-    if journal is None and stage.exists():
-        shutil.rmtree(stage)
+    journal = _journal_to_resume(stage, signature, overwrite)
     try:
         with staged_dir(out, overwrite=overwrite, exists_error=exists, stage=stage) as tmp:
             manifest = _prepare_into(
@@ -370,9 +167,25 @@ JOURNAL = "progress.json"
 def _signature(files, tokenizer, vocab_size, val_fraction, text_field, shard_tokens) -> dict[str, Any]:
     """What makes two prepares the same work (a journal of another is not resumed)."""
     inputs = [[f.where, f.size, f.stamp] for f in files]
-    tok = _sha256_file(_tokenizer_file(Path(tokenizer))) if tokenizer is not None else None
+    tok = sha256_file(_tokenizer_file(Path(tokenizer))) if tokenizer is not None else None
     return dict(inputs=inputs, tokenizer=tok, vocab_size=vocab_size, val_fraction=val_fraction,
                 text_field=text_field, shard_tokens=shard_tokens)  # fmt: skip
+
+
+def _journal_to_resume(stage: Path, signature: dict[str, Any], overwrite: bool) -> dict[str, Any] | None:
+    """The journal of the interrupted prepare in `stage` when it is this same work (None: start afresh, and
+    `stage` is emptied); an interrupted prepare of other work is refused unless `overwrite` discards it."""
+    journal = _read_journal(stage)
+    if journal is not None and journal["signature"] != signature:
+        if not overwrite:
+            raise ConfigError(
+                f"{stage} holds an interrupted prepare of other inputs or settings: run that command again to "
+                f"resume it, or pass --overwrite to discard it"
+            )
+        journal = None
+    if journal is None and stage.exists():
+        shutil.rmtree(stage)
+    return journal
 
 
 def _read_journal(stage: Path) -> dict[str, Any] | None:
@@ -417,7 +230,7 @@ def _prepare_into(
         eos = eos_id(tok)
         vocab = tok.get_vocab_size(with_added_tokens=True)
         dtype = np.dtype("<u2") if vocab <= 65535 else np.dtype("<u4")
-        writers = {split: _ShardWriter(tmp, split, dtype, shard_tokens) for split in ("train", "val")}
+        writers = {split: ShardWriter(tmp, split, dtype, shard_tokens) for split in ("train", "val")}
         task = start(f"tokenizing ({workers} worker{'s' if workers > 1 else ''})")
         docs = documents(files, text_field, counts, task)
         done = 0
@@ -432,7 +245,7 @@ def _prepare_into(
             state = {split: w.state() for split, w in writers.items()}
             _write_journal(tmp, {"signature": signature, "documents": written, "writers": state})
 
-        _tokenize_splits(docs, tok, eos, dtype, writers, val_fraction, workers, tmp / TOKENIZER_FILE, task.tokens,
+        tokenize_splits(docs, tok, eos, dtype, writers, val_fraction, workers, tmp / TOKENIZER_FILE, task.tokens,
                          done, checkpoint)  # fmt: skip
     manifest = {
         "format": FORMAT,
@@ -442,7 +255,7 @@ def _prepare_into(
         "splits": {split: w.close() for split, w in writers.items()},
         "sources": [{"path": f.where, "num_documents": n} for f, n in zip(files, counts, strict=True)],
         "tokenizer": TOKENIZER_FILE,
-        "tokenizer_sha256": _sha256_file(tmp / TOKENIZER_FILE),
+        "tokenizer_sha256": sha256_file(tmp / TOKENIZER_FILE),
         "val_fraction": val_fraction,  # documents appended later are held out alike
     }
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
@@ -456,7 +269,7 @@ def _append(
     for split in manifest["splits"]:
         shard_paths(out, manifest, split)  # every shard there, of its size, before anything is added
     tok_path = out / manifest["tokenizer"]
-    if tokenizer is not None and _sha256_file(_tokenizer_file(Path(tokenizer))) != manifest["tokenizer_sha256"]:
+    if tokenizer is not None and sha256_file(_tokenizer_file(Path(tokenizer))) != manifest["tokenizer_sha256"]:
         raise ConfigError(
             f"--tokenizer={tokenizer} is not the tokenizer {out} was prepared with: appended documents must use "
             f"the same one (leave --tokenizer out to use {tok_path})"
@@ -470,14 +283,14 @@ def _append(
     tok = load_tokenizer(tok_path)
     dtype = np.dtype(manifest["dtype"]).newbyteorder("<")
     splits = manifest["splits"]
-    writers = {s: _ShardWriter(out, s, dtype, shard_tokens, first=len(splits[s]["shards"])) for s in splits}
+    writers = {s: ShardWriter(out, s, dtype, shard_tokens, first=len(splits[s]["shards"])) for s in splits}
     counts = [0] * len(files)
     val_fraction = manifest.get("val_fraction", val_fraction)  # the prepare's own (older manifests: as given)
     first = sum(s["num_documents"] for s in splits.values())
     with _progress(sum(f.size for f in files)) as start:
         task = start(f"appending ({workers} worker{'s' if workers > 1 else ''})")
         docs = documents(files, text_field, counts, task)
-        _tokenize_splits(
+        tokenize_splits(
             docs, tok, manifest["eos_id"], dtype, writers, val_fraction, workers, tok_path, task.tokens, first
         )
     for split, w in writers.items():
