@@ -190,6 +190,26 @@ def test_a_crash_while_a_quantized_model_is_written_leaves_no_partial_directory(
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_crash_while_a_pruned_run_is_written_leaves_no_partial_directory(trained, tmp_path, monkeypatch):
+    """A pruned model's run directory (its checkpoint, then config.toml) is written beside --out and renamed into
+    place whole (plait.lifecycle.model_run.write_run, which `plait finetune merge` shares): a crash after the
+    checkpoint is written leaves no --out at all, and nothing beside it."""
+    from plait.lifecycle import model_run
+
+    real = model_run.write_weights_checkpoint
+
+    def crash(*args, **kw):
+        real(*args, **kw)  # the checkpoint written, not yet config.toml: then the process dies
+        raise RuntimeError("crash")
+
+    monkeypatch.setattr(model_run, "write_weights_checkpoint", crash)
+    run, _ = trained
+    out = tmp_path / "p"
+    with pytest.raises(RuntimeError, match="crash"):
+        main(["compress", "prune", str(run), "--method", "structured", "--sparsity", "0.5", "--out", str(out)])
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_magnitude_pruning_keeps_its_zeros_through_the_fine_tune(trained, tmp_path):
     run, data = trained
     out = tmp_path / "pruned"

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from plait.cli.args import PlaitParser
-from plait.cli.lifecycle import console, data_dir_of, open_registry_near, registry_arg, write_run
+from plait.cli.lifecycle import console, data_dir_of, open_registry_near, registry_arg
 from plait.core.errors import ConfigError
 
 
@@ -75,6 +75,7 @@ def cmd_compress(argv: list[str]) -> int:
     from plait.core.progress import phase
     from plait.lifecycle import compress as C
     from plait.lifecycle.lora import merge_lora, model_weights_hash
+    from plait.lifecycle.model_run import write_run
     from plait.lifecycle.models import load_model
 
     with phase(f"loading {a.teacher if a.action == 'distill' else a.model}"):

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 from plait.cli.args import PlaitParser
-from plait.cli.lifecycle import open_registry_near, registry_arg, write_run
+from plait.cli.lifecycle import open_registry_near, registry_arg
 from plait.core.errors import ConfigError, PlaitError
 
 if TYPE_CHECKING:
@@ -104,6 +104,7 @@ def _ft_prepare(a) -> int:
 
 def _ft_merge(a) -> int:
     from plait.lifecycle.lora import merge_lora, model_weights_hash
+    from plait.lifecycle.model_run import write_run
     from plait.lifecycle.models import artifact_for, load_model
 
     out = Path(a.out)
