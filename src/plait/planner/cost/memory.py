@@ -69,7 +69,7 @@ def host_resident(offloaded_states: float | np.ndarray) -> float | np.ndarray:
 
 
 def _norm_bytes(e: int) -> int:
-    """Bytes per element an RMSNorm keeps for backward: its input as it came (plait.model.llama.RMSNormFunction
+    """Bytes per element an RMSNorm keeps for backward: its input as it came (plait.model.norm.RMSNormFunction
     recomputes the fp32 normalised value in backward; the inverse RMS, 4 bytes a row, is counted apart)."""
     return e
 
@@ -456,7 +456,7 @@ def zero_bubble_residue(a: ModelArgs, e: int, tp, layers, has_head, fused: bool 
     and the weight pass only visits the nodes next to the weights, so what those do not need stays saved: per
     layer the attention's q, k, v (h wide each after the GQA repeat), output and logsumexp; for the final
     stage also the fused head's input gradient (e h / tp), or the plain head's fp32 log-softmax, logits and
-    the output matmul's input. Norms (plait.model.llama.RMSNormFunction: one node with the weight's gradient)
+    the output matmul's input. Norms (plait.model.norm.RMSNormFunction: one node with the weight's gradient)
     are visited by the weight pass, which frees what they keep."""
     h = a.dim
     layer = (4 * e * h + 4 * a.n_heads) / tp
