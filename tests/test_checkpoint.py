@@ -304,7 +304,7 @@ def test_disk_full_saves_clean_up_and_a_lost_final_checkpoint_fails_the_run(data
     t = build_trainable(cfg, torch.device("cpu"))
     loader = TokenLoader(TokenDataset(data_dir, "train"), seq_len=32, global_batch_size=8, prefetch=0)
     manager = CheckpointManager(ckpts, cfg.checkpoint, config=to_dict(cfg))
-    manager._estimate = 1  # as if the disk filled up after the check: the write itself meets ENOSPC
+    manager._saver.estimate = 1  # as if the disk filled up after the check: the write itself meets ENOSPC
     said = _Said()
     logging.getLogger("plait").addHandler(said)
     try:
@@ -594,7 +594,14 @@ def test_s3_a_checkpoint_saved_again_is_replaced_once_the_new_one_is_published(s
 
     def save(*before_publish) -> dict:
         manager = CheckpointManager(root, cfg.checkpoint, config=to_dict(cfg))
-        manager.before_publish.extend(before_publish)
+        publish = manager.publisher.publish
+
+        def publishing(step: int, meta: dict, target) -> None:
+            for hook in before_publish:
+                hook(step)
+            publish(step, meta, target)
+
+        manager.publisher.publish = publishing  # on this instance only
         try:
             return manager.save(2, t, loader=loader, state=TrainState(step=2))
         finally:
@@ -790,16 +797,17 @@ def test_a_save_in_flight_is_called_slow_until_a_write_fails(tmp_path):
     from plait.core import storage
 
     manager = CheckpointManager(tmp_path, load_config(None, []).checkpoint)
-    manager._pending, manager._in_flight_step, manager._last_write_s = Future(), 20, 0.4
-    manager._failed_attempts_at_start, manager._started_at = storage.FAILED_ATTEMPTS[0], time.monotonic() - 3.0
-    assert manager._storage_state().startswith("slow: 3.0 s so far, the last save took 0.4 s")
+    saver = manager._saver
+    saver.pending, saver.in_flight_step, saver.last_write_s = Future(), 20, 0.4
+    saver.failed_attempts_at_start, saver.started_at = storage.FAILED_ATTEMPTS[0], time.monotonic() - 3.0
+    assert saver.storage_state().startswith("slow: 3.0 s so far, the last save took 0.4 s")
     storage.FAILED_ATTEMPTS[0] += 2
-    assert manager._storage_state() == "storage failing: 2 failed attempts so far, retrying"
+    assert saver.storage_state() == "storage failing: 2 failed attempts so far, retrying"
     said = _Said()
     logging.getLogger("plait").addHandler(said)
     try:
-        assert manager._defer(25) == {"deferred_step": 25, "deferred_saves": 1}
-        assert manager._defer(30) == {"deferred_step": 30, "deferred_saves": 2}  # folded into the first: said once
+        assert manager._cadence.defer(25) == {"deferred_step": 25, "deferred_saves": 1}
+        assert manager._cadence.defer(30) == {"deferred_step": 30, "deferred_saves": 2}  # folded in: said once
     finally:
         logging.getLogger("plait").removeHandler(said)
     assert said.lines == [
@@ -807,7 +815,7 @@ def test_a_save_in_flight_is_called_slow_until_a_write_fails(tmp_path):
         f"failing: 2 failed attempts so far, retrying); training goes on, and the next step after that save ends "
         f"is saved"
     ]
-    manager._pending = None
+    saver.pending = None
     manager.close()
 
 

@@ -14,7 +14,8 @@ variable) and a PLAIT_FAULT_* variable is set. Production runs carry none of it.
   are written and before the checkpoint is published.
 
 Production code knows none of this: the faults go in through the hooks the components offer
-(CheckpointManager.before_publish, plait.features.health.COMPUTE_FAULTS, the model's forward hooks).
+(plait.features.health.COMPUTE_FAULTS, the model's forward hooks), or by wrapping a method of the one object a
+run hands over (the checkpointer's publisher: its `publish`, on that instance only).
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ class Faults(Callback):
         self.install(run.t.parts)
         crash = os.environ.get("PLAIT_FAULT_SAVE_CRASH", "").strip()
         if crash:
-            run.checkpointer.before_publish.append(lambda step: _crash_before_publish(step, crash))
+            crash_before_publish(run.checkpointer.publisher, crash)
 
     def before_step(self, run, step: int) -> None:
         if step == self.kill_step:
@@ -130,10 +131,18 @@ class Faults(Callback):
         return output
 
 
-def _crash_before_publish(step: int, at: str) -> None:
-    if str(step) == at:
-        print(f"plait: fault injection: crashing before publishing step {step}", file=sys.stderr, flush=True)
-        os._exit(137)
+def crash_before_publish(publisher, at: str) -> None:
+    """Make this publisher (plait.engine.checkpoint.publisher.Publisher) end the process before it publishes
+    step `at`: its `publish` is wrapped on this instance, nothing else is changed."""
+    publish = publisher.publish
+
+    def crashing(step: int, meta: dict, target) -> None:
+        if str(step) == at:
+            print(f"plait: fault injection: crashing before publishing step {step}", file=sys.stderr, flush=True)
+            os._exit(137)
+        publish(step, meta, target)
+
+    publisher.publish = crashing
 
 
 def install_health_faults() -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -15,15 +14,14 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
-    get_optimizer_state_dict,
     set_model_state_dict,
-    set_optimizer_state_dict,
 )
 
 from plait.core import storage
 from plait.core.errors import PlaitError
 from plait.core.storage import Location, RemotePath
 from plait.engine.checkpoint.find import read_meta
+from plait.engine.checkpoint.state import run_state, split
 from plait.engine.checkpoint.verify import agree, check, model_settings_differ
 from plait.engine.checkpoint.wording import short
 
@@ -65,24 +63,6 @@ def _read(state: dict, path: Location) -> list[str]:
     return []
 
 
-def state_dicts(t) -> tuple[dict, dict, list]:
-    """Model and optimizer tensors of all this rank's parts, keyed by fully qualified parameter name
-    (identical under every layout, which is what makes checkpoints load anywhere)."""
-    model_sd: dict = {}
-    optim_sd: dict = {}
-    groups: list = []
-    for part, opt in zip(t.parts, t.optimizers, strict=True):
-        model_sd.update(get_model_state_dict(part))
-        osd = get_optimizer_state_dict(part, opt)
-        optim_sd.update(cast(dict, osd["state"]))
-        groups.extend(osd["param_groups"])
-    return model_sd, optim_sd, groups
-
-
-def _names(part: nn.Module) -> set[str]:
-    return set(get_model_state_dict(part))
-
-
 def _union(names: set[str], group) -> set[str]:
     """The union of every rank's names (pipeline stages hold different parts of the model)."""
     if group is None:
@@ -92,66 +72,43 @@ def _union(names: set[str], group) -> set[str]:
     return {n for rank_names in everyone for n in rank_names}
 
 
-def rng_state() -> dict[str, torch.Tensor]:
-    out = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        out["cuda"] = torch.cuda.get_rng_state()
-    return out
-
-
-def _set_rng_state(rng: dict[str, torch.Tensor]) -> None:
-    if "cpu" in rng:
-        torch.set_rng_state(rng["cpu"])
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state(rng["cuda"])
-
-
 def load_state(path: Location, t, *, loader, state, group, rank: int, config: dict) -> None:
     """Restore into this rank's (possibly differently sharded) model parts and optimizers, their LR schedules,
-    the data position, this rank's RNG and the counters. Every rank checks the tensors it needs (present,
-    tensors, same shapes; files present and long enough) and all agree (over `group`) before anything is read;
-    corrupt bytes are found while reading (see plait.engine.checkpoint)."""
+    the data position, this rank's RNG and the counters (plait.engine.checkpoint.state.run_state). Every rank
+    checks the tensors it needs (present, tensors, same shapes; files present and long enough) and all agree
+    (over `group`) before anything is read; corrupt bytes are found while reading (see plait.engine.checkpoint).
+    Only then is each part restored."""
     meta = read_meta(path)
     if meta.get("weights_only"):  # `plait ckpt import`: fine-tune these weights from step 0
         for part in t.parts:
             load_model_weights(part, path, group=group)
         return
-    model_sd, optim_sd, _ = state_dicts(t)  # also creates empty Adam state to load into
-    wanted = {"model": model_sd, "optim": optim_sd}
-    everyone = _union({f"model.{k}" for k in model_sd}, group)  # all pipeline stages' tensors
+    parts = run_state(t, loader=loader, state=state, rank=rank)
+    wanted, _ = split([p for p in parts if p.TENSORS and not p.OPTIONAL])  # (the tensors to read into)
+    everyone = _union({f"model.{k}" for k in wanted["model"]}, group)  # all pipeline stages' tensors
     problems, md = check(path, meta, wanted, expect_model=everyone)
     if problems and (other := model_settings_differ(meta.get("config"), config)):
         problems.insert(0, f"it is of another model ({other})")
-    # RNG state of this rank, where the saving run had this rank (and this kind of device)
     saved = md.state_dict_metadata if md is not None else {}
-    rng = {k: v for k, v in rng_state().items() if f"rng.rank_{rank}.{k}" in saved}
-    if rng:
-        wanted["rng"] = {f"rank_{rank}": rng}
+    optional, _ = split([p for p in parts if p.OPTIONAL])
+    wanted.update(_present(optional, saved))  # e.g. the RNG where the saving run had this rank (and device)
     agree(problems, path, group)
     agree(_read(wanted, path), path, group)
-    for part, opt in zip(t.parts, t.optimizers, strict=True):
-        set_model_state_dict(
-            part, {k: v for k, v in model_sd.items() if k in _names(part)}, options=StateDictOptions(strict=True)
-        )
-        current = get_optimizer_state_dict(part, opt)
-        state_part = {k: v for k, v in optim_sd.items() if k in current["state"]}
-        set_optimizer_state_dict(part, opt, {"state": state_part, "param_groups": current["param_groups"]})
-    _load_schedules(meta, t)
-    loader.load_state_dict(meta["loader"])
-    state.step, state.tokens = meta["train_state"]["step"], meta["train_state"]["tokens"]
-    if rng:
-        _set_rng_state(rng)
+    for part in parts:
+        part.load_state_dict({**meta, **wanted})
 
 
-def _load_schedules(meta: dict, t) -> None:
-    """Each part's LR schedule: its own where the saving run had as many parts, else the first part's (every
-    part follows the same schedule; a resharded pipeline has another number of parts)."""
-    saved = meta.get("schedulers") or [meta["scheduler"]]
-    for i, (sched, opt) in enumerate(zip(t.schedulers, t.optimizers, strict=True)):
-        sched.load_state_dict(saved[i] if len(saved) == len(t.schedulers) else saved[0])
-        # The next update must use the LR the schedule had reached, not the fresh optimizer's.
-        for group, lr in zip(opt.param_groups, sched.get_last_lr(), strict=True):
-            group["lr"] = lr
+def _present(tree: dict, saved: dict, prefix: str = "") -> dict:
+    """The leaves of `tree` the checkpoint holds (by DCP key), without the branches left empty."""
+    out: dict = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            if kept := _present(value, saved, f"{name}."):
+                out[key] = kept
+        elif name in saved:
+            out[key] = value
+    return out
 
 
 def checkpoint_model(ckpt: Location, device: str | torch.device = "cpu") -> nn.Module:
