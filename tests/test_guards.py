@@ -101,6 +101,7 @@ def test_fault_variables(monkeypatch):
         ("plait/engine/checkpoint/load.py", "load_state", "checkpoint"),
         ("plait/data/samples.py", "__next__", "data"),
         ("plait/engine/trainer.py", "_loop", "between steps"),
+        ("plait/features/health_collectives.py", "check_collectives", "health check"),
     ],
 )
 def test_describe_stack_names_the_phase(path, function, phase):
@@ -315,9 +316,9 @@ def test_two_ranks_refuse_skip_rollback_and_name_the_straggler(data_dir, tmp_pat
 
 BEATING = """
 import sys, time
-import plait.features.guards as guards
+import plait.features.watchdog as watchdog
 exec(sys.argv[3])  # (the test's way to switch the suspension check off and see it fail)
-dog = guards.Watchdog(rank=0, timeout_s=6, world_size=1)
+dog = watchdog.Watchdog(rank=0, timeout_s=6, world_size=1)
 print("watching", flush=True)
 end, step = time.monotonic() + float(sys.argv[1]), 0
 while time.monotonic() < end:
@@ -353,7 +354,7 @@ def test_a_stopped_process_is_not_a_hang_but_a_stalled_one_is():
     assert hung.wait(timeout=120) == HANG_EXIT_CODE and "made no progress" in hung.stderr.read()
     stopped = _stop_for(15, "20", "1000", "")
     assert stopped.wait(timeout=120) == 0 and "finished" in stopped.stdout.read()
-    unchecked = _stop_for(15, "20", "1000", "guards.SUSPENDED_S = float('inf')")
+    unchecked = _stop_for(15, "20", "1000", "watchdog.SUSPENDED_S = float('inf')")
     assert unchecked.wait(timeout=120) == HANG_EXIT_CODE
 
 

@@ -317,7 +317,11 @@ def test_callbacks_touch_the_trainer_only_through_run_state():
     assert not outside, f"callbacks reading the trainer outside plait.engine.callbacks.RunState: {outside}"
     planted = "class C:\n    def after_step(self, run, step, result):\n        run.t.model\n        run._secret\n"
     assert _run_reads(planted) == {"C.after_step": {"t", "_secret"}} and "_secret" not in allowed
-    assert {"cfg", "t", "withhold_step", "roll_back", "val_loader"} <= allowed
+    assert {"cfg", "t", "state", "metrics", "withhold_step", "roll_back"} <= allowed
+    # The trainer's own parts (loader, compile monitor, stop request, run lock, callback list, validation
+    # split) are given to its own components when it builds them, not to every callback.
+    trainers_own = {"loader", "compiler", "stop", "lock", "callbacks", "val_split", "val_loader", "model_fn"}
+    assert not trainers_own & allowed, trainers_own & allowed
 
 
 MAX_FUNCTION_LINES = 80

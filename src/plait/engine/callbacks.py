@@ -3,13 +3,14 @@ monitors, fine-tuning, health checks, fault injection, your own code) are callba
 
 Every hook is optional, returns nothing, and receives the running trainer as a `RunState`: the only part of
 the trainer a callback may read or call (the config, the process group and meshes, the model parts with their
-optimizers and schedules, the loader, the counters, the checkpointer, the metrics, ...). A callback that
+optimizers and schedules, the counters, the checkpointer, the metrics, the last metrics). A callback that
 withholds a step's update calls `run.withhold_step(why)`; one that rolls the run back calls `run.roll_back()`.
 Hooks run in the order the callbacks were given, `close` in reverse order (like context managers), each even
-if another fails. The trainer's own features are callbacks too, around yours: plait.engine.core_callbacks'
-LockWatch and CompileWatch and plait.engine.expert_balance's ExpertBalance first; then yours; then
-plait.engine.step_metrics.StepMetrics (logging), plait.engine.validation.Validation and
-plait.engine.core_callbacks.Checkpointing, whose after_step hooks log, evaluate and save a step that counts.
+if another fails. Callbacks observe moments; none calls another's hooks, and their order is not a contract
+between them. The loop itself logs, evaluates and saves, in that order, after the callbacks' after_step, and
+fires after_eval and after_checkpoint (plait.engine.trainer.Trainer._log_evaluate_save). The trainer's own observers are
+callbacks too, before yours: plait.engine.core_callbacks' LockWatch and CompileWatch and
+plait.engine.expert_balance's ExpertBalance.
 
     on_setup        the process group and meshes exist; the model does not yet (health checks)
     on_model        the model parts are built and initialised; optimizers not yet (load weights, add adapters:
@@ -20,10 +21,10 @@ plait.engine.core_callbacks.Checkpointing, whose after_step hooks log, evaluate 
                     optimizer and the LR schedule where they are (every callback still sees the step)
     after_step      the step is applied and counted (run.state.step == step); a callback that calls
                     run.roll_back() (run.state is then a checkpoint's) ends the hook: the callbacks after it do
-                    not see this step
-    after_eval      a validation loss was measured
-    after_checkpoint  after each step's save decision: saved is the report of a save completed at this step
-                    (an asynchronous one reports when it is published), empty when none
+                    not see this step, and the loop neither logs, evaluates nor saves it
+    after_eval      a validation loss was measured (after the step's log line)
+    after_checkpoint  after each counted step's save decision: saved is the report of a save completed at this
+                    step (an asynchronous one reports when it is published), empty when none
     close           the loop ended (also by a failure, from on_start on), before the final save is waited for
     on_end          training finished and its checkpoint is safe (final: the last metrics); not after a failure
                     or a stop
@@ -39,50 +40,34 @@ import torch
 from torch import nn
 
 from plait.config import Config
-from plait.core.stop import StopRequest
 from plait.core.storage import Location
-from plait.data.loader import TokenLoader
-from plait.data.samples import SampleLoader
 from plait.engine.checkpoint.manager import CheckpointManager, TrainState
-from plait.engine.compile_cache import CompileMonitor
 from plait.engine.metrics import MetricsLogger
-from plait.engine.runlock import RunLock
 from plait.engine.trainable import Trainable
 from plait.parallel.dims import Meshes
 from plait.parallel.env import DistEnv
 
 
 class RunState(Protocol):
-    """What a callback sees of the running trainer (plait.engine.trainer.Trainer is one). Filled in as the run
-    goes: `env` from on_setup on, `meshes` too, `compiler` once the compile monitor's on_setup ran (it is the
-    first callback), `t` from on_model on (its parts), `loader`, `checkpointer`, `metrics`, `stop` and
-    `resumed_from` from on_start on."""
+    """What a callback sees of the running trainer (plait.engine.trainer.Trainer is one). `cfg`, `state`,
+    `final`, `plait_model` and `data_dir` are there from on_setup on; the others are filled in as the run goes,
+    each from the hook named beside it (read earlier, an attribute is missing: AttributeError)."""
 
     cfg: Config
-    env: DistEnv
-    meshes: Meshes
-    t: Trainable  # the model parts, their optimizers and LR schedules, the loss
-    loader: TokenLoader | SampleLoader
+    env: DistEnv  # the process group (rank, world size, device): from on_setup on
+    meshes: Meshes  # this rank's share of the layout: from on_setup on
+    t: Trainable  # the model parts, their optimizers and LR schedules, the loss: from on_start on
+    # (on_model, earlier, is given the parts as its argument)
+    checkpointer: CheckpointManager  # from on_start on
+    metrics: MetricsLogger  # metrics.jsonl, the trackers and the console: from on_start on
+    resumed_from: Location | None  # the checkpoint the run resumed (None: a fresh run): from on_start on
     state: TrainState  # the step and token counters
-    checkpointer: CheckpointManager
-    metrics: MetricsLogger
-    compiler: CompileMonitor
-    stop: StopRequest
-    lock: RunLock | None  # the run directory's lock (the main rank's; None on the others)
-    callbacks: Callbacks
-    data_dir: Path | None  # the prepared corpus (None: data given to the Trainer)
-    val_split: Any  # the validation samples (None: none)
-    resumed_from: Location | None
-    model_fn: Callable[[], nn.Module] | None  # your model's builder (None: plait's)
-    final: dict[str, float]
+    final: dict[str, float]  # the last logged metrics and validation loss
+    data_dir: Path | None  # the prepared corpus, a mixture's first source (None: data given to the Trainer)
 
-    def val_loader(self) -> TokenLoader | SampleLoader:
-        """A fresh loader over the validation split (the same batches each time)."""
-        ...
-
-    def val_loaders(self) -> dict[str, tuple[TokenLoader | SampleLoader, float]]:
-        """Fresh loaders over each source's validation split with its share of the mixture (data.sources);
-        {"": (val_loader(), 1.0)} for one corpus."""
+    @property
+    def plait_model(self) -> bool:
+        """plait's model, built from cfg.model (False: your own, Trainer(model=...))."""
         ...
 
     def withhold_step(self, why: str) -> None:
@@ -93,10 +78,6 @@ class RunState(Protocol):
         """In after_step: load the newest checkpoint into the model, optimizers, loader and counters (the
         same one on every rank); the callbacks after this one do not see the step. None: there is none yet,
         nothing changed."""
-        ...
-
-    def rolled_back(self) -> bool:
-        """Whether this step was rolled back (by a callback's run.roll_back())."""
         ...
 
 
@@ -135,10 +116,12 @@ class Callback:
 class Callbacks(Callback):
     """Several callbacks as one: each hook in turn (close in reverse order, every one even if one fails). A hook
     returns nothing: one that returns a value (plait's older protocol: False to withhold a step, True after a
-    rollback) is refused, naming what to call instead."""
+    rollback) is refused, naming what to call instead. rolled_back(): whether a callback has rolled this step
+    back (the trainer's; after_step stops there)."""
 
-    def __init__(self, callbacks: Iterable[Callback] = ()):
+    def __init__(self, callbacks: Iterable[Callback] = (), rolled_back: Callable[[], bool] = lambda: False):
         self.items: list[Callback] = list(callbacks)
+        self.rolled_back = rolled_back
         for c in self.items:
             if not isinstance(c, Callback):
                 raise TypeError(f"{c!r} is not a plait.Callback: subclass plait.Callback and override its hooks")
@@ -165,7 +148,7 @@ class Callbacks(Callback):
     def after_step(self, run: RunState, step: int, result: Any) -> None:
         for c in self.items:
             _returned(c, "after_step", getattr(c, "after_step")(run, step, result))  # noqa: B009 - a user's may return
-            if run.rolled_back():  # the step no longer counts: the callbacks after it never see it
+            if self.rolled_back():  # the step no longer counts: the callbacks after it never see it
                 return
 
     def after_eval(self, run: RunState, step: int, val_loss: float) -> None:

@@ -54,7 +54,7 @@ class ExpertBalance(Callback):
 
     def after_step(self, run: RunState, step: int, result) -> None:
         cfg = run.cfg
-        if not cfg.model.moe_experts or run.model_fn is not None:
+        if not cfg.model.moe_experts or not run.plait_model:
             return
         named, meshes = named_moe_layers(run.t.parts), run.t.meshes  # a pipeline stage may have none: it still joins
         layers = [m for _, m in named]
@@ -90,7 +90,7 @@ class ExpertBalance(Callback):
             run.metrics.log(step, metrics, prefix="moe")
 
     @staticmethod
-    def _write_loads(run, step: int, loads: dict[str, list[float]]) -> None:
+    def _write_loads(run: RunState, step: int, loads: dict[str, list[float]]) -> None:
         if run.t.meshes.dims.pp > 1:  # each stage holds its own blocks
             stages: list = [None] * run.t.meshes.dims.pp
             dist.all_gather_object(stages, loads, group=run.t.meshes.pp.get_group())

@@ -1,5 +1,7 @@
 """The training loop: build -> resume -> loop { step, log, eval, save } -> end, with every feature of a run
 (guards, lineage, health checks, fine-tuning, fault injection, your own) attached as a plait.engine.callbacks hook.
+The loop calls logging (plait.engine.step_metrics), evaluation (.validation) and the checkpointer itself, in
+that order, after the callbacks have seen the step; the run's data is wired in plait.engine.inputs.
 
 `Trainer` is the loop itself; `plait.Trainer` (plait.api) is the same with plait's standard features attached,
 and `plait train` is a command line over that.
@@ -11,7 +13,7 @@ import contextlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -19,20 +21,16 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from plait.config import Config, to_dict, to_toml, validate
-from plait.config.validate import data_sources
 from plait.core.errors import ArgumentError, ConfigError, PlaitError
 from plait.core.stop import StopRequest
 from plait.core.storage import Location
-from plait.data import TokenDataset, TokenLoader, ensure_prepared
-from plait.data.mixture import Mixture, MixtureLoader, open_mixture
-from plait.data.remote import is_remote_source, mirror
-from plait.data.retrieval import RetrievalDataset
+from plait.data import TokenLoader
 from plait.data.samples import SampleLoader
 from plait.engine.callbacks import Callback, Callbacks
 from plait.engine.checkpoint import CheckpointManager, TrainState, checkpoint_dir, list_checkpoints
-from plait.engine.compile_cache import CompileMonitor
-from plait.engine.core_callbacks import Checkpointing, CompileWatch, LockWatch
+from plait.engine.core_callbacks import CompileWatch, LockWatch
 from plait.engine.expert_balance import ExpertBalance, set_aux_scale
+from plait.engine.inputs import RunData
 from plait.engine.loss import IGNORE_INDEX, TokenLoss, cross_entropy
 from plait.engine.metrics import MetricsLogger, info, use_console
 from plait.engine.plot import write_run_plot
@@ -180,24 +178,27 @@ class Trainer:
     cfg: the settings (plait.Config); model / parallelize / loss: your own model, parallelisation plan and
     loss (see build_trainable; default: plait's Llama for cfg.model); data / val_data: your own samples
     (plait.data.samples: any sequence or iterable of token sequences or {"input_ids"} dicts; default:
-    cfg.data.source); callbacks: plait.Callback instances, called in order between the trainer's own
-    (core_callbacks: the compile monitor and MoE balancing before yours; logging, validation and checkpointing
-    after them); env: a process group already set up (it is then left up), else one from the torchrun
-    environment (or of one process). `fit()` trains to cfg.train.steps (resuming the run directory's newest
-    checkpoint) and returns the last logged metrics. What a callback may read or call of it is
-    plait.engine.callbacks.RunState."""
+    cfg.data.source); callbacks: plait.Callback instances, called in order after the trainer's own observers
+    (core_callbacks: the run-lock check, the compile monitor; the experts' balancing); env: a process group
+    already set up (it is then left up), else one from the torchrun environment (or of one process). `fit()`
+    trains to cfg.train.steps (resuming the run directory's newest checkpoint) and returns the last logged
+    metrics. What a callback may read or call of it is plait.engine.callbacks.RunState."""
 
-    # What a run fills in as it goes (the RunState callbacks see): read before it is set, an attribute is missing.
+    # What a run fills in as it goes: read before it is set, an attribute is missing. env, meshes, t,
+    # checkpointer and metrics are RunState's; the others the loop's own.
     env: DistEnv
     meshes: Meshes
     t: Trainable
     loader: TokenLoader | SampleLoader
     checkpointer: CheckpointManager
     metrics: MetricsLogger
-    compiler: CompileMonitor
     stop: StopRequest
-    train_data: Any
-    _RUN_FIELDS = ("env", "meshes", "t", "loader", "checkpointer", "metrics", "compiler", "stop", "train_data")
+    inputs: RunData
+    step_metrics: StepMetrics
+    _callbacks: Callbacks  # the trainer's observers, then yours: this fit()'s
+    _RUN_FIELDS = (
+        "env", "meshes", "t", "loader", "checkpointer", "metrics", "stop", "inputs", "step_metrics", "_callbacks",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -211,19 +212,16 @@ class Trainer:
         callbacks: Iterable[Callback] = (),
         env: DistEnv | None = None,
     ):
-        callbacks = check_arguments(model, parallelize, loss, data, val_data, callbacks, env)
+        self.callbacks = check_arguments(model, parallelize, loss, data, val_data, callbacks, env)
         self.cfg, self.model_fn, self.parallelize_fn, self.loss = validate(cfg), model, parallelize, loss
-        first, last = self.core_callbacks()
         self.data, self.val_data, self.given_env = data, val_data, env
-        self.callbacks = Callbacks([*first, *callbacks, *last])
+        self.validation = Validation(self, lambda: self.inputs.val_loaders(self.meshes, self.env.device))
         self._reset()
 
-    @staticmethod
-    def core_callbacks() -> tuple[list[Callback], list[Callback]]:
-        """The trainer's own features as (before yours, after yours): the run-lock check, the compile monitor
-        and the experts' balancing (MoE models) see every step; logging, validation and checkpointing, in that
-        order, only the steps that count."""
-        return [LockWatch(), CompileWatch(), ExpertBalance()], [StepMetrics(), Validation(), Checkpointing()]
+    @property
+    def plait_model(self) -> bool:
+        """Whether the model is plait's, built from cfg.model (RunState)."""
+        return self.model_fn is None
 
     def fit(self) -> dict[str, float]:
         """Train to cfg.train.steps, resuming the run directory's newest checkpoint. Called again (after
@@ -246,7 +244,6 @@ class Trainer:
         for name in self._RUN_FIELDS:
             self.__dict__.pop(name, None)
         self.data_dir: Path | None = None
-        self.val_split: Any = None
         self.resumed_from: Location | None = None
         self.state = TrainState()
         self.final: dict[str, float] = {}
@@ -277,130 +274,29 @@ class Trainer:
         finally:
             lock.release()
 
-    def _prepare_data(self) -> None:
-        cfg, env = self.cfg, self.env
-        if self.data is not None:
-            self.train_data, self.val_split = self.data, self.val_data
-            return
-        if cfg.data.sources and cfg.model.retrieval_ids:
-            raise ConfigError(
-                "model.retrieval_layers reads one prepared directory and its retrieval database: set data.source, "
-                "not data.sources"
-            )
-        if cfg.data.sources:  # a weighted mixture of prepared directories
-            sources = [(n, str(self._local(p)), w) for n, p, w in data_sources(cfg.data.sources)]
-            mb = cfg.data.remote_cache_mb
-            self.train_data = open_mixture(sources, "train", cfg.model.vocab_size, mb)
-            self.val_split = open_mixture(sources, "val", cfg.model.vocab_size, mb)
-            self.data_dir = Path(sources[0][1])
-            _check_tokenizer(self.data_dir)
-            for split in (*self.train_data.datasets, *self.val_split.datasets):  # fail now if one cannot be cut
-                split.check_seq_len(cfg.data.seq_len)
-            return
-        prepared = ""
-        if is_remote_source(cfg.data.source):  # every rank describes it locally: two small reads
-            prepared = str(self._local(cfg.data.source))
-        elif env.is_main:
-            cache = Path(cfg.data.cache_dir).expanduser()
-            prepared = str(ensure_prepared(cfg.data.source, cache, cfg.model.vocab_size))
-        if env.world_size > 1 and not is_remote_source(cfg.data.source):
-            box = [prepared]  # the main rank tokenises the bundled corpus once; the others wait for it
-            dist.broadcast_object_list(box, src=0)
-            prepared = box[0]
-        data_dir = Path(prepared)
-        self.data_dir = data_dir
-        _check_tokenizer(data_dir)
-        mb = cfg.data.remote_cache_mb
-        if cfg.model.retrieval_ids:  # RETRO: windows on chunk boundaries, each with its chunks' neighbours
-            m = cfg.model
-            self.train_data, self.val_split = (
-                RetrievalDataset(data_dir, split, chunk=m.retrieval_chunk, k=m.retrieval_k, remote_cache_mb=mb)
-                for split in ("train", "val")
-            )
-        else:
-            self.train_data, self.val_split = TokenDataset(data_dir, "train", mb), TokenDataset(data_dir, "val", mb)
-        if self.train_data.vocab_size > cfg.model.vocab_size:
-            raise ConfigError(
-                f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "
-                f"({self.train_data.vocab_size}); set model.vocab_size={self.train_data.vocab_size}"
-            )
-        for split in (self.train_data, self.val_split):  # fail now, not at the first batch, if they cannot be cut
-            split.num_samples(cfg.data.seq_len)
-            if cfg.model.retrieval_ids:
-                split.check_seq_len(cfg.data.seq_len)
-
-    def _eos_id(self) -> int:
-        """The corpus's document separator (data.document_mask)."""
-        data = self.train_data.datasets[0] if isinstance(self.train_data, Mixture) else self.train_data
-        if not isinstance(data, TokenDataset):
-            raise ConfigError(
-                "data.document_mask=true needs a prepared corpus (data.source or data.sources), whose EOS token "
-                "separates its documents; your data has none: set data.document_mask=false"
-            )
-        return data.eos_id
-
-    def _document_lengths(self) -> str:
-        """data.document_mask: what happens to documents longer than a window, with the corpus's mean length."""
-        datasets = self.train_data.datasets if isinstance(self.train_data, Mixture) else [self.train_data]
-        tokens = sum(d.num_tokens for d in datasets if isinstance(d, TokenDataset))
-        docs = sum(d.num_documents for d in datasets if isinstance(d, TokenDataset))
-        mean = f"{tokens / docs:,.0f} tokens on average" if docs else "of unrecorded length"
-        seq_len = self.cfg.data.seq_len
-        return (
-            f"document masking: each document attended alone, positions from its first token (documents here: "
-            f"{mean}); a document longer than data.seq_len={seq_len} is cut at each window's end, and each piece "
-            "is attended alone from position 0"
-        )
-
-    def _local(self, source: str) -> Path:
-        """A prepared directory here: the directory itself, or the local description of one on S3."""
-        if not is_remote_source(source):
-            return Path(source)
-        return mirror(source, self.cfg.checkpoint.s3_endpoint, self.cfg.data.cache_dir)
-
-    def _loader(self, split, *, validation: bool = False):
-        cfg, meshes = self.cfg, self.meshes
-        kw: dict[str, Any] = dict(seq_len=cfg.data.seq_len, global_batch_size=cfg.train.global_batch_size)
-        kw.update(dp_rank=meshes.dp_rank, dp_degree=meshes.dims.dp, device=self.env.device)
-        if isinstance(split, Mixture):
-            if validation:  # per source: plait.engine.validation
-                raise ValueError("a mixture's validation loaders are per source: val_loaders()")
-            return MixtureLoader(split, seed=cfg.run.seed, shuffle=cfg.data.shuffle, prefetch=cfg.data.prefetch, **kw)
-        if not isinstance(split, TokenDataset):
-            return SampleLoader(split, **kw)
-        if validation:
-            return TokenLoader(split, shuffle=False, prefetch=0, **kw)
-        return TokenLoader(split, seed=cfg.run.seed, shuffle=cfg.data.shuffle, prefetch=cfg.data.prefetch, **kw)
-
     def _run(self) -> dict[str, float]:
-        cfg, env, cb = self.cfg, self.env, self.callbacks
+        cfg, env = self.cfg, self.env
         dims = ParallelDims.from_config(cfg.parallel, env.world_size, cfg.model)
         validate_layout(cfg, dims)
         torch.manual_seed(cfg.run.seed)
         plan = inspect_run_dir(cfg, env.is_main)  # resume, start fresh or move aside: decided, nothing moved yet
-        self._prepare_data()
+        self.inputs = RunData.prepare(cfg, env, self.data, self.val_data)
+        self.data_dir = self.inputs.data_dir
         self.meshes = Meshes.build(dims, env.device.type)  # one process: a mesh of size 1
+        compile_watch = CompileWatch()
+        own = [LockWatch(self.lock), compile_watch, ExpertBalance()]  # the trainer's observers, then yours
+        cb = self._callbacks = Callbacks([*own, *self.callbacks], rolled_back=lambda: self._rolled_back)
         cb.on_setup(self)  # compile caches set up; health checks refuse a rank that computes or communicates wrongly
-        self.t = build_trainable(
-            cfg, env.device, self.meshes, model=self.model_fn, parallelize_fn=self.parallelize_fn,
-            loss=self.loss, on_model=lambda parts: cb.on_model(self, parts),
-        )  # fmt: skip
-        if cfg.data.document_mask:
-            mask_documents(self.t.parts, self._eos_id())
-            if env.is_main:
-                info(self._document_lengths())
-            if self.t.pipeline is not None:
-                self.t.pipeline.documents = True
+        self._build_model()
         plan.apply(env.is_main)  # every check has passed: now run.overwrite moves the old run aside
         if env.world_size > 1:
             dist.barrier()  # no rank writes into the run directory before it is in place
-        candidates = plan.candidates
-        self.loader = self._loader(self.train_data)
+        self.loader = self.inputs.train_loader(self.meshes, env.device)
         self.checkpointer = CheckpointManager(
             checkpoint_dir(cfg), cfg.checkpoint, total_steps=cfg.train.steps, is_writer=env.is_main,
             config=to_dict(cfg), tokenizer_path=self.data_dir / "tokenizer.json" if self.data_dir else None,
         )  # fmt: skip
-        self._resume(candidates)
+        self._resume(plan.candidates)
         self.metrics = MetricsLogger(
             cfg.run_dir, cfg.log, cfg.train.steps, enabled=env.is_main, name=cfg.run.name, config=to_dict(cfg),
             run_id=self.lock.token[:12] if self.lock else "", start_step=self.state.step,
@@ -408,6 +304,8 @@ class Trainer:
         stop = self.stop = StopRequest(announce=env.is_main)
         try:
             cb.on_start(self)
+            self.step_metrics = StepMetrics(self, self.loader, compile_watch.monitor)  # the opening line
+            self.validation.start()
             stop.install()  # SIGTERM / SIGINT: checkpoint this step, then stop
             try:
                 self._loop()
@@ -420,6 +318,21 @@ class Trainer:
                 self._close()
         self._finish(stop)
         return self.final
+
+    def _build_model(self) -> None:
+        """The model parts, their optimizers and schedules (self.t); the callbacks' on_model between the two.
+        data.document_mask: each document of a packed window attended alone."""
+        cfg, env, cb = self.cfg, self.env, self._callbacks
+        self.t = build_trainable(
+            cfg, env.device, self.meshes, model=self.model_fn, parallelize_fn=self.parallelize_fn,
+            loss=self.loss, on_model=lambda parts: cb.on_model(self, parts),
+        )  # fmt: skip
+        if cfg.data.document_mask:
+            mask_documents(self.t.parts, self.inputs.eos_id())
+            if env.is_main:
+                info(self.inputs.document_lengths())
+            if self.t.pipeline is not None:
+                self.t.pipeline.documents = True
 
     def _resume(self, candidates) -> None:
         cfg, env = self.cfg, self.env
@@ -434,22 +347,42 @@ class Trainer:
             (cfg.run_dir / "config.toml").write_text(to_toml(cfg))
 
     def _loop(self) -> None:
-        """Steps until cfg.train.steps; logging, evaluation and checkpoints are the after_step hooks of the
-        trainer's own callbacks (a rolled-back step reaches none of them)."""
-        cfg, cb, state = self.cfg, self.callbacks, self.state
+        """Steps until cfg.train.steps: the callbacks see each step (after_step), then the loop logs it,
+        evaluates and saves when due (_log_evaluate_save); a step a callback rolled back reaches none of these."""
+        cfg, cb, state = self.cfg, self._callbacks, self.state
         tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
         while state.step < cfg.train.steps and not self.checkpointer.stopped_at:
             step = state.step + 1
             inputs, targets = next(self.loader)
             cb.before_step(self, step)
+            self.step_metrics.before_step(step)
             result = train_step(self.t, inputs, targets, self._should_step)
             state.step, state.tokens = step, state.tokens + tokens_per_step
             self._rolled_back = False
             cb.after_step(self, step, result)  # a callback may roll back: state is then a checkpoint's
+            if not self._rolled_back:
+                self._log_evaluate_save(step, result)
+
+    def _log_evaluate_save(self, step: int, result: StepResult) -> None:
+        """After a step that counts, in this order: its metrics when a log is due (the final metrics), the
+        validation loss when an evaluation is due (then the callbacks' after_eval), a checkpoint when a save is
+        due or a stop was requested (the loop then ends at this step; the callbacks' after_checkpoint either way)."""
+        cb = self._callbacks
+        if logged := self.step_metrics.after_step(step, result):
+            self.final = logged
+        if (evaluated := self.validation.maybe_evaluate(step)) is not None:
+            self.final.update(evaluated)
+            cb.after_eval(self, step, self.final["val_loss"])
+            self.step_metrics.after_eval(step, self.final["val_loss"])
+        saved = self.checkpointer.maybe_save(
+            step, self.t, loader=self.loader, state=self.state, stop_requested=self.stop.requested
+        )
+        cb.after_checkpoint(self, step, saved)
+        self.step_metrics.after_checkpoint(step, saved)
 
     def _should_step(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
         self._withheld = ""
-        self.callbacks.should_step(self, loss, grad_norm)
+        self._callbacks.should_step(self, loss, grad_norm)
         return not self._withheld
 
     def withhold_step(self, why: str) -> None:
@@ -472,22 +405,6 @@ class Trainer:
         self._rolled_back = True
         return path
 
-    def rolled_back(self) -> bool:
-        return self._rolled_back
-
-    def val_loader(self):
-        """A fresh loader over the validation split (the same batches each time)."""
-        return self._loader(self.val_split, validation=True)
-
-    def val_loaders(self):
-        """Fresh loaders over each source's validation split, by name, with its share of the mixture
-        ({"": (loader, 1.0)} for one corpus)."""
-        if not isinstance(self.val_split, Mixture):
-            return {"": (self.val_loader(), 1.0)}
-        m = self.val_split
-        return {n: (self._loader(d, validation=True), float(w))
-                for n, d, w in zip(m.names, m.datasets, m.shares, strict=True)}  # fmt: skip
-
     def _close(self) -> None:
         saved = self.checkpointer.close()  # waits for the save in flight and publishes it
         if saved:
@@ -509,18 +426,8 @@ class Trainer:
             )
         if env.is_main and not self.final:
             info(f"run {cfg.run_dir} already finished at step {self.state.step}; nothing to train")
-        self.callbacks.on_end(self, self.final)
+        self._callbacks.on_end(self, self.final)
 
 
 if __name__ == "__main__":  # the command line lives above this module: say where, never do nothing
     raise SystemExit("plait: this module is the training loop; run `plait train ...` or `python -m plait train ...`")
-
-
-def _check_tokenizer(data_dir: Path) -> None:
-    """A prepared directory's tokenizer.json goes into every checkpoint (generation reads prompts with it): one
-    without it is refused before training, not when the first checkpoint is written."""
-    if not (data_dir / "tokenizer.json").is_file():
-        raise ConfigError(
-            f"the prepared directory {data_dir} has no tokenizer.json, which every checkpoint carries: copy the "
-            "tokenizer.json it was prepared with there, or prepare the data again (plait data prepare)"
-        )

@@ -1,18 +1,20 @@
 """Validation loss during training: the mean loss over the first eval.num_batches batches of the validation
-split (the same batches every time), every eval.every_steps steps and at the last step, attached to the
-trainer as a callback. How many of the split's tokens that is goes with it (val/scored_tokens of
-val/heldout_tokens): the console says `val 4.520 (2,048 of 61,440 held-out tokens)`."""
+split (the same batches every time), every eval.every_steps steps and at the last step, measured when the
+training loop asks (Validation.maybe_evaluate). How many of the split's tokens that is goes with it
+(val/scored_tokens of val/heldout_tokens): the console says `val 4.520 (2,048 of 61,440 held-out tokens)`."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from plait.data import unigram_entropy
 from plait.data.remote import is_remote_source
-from plait.engine.callbacks import Callback, RunState
+from plait.engine.callbacks import RunState
 from plait.engine.loss import IGNORE_INDEX, MeanLoss, cross_entropy
 from plait.engine.metrics import warn
 from plait.parallel.context import context_shard
@@ -53,23 +55,33 @@ def evaluate(t, loader, batches: int) -> float:
     return mean.item()
 
 
-class Validation(Callback):
-    """Measures the validation loss when due (run.final["val_loss"]) and calls every callback's after_eval.
-    A checkpoint saved at a step with an evaluation records its loss (for checkpoint.keep_best)."""
+class Validation:
+    """The trainer's validation loss, measured when due by the training loop (maybe_evaluate). `loaders()`
+    makes fresh loaders over each source's validation split with its share (RunData.val_loaders; {}: none).
+    From start() on, a checkpoint saved at a step with an evaluation records its loss (checkpoint.keep_best).
+    The warning above the unigram baseline is given once per trainer, however many fit() calls."""
 
-    def on_start(self, run: RunState) -> None:
+    def __init__(self, run: RunState, loaders: Callable[[], dict[str, tuple[Any, float]]]):
+        self.run, self.loaders = run, loaders
+
+    def start(self) -> None:
+        """A run starts (run.checkpointer exists): its saves describe the evaluation of their step."""
         self._evaluated: tuple[int, float] | None = None
-        run.checkpointer.describers.append(self._describe)
+        self.run.checkpointer.describers.append(self._describe)
 
     def _describe(self, step: int, t) -> dict[str, float]:
         return {"val_loss": self._evaluated[1]} if self._evaluated and self._evaluated[0] == step else {}
 
-    def after_step(self, run: RunState, step: int, result) -> None:
+    def maybe_evaluate(self, step: int) -> dict[str, float] | None:
+        """Every eval.every_steps steps and at the last: the loss of each source's validation split, logged;
+        returns what goes into the run's final metrics (val_loss, the total: the sources weighed by their
+        share), or None when no evaluation is due (or there is no validation split)."""
+        run = self.run
         every, steps = run.cfg.eval.every_steps, run.cfg.train.steps
-        if not every or run.val_split is None or not (step % every == 0 or step == steps):
-            return
-        losses, total, scored, held = {}, 0.0, 0, 0
-        for name, (val, share) in run.val_loaders().items():  # one corpus, or each source of a mixture
+        if not every or not (step % every == 0 or step == steps) or not (loaders := self.loaders()):
+            return None
+        losses, total, scored, held, final = {}, 0.0, 0, 0, {}
+        for name, (val, share) in loaders.items():  # one corpus, or each source of a mixture
             batches = min(run.cfg.eval.num_batches, max(1, val.steps_per_epoch))
             losses[name] = evaluate(run.t, val, batches)
             total += share * losses[name]
@@ -77,24 +89,25 @@ class Validation(Callback):
             scored, held = scored + counted[0], held + counted[1]
         if len(losses) > 1 or "" not in losses:  # a mixture: each source's loss; the total weighs them by share
             run.metrics.log(step, {f"loss_{name}": loss for name, loss in losses.items()}, prefix="val")
-            run.final.update({f"val_loss_{name}": loss for name, loss in losses.items()})
+            final.update({f"val_loss_{name}": loss for name, loss in losses.items()})
         if held:  # how much of the held-out split the figure scored: the first windows of each split, in order
             run.metrics.log(step, {"scored_tokens": scored, "heldout_tokens": held}, prefix="val")
-            run.final.update(val_scored_tokens=scored, val_heldout_tokens=held)
-        run.final["val_loss"] = total
+            final.update(val_scored_tokens=scored, val_heldout_tokens=held)
+        final["val_loss"] = total
         self._evaluated = (step, total)
-        if run.env.is_main and (problem := self._above_baseline(run, total)):
+        if run.env.is_main and (problem := self._above_baseline(total)):
             warn(problem)
-        run.callbacks.after_eval(run, step, run.final["val_loss"])
+        return final
 
     _baseline: float | None = None  # (None again when unigram_baseline has none: asked once per evaluation)
     _lowest = math.inf
     _warned = False
 
-    def _above_baseline(self, run: RunState, loss: float) -> str | None:
+    def _above_baseline(self, loss: float) -> str | None:
         """Once a run: a warning when the validation loss, having been below the unigram entropy of the
         validation split, rises above it again (a model worse than token frequencies: memorising, or a
         learning rate too high). For one local corpus; a mixture's or a remote corpus's split is not read."""
+        run = self.run
         if self._warned or run.data_dir is None:
             return None
         if self._baseline is None:

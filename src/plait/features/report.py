@@ -10,7 +10,7 @@ import torch
 
 from plait.config import Config
 from plait.data import eos_id, load_tokenizer
-from plait.engine.callbacks import Callback
+from plait.engine.callbacks import Callback, RunState
 from plait.engine.checkpoint import checkpoint_dir, list_checkpoints
 from plait.engine.generate import generate
 from plait.engine.metrics import console, info
@@ -26,8 +26,8 @@ class EndReport(Callback):
     def __init__(self, retriever=None) -> None:
         self.retriever = retriever
 
-    def on_end(self, run, final: dict[str, float]) -> None:
-        if not run.env.is_main or run.data_dir is None or run.model_fn is not None:
+    def on_end(self, run: RunState, final: dict[str, float]) -> None:
+        if not run.env.is_main or run.data_dir is None or not run.plait_model:
             return
         whole = run.t.model if run.env.world_size == 1 and not run.t.fsdp else None
         with torch.compiler.set_stance("force_eager"):  # sampling changes shapes every token

@@ -39,7 +39,7 @@ from plait.data.chat import (
     named_chat_template,
 )
 from plait.data.inputs import jsonl_records
-from plait.engine.callbacks import Callback
+from plait.engine.callbacks import Callback, RunState
 from plait.engine.checkpoint import list_checkpoints, load_model_weights, read_meta, resolve_checkpoint
 from plait.interop.peft import PeftAdapter, is_peft_adapter, read_peft_adapter
 from plait.lifecycle.lora import apply_lora_config, is_lora_param, parse_targets
@@ -123,7 +123,7 @@ def _load_peft_tensors(part: nn.Module, peft: PeftAdapter, where: str) -> None:
 class Finetune(Callback):
     """apply_finetune on the built model, before its optimizers exist (finetune.init_from, LoRA)."""
 
-    def on_model(self, run, parts: list[nn.Module]) -> None:
+    def on_model(self, run: RunState, parts: list[nn.Module]) -> None:
         apply_finetune(run.cfg, parts, run.meshes)
 
 

@@ -25,7 +25,7 @@ import torch
 from plait.config import Config, to_dict
 from plait.core.errors import ConfigError, PlaitError
 from plait.core.storage import Location, exists, location
-from plait.engine.callbacks import Callback
+from plait.engine.callbacks import Callback, RunState
 from plait.lifecycle.lineage import Registry, code_version, data_fingerprint, process_info, registry_path
 from plait.lifecycle.lora import lora_tensors, model_weights_hash, save_adapter, weights_hash
 
@@ -44,19 +44,19 @@ class Lineage(Callback):
     def __init__(self):
         self.lineage: RunLineage | None = None
 
-    def on_start(self, run) -> None:
+    def on_start(self, run: RunState) -> None:
         self.lineage = RunLineage.start(run.cfg, run.env, run.t, run.data_dir, run.resumed_from, run.metrics)
         self.lineage.attach(run.checkpointer)
 
-    def after_eval(self, run, step: int, val_loss: float) -> None:
+    def after_eval(self, run: RunState, step: int, val_loss: float) -> None:
         assert self.lineage is not None  # set by on_start
         self.lineage.monitor(step)  # eval.suite's behavioural assertions, if any
 
-    def after_checkpoint(self, run, step: int, saved: dict[str, Any]) -> None:
+    def after_checkpoint(self, run: RunState, step: int, saved: dict[str, Any]) -> None:
         assert self.lineage is not None  # set by on_start
         self.lineage.checkpoint(step, saved, run.final)  # weights hash (and a LoRA run's adapter) of a save begun now
 
-    def on_end(self, run, final: dict[str, Any]) -> None:
+    def on_end(self, run: RunState, final: dict[str, Any]) -> None:
         assert self.lineage is not None  # set by on_start
         self.lineage.finish(final)
 
@@ -80,7 +80,9 @@ class RunLineage:
     # ------------------------------------------------------------------------------------------------ start
 
     @classmethod
-    def start(cls, cfg: Config, env, t, data_dir: Path, resume_from: Location | None, metrics=None) -> RunLineage:
+    def start(
+        cls, cfg: Config, env, t, data_dir: Path | None, resume_from: Location | None, metrics=None
+    ) -> RunLineage:
         self = cls(cfg, t, env.is_main, metrics)
         f = cfg.finetune
         resuming = resume_from is not None
