@@ -118,8 +118,8 @@ def test_plait_compile_takes_the_run_lock_of_the_run_directory_it_writes_into(tm
 
 
 def test_plait_compile_with_a_cache_of_its_own_takes_no_run_lock(tmp_path):
-    from plait.cli.compile import in_run_dir
     from plait.config import load_config
+    from plait.engine.precompile_rank import in_run_dir
 
     base = [f"run.out_dir={tmp_path}", "run.name=job"]
     assert in_run_dir(load_config(None, base))

@@ -19,7 +19,6 @@ import contextlib
 import json
 import os
 import sys
-from pathlib import Path
 
 from plait.core.errors import ConfigError
 
@@ -53,7 +52,7 @@ def build_parser():
 
 
 def cmd_compile(argv: list[str]) -> int:
-    from plait.cli.args import check_output_file, config_argv, parse_config_args
+    from plait.cli.args import check_output_file, parse_config_args
     from plait.config import load_config
 
     a, settings = parse_config_args(build_parser(), argv)
@@ -71,8 +70,10 @@ def cmd_compile(argv: list[str]) -> int:
     from plait.engine.compile_cache import check_cache_access
 
     check_cache_access(cfg)
-    with _run_lock(cfg) as lock:
-        results = _compile(cfg, a, config_argv(a.config, settings), lock)
+    from plait.engine.precompile_rank import compile_lock
+
+    with compile_lock(cfg) as lock:
+        results = _compile(cfg, a, {"config": a.config, "settings": settings}, lock)
     for r in results:
         fresh = "nothing new: every graph was in the cache" if r.misses == 0 and r.loaded else f"{r.misses} compiled"
         print(
@@ -85,7 +86,7 @@ def cmd_compile(argv: list[str]) -> int:
     return 0
 
 
-def _compile(cfg, a, own: list[str], lock) -> list:
+def _compile(cfg, a, own: dict, lock) -> list:
     """Each rank asked for: here, or (--ranks) each in a process of its own (a process group and compiled
     state are per process), under the lock this process holds."""
     from plait.core.progress import phase
@@ -94,7 +95,7 @@ def _compile(cfg, a, own: list[str], lock) -> list:
     if not a.ranks:
         with phase(f"compiling rank {a.rank or 0} of {a.world_size}"):
             return [precompile(cfg, a.world_size, a.rank or 0)]
-    own = [*own, "--world-size", str(a.world_size)]
+    own = {**own, "world_size": a.world_size}
     ranks = stage_ranks(cfg, a.world_size)
     results = []
     with _handed(lock):
@@ -102,29 +103,6 @@ def _compile(cfg, a, own: list[str], lock) -> list:
             with phase(f"compiling rank {rank} of {a.world_size} (stage {i + 1} of {len(ranks)})"):
                 results.append(_in_subprocess(own, rank))
     return results
-
-
-def in_run_dir(cfg) -> bool:
-    """Whether compile.cache_dir lies inside the run directory (the default), whose run lock then covers it."""
-    from plait.engine.compile_cache import cache_location
-
-    where = cache_location(cfg)
-    if not isinstance(where, Path):
-        return False
-    return where.resolve().is_relative_to(Path(cfg.run_dir).resolve())
-
-
-@contextlib.contextmanager
-def _run_lock(cfg):
-    """The run's lock while the cache inside its directory is written (None where the cache is elsewhere);
-    a second holder is refused (RunLocked, exit 2) naming the holder."""
-    if not in_run_dir(cfg):
-        yield None
-        return
-    from plait.engine.runlock import RunLock
-
-    with RunLock.for_run(cfg).acquire(break_lock=cfg.run.break_lock).held() as lock:
-        yield lock
 
 
 @contextlib.contextmanager
@@ -146,8 +124,8 @@ def _handed(lock):
                 os.environ[k] = v
 
 
-def _in_subprocess(argv: list[str], rank: int):
+def _in_subprocess(request: dict, rank: int):
     from plait.core.subcommand import rank_in_subprocess
     from plait.engine.precompile import Precompiled
 
-    return Precompiled(**rank_in_subprocess("compile", argv, rank))
+    return Precompiled(**rank_in_subprocess("plait.engine.precompile_rank", request, rank))

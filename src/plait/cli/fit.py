@@ -49,7 +49,7 @@ def build_parser():
 
 
 def cmd_fit(argv: list[str]) -> int:
-    from plait.cli.args import check_output_file, config_argv, parse_config_args
+    from plait.cli.args import check_output_file, parse_config_args
     from plait.config import load_config
 
     a, settings = parse_config_args(build_parser(), argv)
@@ -75,7 +75,7 @@ def cmd_fit(argv: list[str]) -> int:
         return 0
     if a.ranks:
         ranks = extreme_ranks(cfg, a.world_size)
-        own = [*config_argv(a.config, settings), "--world-size", str(a.world_size), "--steps", str(a.steps)]
+        own = {"config": a.config, "settings": settings, "world_size": a.world_size, "steps": a.steps}
         for rank in ranks:  # validate everything before the first rank runs
             if not 0 <= rank < a.world_size:
                 raise ConfigError(f"rank {rank} outside 0..{a.world_size - 1}")

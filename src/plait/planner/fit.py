@@ -305,8 +305,9 @@ def _saved_bytes(t, inputs, targets, cfg: Config, device: torch.device) -> int:
     return saved.total
 
 
-def in_subprocess(argv: list[str], rank: int) -> RankFit:
-    """One rank in a process of its own (a fake group and a peak are per process): `plait fit ... --rank R`."""
+def in_subprocess(request: dict, rank: int) -> RankFit:
+    """One rank in a process of its own (a fake group and a peak are per process): plait.planner.fit_rank,
+    with `request` its config ("config", "settings"), "world_size" and "steps"."""
     from plait.core.subcommand import rank_in_subprocess
 
-    return RankFit(**rank_in_subprocess("fit", argv, rank, "--quiet"))
+    return RankFit(**rank_in_subprocess("plait.planner.fit_rank", request, rank))
