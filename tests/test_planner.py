@@ -16,7 +16,7 @@ from plait.core.errors import ConfigError
 from plait.engine.trainer import build_model, cross_entropy
 from plait.model import ModelArgs, preset_args
 from plait.planner import Layouts, Workload, cost, evaluate, get_cluster, plan
-from plait.planner.cost.memory import walk_held_chunks
+from plait.planner.cost.pipeline import walk_held_chunks
 from plait.planner.search import layout_config
 
 GQA = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=16, max_seq_len=128)
@@ -239,7 +239,7 @@ def _walk_the_schedule(schedule, p, v, m, r):
     """A plain walk over rank r's actions (cost._rank_actions), one state per moment, written apart from the
     vectorised cost.held_chunks: held / done micro-batches, gradients exist, a backward starting, a later
     backward ending (columns as held_chunks documents them)."""
-    ops, stages = cost.memory._rank_actions(schedule, p, v, m, r)
+    ops, stages = cost.pipeline._rank_actions(schedule, p, v, m, r)
     held, done, backwards = [0] * v, [0] * v, [0] * v
     forward_ends, in_backward = [], []
     for i, (op, s) in enumerate(zip(ops.tolist(), stages.tolist(), strict=True)):

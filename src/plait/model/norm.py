@@ -1,5 +1,5 @@
 """RMS normalisation: the module and the autograd Function behind it, which keeps for backward only the input
-as it came and one fp32 per row (plait.planner.cost.memory counts what it keeps)."""
+as it came and one fp32 per row (plait.planner.cost.activations counts what it keeps)."""
 
 from __future__ import annotations
 

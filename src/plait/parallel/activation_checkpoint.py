@@ -1,7 +1,7 @@
 """Activation checkpointing per block (parallel.activation_checkpoint: none / selective / full), the second
 step of `plait.parallel.parallelize`: after tensor parallelism (so a recomputed region redoes its sequence
 parallel all-gathers), before compilation (so the checkpointed block is traced whole) and FSDP2. What it keeps
-is measured by plait.parallel.activations and modelled by plait.planner.cost.memory."""
+is measured by plait.parallel.activations and modelled by plait.planner.cost.activations."""
 
 from __future__ import annotations
 

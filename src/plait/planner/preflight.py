@@ -12,6 +12,7 @@ bring it under, each with its own prediction. Within 10% of the limit, a warning
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 
 from plait.config import Config
@@ -139,70 +140,17 @@ def check_memory(cfg: Config, world_size: int, local_size: int, machine: Machine
     if cfg.finetune.lora_rank > 0:
         return "memory: not predicted for LoRA fine-tuning (the planner counts AdamW states for every weight)"
     from plait.core.hardware import bf16_for
-    from plait.planner.cost import HOST_MEMORY_FRACTION, RESERVED_GIB, host_resident
 
     machine = machine or Machine.here(cfg)
-    on_gpu, host = machine.device_bytes is not None, machine.host_bytes
-    if not on_gpu and host is None:
+    if machine.device_bytes is None and machine.host_bytes is None:
         return "memory: not checked (this system does not say how much memory is available)"
     bf16 = bf16_for(cfg.train.mixed_precision, machine.bf16_native)
-    procs = f"{local_size} process{'es' if local_size > 1 else ''}"
-
-    def over(cfg: Config, layout) -> tuple[float, str, str, dict]:
-        """The largest share of a limit the run needs, what it needs, of what, and the prediction."""
-        m = predict(cfg, world_size, local_size, bf16, layout, "cuda" if on_gpu else "cpu")
-        if not on_gpu:  # device and host are one memory, shared by the local processes
-            assert host is not None  # noqa: S101  # without a device, the host's memory is known (checked above)
-            need = local_size * (m["total"] - RESERVED_GIB * GiB + CPU_PROCESS_GIB * GiB + m["host"])
-            return need / host, f"{need / GiB:.1f} GiB for {procs}", f"{host / GiB:.1f} GiB available", m
-        device_bytes = machine.device_bytes
-        assert device_bytes is not None  # noqa: S101  # on_gpu
-        needs = f"{m['total'] / GiB:.1f} GiB per device"
-        limits = f"{device_bytes / GiB:.1f} GiB on {machine.name}"
-        share = m["total"] / device_bytes
-        if host is not None and m["host"] > 0:  # CPU offload: the states of every local process in host memory
-            need = local_size * host_resident(m["host"])
-            limits += (
-                f"; {need / GiB:.1f} GiB of host memory for {procs} (offloaded states {m['host'] / GiB:.1f} GiB a "
-                f"process), {host / GiB:.1f} GiB available (offloaded ranks may take {HOST_MEMORY_FRACTION:.0%}: the "
-                "host's OOM killer ends a process without a word)"
-            )
-            share = max(share, need / (HOST_MEMORY_FRACTION * host))
-        return share, needs, limits, m
-
+    over = functools.partial(_over, world_size=world_size, local_size=local_size, machine=machine, bf16=bf16)
     share, needs, limits, m = over(cfg, layout_of(cfg, world_size))
     detail = ", ".join(f"{k} {m[k] / GiB:.1f}" for k in PARTS)
     said = f"predicted {needs}, {limits} (per process: {detail} GiB)"
     if share > 1:
-        remedies = [r for r in REMEDIES if getattr(getattr(cfg, r[0]), r[1]) != r[2]]
-        fits: list[tuple[set[str], str]] = []
-        for n in range(1, len(remedies) + 1):
-            for combo in itertools.combinations(remedies, n):
-                settings = {f"{section}.{key}={str(value).lower()}" for section, key, value in combo}
-                if any(smaller <= settings for smaller, _ in fits):
-                    continue  # a part of it fits already
-                changed = _with(cfg, combo)
-                try:
-                    layout = layout_of(changed, world_size)
-                except ConfigError:
-                    continue  # not a valid layout here (reducing every micro-batch without FSDP, say)
-                got, got_needs, _, _ = over(changed, layout)
-                if got <= MEMORY_FRACTION:
-                    fits.append((settings, got_needs))
-        if fits:
-            advice = "it fits with " + " or ".join(f"{' '.join(sorted(s))} ({need})" for s, need in fits[:3])
-        elif on_gpu:
-            advice = (
-                "neither full activation checkpointing, micro-batches of 1 (reduced after each), CPU offload nor "
-                "bf16 AdamW moments, alone or together, brings it under: "
-                "more GPUs with FSDP (`plait plan` chooses a layout)"
-            )
-        else:
-            advice = (
-                "neither full activation checkpointing nor micro-batches of 1, alone or together, brings it under, "
-                "and more processes "
-                "share the same memory: a smaller model, or GPUs (`plait plan` chooses a layout)"
-            )
+        advice = _advice(cfg, world_size, over, on_gpu=machine.device_bytes is not None)
         raise ConfigError(f"this run will not fit: {said}; {advice}; or run.memory_check=false to start anyway")
     if share > MEMORY_FRACTION:
         return (
@@ -210,3 +158,65 @@ def check_memory(cfg: Config, world_size: int, local_size: int, machine: Machine
             f"this job here and measures it (plait fit CONFIG --world-size {world_size})"
         )
     return None
+
+
+def _over(
+    cfg: Config, layout, *, world_size: int, local_size: int, machine: Machine, bf16: bool
+) -> tuple[float, str, str, dict]:
+    """The largest share of a limit the run needs, what it needs, of what, and the prediction."""
+    from plait.planner.cost import HOST_MEMORY_FRACTION, RESERVED_GIB, host_resident
+
+    on_gpu, host = machine.device_bytes is not None, machine.host_bytes
+    procs = f"{local_size} process{'es' if local_size > 1 else ''}"
+    m = predict(cfg, world_size, local_size, bf16, layout, "cuda" if on_gpu else "cpu")
+    if not on_gpu:  # device and host are one memory, shared by the local processes
+        assert host is not None  # noqa: S101  # without a device, the host's memory is known (checked before)
+        need = local_size * (m["total"] - RESERVED_GIB * GiB + CPU_PROCESS_GIB * GiB + m["host"])
+        return need / host, f"{need / GiB:.1f} GiB for {procs}", f"{host / GiB:.1f} GiB available", m
+    device_bytes = machine.device_bytes
+    assert device_bytes is not None  # noqa: S101  # on_gpu
+    needs = f"{m['total'] / GiB:.1f} GiB per device"
+    limits = f"{device_bytes / GiB:.1f} GiB on {machine.name}"
+    share = m["total"] / device_bytes
+    if host is not None and m["host"] > 0:  # CPU offload: the states of every local process in host memory
+        need = local_size * host_resident(m["host"])
+        limits += (
+            f"; {need / GiB:.1f} GiB of host memory for {procs} (offloaded states {m['host'] / GiB:.1f} GiB a "
+            f"process), {host / GiB:.1f} GiB available (offloaded ranks may take {HOST_MEMORY_FRACTION:.0%}: the "
+            "host's OOM killer ends a process without a word)"
+        )
+        share = max(share, need / (HOST_MEMORY_FRACTION * host))
+    return share, needs, limits, m
+
+
+def _advice(cfg: Config, world_size: int, over, on_gpu: bool) -> str:
+    """What brings a run that does not fit under the limit: up to three of the smallest sets of REMEDIES that
+    do (each with what it then needs), or where none does, what else would."""
+    remedies = [r for r in REMEDIES if getattr(getattr(cfg, r[0]), r[1]) != r[2]]
+    fits: list[tuple[set[str], str]] = []
+    for n in range(1, len(remedies) + 1):
+        for combo in itertools.combinations(remedies, n):
+            settings = {f"{section}.{key}={str(value).lower()}" for section, key, value in combo}
+            if any(smaller <= settings for smaller, _ in fits):
+                continue  # a part of it fits already
+            changed = _with(cfg, combo)
+            try:
+                layout = layout_of(changed, world_size)
+            except ConfigError:
+                continue  # not a valid layout here (reducing every micro-batch without FSDP, say)
+            got, got_needs, _, _ = over(changed, layout)
+            if got <= MEMORY_FRACTION:
+                fits.append((settings, got_needs))
+    if fits:
+        return "it fits with " + " or ".join(f"{' '.join(sorted(s))} ({need})" for s, need in fits[:3])
+    if on_gpu:
+        return (
+            "neither full activation checkpointing, micro-batches of 1 (reduced after each), CPU offload nor "
+            "bf16 AdamW moments, alone or together, brings it under: "
+            "more GPUs with FSDP (`plait plan` chooses a layout)"
+        )
+    return (
+        "neither full activation checkpointing nor micro-batches of 1, alone or together, brings it under, "
+        "and more processes "
+        "share the same memory: a smaller model, or GPUs (`plait plan` chooses a layout)"
+    )

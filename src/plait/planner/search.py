@@ -1,4 +1,5 @@
-"""Enumerate parallel layouts, price them all at once with cost.evaluate, rank, and explain the choice.
+"""Enumerate parallel layouts, price them all at once with cost.evaluate, and rank them: the answer, a Plan with
+its explanation, is plait.planner.report's; here also the messages for a request no layout can serve.
 
 The search space is every factorisation world = dp_replicate x dp_shard x cp x tp x pp that plait can run
 (plait.parallel.rules: the rules validate_layout applies to a run), for a mixture of experts every expert
@@ -13,7 +14,6 @@ import dataclasses
 import functools
 import itertools
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -41,101 +41,23 @@ from plait.planner.cost import (
     Workload,
     evaluate,
 )
+from plait.planner.report import Plan, explain, layout_name, memory_line, rank_fastest
 
 CP_MIN_LOCAL_TOKENS = 1024
 """Context parallel degrees are searched where each rank keeps at least this many tokens of a sequence: below
 that the ring's hops have too little attention work to hide behind (and short sequences fit without it)."""
 VIRTUAL_STAGES = (2, 3, 4, 5, 6, 8, 10, 12, 16)
 """Virtual stages per pipeline rank tried for the interleaved and zero-bubble schedules."""
-TIE = 0.005
-"""Step times closer than this fraction are a tie (the model is not that precise): less memory wins."""
-TIME_PARTS = ("t_compute", "t_tp", "t_cp", "t_ep", "t_p2p", "t_bubble", "t_fsdp", "t_optimizer")
-PART_NAMES = {
-    "t_compute": "compute",
-    "t_tp": "TP communication",
-    "t_cp": "context-parallel ring not hidden by attention",
-    "t_ep": "expert-parallel all-to-all",
-    "t_p2p": "pipeline send/recv",
-    "t_bubble": "pipeline bubble",
-    "t_fsdp": "FSDP/HSDP communication not hidden by compute",
-    "t_optimizer": "optimizer step",
-}
 
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-@dataclass
-class Plan:
-    work: Workload
-    cluster: Cluster
-    layouts: Layouts
-    metrics: dict[str, np.ndarray]
-    order: np.ndarray
-    """Indices of the layouts that fit, fastest first."""
-    searched: int
-    seconds: float
-    explanation: list[str] = field(default_factory=list)
-
-    @property
-    def best(self) -> int:
-        return int(self.order[0])
-
-    def record(self, i: int) -> dict:
-        """One layout with its predictions, plain Python values (for tables and JSON)."""
-        rec = self.layouts.row(i)
-        for key in (
-            "micro_batches",
-            "step_time",
-            "tokens_per_s",
-            "mfu",
-            "fits",
-            "tp_cross_node",
-            *TIME_PARTS,
-        ):
-            rec[key] = self.metrics[key][i].item()
-        for key in ("total", "states", "activations", "buffers", "transient", "allocator", "host"):
-            rec[f"mem_{key}_gib"] = self.metrics[f"mem_{key}"][i].item() / GiB
-        return rec
-
-    def top(self, n: int) -> list[int]:
-        """The fastest layout of each distinct (dp_replicate, dp_shard, tp, pp, schedule, virtual)."""
-        return _distinct(self.layouts, self.order, n)
-
-
 def enumerate_layouts(work: Workload, cluster: Cluster) -> Layouts:
     """Every layout plait can run for this model, batch and cluster (empty if none)."""
-    a, world, batch = work.model, cluster.world_size, work.global_batch
-    tps = [t for t in divisors(world) if tp_problem(a, work.seq_len, t) is None]
-    base: list[tuple[int, ...]] = []  # (dp_replicate, dp_shard, tp, pp, micro_batch, cp, ep, schedule, v)
-
-    @functools.cache  # the same pipeline recurs for every FSDP split of its data-parallel ranks
-    def pipeline_runs(pp: int, code: int, v: int, local: int, mb: int) -> bool:
-        return pipeline_problem(a, pp, SCHEDULES[code], v, local, mb, work.fused_head) is None
-
-    schedules = functools.cache(_schedules)  # the same for every tensor and context split of a pipeline degree
-    for tp, cp in itertools.product(tps, _cp_degrees(work, world)):
-        if world % (tp * cp) or cp_problem(a, work.seq_len, cp, tp):
-            continue
-        for pp in divisors(world // (tp * cp)):
-            if pp_problem(a, pp):
-                continue
-            dp = world // (tp * cp * pp)
-            if batch_problem(batch, dp, 0):
-                continue
-            local = batch // dp
-            options = ((0, 1),) if pp == 1 else schedules(pp, a.n_layers, work.fused_head)
-            runs = {mb: [o for o in options if not o[0] or pipeline_runs(pp, *o, local, mb)] for mb in divisors(local)}
-            if lora_problem(work.lora_rank, tp, pp):
-                continue
-            for shard, mb in itertools.product(divisors(dp), divisors(local)):
-                for ep in _ep_degrees(a, shard, cp, tp):
-                    base += [
-                        (dp // shard, shard, tp, pp, mb, cp, ep, code, v)
-                        for code, v in runs[mb]
-                        if not compile_problem(work.compiled, bool(a.moe_experts), tp, cp, pp, ep, SCHEDULES[code])
-                    ]
+    a, batch = work.model, work.global_batch
+    base = _degrees(work, cluster)
     if not base:
         return Layouts(*(np.zeros(0, dtype=np.int64) for _ in range(13)))
     rows_a = np.asarray(base, dtype=np.int64)
@@ -172,6 +94,42 @@ def enumerate_layouts(work: Workload, cluster: Cluster) -> Layouts:
     accumulates = fsdp & np.where(lay.pp > 1, piped, over_micro_batches)
     keep &= accumulates | ~lay.sync_each
     return lay.take(np.nonzero(keep)[0])
+
+
+def _degrees(work: Workload, cluster: Cluster) -> list[tuple[int, ...]]:
+    """The layouts' degrees and pipeline schedules plait can run, as rows (dp_replicate, dp_shard, tp, pp,
+    micro_batch, cp, ep, schedule, v), each checked by the runtime's rules (plait.parallel.rules)."""
+    a, world, batch = work.model, cluster.world_size, work.global_batch
+    tps = [t for t in divisors(world) if tp_problem(a, work.seq_len, t) is None]
+    base: list[tuple[int, ...]] = []
+
+    @functools.cache  # the same pipeline recurs for every FSDP split of its data-parallel ranks
+    def pipeline_runs(pp: int, code: int, v: int, local: int, mb: int) -> bool:
+        return pipeline_problem(a, pp, SCHEDULES[code], v, local, mb, work.fused_head) is None
+
+    schedules = functools.cache(_schedules)  # the same for every tensor and context split of a pipeline degree
+    for tp, cp in itertools.product(tps, _cp_degrees(work, world)):
+        if world % (tp * cp) or cp_problem(a, work.seq_len, cp, tp):
+            continue
+        for pp in divisors(world // (tp * cp)):
+            if pp_problem(a, pp):
+                continue
+            dp = world // (tp * cp * pp)
+            if batch_problem(batch, dp, 0):
+                continue
+            local = batch // dp
+            options = ((0, 1),) if pp == 1 else schedules(pp, a.n_layers, work.fused_head)
+            runs = {mb: [o for o in options if not o[0] or pipeline_runs(pp, *o, local, mb)] for mb in divisors(local)}
+            if lora_problem(work.lora_rank, tp, pp):
+                continue
+            for shard, mb in itertools.product(divisors(dp), divisors(local)):
+                for ep in _ep_degrees(a, shard, cp, tp):
+                    base += [
+                        (dp // shard, shard, tp, pp, mb, cp, ep, code, v)
+                        for code, v in runs[mb]
+                        if not compile_problem(work.compiled, bool(a.moe_experts), tp, cp, pp, ep, SCHEDULES[code])
+                    ]
+    return base
 
 
 def _ep_degrees(a, shard: int, cp: int, tp: int) -> list[int]:
@@ -220,11 +178,7 @@ def plan(work: Workload, cluster: Cluster, *, hints: bool = True, pins: dict[str
     seconds = time.perf_counter() - start
     if len(fits) == 0:
         raise ConfigError(_no_fit_message(work, cluster, lay, metrics, hints))
-    # Fastest first; step times within TIE of each other count as equal and go to the leaner layout.
-    step = metrics["step_time"][fits]
-    bucket = np.floor(step / (step.min() * TIE))
-    order = fits[np.lexsort((metrics["mem_total"][fits], step, bucket))]
-    result = Plan(work, cluster, lay, metrics, order, len(lay), seconds)
+    result = Plan(work, cluster, lay, metrics, rank_fastest(metrics, fits), len(lay), seconds)
     result.explanation = explain(result)
     return result
 
@@ -239,115 +193,6 @@ def _check_request(work: Workload, cluster: Cluster) -> None:
         )
     if work.global_batch < 1:
         raise ConfigError("--global-batch-tokens must hold at least one sequence of --seq-len tokens")
-
-
-# ---------------------------------------------------------------------------------------------- explaining
-
-
-def layout_name(rec: dict) -> str:
-    parts = [f"dp {rec['dp_replicate']}x{rec['dp_shard']}", f"tp {rec['tp']}", f"pp {rec['pp']}"]
-    if rec.get("cp", 1) > 1:
-        parts.insert(1, f"cp {rec['cp']}")
-    if rec.get("ep", 1) > 1:
-        parts.insert(-1, f"ep {rec['ep']}")
-    if rec["pp"] > 1:
-        parts.append(rec["schedule"] + (f" v={rec['virtual']}" if rec["virtual"] > 1 else ""))
-    parts.append(f"mb {rec['micro_batch']}")
-    parts.append(f"AC {rec['ac']}")
-    if rec["offload"]:
-        parts.append("offload")
-    if not rec["reshard"]:
-        parts.append("no-reshard")
-    if rec.get("sync_each"):
-        parts.append("reduce every micro-batch")
-    return ", ".join(parts)
-
-
-LAYOUT_KEYS = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "schedule", "virtual")
-STRATEGY_KEYS = ("cp", "tp", "pp", "ep", "schedule", "ac", "offload")
-
-
-def _distinct(lay: Layouts, indices: np.ndarray, n: int, keys=LAYOUT_KEYS) -> list[int]:
-    """The first of `indices` for each distinct value of `keys`, up to n of them."""
-    columns = [getattr(lay, k) for k in keys]
-    seen, out = set(), []
-    for i in indices:
-        key = tuple(c[i] for c in columns)
-        if key not in seen:
-            seen.add(key)
-            out.append(int(i))
-            if len(out) == n:
-                break
-    return out
-
-
-def _breakdown(rec: dict) -> str:
-    parts = [f"{PART_NAMES[k].split(' not')[0]} {rec[k]:.3g}" for k in TIME_PARTS if rec[k] > 0.0005 * rec["step_time"]]
-    return " + ".join(parts)
-
-
-def _memory(rec: dict) -> str:
-    return (
-        f"{rec['mem_total_gib']:.1f} GiB (states {rec['mem_states_gib']:.1f}, activations "
-        f"{rec['mem_activations_gib']:.1f}, buffers {rec['mem_buffers_gib']:.1f}, transient "
-        f"{rec['mem_transient_gib']:.1f}, allocator+reserve {rec['mem_allocator_gib']:.1f})"
-    )
-
-
-def _why_slower(rec: dict, best: dict) -> str:
-    """The component that grew most against the winner, in words."""
-    deltas = {k: rec[k] - best[k] for k in TIME_PARTS}
-    key = max(deltas, key=lambda k: deltas[k])
-    d = deltas[key]
-    what = PART_NAMES[key]
-    if key == "t_bubble":
-        what += f" (pp={rec['pp']} with {rec['micro_batches']} micro-batches"
-        what += f", v={rec['virtual']})" if rec["virtual"] > 1 else ")"
-    elif key == "t_tp":
-        what += " across nodes" if rec["tp_cross_node"] else f" (tp={rec['tp']})"
-    elif key == "t_compute":
-        if rec["ac"] != best["ac"]:
-            what += f" (AC {rec['ac']} recomputes)"
-        elif rec["tp"] != best["tp"] or rec["micro_batch"] != best["micro_batch"]:
-            what += " (smaller matmuls per device)"
-        elif rec["pp"] != best["pp"]:
-            what += " (uneven pipeline stages)"
-    elif key == "t_ep":
-        what += f" (ep={rec['ep']})"
-    elif key == "t_optimizer" and rec["offload"]:
-        what += " on the CPU (offload)"
-    return f"{what} +{d:.3g} s"
-
-
-def explain(p: Plan, near: int = 4) -> list[str]:
-    best = p.record(p.best)
-    lines = [
-        f"Best: {layout_name(best)}: {best['tokens_per_s']:,.0f} tokens/s, MFU {best['mfu']:.1%}, step "
-        f"{best['step_time']:.3g} s = {_breakdown(best)}; memory {_memory(best)} of "
-        f"{p.cluster.memory_gib:g} GiB."
-    ]
-    close = p.metrics["step_time"][p.order] <= best["step_time"] * (1 + 2 * TIE)
-    if close.sum() > 1:
-        lines.append(
-            f"{close.sum() - 1} other layout(s) within {2 * TIE:.0%} (other dp_replicate x dp_shard splits, "
-            f"micro-batch sizes...): a tie within the model's precision, broken by lower memory."
-        )
-    for i in _distinct(p.layouts, p.order, near + 1, STRATEGY_KEYS)[1:]:
-        rec = p.record(i)
-        slower = rec["step_time"] / best["step_time"] - 1
-        lines.append(f"Near miss: {layout_name(rec)}: {slower:+.1%} step time: {_why_slower(rec, best)}.")
-    # Faster layouts that do not fit: what stops them.
-    faster = np.nonzero(~p.metrics["fits"] & (p.metrics["step_time"] < best["step_time"]))[0]
-    faster = faster[np.argsort(p.metrics["step_time"][faster])]
-    for i in _distinct(p.layouts, faster, 3, STRATEGY_KEYS):
-        rec = p.record(i)
-        gain = 1 - rec["step_time"] / best["step_time"]
-        if rec["mem_total_gib"] > p.cluster.memory_gib:
-            why = f"needs {_memory(rec)} > {p.cluster.memory_gib:g} GiB"
-        else:
-            why = f"needs {rec['mem_host_gib']:.0f} GiB of host memory per device for offload"
-        lines.append(f"Out of memory: {layout_name(rec)} would be {gain:.1%} faster but {why}.")
-    return lines
 
 
 # ---------------------------------------------------------------------------------------------- infeasible
@@ -390,7 +235,7 @@ def _no_fit_message(work, cluster, lay, metrics, hints: bool) -> str:
     lines = [
         f"no layout fits in {MEMORY_FRACTION:.0%} of {cluster.memory_gib:g} GiB per device (the rest is the "
         f"prediction's margin). The leanest, {layout_name(rec)}, needs "
-        f"{_memory(rec)}."
+        f"{memory_line(rec)}."
     ]
     offloaded = np.nonzero(lay.offload & (metrics["mem_total"] <= MEMORY_FRACTION * cluster.memory_gib * GiB))[0]
     if len(offloaded):

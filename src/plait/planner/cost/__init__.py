@@ -17,6 +17,13 @@ from __future__ import annotations
 import numpy as np
 
 from plait.planner.cluster import Cluster, GiB
+from plait.planner.cost.activations import (
+    EMBED_ACTIVATION_BYTES,
+    head_activation_bytes,
+    head_transient_bytes,
+    layer_activation_bytes,
+    moe_mlp_bytes,
+)
 from plait.planner.cost.counts import (
     block_numel,
     embed_params,
@@ -33,19 +40,16 @@ from plait.planner.cost.counts import (
 from plait.planner.cost.layouts import AC_MODES, SCHEDULES, Columns, Layouts, Workload
 from plait.planner.cost.memory import (
     ALLOCATOR_OVERHEAD,
-    EMBED_ACTIVATION_BYTES,
     HOST_MEMORY_FRACTION,
     MEMORY_FRACTION,
     RESERVED_GIB,
-    ZERO_BUBBLE_LAST_MARGIN,
-    head_activation_bytes,
-    head_transient_bytes,
-    held_chunks,
     host_resident,
-    layer_activation_bytes,
-    moe_mlp_bytes,
-    peak_activations,
     rank_memory,
+)
+from plait.planner.cost.pipeline import (
+    ZERO_BUBBLE_LAST_MARGIN,
+    held_chunks,
+    peak_activations,
     split_stages,
     zero_bubble_residue,
 )

@@ -127,16 +127,13 @@ class Links:
 def rank_time(work: Workload, cluster: Cluster, lay: Layouts, c: Columns, links: Links, rank: dict) -> dict:
     """One pipeline rank's time per micro-batch by part (compute, TP, CP, EP, pipeline sends), with the F / B / W
     shares zero bubble schedules, its exposed FSDP communication per step, and its optimizer step."""
-    a, s, e, T, tp, cp, ep = work.model, work.seq_len, work.act_bytes, c.T, c.tp, c.cp, c.ep
+    a, s, e, T, tp = work.model, work.seq_len, work.act_bytes, c.T, c.tp
     layers = rank["layers"]
     local_width = a.dim / tp
     eff = cluster.efficiency * (T / (T + GEMM_KNEE)) * (local_width / (local_width + GEMM_KNEE))
     rate = cluster.peak_flops * eff
     full = lay.ac == FULL_AC
     recompute = np.where(full, 1.0, np.where(lay.ac == SELECTIVE_AC, SELECTIVE_RECOMPUTE, 0.0))
-    extra_collectives = np.where(lay.ac > NO_AC, 3, 0)  # recomputing a block repeats its SP all-gathers
-    moe_share = a.n_moe_layers / a.n_layers
-    sp_share = 1 - moe_share / 2  # an MoE block has the attention's SP collectives only
     c_layer = layer_flops_per_token(a, s)
     w_layer = 2 * matmul_params(a)  # weight-gradient FLOPs per token (the rest of backward is input-grad)
     head = head_flops_per_token(a) * (c.single | rank["has_output"])
@@ -146,39 +143,13 @@ def rank_time(work: Workload, cluster: Cluster, lay: Layouts, c: Columns, links:
     wgt = T * (layers * w_layer + head + retro_w) / tp
     bwd_in = 2 * fwd - wgt + recompute * T * layers * c_layer / tp
     compute = (fwd + bwd_in + wgt) / rate
-    tp_bw, tp_lat = links.tp
-    coll = ring_time(T * a.dim * e, tp, tp_bw, tp_lat)  # one SP all-gather or reduce-scatter
-    tp_time = layers * sp_share * (8 + extra_collectives) * coll
-    # RETRO under TP: the encoder's blocks as the decoder's, over 2k neighbour tokens per token, its output
-    # gathered; per cross-attending block a gather and a reduce-scatter each way; the embedding all-reduced
-    if a.retrieval_ids:
-        n = 2 * a.retrieval_k
-        enc = a.retrieval_encoder_layers * 8 * ring_time(n * T * a.dim * e, tp, tp_bw, tp_lat) + ring_time(
-            n * T * a.dim * e, tp, tp_bw, tp_lat
-        )
-        tp_time = tp_time + enc + len(a.retrieval_ids) * (4 + extra_collectives) * coll
-        tp_time = tp_time + 2 * ring_time((1 + n) * T * a.dim * e, tp, tp_bw, tp_lat)
+    tp_time = _tp_time(a, e, T, tp, links, layers, lay.ac)
     pp_bw, pp_lat = links.pp
     p2p = np.where(c.pp > 1, 2 * c.v * (T * a.dim * e / tp / pp_bw + pp_lat), 0.0)  # each TP rank: its shard
-    # Ring attention, per layer: each of the c - 1 hops travels while one block computes (1/c of this rank's
-    # attention, whose forward is 4 h s FLOPs per token, backward twice that), so only what a hop takes
-    # beyond its block is exposed; in backward the gradients of the previous step's keys travel alongside,
-    # and their last hop home is exposed whole. Full AC runs the forward ring twice.
-    cp_bw, cp_lat = links.cp
-    kv_local = a.n_kv_heads * a.head_dim / tp
-    kv_hop, grad_hop = 2 * T * kv_local * e / cp_bw + cp_lat, 2 * T * kv_local * 4 / cp_bw + cp_lat
-    block = 4 * a.dim * s * T / tp / rate / cp
-    ring_fwd = (cp - 1) * np.maximum(kv_hop - block, 0)
-    ring_bwd = (cp - 1) * np.maximum(kv_hop + grad_hop - 2 * block, 0) + grad_hop
-    cp_time = np.where(cp > 1, layers * (ring_fwd * np.where(full, 2, 1) + ring_bwd), 0.0)
-    # Expert parallelism, per MoE block and pass: the routed copies (k per token) go to their experts and
-    # back, (ep - 1) / ep of them to other ranks, plus an exchange of the counts; backward the same for the
-    # gradients; full AC dispatches the forward again. On the critical path: nothing hides it.
+    cp_time = _cp_time(a, e, T, s, c, links, layers, rate, full)
     ep_time = np.zeros(np.shape(compute))
     if a.n_moe_layers:
-        ep_bw, ep_lat = links.ep
-        a2a = 2 * (a2a_bytes(a, e, T / c.moe_tp, ep) / ep_bw + 2 * ep_lat)
-        ep_time = np.where(ep > 1, layers * moe_share * a2a * (2 + full), 0.0)
+        ep_time = _ep_time(a, e, T, c, links, layers, full)
     t_mb = compute + tp_time + p2p + cp_time + ep_time
     # F / B / W shares of a micro-batch (communication spread pro rata) for the zero-bubble schedule.
     total_flops = fwd + bwd_in + wgt
@@ -195,6 +166,53 @@ def rank_time(work: Workload, cluster: Cluster, lay: Layouts, c: Columns, links:
         fsdp=np.where(c.fsdp, fsdp_exposed, 0.0),
         optimizer=_optimizer_time(cluster, lay, rank["sharded"], gathers, optimizer_bytes_per_param(work.moment_bytes)),
     )
+
+
+def _tp_time(a: ModelArgs, e: int, T, tp, links: Links, layers, ac):
+    """Tensor and sequence parallel communication per micro-batch: per block and pass an all-gather and a
+    reduce-scatter of (T, dim) for each of its halves (an MoE block: the attention's only), and the all-gathers
+    a recomputed block repeats. RETRO under TP: the encoder's blocks as the decoder's, over 2k neighbour tokens
+    per token, its output gathered; per cross-attending block a gather and a reduce-scatter each way; the
+    embedding all-reduced."""
+    extra_collectives = np.where(ac > NO_AC, 3, 0)  # recomputing a block repeats its SP all-gathers
+    moe_share = a.n_moe_layers / a.n_layers
+    sp_share = 1 - moe_share / 2  # an MoE block has the attention's SP collectives only
+    tp_bw, tp_lat = links.tp
+    coll = ring_time(T * a.dim * e, tp, tp_bw, tp_lat)  # one SP all-gather or reduce-scatter
+    tp_time = layers * sp_share * (8 + extra_collectives) * coll
+    if a.retrieval_ids:
+        n = 2 * a.retrieval_k
+        enc = a.retrieval_encoder_layers * 8 * ring_time(n * T * a.dim * e, tp, tp_bw, tp_lat) + ring_time(
+            n * T * a.dim * e, tp, tp_bw, tp_lat
+        )
+        tp_time = tp_time + enc + len(a.retrieval_ids) * (4 + extra_collectives) * coll
+        tp_time = tp_time + 2 * ring_time((1 + n) * T * a.dim * e, tp, tp_bw, tp_lat)
+    return tp_time
+
+
+def _cp_time(a: ModelArgs, e: int, T, s: int, c: Columns, links: Links, layers, rate, full):
+    """Ring attention, per layer: each of the c - 1 hops travels while one block computes (1/c of this rank's
+    attention, whose forward is 4 h s FLOPs per token, backward twice that), so only what a hop takes beyond
+    its block is exposed; in backward the gradients of the previous step's keys travel alongside, and their
+    last hop home is exposed whole. Full AC runs the forward ring twice."""
+    tp, cp = c.tp, c.cp
+    cp_bw, cp_lat = links.cp
+    kv_local = a.n_kv_heads * a.head_dim / tp
+    kv_hop, grad_hop = 2 * T * kv_local * e / cp_bw + cp_lat, 2 * T * kv_local * 4 / cp_bw + cp_lat
+    block = 4 * a.dim * s * T / tp / rate / cp
+    ring_fwd = (cp - 1) * np.maximum(kv_hop - block, 0)
+    ring_bwd = (cp - 1) * np.maximum(kv_hop + grad_hop - 2 * block, 0) + grad_hop
+    return np.where(cp > 1, layers * (ring_fwd * np.where(full, 2, 1) + ring_bwd), 0.0)
+
+
+def _ep_time(a: ModelArgs, e: int, T, c: Columns, links: Links, layers, full):
+    """Expert parallelism, per MoE block and pass: the routed copies (k per token) go to their experts and
+    back, (ep - 1) / ep of them to other ranks, plus an exchange of the counts; backward the same for the
+    gradients; full AC dispatches the forward again. On the critical path: nothing hides it."""
+    moe_share = a.n_moe_layers / a.n_layers
+    ep_bw, ep_lat = links.ep
+    a2a = 2 * (a2a_bytes(a, e, T / c.moe_tp, c.ep) / ep_bw + 2 * ep_lat)
+    return np.where(c.ep > 1, layers * moe_share * a2a * (2 + full), 0.0)
 
 
 def _fsdp_exposed(work: Workload, lay: Layouts, c: Columns, links: Links, rank: dict, f_t, bwd_t) -> tuple:
