@@ -104,33 +104,40 @@ def plan_import(hf_dir: Path, out: Path) -> HFImport:
 def write_import(plan: HFImport, *, overwrite: bool, moved: Callable[[Path], None] = lambda backup: None) -> str:
     """Write the import into a staged copy of the output and publish it by one rename; returns the weights
     hash. With ``overwrite`` a non-empty output is moved aside to ``<out>.old-<time>`` (kept, and told to
-    ``moved``) once the new one is complete, just before the rename."""
-    hf, out = plan.hf, plan.out
+    ``moved`` once the new one is in place) once the new one is complete, just before the rename; put back
+    if the new one is not published."""
+    out = plan.out
     exists = ConfigError(f"{out} exists; pass --overwrite (it is moved aside) or choose another --out")
     tokenizer = plan.tokenizer if plan.tokenizer.is_file() else None
-    with staged_dir(out, overwrite=overwrite, exists_error=exists) as tmp:
-        ckpt = tmp if plan.run_dir is None else tmp / "checkpoints" / IMPORTED_STEP
-        digest = write_imported_checkpoint(
-            hf,
-            ckpt,
-            config=to_dict(plan.cfg),
-            tokenizer_path=tokenizer,
-            extra={
-                "imported_from": {
-                    "path": str(plan.hf_dir.resolve()),
-                    "model_type": hf.config.get("model_type"),
-                    "architectures": hf.config.get("architectures"),
-                    "dtype": hf.config.get("dtype", hf.config.get("torch_dtype")),
-                }
-            },
-        )
-        if plan.run_dir is not None:
-            (tmp / "config.toml").write_text(to_toml(plan.cfg))
-        if overwrite and is_nonempty(out):
-            backup = out.with_name(f"{out.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
-            out.rename(backup)
-            moved(backup)
+    backup = None
+    try:
+        with staged_dir(out, overwrite=overwrite, exists_error=exists) as tmp:
+            ckpt = tmp if plan.run_dir is None else tmp / "checkpoints" / IMPORTED_STEP
+            digest = write_imported_checkpoint(plan.hf, ckpt, config=to_dict(plan.cfg), tokenizer_path=tokenizer,
+                                               extra={"imported_from": _imported_from(plan)})  # fmt: skip
+            if plan.run_dir is not None:
+                (tmp / "config.toml").write_text(to_toml(plan.cfg))
+            if overwrite and is_nonempty(out):
+                backup = out.with_name(f"{out.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
+                out.rename(backup)
+    except BaseException:
+        if backup is not None and not out.exists():  # not published: the old output goes back in its place
+            backup.rename(out)
+        raise
+    if backup is not None:
+        moved(backup)
     return digest
+
+
+def _imported_from(plan: HFImport) -> dict:
+    """Where imported weights came from, for their plait.json."""
+    config = plan.hf.config
+    return {
+        "path": str(plan.hf_dir.resolve()),
+        "model_type": config.get("model_type"),
+        "architectures": config.get("architectures"),
+        "dtype": config.get("dtype", config.get("torch_dtype")),
+    }
 
 
 # ------------------------------------------------------------------------------------------------- export
