@@ -324,6 +324,45 @@ def test_callbacks_touch_the_trainer_only_through_run_state():
     assert not trainers_own & allowed, trainers_own & allowed
 
 
+HOOKS = {
+    "on_setup",
+    "on_model",
+    "on_start",
+    "before_step",
+    "should_step",
+    "after_step",
+    "after_eval",
+    "after_checkpoint",
+    "close",
+    "on_end",
+}
+
+
+def _hooks_fired_with_run(source: str) -> list[str]:
+    """Calls `<something>.<hook>(run, ...)`: a callback passing its run on to hooks (other callbacks')."""
+    return [
+        f"{ast.unparse(n.func)}:{n.lineno}"
+        for n in ast.walk(ast.parse(source))
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in HOOKS
+        and n.args and isinstance(n.args[0], ast.Name) and n.args[0].id == "run"
+    ]  # fmt: skip
+
+
+def test_only_the_trainer_fires_the_callbacks_hooks():
+    """The loop owns its cadence: it fires every hook (through plait.engine.callbacks.Callbacks); no callback
+    calls another's (Validation once fired after_eval, the checkpointing callback after_checkpoint), so the
+    order of the callback list is not a contract between them."""
+    fired = {
+        f"{path.relative_to(ROOT)}": calls
+        for path in sorted(ROOT.rglob("*.py"))
+        if path.relative_to(ROOT).as_posix() != "engine/callbacks.py"
+        and (calls := _hooks_fired_with_run(path.read_text()))
+    }
+    assert not fired, f"hooks fired outside the trainer: {fired}"
+    planted = "class C:\n    def after_step(self, run, step, result):\n        run.callbacks.after_eval(run, step, 1)\n"
+    assert _hooks_fired_with_run(planted) == ["run.callbacks.after_eval:3"]
+
+
 MAX_FUNCTION_LINES = 80
 """A function longer than this is doing several jobs: split it (there is no exception today)."""
 
