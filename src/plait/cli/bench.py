@@ -90,7 +90,7 @@ def _precision(cfg: Config, device: torch.device) -> str:
 def run_bench(cfg: Config, steps: int, warmup: int, profile_dir: Path | None = None) -> dict:
     """Build and time the job in this process; returns the results (see the module docstring)."""
     from plait.core.hardware import resolve_device
-    from plait.data import TokenDataset, TokenLoader, ensure_prepared
+    from plait.data import TokenLoader
     from plait.engine.trainer import build_trainable, train_step
     from plait.lifecycle.finetune import apply_finetune
 
@@ -105,14 +105,7 @@ def run_bench(cfg: Config, steps: int, warmup: int, profile_dir: Path | None = N
             "plait bench times one corpus (data.source); it does not read a mixture: unset data.sources or set "
             "data.source to one of its directories"
         )
-    data_dir = ensure_prepared(cfg.data.source, Path(cfg.data.cache_dir).expanduser(), cfg.model.vocab_size)
-    if cfg.model.retrieval_ids:  # RETRO: windows with their chunks' neighbours (plait data retrieve)
-        from plait.data.retrieval import RetrievalDataset
-
-        m = cfg.model
-        dataset: TokenDataset = RetrievalDataset(data_dir, "train", chunk=m.retrieval_chunk, k=m.retrieval_k)
-    else:
-        dataset = TokenDataset(data_dir, "train")
+    dataset = _dataset(cfg)
     torch.manual_seed(cfg.run.seed)
 
     # with --profile, where the start-up's host time goes, phase by phase (plait.core.profiling.StackSampler)
@@ -154,6 +147,19 @@ def run_bench(cfg: Config, steps: int, warmup: int, profile_dir: Path | None = N
         loader.close()
     marks = dict(imports=t_imports, build=t_build, model=t_model, built=built, first_step=first_step)
     return _results(cfg, device, steps, warmup, times, loss, phases, profile, compiler, marks)
+
+
+def _dataset(cfg: Config):
+    """The train split of the one corpus timed (prepared first if it is not), with a RETRO model's neighbours."""
+    from plait.data import TokenDataset, ensure_prepared
+
+    data_dir = ensure_prepared(cfg.data.source, Path(cfg.data.cache_dir).expanduser(), cfg.model.vocab_size)
+    if cfg.model.retrieval_ids:  # RETRO: windows with their chunks' neighbours (plait data retrieve)
+        from plait.data.retrieval import RetrievalDataset
+
+        m = cfg.model
+        return RetrievalDataset(data_dir, "train", chunk=m.retrieval_chunk, k=m.retrieval_k)
+    return TokenDataset(data_dir, "train")
 
 
 def _warm_up(t, loader, device: torch.device, compiler: CompileMonitor, warmup: int, sampled) -> float:
@@ -232,6 +238,20 @@ def _results(cfg: Config, device: torch.device, steps: int, warmup: int, times, 
         "memory_note": "CUDA allocator peak over the timed steps"
         if device.type == "cuda"
         else "peak resident set of the process" + (" (compilation included)" if cfg.compile.enabled else ""),
+        **_start_up(marks, compiler),
+        "fused_head": cfg.train.fused_head,
+        **({"profile": profile} if profile else {}),
+        "final_loss": loss,
+        "torch": torch.__version__,
+        "commit": _git_commit(),
+        "threads": torch.get_num_threads(),
+        "load_avg_1m": os.getloadavg()[0],
+    }
+
+
+def _start_up(marks: dict[str, float], compiler: CompileMonitor) -> dict:
+    """The first step's figures and the start-up's phases, from the moments `run_bench` marked."""
+    return {
         "first_step": {
             "from_build_s": marks["first_step"] - marks["build"],
             "build_s": marks["built"] - marks["build"],
@@ -247,13 +267,6 @@ def _results(cfg: Config, device: torch.device, steps: int, warmup: int, times, 
             marks["first_step"],
             compiler.metrics(),
         ),
-        "fused_head": cfg.train.fused_head,
-        **({"profile": profile} if profile else {}),
-        "final_loss": loss,
-        "torch": torch.__version__,
-        "commit": _git_commit(),
-        "threads": torch.get_num_threads(),
-        "load_avg_1m": os.getloadavg()[0],
     }
 
 
@@ -358,80 +371,6 @@ def warm_start(cfg_args: list[str], cache_dir: str) -> dict:
         return json.loads(out.read_text())["first_step"]
 
 
-def print_report(r: dict) -> None:
-    from rich.table import Table
-
-    from plait.engine.metrics import console
-
-    table = Table(title=f"plait bench: {r['device']} ({r['device_type']}), torch {r['torch']}, commit {r['commit']}")
-    table.add_column("measure")
-    table.add_column("value", justify="right")
-    table.add_column("note")
-    table.add_row(
-        "model", f"{r['preset_params'] / 1e6:.1f}M", f"{r['n_layers']} layers x dim {r['dim']}, {r['precision']}"
-    )
-    table.add_row(
-        "batch",
-        f"{r['global_batch_size']} x {r['seq_len']}",
-        f"micro-batch {r['micro_batch_size']}, activation checkpointing {r['activation_checkpoint']}",
-    )
-    comp = r["compile"]
-    table.add_row("compile", comp["mode"] if comp else "off", "regional (per block), static shapes" if comp else "")
-    table.add_row("tokens/s", f"{r['tokens_per_s']:,.0f}", f"{r['steps']} steps after {r['warmup']} warm-up")
-    table.add_row(
-        "step time",
-        f"{r['step_time_s'] * 1e3:,.1f} ms",
-        f"median (mean {r['step_time_mean_s'] * 1e3:,.1f} ms), whole step",
-    )
-    table.add_row("MFU", f"{100 * r['mfu']:.2f}%", f"peak {r['peak_flops'] / 1e12:,.1f} TFLOP/s: {r['peak_source']}")
-    b = r["breakdown_s"]
-    for name, label in [
-        ("data", "  data wait"),
-        ("compute", "  forward+backward+norm"),
-        ("communication_exposed", "  exposed communication"),
-        ("optimizer", "  optimizer"),
-    ]:
-        share = 100 * b[name] / b["total"] if b["total"] else 0.0
-        table.add_row(label, f"{b[name] * 1e3:,.1f} ms", f"{share:.1f}% of the synchronised step")
-    mem = r["memory"]
-    table.add_row("peak memory", f"{mem['mem_peak_gib']:.2f} GiB", r["memory_note"])
-    if "planner" in mem:
-        plan = mem["planner"]
-        table.add_row(
-            "  planner",
-            f"{plan['allocated_gib']:.2f} GiB",
-            f"predicted allocation (the CUDA peak's measure); {plan['total_gib']:.2f} GiB with slack and reserve",
-        )
-    table.add_row("head", "fused" if r["fused_head"] else "plain", "output projection + loss (train.fused_head)")
-    fs = r["first_step"]
-    table.add_row("first step", f"{fs['from_build_s']:.1f} s", f"{fs['from_process_start_s']:.1f} s from process start")
-    for name, value in r["startup_s"].items():
-        if name != "total":
-            table.add_row(f"  start-up: {name.replace('_', ' ')}", f"{value:.2f} s", "")
-    if comp:
-        table.add_row(
-            "  compile (first run)",
-            f"{fs['compile_time_s']:.1f} s",
-            f"FX-graph cache hits {fs['compile_fxgraph_cache_hit']}, misses {fs['compile_fxgraph_cache_miss']}; "
-            f"recompiles {fs['compile_recompiles']}",
-        )
-        warm = r.get("warm_start")
-        if warm:
-            table.add_row(
-                "  first step (warm)",
-                f"{warm['from_build_s']:.1f} s",
-                f"{warm['from_process_start_s']:.1f} s from process start; compile {warm['compile_time_s']:.1f} s, "
-                f"FX-graph hits {warm['compile_fxgraph_cache_hit']}, AOTAutograd hits "
-                f"{warm['compile_aotautograd_cache_hit']}",
-            )
-            table.add_row("  warm / cold", f"{r['warm_over_cold']:.2f}", "first step from process start (goal <= 0.2)")
-    console.print(table)
-    if r.get("profile"):
-        from plait.core.profiling import describe
-
-        console.print(describe(r["profile"]))
-
-
 def cmd_bench(argv: list[str]) -> int:
     """`plait bench`: its own flags, then the config like `plait train`."""
     from plait.cli.args import config_argv, config_parser, parse_config_args
@@ -487,6 +426,8 @@ def cmd_bench(argv: list[str]) -> int:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps(results, indent=1) + "\n")
     if not quiet:
+        from plait.cli.bench_report import print_report
+
         print_report(results)
     return 0
 
