@@ -48,7 +48,7 @@ def apply_ac(model: nn.Module, mode: str, tp: int = 1, nested_fsdp: bool = False
     and on a block without units (your own model), the block is one selective region, which keeps the output
     projections' outputs instead (full-size partial sums under TP). nested_fsdp: blocks hold FSDP-sharded
     modules of their own (experts under expert parallelism, MoE blocks and q/k norms under tensor parallelism:
-    see apply_fsdp), whose hooks run inside the regions: they count only the ops they keep
+    see plait.parallel.fsdp.apply_fsdp), whose hooks run inside the regions: they count only the ops they keep
     (torch_private.count_only_saved_ops)."""
     contexts = partial(_selective_contexts, count_all=not nested_fsdp)
     layers = getattr(model, "layers", None)

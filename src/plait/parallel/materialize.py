@@ -97,7 +97,7 @@ def _box_of(value: torch.Tensor, offset: tuple[int, ...], shape: tuple[int, ...]
 def materialize(model: Transformer, device: torch.device, *, seed: int, cpu_offload: bool = False) -> None:
     """Allocate a parallelised model built on meta (each rank its own shards), then initialise it like the
     single-process model, each rank drawing only its shards' values. With CPU offload FSDP2 keeps the
-    sharded parameters on the CPU, so they are allocated there (buffers stay on the device: `allocate`).
-    seed: run.seed; cpu_offload: parallel.cpu_offload."""
+    sharded parameters on the CPU, so they are allocated there (buffers stay on the device:
+    plait.parallel.placement.allocate). seed: run.seed; cpu_offload: parallel.cpu_offload."""
     allocate(model, device, cpu_offload=cpu_offload)  # buffers on the device, offloaded parameters on the CPU
     model.init_weights(seed, assign=init_local_shard)

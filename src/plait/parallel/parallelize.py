@@ -64,8 +64,9 @@ def parallelize(model: nn.Module, meshes: Meshes, cfg: Config, device: torch.dev
 
 def parallelize_own(model: nn.Module, meshes: Meshes, cfg: Config, device: torch.device) -> nn.Module:
     """plait's plan for a model it did not write (on meta): activation checkpointing, compilation and FSDP2
-    per block of `model.layers` (see `blocks`), then the root. Tensor parallelism needs the model's own plan
-    (Trainer(parallelize=...)); a setting that needs blocks on a model without them is refused."""
+    per block of `model.layers` (see plait.parallel.blocks), then the root. Tensor parallelism needs the
+    model's own plan (Trainer(parallelize=...)); a setting that needs blocks on a model without them is
+    refused."""
     dims = meshes.dims
     if dims.tp > 1:
         raise ConfigError(

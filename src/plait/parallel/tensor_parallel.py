@@ -32,7 +32,8 @@ def tp_plan_block(moe: bool = False) -> dict[str, ParallelStyle]:
     gathered (all-gather: see gather_norm_outputs) for the column-parallel projections; the row-parallel ones
     reduce-scatter back to sequence shards. Two all-gathers and two reduce-scatters of (B, T, dim) per block
     and pass. The gather sits on the norm, not on the attention / MLP module, so that selective recompute
-    (apply_ac) can redo it in backward from the sequence shard instead of keeping the gathered tensor.
+    (plait.parallel.activation_checkpoint) can redo it in backward from the sequence shard instead of keeping
+    the gathered tensor.
 
     A mixture of experts is not split: it runs on this rank's sequence shard as it is (no gather, no
     reduce-scatter), its parameters whole on every tp rank and reduced over the tp ranks with the
