@@ -81,7 +81,7 @@ def test_one_rule_picks_the_blocks_matrices_and_each_experts():
     for name in ("tok_embeddings.weight", "output.weight", "norm.weight", "layers.0.attention_norm.weight"):
         assert not takes_muon(name, torch.empty(4, 4) if "norm" not in name else torch.empty(4))
     assert not takes_muon("layers.0.attention.wq.lora_A", torch.empty(4, 64))
-    assert "optimizer: Muon for 28 matrices" in describe(dense)
+    assert "optimizer: Muon for 28 matrices" in describe([dense])
 
 
 def test_settings_out_of_range_are_refused():
@@ -144,3 +144,23 @@ def test_muon_trains_a_different_curve_than_adamw(data_dir, reference, tmp_path)
     adamw = read_metrics(tmp_path / "adamw")
     assert adamw["loss"][1] == pytest.approx(reference["loss"][1], rel=1e-6)
     assert abs(adamw["loss"][5] - reference["loss"][5]) > 1e-3
+
+
+MOE_LAYOUTS = {
+    "EP 2": ["parallel.ep_degree=2"],
+    "FSDP 2 (whole experts on each rank)": ["parallel.dp_shard_degree=2"],
+}
+
+
+@pytest.mark.slow
+def test_a_mixture_of_experts_takes_the_one_process_muon_step_under_expert_parallelism(data_dir, tmp_path):
+    """Each expert's matrices orthogonalised where they live, batched: EP 2 and FSDP 2 equal one process."""
+    from plait.api import train
+    from test_moe import base as moe_base
+    from test_moe import check as moe_check
+
+    train(load_config(None, [*moe_base(data_dir), *MUON, f"run.out_dir={tmp_path}", "run.name=ref"]))
+    ref = read_metrics(tmp_path / "ref")
+    jobs = {name: [*moe_base(data_dir), *MUON, *extra] for name, extra in MOE_LAYOUTS.items()}
+    for name, got in zip(jobs, run_layouts(2, list(jobs.values())), strict=True):
+        moe_check(f"Muon, MoE {name}", got, ref)

@@ -54,9 +54,14 @@ def split_parameters(model: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], 
     return muon, adamw
 
 
-def describe(model: nn.Module) -> str:
-    """The split at start-up: counts, sizes and shapes of Muon's matrices; AdamW's count and size."""
-    muon, adamw = split_parameters(model)
+def describe(parts: list[nn.Module]) -> str:
+    """The split at start-up, over the model parts given (a pipeline rank's stages): counts, sizes and shapes
+    of Muon's matrices (global shapes), AdamW's count and size."""
+    muon, adamw = [], []
+    for part in parts:
+        m, a = split_parameters(part)
+        muon += m
+        adamw += a
     shapes = Counter("x".join(map(str, p.shape)) for _, p in muon)
     listed = ", ".join(f"{s} x{n}" if n > 1 else s for s, n in shapes.most_common())
     size = sum(p.numel() for _, p in muon)

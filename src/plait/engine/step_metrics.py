@@ -16,6 +16,7 @@ from plait.data.mixture import source_tokens
 from plait.engine.callbacks import RunState
 from plait.engine.compile_cache import CompileMonitor
 from plait.engine.metrics import info, warn
+from plait.engine.muon import describe as describe_optimizer
 from plait.engine.optim import schedule_problem
 from plait.engine.plot import PLOT_EXTRA, PlotRefresh, can_draw
 
@@ -41,6 +42,11 @@ class StepMetrics:
                 f"plait: {params / 1e6:.2f}M parameters, {env.world_size} x {dev.name} ({env.device}) as "
                 f"{layout}, {cfg.train.steps} steps x {self.tokens_per_step:,} tokens, {source}"
             )
+            if cfg.optim.name == "muon":
+                info(
+                    describe_optimizer(run.t.parts)
+                    + (" (this rank's pipeline stages)" if cfg.parallel.pp_degree > 1 else "")
+                )
             if problem := schedule_problem(cfg.optim, cfg.train.steps):
                 warn(problem)
             if problem := epochs_problem(loader, cfg.train.steps - run.state.step):

@@ -1,0 +1,186 @@
+"""Muon against AdamW, measured to a loss: the steps and the wall time each needs to reach AdamW's final held-out
+loss, each optimizer at its best peak learning rate from the same sweep, over seeds.
+
+    python bench/muon_vs_adamw.py [--job default|small] [--lrs 1e-3,3e-3,1e-2] [--seeds 0,1,2] [--steps 400]
+        [--eval-every 25] [--eval-batches 16] [--time-steps 30] [--out bench/results/muon_vs_adamw_default.json]
+
+The job is `plait train`'s default (preset tiny, the bundled corpus, 16 x 256 tokens a step, warm-up 100, cosine
+to 10%) or `small` (preset small, shorter, for a CPU). Phase 1 sweeps the peak learning rate of both optimizers
+with seed 0, scored by the held-out loss at the end; phase 2 runs the other seeds at each one's best. The target
+is AdamW's mean final held-out loss; the steps to it are read off the seeds' mean held-out curve (every
+--eval-every steps, interpolated linearly), and per seed for the spread. The wall time to it is those steps
+times the median step time of each optimizer, timed separately (--time-steps steps, after the sweep) so that a
+busy machine during the long runs does not skew it. Printed: a table of both, with the spread over seeds, and
+the ratio; written to --out, with a plot of the curves beside it (.png).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+JOBS = {
+    "default": [],
+    "small": ["model.preset=small", "train.global_batch_size=8", "data.seq_len=128", "optim.warmup_steps=20"],
+}
+QUIET = ["sample.max_new_tokens=0", "log.tensorboard=false", "log.plot=false", "checkpoint.save_final=false",
+         "checkpoint.every_steps=0", "lineage.enabled=false", "log.every_steps=50"]  # fmt: skip
+
+
+def run(job: list[str], name: str, optim: str, lr: float, seed: int, args, out: Path) -> dict:
+    """One run's held-out curve {step: loss}, its final loss and its step times."""
+    from plait.api import train
+    from plait.config import load_config
+
+    cfg = [*job, *QUIET, f"optim.name={optim}", f"optim.lr={lr}", f"run.seed={seed}", f"train.steps={args.steps}",
+           f"eval.every_steps={args.eval_every}", f"eval.num_batches={args.eval_batches}",
+           f"run.out_dir={out}", f"run.name={name}"]  # fmt: skip
+    start = time.perf_counter()
+    final = train(load_config(None, cfg))
+    rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
+    curve = {r["step"]: r["val/loss"] for r in rows if "val/loss" in r}
+    return {"curve": curve, "final": final["val_loss"], "seconds": time.perf_counter() - start}
+
+
+def step_seconds(job: list[str], optim: str, lr: float, steps: int, out: Path) -> float:
+    """The median seconds of a training step (from the run's own step timer), no evaluation."""
+    from plait.api import train
+    from plait.config import load_config
+
+    name = f"time-{optim}"
+    cfg = [*job, *QUIET, f"optim.name={optim}", f"optim.lr={lr}", f"train.steps={steps}", "eval.every_steps=0",
+           "log.every_steps=1",
+           f"run.out_dir={out}", f"run.name={name}"]  # fmt: skip
+    train(load_config(None, cfg))
+    rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
+    rates = [r["train/tokens_per_s"] for r in rows if "train/tokens_per_s" in r][3:]  # the first steps warm up
+    tokens = next(r["train/tokens"] for r in rows if "train/tokens" in r)  # after the first step: one step's
+    return tokens / statistics.median(rates)
+
+
+def one(runs: dict, job: list[str], optim: str, lr: float, seed: int, args, scratch: Path, phase: str) -> None:
+    runs[f"{optim} {lr:g} s{seed}"] = got = run(job, f"{optim}-{lr:g}-s{seed}", optim, lr, seed, args, scratch)
+    print(f"{phase}: {optim} lr {lr:g} seed {seed}: {got['final']:.4f} ({got['seconds']:.0f} s)", flush=True)
+
+
+def mean_curve(curves: list[dict]) -> dict:
+    """The seeds' mean held-out loss at each evaluated step."""
+    return {s: statistics.fmean(c[s] for c in curves) for s in curves[0]}
+
+
+def steps_to(curve: dict, target: float) -> float | None:
+    """The first step the held-out curve reaches `target`, linear between evaluations (None: never)."""
+    points = sorted((int(s), v) for s, v in curve.items())
+    for (s0, v0), (s1, v1) in zip([(0, float("inf")), *points], points, strict=False):
+        if v1 <= target:
+            return s1 if v0 == float("inf") else s0 + (v0 - target) / (v0 - v1) * (s1 - s0)
+    return None
+
+
+def summary(values: list[float | None]) -> tuple[float | None, float | None]:
+    got = [v for v in values if v is not None]
+    if len(got) < len(values) or not got:
+        return None, None
+    return statistics.fmean(got), (statistics.stdev(got) if len(got) > 1 else 0.0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--job", choices=sorted(JOBS), default="default")
+    ap.add_argument("--lrs", default="1e-3,3e-3,1e-2")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--eval-every", type=int, default=25)
+    ap.add_argument("--eval-batches", type=int, default=16)
+    ap.add_argument("--time-steps", type=int, default=30)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    job, lrs = JOBS[args.job], [float(x) for x in args.lrs.split(",")]
+    seeds = [int(s) for s in args.seeds.split(",")]
+    out = Path(args.out or f"bench/results/muon_vs_adamw_{args.job}.json")
+    scratch = Path(tempfile.mkdtemp(prefix="plait-muon-"))
+    runs: dict[str, dict] = {}
+    try:
+        for optim in ("adamw", "muon"):
+            for lr in lrs:
+                one(runs, job, optim, lr, seeds[0], args, scratch, "sweep")
+        best = {o: min(lrs, key=lambda lr, o=o: runs[f"{o} {lr:g} s{seeds[0]}"]["final"]) for o in ("adamw", "muon")}
+        for optim, lr in best.items():
+            for seed in seeds[1:]:
+                one(runs, job, optim, lr, seed, args, scratch, "seed")
+        timing = {o: step_seconds(job, o, best[o], args.time_steps, scratch) for o in ("adamw", "muon")}
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    report(args, seeds, runs, best, timing, out)
+
+
+def report(args, seeds: list[int], runs: dict, best: dict, timing: dict, out: Path) -> None:
+    finals = {o: [runs[f"{o} {best[o]:g} s{s}"]["final"] for s in seeds] for o in best}
+    target = statistics.fmean(finals["adamw"])
+    rows = {}
+    for o in best:
+        curves = [runs[f"{o} {best[o]:g} s{s}"]["curve"] for s in seeds]
+        per_seed = [steps_to(c, target) for c in curves]  # None where that seed never reached the seeds' mean
+        mean = steps_to(mean_curve(curves), target)
+        rows[o] = {"lr": best[o], "finals": finals[o], "steps_to_target": mean, "per_seed": per_seed,
+                   "steps_sd": summary(per_seed)[1], "step_seconds": timing[o],
+                   "wall_to_target_s": None if mean is None else mean * timing[o]}  # fmt: skip
+    print(f"\n{args.job} job, {args.steps} steps, seeds {seeds}; target: AdamW's final held-out loss {target:.4f}")
+    head = f"{'optimizer':<8} {'best lr':>8} {'final loss (sd)':>18} {'steps to target':>16} {'per seed':>20}"
+    print(f"{head} {'s/step':>7} {'wall s':>7}")
+    for o, r in rows.items():
+        steps = "never" if r["steps_to_target"] is None else f"{r['steps_to_target']:.0f}"
+        per_seed = ",".join("-" if v is None else f"{v:.0f}" for v in r["per_seed"])
+        wall = "-" if r["wall_to_target_s"] is None else f"{r['wall_to_target_s']:.0f}"
+        sd = statistics.stdev(r["finals"]) if len(r["finals"]) > 1 else 0.0
+        print(f"{o:<8} {r['lr']:>8g} {statistics.fmean(r['finals']):>11.4f} ({sd:.4f}) {steps:>16} {per_seed:>20} "
+              f"{r['step_seconds']:>7.3f} {wall:>7}")  # fmt: skip
+    a, m = rows["adamw"], rows["muon"]
+    ratios = {}
+    if a["steps_to_target"] and m["steps_to_target"]:
+        ratios = {"steps": a["steps_to_target"] / m["steps_to_target"],
+                  "wall": a["wall_to_target_s"] / m["wall_to_target_s"],
+                  "step_time": m["step_seconds"] / a["step_seconds"]}  # fmt: skip
+        print(f"AdamW / Muon: {ratios['steps']:.2f}x the steps, {ratios['wall']:.2f}x the wall time to the target; "
+              f"a Muon step takes {ratios['step_time']:.2f}x an AdamW step")  # fmt: skip
+    out.parent.mkdir(parents=True, exist_ok=True)
+    record = {"job": args.job, "steps": args.steps, "seeds": seeds, "target": target, "rows": rows, "ratios": ratios,
+              "runs": runs, "machine": _machine()}  # fmt: skip
+    out.write_text(json.dumps(record, indent=1))
+    plot(runs, best, seeds, target, out.with_suffix(".png"), args.job)
+    print(f"written to {out} and {out.with_suffix('.png')}")
+
+
+def plot(runs: dict, best: dict, seeds: list[int], target: float, path: Path, job: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for o, colour in (("adamw", "tab:blue"), ("muon", "tab:orange")):
+        for i, s in enumerate(seeds):
+            curve = sorted((int(k), v) for k, v in runs[f"{o} {best[o]:g} s{s}"]["curve"].items())
+            ax.plot(*zip(*curve, strict=True), color=colour, alpha=0.8, label=f"{o} lr {best[o]:g}" if i == 0 else None)
+    ax.axhline(target, color="grey", linestyle="--", linewidth=1, label="AdamW's final (target)")
+    ax.set(xlabel="step", ylabel="held-out loss", title=f"Muon vs AdamW, {job} job, seeds {seeds}")
+    ax.set_ylim(top=min(ax.get_ylim()[1], target + 1.5))
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def _machine() -> str:
+    import os
+    import platform
+
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}"
+
+
+if __name__ == "__main__":
+    main()
