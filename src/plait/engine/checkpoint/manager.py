@@ -23,14 +23,13 @@ from plait.core.storage import Location
 from plait.engine.checkpoint.cadence import FINAL_WAIT_S, ON_TIME_MIN_S, SaveCadence, any_rank
 from plait.engine.checkpoint.find import FORMAT
 from plait.engine.checkpoint.load import NO_DIST_WARNING, load_state
-from plait.engine.checkpoint.publisher import Publisher, kept_forever, set_aside_name
+from plait.engine.checkpoint.publisher import Publisher, kept_forever
 from plait.engine.checkpoint.saving import AsyncSaver
 from plait.engine.checkpoint.state import TrainState, run_state, split
 from plait.engine.checkpoint.wording import warn
 
-__all__ = [
+__all__ = [  # (the constants, TrainState and kept_forever: where plait.engine.checkpoint imports them from)
     "ABANDON_AFTER_S", "FINAL_WAIT_S", "ON_TIME_MIN_S", "CheckpointManager", "TrainState", "kept_forever",
-    "set_aside_name",
 ]  # fmt: skip
 
 # A run that fails with a save in flight waits this long for it before giving up on it (see close()).
