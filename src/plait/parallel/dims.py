@@ -35,6 +35,7 @@ from plait.parallel.rules import (
     cp_problem,
     ep_problem,
     lora_problem,
+    optimizer_problem,
     pipeline_problem,
     reduce_every_micro_batch_problem,
     tp_problem,
@@ -252,6 +253,7 @@ def validate_layout(cfg: Config, dims: ParallelDims) -> None:
         )
         or compile_problem(cfg.compile.enabled, bool(m.moe_experts), dims.tp, dims.cp, dims.pp, dims.ep, p.pp_schedule)
         or lora_problem(cfg.finetune.lora_rank, dims.tp, dims.pp)
+        or optimizer_problem(cfg.optim.name == "muon", p.cpu_offload)
     )  # fmt: skip
     if problem:
         raise ConfigError(problem)

@@ -276,6 +276,18 @@ def compile_problem(compiled: bool, moe: bool, tp: int, cp: int, pp: int, ep: in
     return None
 
 
+def optimizer_problem(muon: bool, offload: bool) -> str | None:
+    """Why this optimizer cannot run in this layout (None: it can): Muon orthogonalises its matrices where the
+    optimizer steps, which CPU offload puts on the host's cores."""
+    if muon and offload:
+        return (
+            "optim.name='muon' with parallel.cpu_offload=true is refused: the Newton-Schulz iterations would run "
+            "on the host's cores (for llama3-8b about 1e15 FLOPs a step, minutes on a CPU); use AdamW with "
+            "offload (optim.state_dtype='bf16' saves a further 4 bytes a parameter), or Muon on more devices"
+        )
+    return None
+
+
 def lora_problem(lora_rank: int, tp: int, pp: int) -> str | None:
     """Why LoRA adapters cannot train in this layout (None: they can, or there are none): the adapters are
     plain parameters beside the frozen weight, which TP's plans and the pipeline's stage split do not cover."""

@@ -34,7 +34,7 @@ def workload_of(cfg: Config, bf16: bool, device: str = "cuda"):
 
     return Workload(cfg.model, cfg.data.seq_len, cfg.train.global_batch_size, "bf16" if bf16 else "fp32",
                     cfg.train.fused_head, device, 2 if cfg.optim.state_dtype == "bf16" else 4,
-                    cfg.compile.enabled, cfg.finetune.lora_rank)  # fmt: skip
+                    cfg.compile.enabled, cfg.finetune.lora_rank, cfg.optim.name == "muon")  # fmt: skip
 
 
 def layout_of(cfg: Config, world_size: int):

@@ -25,6 +25,7 @@ from plait.parallel.rules import (
     ep_problem,
     fsdp_enabled,
     lora_problem,
+    optimizer_problem,
     pipeline_problem,
     pp_problem,
     schedule_problem,
@@ -64,7 +65,8 @@ def enumerate_layouts(work: Workload, cluster: Cluster) -> Layouts:
     base_a, sched_a = rows_a[:, :7], rows_a[:, 7:]
     # Cross with AC mode x offload x reshard x reduce-every-micro-batch; the last two matter only with FSDP and
     # no pipeline (and the last only with more than one micro-batch).
-    extra = np.asarray(list(itertools.product(range(len(AC_MODES)), (0, 1), (1, 0), (0, 1))), dtype=np.int64)
+    offloads = (0,) if optimizer_problem(work.muon, True) else (0, 1)  # rules.optimizer_problem
+    extra = np.asarray(list(itertools.product(range(len(AC_MODES)), offloads, (1, 0), (0, 1))), dtype=np.int64)
     rows = np.repeat(np.arange(len(base_a)), len(extra))
     ex = np.tile(extra, (len(base_a), 1))
     lay = Layouts(

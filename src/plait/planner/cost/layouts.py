@@ -38,6 +38,9 @@ class Workload:
     """compile.enabled: the search offers only layouts compiled blocks run in (rules.compile_problem)."""
     lora_rank: int = 0
     """finetune.lora_rank: the search offers only layouts adapters train in (rules.lora_problem)."""
+    muon: bool = False
+    """optim.name = "muon": one momentum buffer for the blocks' matrices instead of two moments, the whole
+    matrices each rank orthogonalises, and Newton-Schulz and its exchange in the step (cost.muon)."""
 
     @property
     def act_bytes(self) -> int:

@@ -11,6 +11,7 @@ import numpy as np
 
 from plait.model.args import ModelArgs
 from plait.planner.cluster import GiB
+from plait.planner.cost import muon
 from plait.planner.cost.activations import (
     EMBED_ACTIVATION_BYTES,
     head_activation_bytes,
@@ -91,7 +92,8 @@ def rank_memory(work: Workload, lay: Layouts, c: Columns, name: str) -> dict[str
     sharded = layers * layer_s + root_s
     unsharded = layers * layer_u + root_u
     full, no_grads = 8.0 + 2 * work.moment_bytes, 4.0 + 2 * work.moment_bytes  # fp32 param (+ grad) + 2 moments
-    states = np.where(lay.offload, 0.0, full * sharded)
+    saving = muon.state_saving(work.moment_bytes, layers * layer_s) if work.muon else 0.0  # one buffer, not two
+    states = np.where(lay.offload, 0.0, full * sharded - saving)
     params_f, params_b = _gathered_bytes(a, c, e, unsharded, (layer_u, emb_u, head_u, enc_u), fused)
     piped = pp > 1
     accumulated, grads_buf = _gradient_buffers(c, e, unsharded, layer_u, np.where(has_head, head_u, emb_u), piped)
@@ -110,10 +112,11 @@ def rank_memory(work: Workload, lay: Layouts, c: Columns, name: str) -> dict[str
     # optimizer) unless they outlive a micro-batch: reduced after each one, or without FSDP. In a pipeline,
     # those of the stages whose backward has begun by the schedule's peak (_activations).
     kept_grads = (c.m > 1) & (lay.sync_each | ~c.fsdp) & ~piped
-    states_at_peak = np.where(lay.offload, 0.0, np.where(kept_grads, full, no_grads) * sharded)
+    states_at_peak = np.where(lay.offload, 0.0, np.where(kept_grads, full, no_grads) * sharded - saving)
     at_forward_end = params_f + accumulated + transient_f + acts_f + at["grads_f"]
     dynamic = np.maximum(at_forward_end, params_b + grads_buf + transient_b + acts_b + at["grads_b"]) + tp_buf + pp_buf
-    peak = np.maximum(states_at_peak + dynamic, states)
+    stepping = muon.transient_bytes(a, c.fsdp | (tp > 1)) if work.muon else 0.0  # the matrices orthogonalised
+    peak = np.maximum(states_at_peak + dynamic, states + np.where(lay.offload, 0.0, stepping))
     acts = np.maximum(acts_f, acts_b)
     buffers = np.maximum(params_f, params_b) + grads_buf + tp_buf + pp_buf  # (a pipeline's gradients: states)
     return dict(
@@ -124,8 +127,8 @@ def rank_memory(work: Workload, lay: Layouts, c: Columns, name: str) -> dict[str
         peak=peak,
         allocator=dynamic * ALLOCATOR_OVERHEAD + RESERVED_GIB * GiB,
         total=peak + dynamic * ALLOCATOR_OVERHEAD + RESERVED_GIB * GiB,
-        host=np.where(lay.offload, full * sharded, 0.0),
-        host_at_peak=np.where(lay.offload, np.where(kept_grads | piped, full, no_grads) * sharded, 0.0),  # then
+        host=np.where(lay.offload, full * sharded - saving, 0.0),
+        host_at_peak=np.where(lay.offload, np.where(kept_grads | piped, full, no_grads) * sharded - saving, 0.0),
         sharded=sharded,
         unsharded=unsharded,
         layers=layers,

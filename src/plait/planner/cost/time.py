@@ -9,6 +9,7 @@ import numpy as np
 
 from plait.model.args import ModelArgs
 from plait.planner.cluster import Cluster
+from plait.planner.cost import muon
 from plait.planner.cost.counts import (
     block_numel,
     head_flops_per_token,
@@ -164,8 +165,18 @@ def rank_time(work: Workload, cluster: Cluster, lay: Layouts, c: Columns, links:
         t_mb=t_mb,
         zb=np.maximum(f_t + b_t - w_t, 0),
         fsdp=np.where(c.fsdp, fsdp_exposed, 0.0),
-        optimizer=_optimizer_time(cluster, lay, rank["sharded"], gathers, optimizer_bytes_per_param(work.moment_bytes)),
+        optimizer=_optimizer_time(cluster, lay, rank["sharded"], gathers, optimizer_bytes_per_param(work.moment_bytes))
+        + (_muon_time(work, cluster, c, links, layers) if work.muon else 0.0),
     )
+
+
+def _muon_time(work: Workload, cluster: Cluster, c: Columns, links: Links, layers):
+    """Muon's Newton-Schulz, its exchange and its element-wise pass beside AdamW's (cost.muon), on the device
+    (never offloaded: rules.optimizer_problem)."""
+    block_s = block_numel(work.model, c.tp, c.fsdp_shard, c.ep)[0]
+    split = np.where(c.fsdp, c.fsdp_shard, 1) * c.tp
+    rate = cluster.peak_flops * cluster.efficiency
+    return muon.step_seconds(work.model, layers, block_s, split, rate, links.shard, cluster.hbm_bw)
 
 
 def _tp_time(a: ModelArgs, e: int, T, tp, links: Links, layers, ac):

@@ -1,0 +1,87 @@
+"""What Muon (optim.name = "muon", plait.engine.muon) changes in a rank's memory and its optimizer step.
+
+Memory: the blocks' matrices keep one fp32 momentum buffer instead of AdamW's two moments (4 bytes a parameter
+instead of 8; norms and routers, which stay with AdamW, are counted with the matrices: under 0.1% of a block),
+and while the step runs, the whole matrices each rank orthogonalises are alive beside the states
+(plait.parallel.orthogonal: the stack it receives, the iteration's working copies, the stack it sends back, and
+the next round's arriving one), at most TRANSIENT_MATRICES of the largest.
+
+Time: the Newton-Schulz FLOPs of each matrix, once per shard group (each rank orthogonalises 1/N of the dense
+matrices its FSDP x TP group splits, and the whole experts it holds), at the cluster's matmul rate; the
+exchange, 2 (N - 1) / N of the rank's Muon bytes over the shard group's link (there and back); and the
+element-wise pass (read the gradient, read and write the buffer and the parameter: 20 bytes a parameter, AdamW's
+is 28).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from plait.model.args import ModelArgs
+from plait.planner.cost.counts import layer_params, moe_params
+
+NS_STEPS = 5
+"""torch.optim.Muon's Newton-Schulz iterations (optim.muon_ns_steps' default)."""
+TRANSIENT_MATRICES = 6
+"""Whole fp32 matrices alive on a rank during the step where matrices are split (its round's stack in and
+out, the iteration's copy and two m x m products, the next round's stack arriving); 3 where none is."""
+ELEMENTWISE_BYTES = 20
+"""Muon's element-wise traffic per parameter: read the gradient (4), read and write the buffer and the
+parameter (16)."""
+
+
+def _ns_flops(m: float, n: float, steps: int) -> float:
+    """One m x n matrix: each iteration forms X X^T (2 m^2 n), its polynomial (2 m^3) and the product (2 m^2 n)."""
+    lo, hi = min(m, n), max(m, n)
+    return steps * (4 * lo * lo * hi + 2 * lo**3)
+
+
+def block_ns_flops(a: ModelArgs, steps: int = NS_STEPS) -> tuple[float, float]:
+    """(dense matrices', experts') Newton-Schulz FLOPs for one average block. A weighted part (a dense MLP in
+    a model mixing MoE blocks) counts by its share of the blocks."""
+    dense = 0.0
+    for rows, cols, how in layer_params(a):
+        if how >= 0 and cols >= 1:
+            dense += _ns_flops(rows, cols, steps)
+    _, experts = moe_params(a)
+    share = a.n_moe_layers / a.n_layers
+    per_expert = 0.0
+    if experts:
+        h, fe = a.dim, a.expert_hidden_dim
+        per_expert = 3 * _ns_flops(fe, h, steps) * share
+    return dense, per_expert * a.moe_experts
+
+
+def largest_matrix(a: ModelArgs) -> float:
+    """Elements of the largest matrix Muon orthogonalises whole (a block's, or one expert's)."""
+    sizes = [rows * cols for rows, cols, how in layer_params(a) if how >= 0]
+    if a.moe_experts:
+        sizes.append(a.expert_hidden_dim * a.dim)
+    return max(sizes)
+
+
+def state_saving(moment_bytes: int, muon_numel):
+    """Bytes Muon's one buffer saves against AdamW's two moments over `muon_numel` parameters."""
+    return (2 * moment_bytes - 4) * muon_numel
+
+
+def transient_bytes(a: ModelArgs, split) -> np.ndarray:
+    """The whole matrices alive on a rank while Muon steps (split: whether FSDP or TP splits the matrices)."""
+    return np.where(split, TRANSIENT_MATRICES, 3) * 4.0 * largest_matrix(a)
+
+
+def step_seconds(a: ModelArgs, layers, block_sharded: dict, split_group, rate, link: tuple, bw) -> np.ndarray:
+    """Muon's part of the optimizer step on one rank: Newton-Schulz at `rate` FLOP/s, the exchange over `link`
+    (bandwidth, latency), the element-wise pass at memory bandwidth `bw`; minus AdamW's pass over the same
+    parameters (the caller counts every parameter as AdamW's)."""
+    dense_f, experts_f = block_ns_flops(a)
+    _, experts = moe_params(a)
+    total_experts = sum(r * c for r, c, _ in experts)
+    held = block_sharded["experts"] / total_experts if total_experts else 0.0  # the share of experts on this rank
+    ns = layers * (dense_f / split_group + experts_f * held) / rate
+    bw_link, lat = link
+    dense_bytes = 4.0 * layers * block_sharded["dense"]
+    exchange = np.where(split_group > 1, 2 * (split_group - 1) / split_group * dense_bytes / bw_link + 2 * lat, 0.0)
+    muon_numel = layers * (block_sharded["dense"] + block_sharded["experts"])
+    elementwise = (ELEMENTWISE_BYTES - 28) * muon_numel / bw
+    return ns + exchange + elementwise
