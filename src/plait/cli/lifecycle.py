@@ -1,5 +1,6 @@
 """What the model-lifecycle commands (`plait lineage`, `eval`, `compress`, `finetune`) share: the lineage
-registry they record in, the data a model was trained on, and writing a model as a plait run directory.
+registry they record in and the data a model was trained on (writing a model as a plait run directory is
+plait.lifecycle.model_run's).
 
 MODEL is a checkpoint or run directory, a Hugging Face directory, an adapter file or a quantized directory.
 Every command that makes or evaluates a model records it in the lineage registry that covers its input
@@ -9,7 +10,6 @@ Every command that makes or evaluates a model records it in the lineage registry
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from rich.console import Console
@@ -42,34 +42,3 @@ def data_dir_of(explicit: str | None, config: dict | None, vocab: int) -> Path |
         console.print(f"the training data {source} is gone: perplexity skipped (pass --data)")
         return None
     return ensure_prepared(source, Path(data.get("cache_dir", "~/.cache/plait/data")).expanduser(), vocab)
-
-
-def write_run(model, out: Path, source, data_dir: Path | None, info: dict) -> Path:
-    """A plait run directory holding the model as a weights-only checkpoint plus its config.toml; returns the
-    checkpoint."""
-    from plait.config import Config, from_dict, to_dict, to_toml, validate
-    from plait.engine.checkpoint.weights import write_weights_checkpoint
-
-    cfg = from_dict(source.config) if source.config else Config()
-    cfg.model = model.args
-    cfg.finetune.init_from, cfg.finetune.lora_rank = "", 0
-    cfg.run.name, cfg.run.out_dir = out.name, str(out.parent)
-    cfg.data.seq_len = min(cfg.data.seq_len, model.args.max_seq_len)
-    if data_dir is not None:
-        cfg.data.source = str(data_dir)
-    validate(cfg)
-    ckpt = out / "checkpoints" / "step_00000000"
-    ckpt.parent.mkdir(parents=True, exist_ok=True)
-    write_weights_checkpoint(
-        model,
-        ckpt,
-        config=to_dict(cfg),
-        tokenizer_path=source.tokenizer,
-        extra={"compressed_from": {"path": str(source.path), **jsonable(info)}},
-    )
-    (out / "config.toml").write_text(to_toml(cfg))
-    return ckpt
-
-
-def jsonable(info: dict) -> dict:
-    return json.loads(json.dumps(info, default=str))
