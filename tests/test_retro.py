@@ -303,9 +303,9 @@ def test_a_retrieval_model_generates_with_the_neighbours_of_each_chunk(retro_dat
 
     from plait.api import train
     from plait.cli import main
-    from plait.cli.generate import _retriever
     from plait.config import load_config
     from plait.engine.generate import generate, load_for_generation
+    from plait.lifecycle.retrieval import checkpoint_retriever
 
     run = tmp_path / "gen"
     capsys.readouterr()
@@ -319,7 +319,7 @@ def test_a_retrieval_model_generates_with_the_neighbours_of_each_chunk(retro_dat
     assert main(["generate", str(run), *greedy, "--show-neighbours"]) == 0
     printed = capsys.readouterr().out
     assert "chunk 0" in printed and "chunk 1" in printed and "database chunk" in printed
-    retrieve, used = _retriever(str(run), "", model, "cpu"), []
+    retrieve, used = checkpoint_retriever(str(run), model, "", "cpu"), []
     out = generate(model, [prompt], max_new_tokens=new, temperature=0, retrieve=retrieve, used=used)[0]
     assert tok.decode(out) in printed and len(out) % c >= 2  # the command's text
     chunks = len(out) // c

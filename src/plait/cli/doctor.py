@@ -100,26 +100,37 @@ def _doctor(cfg, sizes: tuple[int, ...], iters: int | None) -> int:
 
 
 def print_report(report: HealthReport, dims: ParallelDims, iters: int) -> None:
+    """The report as nccl-tests prints its own: the devices' table, one table per mesh axis, then the verdict."""
     from rich.console import Console
-    from rich.table import Table
 
     console = Console(width=None if sys.stdout.isatty() else 120, highlight=False)
+    console.print(_devices_table(report))
+    layout = dims.describe()
+    if not report.collectives:
+        console.print(f"collectives: none to check ({layout}: no mesh axis has more than one rank)")
+    else:
+        console.print(f"collectives of layout {layout}; busbw = algbw x 2(n-1)/n (all-reduce), (n-1)/n (gathers)")
+    for axis in dict.fromkeys(r.axis for r in report.collectives):
+        rows = [r for r in report.collectives if r.axis == axis]
+        console.print(_axis_table(axis, rows, dims.world_size, iters))
+    _print_verdict(console, report)
+
+
+DEVICE_COLUMNS = (
+    "rank", "host", "device", "time (ms)", "slowed", "TFLOP/s", "max rel err", "checksum err", "bits", "status",
+)  # fmt: skip
+
+
+def _devices_table(report: HealthReport):
+    """One row per rank: its matmul's time and accuracy, its result's bits, and whether it is wrong, slow or
+    sharing its device."""
+    from rich.table import Table
+
     wrong, slow, differ, contended = report.wrong(), report.slow(), set(report.disagree()), report.contended()
     c0 = report.compute[0]
     title = f"devices: {c0.size}x{c0.size} fp32 matmul (median over {TIMING_WINDOW_S:g} s) vs an fp64 reference"
     table = Table(title=title, title_justify="left")
-    for name in (
-        "rank",
-        "host",
-        "device",
-        "time (ms)",
-        "slowed",
-        "TFLOP/s",
-        "max rel err",
-        "checksum err",
-        "bits",
-        "status",
-    ):
+    for name in DEVICE_COLUMNS:
         table.add_column(name, justify="left" if name in ("host", "device", "status", "bits") else "right")
     for c in report.compute:
         status = "WRONG" if c.rank in wrong else f"SLOW {slow[c.rank]:.1f}x" if c.rank in slow else "ok"
@@ -130,30 +141,33 @@ def print_report(report: HealthReport, dims: ParallelDims, iters: int) -> None:
             str(c.rank), c.host, c.device, f"{1e3 * c.seconds:.2f}", f"{c.contention:.2f}x", f"{c.tflops:.3f}",
             f"{c.matmul_err:.1e}", f"{c.checksum_err:.1e}", bits, status,
         )  # fmt: skip
-    console.print(table)
-    layout = dims.describe()
-    if not report.collectives:
-        console.print(f"collectives: none to check ({layout}: no mesh axis has more than one rank)")
-    else:
-        console.print(f"collectives of layout {layout}; busbw = algbw x 2(n-1)/n (all-reduce), (n-1)/n (gathers)")
-    for axis in dict.fromkeys(r.axis for r in report.collectives):
-        rows = [r for r in report.collectives if r.axis == axis]
-        n = rows[0].degree
-        groups = dims.world_size // n
-        title = f"axis {axis}: {groups} group(s) of {n} ranks at once, fp32, {iters} iterations, slowest rank's time"
-        table = Table(title=title, title_justify="left")
-        for name in ("op", "size", "count", "time (us)", "algbw (GB/s)", "busbw (GB/s)", "check"):
-            table.add_column(name, justify="left" if name in ("op", "check") else "right")
-        for r in rows:
-            check = "ok" if not r.wrong_ranks else "WRONG on rank " + ",".join(map(str, r.wrong_ranks))
-            table.add_row(
-                r.op, format_size(r.nbytes), f"{r.nbytes // 4:,}", f"{1e6 * r.seconds:,.1f}",
-                f"{r.algbw:.3f}", f"{r.busbw:.3f}", check,
-            )  # fmt: skip
-        peak = {op: max(r.busbw for r in rows if r.op == op) for op in OPS}
-        table.caption = "peak busbw (GB/s): " + ", ".join(f"{op} {bw:.2f}" for op, bw in peak.items())
-        table.caption_justify = "left"
-        console.print(table)
+    return table
+
+
+def _axis_table(axis: str, rows: list, world_size: int, iters: int):
+    """One mesh axis's collectives at each size (nccl-tests' columns), with each op's peak busbw below."""
+    from rich.table import Table
+
+    n = rows[0].degree
+    groups = world_size // n
+    title = f"axis {axis}: {groups} group(s) of {n} ranks at once, fp32, {iters} iterations, slowest rank's time"
+    table = Table(title=title, title_justify="left")
+    for name in ("op", "size", "count", "time (us)", "algbw (GB/s)", "busbw (GB/s)", "check"):
+        table.add_column(name, justify="left" if name in ("op", "check") else "right")
+    for r in rows:
+        check = "ok" if not r.wrong_ranks else "WRONG on rank " + ",".join(map(str, r.wrong_ranks))
+        table.add_row(
+            r.op, format_size(r.nbytes), f"{r.nbytes // 4:,}", f"{1e6 * r.seconds:,.1f}",
+            f"{r.algbw:.3f}", f"{r.busbw:.3f}", check,
+        )  # fmt: skip
+    peak = {op: max(r.busbw for r in rows if r.op == op) for op in OPS}
+    table.caption = "peak busbw (GB/s): " + ", ".join(f"{op} {bw:.2f}" for op, bw in peak.items())
+    table.caption_justify = "left"
+    return table
+
+
+def _print_verdict(console, report: HealthReport) -> None:
+    """FAILED with each problem, or all healthy; and a note on ranks whose bits differ from their peers'."""
     problems = report.problems()
     if problems:
         console.print("[bold red]doctor: FAILED[/]")
@@ -161,6 +175,7 @@ def print_report(report: HealthReport, dims: ParallelDims, iters: int) -> None:
             console.print(f"  {line}")
     else:
         console.print(f"doctor: all {len(report.compute)} rank(s) healthy [{report.seconds:.1f} s]")
+    differ = set(report.disagree())
     if differ:
         console.print(f"note: rank(s) {sorted(differ)} produced matmul bits unlike their same-model peers")
 

@@ -61,17 +61,10 @@ def _parser() -> PlaitParser:
 
 def cmd_eval(argv: list[str]) -> int:
     a = _parser().parse_args(argv)
-    if (a.batches is not None and a.batches < 1) or (a.seq_len is not None and a.seq_len < 2):
-        raise ConfigError(f"need --batches >= 1 and --seq-len >= 2 (got {a.batches}, {a.seq_len})")
-    if a.json and Path(a.json).is_dir():
-        raise ConfigError(f"--json {a.json} is a directory; give a file path, e.g. {Path(a.json) / 'eval.json'}")
-    _check_lm_eval_args(a)  # how the options go together, then where they point: all before torch
-    check_input("", a.model, "a checkpoint, run, Hugging Face directory or adapter file")
-    check_input("--suite", a.suite, "a suite file (YAML)")
-    check_input("--data", a.data, "a prepared data directory")
+    _check_args(a)
     from plait.cli.views_reports import print_report
     from plait.core.progress import phase
-    from plait.lifecycle.evaluate import Report, load_suite, perplexity, run_suite, write_json
+    from plait.lifecycle.evaluate import Report, load_suite, write_json
     from plait.lifecycle.models import describe, load_model
 
     if a.lm_eval:
@@ -85,50 +78,86 @@ def cmd_eval(argv: list[str]) -> int:
     report = Report(suite.name if suite else "", model=str(loaded.path))
     data_dir = None if a.no_perplexity else data_dir_of(a.data, loaded.config, loaded.model.args.vocab_size)
     if data_dir is not None:
-        # the run's own validation setting where the model has one: then the loss is its validation loss
-        run = loaded.config or {}
-        seq_len = a.seq_len or run.get("data", {}).get("seq_len", 256)
-        batch = run.get("train", {}).get("global_batch_size", 4) if a.batches is None else 4
-        batches = a.batches or run.get("eval", {}).get("num_batches", 8)
-        with phase(f"perplexity on {data_dir} ({a.split}, up to {batches} batches of {batch} x {seq_len})"):
-            report.perplexity = perplexity(
-                loaded.model, data_dir, split=a.split, seq_len=seq_len, batch_size=batch, max_batches=batches
-            )
-        cast(dict[str, Any], report.perplexity)["data"] = str(data_dir)  # set above; the data beside the numbers
+        report.perplexity = _perplexity(a, loaded, data_dir)
     if suite is not None:
-        if loaded.tokenizer is None:
-            raise PlaitError(f"{loaded.path} has no tokenizer.json; the suite needs one to encode its prompts")
-        from plait.data import load_tokenizer
-
-        with phase(f"suite {suite.name or a.suite} ({len(suite.cases)} cases)"):
-            ran = run_suite(loaded.model, load_tokenizer(loaded.tokenizer), suite)
-        report.results, report.completions = ran.results, ran.completions
+        report.results, report.completions = _run_suite(a, loaded, suite)
     if a.lm_eval:
         with phase(f"lm-eval {a.lm_eval}"):
             report.lm_eval = _lm_eval(a, loaded)
     print_report(report, console)
     if a.json:
         write_json(report, a.json)
-    reg = open_registry_near(a.registry, loaded.path)
-    if reg is not None:
-        from plait.lifecycle.models import artifact_for
-
-        target = artifact_for(reg, loaded)
-        metrics: dict[str, Any] = {"passed": report.passed, "failed": report.failed}
-        if report.perplexity:
-            metrics.update(perplexity=report.perplexity["perplexity"], loss=report.perplexity["loss"])
-        for task, values in report.lm_eval.items():
-            metrics.update({f"{task}/{k}": v for k, v in values.items() if isinstance(v, (int, float))})
-        reg.record(
-            "eval",
-            name=suite.name if suite else "perplexity",
-            parent=target.id,
-            weights_hash=None,
-            metrics=metrics,
-            extra={"suite": a.suite, "json": a.json, "data": str(data_dir) if data_dir else None},
-            events=[(None, "eval", report.to_dict())],
-        )
+    _record(a, loaded, report, suite, data_dir)
     return 1 if report.failed else 0
+
+
+def _check_args(a) -> None:
+    """The arguments in range and the inputs there, all before torch loads."""
+    if (a.batches is not None and a.batches < 1) or (a.seq_len is not None and a.seq_len < 2):
+        raise ConfigError(f"need --batches >= 1 and --seq-len >= 2 (got {a.batches}, {a.seq_len})")
+    if a.json and Path(a.json).is_dir():
+        raise ConfigError(f"--json {a.json} is a directory; give a file path, e.g. {Path(a.json) / 'eval.json'}")
+    _check_lm_eval_args(a)  # how the options go together, then where they point: all before torch
+    check_input("", a.model, "a checkpoint, run, Hugging Face directory or adapter file")
+    check_input("--suite", a.suite, "a suite file (YAML)")
+    check_input("--data", a.data, "a prepared data directory")
+
+
+def _perplexity(a, loaded, data_dir: Path) -> dict[str, float]:
+    """Perplexity on `data_dir`, with the run's own validation setting where the model has one (then the loss
+    is its validation loss), and the data beside the numbers."""
+    from plait.core.progress import phase
+    from plait.lifecycle.evaluate import perplexity
+
+    run = loaded.config or {}
+    seq_len = a.seq_len or run.get("data", {}).get("seq_len", 256)
+    batch = run.get("train", {}).get("global_batch_size", 4) if a.batches is None else 4
+    batches = a.batches or run.get("eval", {}).get("num_batches", 8)
+    with phase(f"perplexity on {data_dir} ({a.split}, up to {batches} batches of {batch} x {seq_len})"):
+        measured = perplexity(
+            loaded.model, data_dir, split=a.split, seq_len=seq_len, batch_size=batch, max_batches=batches
+        )
+    cast(dict[str, Any], measured)["data"] = str(data_dir)  # the data beside the numbers
+    return measured
+
+
+def _run_suite(a, loaded, suite):
+    """(results, completions) of the behavioural suite; refused for a model without a tokenizer."""
+    from plait.core.progress import phase
+    from plait.lifecycle.evaluate import run_suite
+
+    if loaded.tokenizer is None:
+        raise PlaitError(f"{loaded.path} has no tokenizer.json; the suite needs one to encode its prompts")
+    from plait.data import load_tokenizer
+
+    with phase(f"suite {suite.name or a.suite} ({len(suite.cases)} cases)"):
+        ran = run_suite(loaded.model, load_tokenizer(loaded.tokenizer), suite)
+    return ran.results, ran.completions
+
+
+def _record(a, loaded, report, suite, data_dir: Path | None) -> None:
+    """The evaluation in the lineage registry that covers the model (or --registry), as a child of the model's
+    artifact, with its numbers as metrics; nothing where there is no registry."""
+    reg = open_registry_near(a.registry, loaded.path)
+    if reg is None:
+        return
+    from plait.lifecycle.models import artifact_for
+
+    target = artifact_for(reg, loaded)
+    metrics: dict[str, Any] = {"passed": report.passed, "failed": report.failed}
+    if report.perplexity:
+        metrics.update(perplexity=report.perplexity["perplexity"], loss=report.perplexity["loss"])
+    for task, values in report.lm_eval.items():
+        metrics.update({f"{task}/{k}": v for k, v in values.items() if isinstance(v, (int, float))})
+    reg.record(
+        "eval",
+        name=suite.name if suite else "perplexity",
+        parent=target.id,
+        weights_hash=None,
+        metrics=metrics,
+        extra={"suite": a.suite, "json": a.json, "data": str(data_dir) if data_dir else None},
+        events=[(None, "eval", report.to_dict())],
+    )
 
 
 def _check_lm_eval_args(a) -> None:

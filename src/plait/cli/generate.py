@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     import numpy as np
 
 
-def cmd_generate(argv: list[str]) -> int:
+def _parser() -> PlaitParser:
     parser = PlaitParser(prog="plait generate", description="Sample text from a checkpoint.")
     parser.add_argument("checkpoint", help="A checkpoint directory, or a run directory (its newest checkpoint).")
     parser.add_argument("--prompt", default="OTHELLO.", help="Text to continue.")
@@ -37,17 +37,13 @@ def cmd_generate(argv: list[str]) -> int:
         help="The prompt is a user's message: render it with the chat template the checkpoint carries (the one its "
         "run's data was rendered with), as the run learned to answer, and print the answer alone.",
     )
-    a = parser.parse_args(argv)
+    return parser
+
+
+def cmd_generate(argv: list[str]) -> int:
+    a = _parser().parse_args(argv)
     check_input("", a.checkpoint, "a checkpoint directory or a run directory")  # before torch
-    for flag, value, ok, valid in (
-        ("--temperature", a.temperature, a.temperature >= 0, "0 or more (0: greedy), e.g. 0.8"),
-        ("--top-k", a.top_k, a.top_k >= 0, "0 or more (0: off), e.g. 50"),
-        ("--top-p", a.top_p, 0 < a.top_p <= 1, "in (0, 1] (1: off), e.g. 0.95"),
-        ("--max-new-tokens", a.max_new_tokens, a.max_new_tokens >= 1, "at least 1, e.g. 200"),
-        ("--num-samples", a.num_samples, a.num_samples >= 1, "at least 1"),
-    ):
-        if not ok:
-            raise ConfigError(f"{flag} {value} is out of range: {flag} must be {valid}")
+    _check_sampling(a)
     from plait.engine.checkpoint import resolve_checkpoint
     from plait.engine.generate import generate, load_for_generation
     from plait.engine.metrics import info
@@ -55,24 +51,8 @@ def cmd_generate(argv: list[str]) -> int:
     found = resolve_checkpoint(a.checkpoint)
     model, tok, eos = load_for_generation(found, a.device)
     info(f"sampling {_describe(found)}")
-    chat = _chat_template(found, required=a.chat)
-    if chat is not None and not a.chat:
-        info(f"{found} carries the chat template its run learned with: --chat renders the prompt as a user's message")
-        chat = None
-    text = chat.render([{"role": "user", "content": a.prompt}], add_generation_prompt=True) if chat else a.prompt
-    ids = tok.encode(text, add_special_tokens=chat is None).ids  # a template writes its own special tokens
-    if not ids:
-        raise ConfigError("--prompt is empty after tokenisation; give some text")
-    if len(ids) >= model.args.max_seq_len:
-        raise ConfigError(f"--prompt has {len(ids)} tokens; the model supports {model.args.max_seq_len}")
-    used: list[tuple[int, int, np.ndarray]] | None
-    retrieve, used = (
-        (_retriever(a.checkpoint, a.data, model, a.device), []) if model.args.retrieval_ids else (None, None)
-    )
-    if retrieve is None and (a.data or a.show_neighbours):
-        raise ConfigError(
-            f"{a.checkpoint} retrieves nothing (no model.retrieval_layers): drop --data / --show-neighbours"
-        )
+    ids, chat = _prompt_ids(a, found, tok, model.args.max_seq_len)
+    retrieve, used = _retrieval(a, model)
     outs = generate(
         model,
         [ids] * a.num_samples,
@@ -92,6 +72,56 @@ def cmd_generate(argv: list[str]) -> int:
         if a.show_neighbours:
             _print_neighbours(tok, out, [(chunk, found) for row, chunk, found in used or [] if row == i], retrieve)
     return 0
+
+
+def _check_sampling(a) -> None:
+    """The sampling settings in range, each refusal naming the flag and a valid value."""
+    for flag, value, ok, valid in (
+        ("--temperature", a.temperature, a.temperature >= 0, "0 or more (0: greedy), e.g. 0.8"),
+        ("--top-k", a.top_k, a.top_k >= 0, "0 or more (0: off), e.g. 50"),
+        ("--top-p", a.top_p, 0 < a.top_p <= 1, "in (0, 1] (1: off), e.g. 0.95"),
+        ("--max-new-tokens", a.max_new_tokens, a.max_new_tokens >= 1, "at least 1, e.g. 200"),
+        ("--num-samples", a.num_samples, a.num_samples >= 1, "at least 1"),
+    ):
+        if not ok:
+            raise ConfigError(f"{flag} {value} is out of range: {flag} must be {valid}")
+
+
+def _prompt_ids(a, found, tok, max_seq_len: int):
+    """(the prompt's token ids, the chat template it was rendered with or None): with --chat, the prompt as a
+    user's message in the checkpoint's template; without it, the text as it is (and a hint where the checkpoint
+    carries a template)."""
+    from plait.engine.metrics import info
+
+    chat = _chat_template(found, required=a.chat)
+    if chat is not None and not a.chat:
+        info(f"{found} carries the chat template its run learned with: --chat renders the prompt as a user's message")
+        chat = None
+    text = chat.render([{"role": "user", "content": a.prompt}], add_generation_prompt=True) if chat else a.prompt
+    ids = tok.encode(text, add_special_tokens=chat is None).ids  # a template writes its own special tokens
+    if not ids:
+        raise ConfigError("--prompt is empty after tokenisation; give some text")
+    if len(ids) >= max_seq_len:
+        raise ConfigError(f"--prompt has {len(ids)} tokens; the model supports {max_seq_len}")
+    return ids, chat
+
+
+def _retrieval(a, model):
+    """(retrieve, used) for plait.engine.generate: a retrieval model's database (--data, else the one it trained
+    on) and the list its neighbours are noted in; (None, None) for a model that retrieves nothing, which refuses
+    --data and --show-neighbours."""
+    used: list[tuple[int, int, np.ndarray]] | None
+    if model.args.retrieval_ids:
+        from plait.lifecycle.retrieval import checkpoint_retriever
+
+        retrieve, used = checkpoint_retriever(a.checkpoint, model, a.data, a.device), []
+    else:
+        retrieve, used = None, None
+    if retrieve is None and (a.data or a.show_neighbours):
+        raise ConfigError(
+            f"{a.checkpoint} retrieves nothing (no model.retrieval_layers): drop --data / --show-neighbours"
+        )
+    return retrieve, used
 
 
 def _chat_template(ckpt, *, required: bool):
@@ -123,19 +153,6 @@ def _describe(ckpt) -> str:
     tune = read_config(ckpt).finetune
     adapters = f", the base with its r={tune.lora_rank} LoRA adapters ({tune.lora_targets})" if tune.lora_rank else ""
     return f"{ckpt} (step {step}{adapters})"
-
-
-def _retriever(checkpoint: str, data: str, model, device: str):
-    """The database a retrieval model reads (--data, or the prepared directory it trained on), with the
-    encoder it was built with."""
-    from plait.core.hardware import resolve_device
-    from plait.engine.checkpoint import read_config, resolve_checkpoint
-    from plait.lifecycle.retrieval import database_retriever
-
-    data = data or read_config(resolve_checkpoint(checkpoint)).data.source
-    if data == "shakespeare" or "," in data:
-        raise ConfigError(f"{checkpoint} trained on {data!r}, which has no retrieval database: give --data DIR")
-    return database_retriever(data, model, str(resolve_device(device)))
 
 
 def _print_neighbours(tok, out: list[int], found: list, retrieve) -> None:

@@ -132,15 +132,37 @@ def cmd_plan(argv: list[str]) -> int:
     for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(name, PLANNER_BLAS_THREADS)  # a process of its own: nothing else shares them
     _keep_freed_memory()
-    from plait.config import Config, load_config
-    from plait.model import preset_args
-    from plait.planner.cluster import get_cluster
-    from plait.planner.cost import Workload
     from plait.planner.search import plan
 
     a = build_parser().parse_args(argv)
     if a.write:
         _check_writable(a.write, a.overwrite)
+    base, model = _model_of(a)
+    seq, tokens = _batch_of(a, base, model)
+    for name in ("nodes", "devices_per_node", "top"):
+        value = getattr(a, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')}={value} must be at least 1")
+    cluster = _cluster_of(a)
+    work = _workload(model, seq, tokens, a.precision, base)
+    pins = config_pins(a.config, base, cluster.world_size) if base is not None else {}
+    result = plan(work, cluster, pins=pins)
+    if a.json:
+        print(json.dumps(to_json(result, a.top), indent=2))
+    else:
+        print_plan(result, a.top)
+    if a.write:
+        path = write_config(a.write, result, base)
+        if not a.json:
+            print(f"wrote {path}: train with `plait train {path}`")
+    return 0
+
+
+def _model_of(a):
+    """(the --config's Config or None, the model's arguments): from --config, else the --model preset."""
+    from plait.config import Config, load_config
+    from plait.model import preset_args
+
     base: Config | None = None
     if a.config:
         base = load_config(a.config)
@@ -149,6 +171,12 @@ def cmd_plan(argv: list[str]) -> int:
         model = preset_args(a.model)
     else:
         raise ConfigError("give the model: --model PRESET (e.g. --model llama3-8b) or --config CONFIG.toml")
+    return base, model
+
+
+def _batch_of(a, base, model) -> tuple[int, int]:
+    """(tokens per sequence, tokens per step): the flags, else the config's, refused unless the step is a
+    whole number of sequences."""
     seq = a.seq_len or (base.data.seq_len if base else min(8192, model.max_seq_len))
     if seq < 1:
         raise ConfigError(f"--seq-len={seq} must be positive, e.g. 4096")
@@ -164,10 +192,13 @@ def cmd_plan(argv: list[str]) -> int:
         raise ConfigError(
             f"--global-batch-tokens={tokens:,} is not a whole number of {seq}-token sequences; use {nearest}"
         )
-    for name in ("nodes", "devices_per_node", "top"):
-        value = getattr(a, name)
-        if value is not None and value < 1:
-            raise ConfigError(f"--{name.replace('_', '-')}={value} must be at least 1")
+    return seq, tokens
+
+
+def _cluster_of(a):
+    """The --cluster preset with the flags that override it (in the cost model's units: FLOP/s, B/s, s)."""
+    from plait.planner.cluster import get_cluster
+
     cluster = get_cluster(
         a.cluster,
         nodes=a.nodes,
@@ -183,8 +214,16 @@ def cmd_plan(argv: list[str]) -> int:
     )
     if cluster.efficiency > 1:
         raise ConfigError(f"--efficiency={cluster.efficiency} is a fraction of peak: at most 1, e.g. 0.55")
-    work = Workload(model, seq, tokens // seq, a.precision)
-    if base is not None:  # what the config's run would do: its head, optimizer states, compile and adapters
+    return cluster
+
+
+def _workload(model, seq: int, tokens: int, precision: str, base):
+    """What one step computes; with a config, what its run would do: its head, optimizer states, compile and
+    adapters."""
+    from plait.planner.cost import Workload
+
+    work = Workload(model, seq, tokens // seq, precision)
+    if base is not None:
         work = dataclasses.replace(
             work,
             fused_head=base.train.fused_head,
@@ -192,17 +231,17 @@ def cmd_plan(argv: list[str]) -> int:
             compiled=base.compile.enabled,
             lora_rank=base.finetune.lora_rank,
         )
-    pins = config_pins(a.config, base, cluster.world_size) if base is not None else {}
-    result = plan(work, cluster, pins=pins)
-    if a.json:
-        print(json.dumps(to_json(result, a.top), indent=2))
-    else:
-        print_plan(result, a.top)
-    if a.write:
-        path = write_config(a.write, result, base)
-        if not a.json:
-            print(f"wrote {path}: train with `plait train {path}`")
-    return 0
+    return work
+
+
+PIN_COLUMNS = (
+    ("dp_replicate_degree", "dp_replicate"),
+    ("tp_degree", "tp"),
+    ("pp_degree", "pp"),
+    ("cp_degree", "cp"),
+    ("ep_degree", "ep"),
+)
+"""[parallel] degrees a config pins as they are: (its key, the planner's column)."""
 
 
 def config_pins(path: str, base, world_size: int) -> dict[str, int]:
@@ -211,21 +250,22 @@ def config_pins(path: str, base, world_size: int) -> dict[str, int]:
     with the runtime's own reason (plait.parallel.rules)."""
     import tomllib
 
-    from plait.parallel.rules import cp_problem, pp_problem, stages_problem, tp_problem
-    from plait.planner.cost import AC_MODES, SCHEDULES
-
     with open(path, "rb") as f:
         document = tomllib.load(f)
     written, train = document.get("parallel") or {}, document.get("train") or {}
+    pins = _written_pins(written, train, base)
+    _check_pins(path, pins, written, base, world_size)
+    return pins
+
+
+def _written_pins(written: dict, train: dict, base) -> dict[str, int]:
+    """The planner's columns (name -> index or value) of the settings the config's file writes (`written`,
+    its [parallel] table; `train`, its [train] table), with the values the loaded config `base` gives them."""
+    from plait.planner.cost import AC_MODES, SCHEDULES
+
     p = base.parallel
     pins: dict[str, int] = {}
-    for key, column in (
-        ("dp_replicate_degree", "dp_replicate"),
-        ("tp_degree", "tp"),
-        ("pp_degree", "pp"),
-        ("cp_degree", "cp"),
-        ("ep_degree", "ep"),
-    ):
+    for key, column in PIN_COLUMNS:
         if key in written:
             pins[column] = getattr(p, key)
     if "dp_shard_degree" in written and p.dp_shard_degree != -1:
@@ -244,6 +284,14 @@ def config_pins(path: str, base, world_size: int) -> dict[str, int]:
         pins["sync_each"] = int(p.fsdp_reduce_every_micro_batch)
     if train.get("micro_batch_size"):
         pins["micro_batch"] = base.train.micro_batch_size
+    return pins
+
+
+def _check_pins(path: str, pins: dict[str, int], written: dict, base, world_size: int) -> None:
+    """Refuse pins no layout can have: degrees whose product does not divide the world, or a degree the model
+    cannot take."""
+    from plait.parallel.rules import cp_problem, pp_problem, stages_problem, tp_problem
+
     fixed = pins.get("dp_replicate", 1) * pins.get("tp", 1) * pins.get("pp", 1) * pins.get("dp_shard", 1)
     fixed *= pins.get("cp", 1)
     if world_size % fixed:
@@ -255,7 +303,7 @@ def config_pins(path: str, base, world_size: int) -> dict[str, int]:
     # The runtime's own reason for a pinned degree the model cannot take, e.g. "parallel.tp_degree=3 must divide
     # model.n_heads=32": only the rules of the pinned degrees alone; those of the whole layout (the batch over
     # the data-parallel ranks, the micro-batches) hold for the layouts the search still covers, or it says so.
-    m, seq, tp = base.model, base.data.seq_len, pins.get("tp", 1)
+    p, m, seq, tp = base.parallel, base.model, base.data.seq_len, pins.get("tp", 1)
     problem = (
         (
             ("pp_schedule" in written or "pp_virtual_stages" in written)
@@ -267,7 +315,6 @@ def config_pins(path: str, base, world_size: int) -> dict[str, int]:
     )
     if problem:
         raise ConfigError(problem)
-    return pins
 
 
 def to_json(result, top: int) -> dict:
@@ -284,9 +331,18 @@ def to_json(result, top: int) -> dict:
     }
 
 
+PLAN_COLUMNS = (
+    "#", "dp rep", "dp shard", "cp", "tp", "pp", "ep", "schedule", "mb", "m", "AC", "offload", "GiB/rank",
+    "step s", "tokens/s", "MFU", "bubble", "exposed comm",
+)  # fmt: skip
+"""The table's columns: the layout (mb: sequences per micro-batch, m: micro-batches per step), then its
+predicted memory, time and where the time goes."""
+
+
 def print_plan(result, top: int) -> None:
+    """The plan as a person reads it: what was planned for, the `top` layouts as a table, the reasons, and the
+    best layout in full."""
     from rich.console import Console
-    from rich.table import Table
 
     from plait.planner.search import layout_name
 
@@ -299,56 +355,42 @@ def print_plan(result, top: int) -> None:
         f"{w.global_batch} sequences ({w.tokens:,} tokens) per step, {w.compute_dtype}; {c.describe()}. "
         f"Searched {result.searched:,} layouts in {result.seconds:.2f} s."
     )
-    table = Table(show_lines=False)
-    for col in (
-        "#",
-        "dp rep",
-        "dp shard",
-        "cp",
-        "tp",
-        "pp",
-        "ep",
-        "schedule",
-        "mb",
-        "m",
-        "AC",
-        "offload",
-        "GiB/rank",
-        "step s",
-        "tokens/s",
-        "MFU",
-        "bubble",
-        "exposed comm",
-    ):
-        table.add_column(col, justify="right" if col not in ("schedule", "AC") else "left")
-    for rank, i in enumerate(result.top(top), 1):
-        r = result.record(i)
-        sched = "-" if r["pp"] == 1 else r["schedule"] + (f" v{r['virtual']}" if r["virtual"] > 1 else "")
-        comm = r["t_tp"] + r["t_cp"] + r["t_ep"] + r["t_p2p"] + r["t_fsdp"]
-        table.add_row(
-            str(rank),
-            str(r["dp_replicate"]),
-            str(r["dp_shard"]),
-            str(r["cp"]),
-            str(r["tp"]),
-            str(r["pp"]),
-            str(r["ep"]),
-            sched,
-            str(r["micro_batch"]),
-            str(r["micro_batches"]),
-            r["ac"],
-            "yes" if r["offload"] else "",
-            f"{r['mem_total_gib']:.1f}",
-            f"{r['step_time']:.3g}",
-            f"{r['tokens_per_s']:,.0f}",
-            f"{r['mfu']:.1%}",
-            f"{r['t_bubble'] / r['step_time']:.0%}",
-            f"{comm / r['step_time']:.0%}",
-        )
-    console.print(table)
+    console.print(_plan_table(result, top))
     for line in result.explanation:
         console.print(line, highlight=False)
     console.print(f"Best layout in full: {layout_name(result.record(result.best))}", highlight=False)
+
+
+def _plan_table(result, top: int):
+    """The `top` layouts, best first, one row each."""
+    from rich.table import Table
+
+    table = Table(show_lines=False)
+    for col in PLAN_COLUMNS:
+        table.add_column(col, justify="right" if col not in ("schedule", "AC") else "left")
+    for rank, i in enumerate(result.top(top), 1):
+        table.add_row(str(rank), *_plan_row(result.record(i)))
+    return table
+
+
+def _plan_row(r: dict) -> list[str]:
+    """One layout's cells after its rank, from its record (plait.planner.report)."""
+    sched = "-" if r["pp"] == 1 else r["schedule"] + (f" v{r['virtual']}" if r["virtual"] > 1 else "")
+    comm = r["t_tp"] + r["t_cp"] + r["t_ep"] + r["t_p2p"] + r["t_fsdp"]
+    return [
+        *(str(r[k]) for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")),
+        sched,
+        str(r["micro_batch"]),
+        str(r["micro_batches"]),
+        r["ac"],
+        "yes" if r["offload"] else "",
+        f"{r['mem_total_gib']:.1f}",
+        f"{r['step_time']:.3g}",
+        f"{r['tokens_per_s']:,.0f}",
+        f"{r['mfu']:.1%}",
+        f"{r['t_bubble'] / r['step_time']:.0%}",
+        f"{comm / r['step_time']:.0%}",
+    ]
 
 
 def write_config(path: str, result, base=None) -> Path:

@@ -90,3 +90,17 @@ def database_retriever(data_dir: str | Path, model, device: str = "cpu"):
     if lexical and described["idf_sha256"] != db["encoder"]["idf_sha256"]:
         raise ConfigError(f"the lexical encoder of {data_dir} no longer matches its database: build it again")
     return Retriever(data_dir, encode, chunk=model.args.retrieval_chunk, k=model.args.retrieval_k)
+
+
+def checkpoint_retriever(checkpoint: str | Path, model, data: str = "", device: str = "cpu"):
+    """The Retriever a retrieval model generates with: the database in `data`, or (when empty) in the prepared
+    directory its checkpoint (or run directory) trained on, with the encoder the database was built with.
+    `device` is a spec plait.core.hardware.resolve_device reads ("auto" included). Refused when the run trained
+    on data that has no database (the built-in corpus, a mixture)."""
+    from plait.core.hardware import resolve_device
+    from plait.engine.checkpoint import read_config, resolve_checkpoint
+
+    data = data or read_config(resolve_checkpoint(checkpoint)).data.source
+    if data == "shakespeare" or "," in data:
+        raise ConfigError(f"{checkpoint} trained on {data!r}, which has no retrieval database: give --data DIR")
+    return database_retriever(data, model, str(resolve_device(device)))
