@@ -19,7 +19,7 @@ from rich.live import Live
 from rich.text import Text
 
 from plait.config import LogConfig
-from plait.core.publish import check_fence
+from plait.core.publish import LockLost, check_fence
 
 console = Console(stderr=True, soft_wrap=True)  # paths stay on one line: copy-pasteable, greppable
 log = logging.getLogger("plait")
@@ -93,6 +93,8 @@ class MetricsLogger:
         self._live: Live | None = None
         self.last: dict[str, Any] = {}
         self.run_dir, self._fenced_at = run_dir, -math.inf
+        self._reading: threading.Thread | None = None
+        self._lost: LockLost | None = None
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -132,12 +134,24 @@ class MetricsLogger:
             console.print(f"step {step:>6} {line}", highlight=False)
 
     def _fence(self) -> None:
-        """A run whose lock was taken over writes no more metrics into the directory (core.publish.check_fence;
-        the lock is re-read at most every FENCE_EVERY_S seconds: on S3 each read is a request)."""
+        """A run whose lock was taken over writes no more metrics into the directory (core.publish.check_fence).
+        The lock is re-read at most every FENCE_EVERY_S seconds, in a thread of its own: on S3 each read is a
+        request, and a request to a store that is down retries for seconds, which would hold the loop."""
+        if self._lost is not None:
+            raise self._lost
         now = time.monotonic()
-        if now - self._fenced_at >= FENCE_EVERY_S:
+        if now - self._fenced_at >= FENCE_EVERY_S and (self._reading is None or not self._reading.is_alive()):
             self._fenced_at = now
+            self._reading = threading.Thread(target=self._read_fence, name="plait-metrics-fence", daemon=True)
+            self._reading.start()
+
+    def _read_fence(self) -> None:
+        try:
             check_fence(self.run_dir, "metrics")
+        except LockLost as e:
+            self._lost = e  # the next record raises it in the loop
+        except Exception:  # the lock unreadable (its store down): not a lock taken over; the next check reads it
+            pass  # again, and a checkpoint is published only after its own check reads the lock
 
     def advance(self, step: int) -> None:
         if self._progress is not None:
