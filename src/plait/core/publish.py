@@ -10,8 +10,11 @@ import the lock (arrows point down)."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import os
 import shutil
+import sys
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -65,13 +68,69 @@ def is_nonempty(out: Path) -> bool:
     return out.exists() and (not out.is_dir() or any(out.iterdir()))
 
 
+RENAME_EXCHANGE = 2
+"""renameat2's flag (linux/fs.h): swap two paths in one step."""
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap two existing paths in one step (Linux's renameat2 with RENAME_EXCHANGE, on local file systems that
+    support it: ext4, xfs, btrfs, tmpfs). False where it is not available: the caller falls back."""
+    if sys.platform != "linux":
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    renameat2 = getattr(libc, "renameat2", None)  # glibc 2.28 and newer
+    if renameat2 is None:
+        return False
+    at_cwd = -100  # AT_FDCWD
+    if renameat2(at_cwd, os.fsencode(a), at_cwd, os.fsencode(b), RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):  # this file system (or kernel) cannot
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+def _publish(tmp: Path, out: Path, *, overwrite: bool, exists_error: PlaitError, keep_old: Path | None) -> None:
+    """`tmp` becomes `out`. Over an existing `out`: swapped in one step where the system can (a crash leaves
+    the old copy or the new one at `out`, never neither), else the old one moved aside, the new one renamed
+    in (and the old one put back if that fails); the old copy is deleted last, or renamed to `keep_old`."""
+    if out.is_dir() and not any(out.iterdir()):
+        out.rmdir()
+    if not out.exists():
+        try:
+            os.rename(tmp, out)
+        except OSError as e:
+            raise exists_error from e
+        return
+    if not overwrite:  # appeared meanwhile
+        raise exists_error
+    if exchange(tmp, out):
+        old = tmp  # which now holds the old copy
+    else:
+        old = keep_old or out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+        os.rename(out, old)
+        try:
+            os.rename(tmp, out)
+        except OSError as e:
+            os.rename(old, out)
+            raise exists_error from e
+    if keep_old is not None:
+        if old != keep_old:
+            os.rename(old, keep_old)
+    else:
+        shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()
+
+
 @contextlib.contextmanager
-def staged_dir(out: Path, *, overwrite: bool, exists_error: PlaitError, stage: Path | None = None) -> Iterator[Path]:
+def staged_dir(
+    out: Path, *, overwrite: bool, exists_error: PlaitError, stage: Path | None = None, keep_old: Path | None = None
+) -> Iterator[Path]:
     """Yield an empty temporary sibling of `out` (0755); when the block ends without an error, its files are
     made readable by others (0644) and it becomes `out` by one rename. A non-empty `out` raises exists_error
-    unless overwrite, in which case the old `out` is moved aside first and deleted only after the rename; on
-    any failure the temporary directory is removed and `out` is as it was. With `stage`, that directory is
-    used (created if missing, its contents kept) and kept on a failure: work that resumes from what it holds."""
+    unless overwrite, in which case the two are swapped in one step (_publish) and the old copy deleted after;
+    on any failure the temporary directory is removed and `out` is as it was. With `stage`, that directory is
+    used (created if missing, its contents kept) and kept on a failure: work that resumes from what it holds.
+    With `keep_old`, a replaced copy is kept under that name instead of deleted."""
     if is_nonempty(out) and not overwrite:
         raise exists_error
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -83,22 +142,7 @@ def staged_dir(out: Path, *, overwrite: bool, exists_error: PlaitError, stage: P
         yield tmp
         for written in tmp.rglob("*"):  # e.g. safetensors writes its file 0600: the result is for others to read
             os.chmod(written, 0o755 if written.is_dir() else 0o644)
-        old = None
-        if out.is_dir() and not any(out.iterdir()):
-            out.rmdir()
-        elif out.exists():
-            if not overwrite:  # appeared meanwhile
-                raise exists_error
-            old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-            os.rename(out, old)
-        try:
-            os.rename(tmp, out)
-        except OSError as e:
-            if old is not None:
-                os.rename(old, out)
-            raise exists_error from e
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()
+        _publish(tmp, out, overwrite=overwrite, exists_error=exists_error, keep_old=keep_old)
     except BaseException:
         if stage is None:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -102,28 +102,21 @@ def plan_import(hf_dir: Path, out: Path) -> HFImport:
 
 
 def write_import(plan: HFImport, *, overwrite: bool, moved: Callable[[Path], None] = lambda backup: None) -> str:
-    """Write the import into a staged copy of the output and publish it by one rename; returns the weights
-    hash. With ``overwrite`` a non-empty output is moved aside to ``<out>.old-<time>`` (kept, and told to
-    ``moved`` once the new one is in place) once the new one is complete, just before the rename; put back
-    if the new one is not published."""
+    """Write the import into a staged copy of the output and publish it in one step (core.publish.staged_dir);
+    returns the weights hash. With ``overwrite`` a non-empty output is kept as ``<out>.old-<time>`` (told to
+    ``moved``) once the new one is in its place."""
     out = plan.out
     exists = ConfigError(f"{out} exists; pass --overwrite (it is moved aside) or choose another --out")
     tokenizer = plan.tokenizer if plan.tokenizer.is_file() else None
-    backup = None
-    try:
-        with staged_dir(out, overwrite=overwrite, exists_error=exists) as tmp:
-            ckpt = tmp if plan.run_dir is None else tmp / "checkpoints" / IMPORTED_STEP
-            digest = write_imported_checkpoint(plan.hf, ckpt, config=to_dict(plan.cfg), tokenizer_path=tokenizer,
-                                               extra={"imported_from": _imported_from(plan)})  # fmt: skip
-            if plan.run_dir is not None:
-                (tmp / "config.toml").write_text(to_toml(plan.cfg))
-            if overwrite and is_nonempty(out):
-                backup = out.with_name(f"{out.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
-                out.rename(backup)
-    except BaseException:
-        if backup is not None and not out.exists():  # not published: the old output goes back in its place
-            backup.rename(out)
-        raise
+    backup = (
+        out.with_name(f"{out.name}.old-{time.strftime('%Y%m%d-%H%M%S')}") if overwrite and is_nonempty(out) else None
+    )
+    with staged_dir(out, overwrite=overwrite, exists_error=exists, keep_old=backup) as tmp:
+        ckpt = tmp if plan.run_dir is None else tmp / "checkpoints" / IMPORTED_STEP
+        digest = write_imported_checkpoint(plan.hf, ckpt, config=to_dict(plan.cfg), tokenizer_path=tokenizer,
+                                           extra={"imported_from": _imported_from(plan)})  # fmt: skip
+        if plan.run_dir is not None:
+            (tmp / "config.toml").write_text(to_toml(plan.cfg))
     if backup is not None:
         moved(backup)
     return digest
