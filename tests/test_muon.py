@@ -188,3 +188,54 @@ def test_the_planner_counts_one_buffer_the_matrices_in_flight_and_the_orthogonal
 
         cfg = load_config(None, ["optim.name=muon", "parallel.cpu_offload=true"])
         validate_layout(cfg, ParallelDims.from_config(cfg.parallel, 1, cfg.model))
+
+
+@pytest.mark.slow
+def test_muon_state_resumes_bitwise_reshards_and_another_optimizer_is_refused(data_dir, reference, tmp_path):
+    """One momentum buffer per Muon matrix, in the checkpoint (no exp_avg for them); the one-process run cut at
+    step 6 resumes to the same losses bitwise; FSDP 4's step-6 checkpoint resumes under FSDP 2 x TP 2 and continues
+    with the uninterrupted run's losses (the layouts' tolerance); an AdamW checkpoint is refused by a Muon run
+    unless checkpoint.fresh_optimizer=true asks for fresh states."""
+    import json
+    import shutil
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from plait.api import train
+    from plait.engine.checkpoint import list_checkpoints
+
+    def job(name: str, *extra: str) -> list[str]:
+        return [*dense_base(data_dir), *MUON, f"run.out_dir={tmp_path}", f"run.name={name}", *extra]
+
+    train(load_config(None, job("whole", "checkpoint.every_steps=6")))
+    (ckpt,) = list_checkpoints(tmp_path / "whole" / "checkpoints")
+    keys = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    assert "optim.layers.0.attention.wq.weight.momentum_buffer" in keys
+    assert not any(k.startswith("optim.layers.0.attention.wq.weight.exp_avg") for k in keys)
+    assert "optim.tok_embeddings.weight.exp_avg" in keys  # AdamW's, for the embedding
+    whole = read_metrics(tmp_path / "whole")
+    cut = tmp_path / "cut"
+    shutil.copytree(tmp_path / "whole", cut)
+    lines = (cut / "metrics.jsonl").read_text().splitlines()
+    (cut / "metrics.jsonl").write_text("".join(x + "\n" for x in lines if json.loads(x).get("step", 0) <= 6))
+    train(load_config(None, job("cut", "checkpoint.every_steps=0")))
+    assert read_metrics(cut)["loss"] == whole["loss"]  # bitwise
+
+    saved = tmp_path / "fsdp4"
+    save = [*dense_base(data_dir), *MUON, "parallel.dp_shard_degree=4", "checkpoint.every_steps=6",
+            f"checkpoint.dir={saved}"]  # fmt: skip
+    resume = [*dense_base(data_dir), *MUON, "parallel.dp_shard_degree=2", "parallel.tp_degree=2",
+              "checkpoint.every_steps=0", f"checkpoint.dir={saved}", "checkpoint.adopt=true"]  # fmt: skip
+    _, resumed = run_layouts(4, [save, resume])
+    assert "error" not in resumed, resumed.get("error")
+    assert sorted(resumed["loss"]) == list(range(7, 11))
+    for step, loss in resumed["loss"].items():
+        assert loss == pytest.approx(reference["loss"][step], rel=1e-5), step  # test_parallel's LOSS_RTOL
+
+    adamw = [*dense_base(data_dir), "checkpoint.every_steps=6", f"run.out_dir={tmp_path}", "run.name=adamw"]
+    train(load_config(None, adamw))
+    switch = [c for c in adamw if c != "checkpoint.every_steps=6"] + ["optim.name=muon", "checkpoint.every_steps=0"]
+    with pytest.raises(ConfigError, match="was trained with optim.name='adamw' and this run has optim.name='muon'"):
+        train(load_config(None, switch))
+    train(load_config(None, [*switch, "checkpoint.fresh_optimizer=true"]))  # resumes at step 6 with fresh states
+    assert sorted(read_metrics(tmp_path / "adamw")["loss"])[-1] == 10

@@ -188,6 +188,9 @@ class CheckpointConfig:
     adopt: bool = False
     """Continue the run whose checkpoints are in checkpoint.dir although it had another run.name (without
     this, a checkpoint.dir holding another run's checkpoints is refused, naming that run)."""
+    fresh_optimizer: bool = False
+    """Resume the weights, the step, the data position and the LR schedule, but start the optimizer's states
+    afresh: to switch optim.name (a checkpoint of another optimizer is refused without it)."""
 
 
 @dataclass

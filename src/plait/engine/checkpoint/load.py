@@ -18,10 +18,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from plait.core import storage
-from plait.core.errors import PlaitError
+from plait.core.errors import ConfigError, PlaitError
 from plait.core.storage import Location, RemotePath
 from plait.engine.checkpoint.find import read_meta
-from plait.engine.checkpoint.state import run_state, split
+from plait.engine.checkpoint.state import Optimizers, run_state, split
 from plait.engine.checkpoint.verify import agree, check, model_settings_differ
 from plait.engine.checkpoint.wording import short
 
@@ -83,7 +83,9 @@ def load_state(path: Location, t, *, loader, state, group, rank: int, config: di
         for part in t.parts:
             load_model_weights(part, path, group=group)
         return
+    fresh = _fresh_optimizer(meta, config, path)
     parts = run_state(t, loader=loader, state=state, rank=rank)
+    parts = [p for p in parts if not (fresh and isinstance(p, Optimizers))]
     wanted, _ = split([p for p in parts if p.TENSORS and not p.OPTIONAL])  # (the tensors to read into)
     everyone = _union({f"model.{k}" for k in wanted["model"]}, group)  # all pipeline stages' tensors
     problems, md = check(path, meta, wanted, expect_model=everyone)
@@ -96,6 +98,23 @@ def load_state(path: Location, t, *, loader, state, group, rank: int, config: di
     agree(_read(wanted, path), path, group)
     for part in parts:
         part.load_state_dict({**meta, **wanted})
+
+
+def _fresh_optimizer(meta: dict, config: dict, path: Location) -> bool:
+    """Whether to leave the optimizer's states out of this resume: asked for (checkpoint.fresh_optimizer), or
+    refused, with the reason, where the checkpoint's optimizer is another (its states are of another kind)."""
+    asked = bool(config.get("checkpoint", {}).get("fresh_optimizer"))
+    saved_config = meta.get("config")
+    saved_optim = saved_config.get("optim") if isinstance(saved_config, dict) else None
+    before = saved_optim.get("name", "adamw") if isinstance(saved_optim, dict) else "adamw"
+    now = config.get("optim", {}).get("name", "adamw")
+    if before != now and not asked:
+        raise ConfigError(
+            f"checkpoint {path} was trained with optim.name={before!r} and this run has optim.name={now!r}: its "
+            f"optimizer states are of another kind; set checkpoint.fresh_optimizer=true to resume the weights, step "
+            f"and data position with a fresh {now} state, or optim.name={before!r} to continue as it trained"
+        )
+    return asked
 
 
 def _present(tree: dict, saved: dict, prefix: str = "") -> dict:

@@ -116,10 +116,19 @@ class Schedules(Part):
         the same schedule; a resharded pipeline has another number of parts)."""
         saved = state_dict.get("schedulers") or [state_dict["scheduler"]]
         for i, (sched, opt) in enumerate(zip(self.schedulers, self.optimizers, strict=True)):
-            sched.load_state_dict(saved[i] if len(saved) == len(self.schedulers) else saved[0])
+            sched.load_state_dict(_regrouped(saved[i] if len(saved) == len(self.schedulers) else saved[0], sched))
             # The next update must use the LR the schedule had reached, not the fresh optimizer's.
             for group, lr in zip(opt.param_groups, sched.get_last_lr(), strict=True):
                 group["lr"] = lr
+
+
+def _regrouped(saved: dict, sched) -> dict:
+    """A saved schedule for this optimizer's parameter groups: where their number differs (another optimizer,
+    resumed with checkpoint.fresh_optimizer), its position and factor applied to this one's base rates."""
+    if len(saved.get("base_lrs", [])) == len(sched.base_lrs) or not saved.get("base_lrs"):
+        return saved
+    factor = saved["_last_lr"][0] / saved["base_lrs"][0] if saved["base_lrs"][0] else 0.0
+    return {**saved, "base_lrs": list(sched.base_lrs), "_last_lr": [b * factor for b in sched.base_lrs]}
 
 
 class DataPosition(Part):
