@@ -230,6 +230,7 @@ def _workload(model, seq: int, tokens: int, precision: str, base):
             moment_bytes=2 if base.optim.state_dtype == "bf16" else 4,
             compiled=base.compile.enabled,
             lora_rank=base.finetune.lora_rank,
+            muon=base.optim.name == "muon",
         )
     return work
 
