@@ -50,6 +50,8 @@ LAYOUTS = {  # name: (world size, settings)
     "FSDP 8, CPU offload, bf16 moments": (
         8, [*settings(dp_shard_degree=8, batch=8, cpu_offload="true"), "--optim.state_dtype=bf16"],
     ),
+    "FSDP 16, Muon": (16, [*settings(dp_shard_degree=16, batch=16), "--optim.name=muon"]),
+    "TP 2 x FSDP 4, Muon": (8, [*settings(tp_degree=2, dp_shard_degree=4, batch=8), "--optim.name=muon"]),
     "MoE, FSDP 8 x EP 4": (8, [*MOE, *settings(dp_shard_degree=8, ep_degree=4, batch=8)]),
     "MoE, TP 2 x FSDP 4 x EP 2": (8, [*MOE, *settings(tp_degree=2, dp_shard_degree=4, ep_degree=2, batch=8)]),
 }  # fmt: skip

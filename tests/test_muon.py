@@ -171,7 +171,7 @@ def test_the_planner_counts_one_buffer_the_matrices_in_flight_and_the_orthogonal
     whole matrices more, a longer optimizer step; and no offloaded layout offered (the run refuses it)."""
     from plait.planner import get_cluster, plan
     from plait.planner.cost import AC_MODES, Workload
-    from plait.planner.cost.counts import block_numel
+    from plait.planner.cost.muon import muon_numel
 
     args = preset_args("llama3-1b")
     cluster = get_cluster("h100", nodes=1, devices_per_node=8)
@@ -179,8 +179,8 @@ def test_the_planner_counts_one_buffer_the_matrices_in_flight_and_the_orthogonal
     adamw = plan(Workload(args, 4096, 64), cluster, pins=pins)
     muon = plan(Workload(args, 4096, 64, muon=True), cluster, pins=pins)
     a, m = adamw.record(adamw.best), muon.record(muon.best)
-    block = sum(block_numel(args, 1, 8, 1)[0].values())
-    assert (a["mem_states_gib"] - m["mem_states_gib"]) * 2**30 == pytest.approx(4 * args.n_layers * block, rel=1e-6)
+    matrices = muon_numel(args, 1, 8, 1)
+    assert (a["mem_states_gib"] - m["mem_states_gib"]) * 2**30 == pytest.approx(4 * args.n_layers * matrices, rel=1e-6)
     assert m["t_optimizer"] > a["t_optimizer"]
     assert not any(muon.record(i)["offload"] for i in muon.top(50))
     with pytest.raises(ConfigError, match="optim.name='muon' with parallel.cpu_offload=true is refused"):

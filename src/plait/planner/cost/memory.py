@@ -92,7 +92,8 @@ def rank_memory(work: Workload, lay: Layouts, c: Columns, name: str) -> dict[str
     sharded = layers * layer_s + root_s
     unsharded = layers * layer_u + root_u
     full, no_grads = 8.0 + 2 * work.moment_bytes, 4.0 + 2 * work.moment_bytes  # fp32 param (+ grad) + 2 moments
-    saving = muon.state_saving(work.moment_bytes, layers * layer_s) if work.muon else 0.0  # one buffer, not two
+    muon_s = muon.muon_numel(a, tp, c.fsdp_shard, c.ep) if work.muon else 0.0
+    saving = muon.state_saving(work.moment_bytes, layers * muon_s)  # one buffer, not two
     states = np.where(lay.offload, 0.0, full * sharded - saving)
     params_f, params_b = _gathered_bytes(a, c, e, unsharded, (layer_u, emb_u, head_u, enc_u), fused)
     piped = pp > 1

@@ -1,7 +1,7 @@
 """What Muon (optim.name = "muon", plait.engine.muon) changes in a rank's memory and its optimizer step.
 
 Memory: the blocks' matrices keep one fp32 momentum buffer instead of AdamW's two moments (4 bytes a parameter
-instead of 8; norms and routers, which stay with AdamW, are counted with the matrices: under 0.1% of a block),
+instead of 8; norms, routers and the embedding and head keep AdamW's: muon_numel counts the matrices alone),
 and while the step runs, the whole matrices each rank orthogonalises are alive beside the states
 (plait.parallel.orthogonal: the stack it receives, the iteration's working copies, the stack it sends back, and
 the next round's arriving one), at most TRANSIENT_MATRICES of the largest.
@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from plait.model.args import ModelArgs
-from plait.planner.cost.counts import layer_params, moe_params
+from plait.planner.cost.counts import distinct, layer_params, moe_params, sharded_numel
 
 NS_STEPS = 5
 """torch.optim.Muon's Newton-Schulz iterations (optim.muon_ns_steps' default)."""
@@ -58,6 +58,25 @@ def largest_matrix(a: ModelArgs) -> float:
     if a.moe_experts:
         sizes.append(a.expert_hidden_dim * a.dim)
     return max(sizes)
+
+
+def muon_numel(a: ModelArgs, tp, fsdp_shard, ep):
+    """Elements of one average block's Muon matrices each rank holds (plait.engine.muon.takes_muon): the
+    attention's and the dense MLP's (TP-split, sharded over fsdp_shard), the shared expert's and the routed
+    experts' (sharded as cost.counts.block_numel shards them); not the norms nor the router."""
+    (tp, fsdp_shard, ep), inverse = distinct(tp, fsdp_shard, ep)
+    matrices = [p for p in layer_params(a) if p[2] >= 0]
+    moe_tp = tp if a.moe_experts or a.qk_norm else 1
+    share, h = a.n_moe_layers / a.n_layers, a.dim
+    shared = a.expert_hidden_dim * a.moe_shared_experts
+    whole = [(shared, h * share, -1), (shared, h * share, -1), (h, shared * share, -1)] if shared and share else []
+    _, experts = moe_params(a)
+    total = (
+        sharded_numel(matrices, tp, fsdp_shard)
+        + sharded_numel(whole, 1, fsdp_shard * moe_tp)
+        + sharded_numel(experts, ep, fsdp_shard * moe_tp // ep)
+    )
+    return total if inverse is None else np.asarray(total)[inverse]
 
 
 def state_saving(moment_bytes: int, muon_numel):
