@@ -259,7 +259,7 @@ def _tp_local_shapes(args, layer_ids: list[int], first: bool, last: bool, tp: in
 
 def _fsdp_groups(args, dims, layer_ids: list[int], first: bool, last: bool) -> dict[str, tuple[list[tuple], int, str]]:
     """FSDP groups of one stage: name -> (parameter shapes, shard group size, mesh axis). A mixture-of-experts
-    block (plait.parallel.parallelize._shard_moe): attention and norms with the block; its router, shared
+    block (plait.parallel.fsdp._shard_moe): attention and norms with the block; its router, shared
     expert and (without expert parallelism) experts with it too, or in a group of their own over the token
     ranks (dp_shard x cp x tp: "tokens") under TP; expert-parallel experts (E / ep each) over ep_shard."""
     ns = dims.dp_shard * dims.cp

@@ -3,7 +3,7 @@ process on this CPU, and report what rank 0 pays: time to build on meta, to shar
 its shards, and its peak RSS against the bytes of its shards.
 
 Each rank draws only the rows of its own shards (`Transformer.init_weights` draws per block of rows;
-`parallel.parallelize.init_local_shard` asks for the shard's rows), so neither time nor memory grows with the
+`parallel.materialize.init_local_shard` asks for the shard's rows), so neither time nor memory grows with the
 full model. The baseline, in the same run on a smaller model, is the earlier way: every full parameter drawn,
 then the shard cut out (what every rank paid before, for the whole model).
 

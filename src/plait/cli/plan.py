@@ -102,7 +102,7 @@ def _check_writable(path: str, overwrite: bool) -> None:
 
 
 PLANNER_BLAS_THREADS = "1"
-"""The planner's matrix products are small and many (plait.planner.cost.memory.peak_activations): BLAS's
+"""The planner's matrix products are small and many (plait.planner.cost.pipeline.peak_activations): BLAS's
 threads spinning between them cost more CPU than the products (measured in docs/planner.md). Set before numpy
 loads, unless the user set it."""
 

@@ -192,7 +192,7 @@ def count_only_saved_ops(modes, saved) -> None:
     """Selective activation checkpointing's two dispatch modes (from create_selective_checkpoint_contexts)
     changed in place to count and cache only the ops in `saved`; every other op runs as it is, in forward
     and in the recompute. torch matches the recompute to the forward op by op (an invocation counter per op),
-    so a region that contains an FSDP2-sharded module (expert-parallel experts: plait.parallel.parallelize)
+    so a region that contains an FSDP2-sharded module (expert-parallel experts: plait.parallel.fsdp)
     fails in backward: FSDP's hooks run a different number of record_function, all-gather and copy ops in the
     recompute than in forward (pytorch/pytorch#196862 makes torch skip those; not in torch 2.13). The ops
     left uncounted are ones the policy recomputes anyway, so only the bookkeeping changes. Eager mode only."""

@@ -27,7 +27,7 @@ import time
 import torch
 
 from plait.core.errors import ConfigError
-from plait.engine.callbacks import Callback
+from plait.engine.callbacks import Callback, RunState
 from plait.parallel.env import restart_count
 
 
@@ -72,7 +72,7 @@ class Faults(Callback):
         if rank is not None:
             self._configure(rank)
 
-    def on_setup(self, run) -> None:
+    def on_setup(self, run: RunState) -> None:
         if not hasattr(self, "rank"):
             self._configure(run.env.rank, run.env.world_size)
         install_health_faults()  # the health check runs next (plait.api.default_callbacks' order)
@@ -96,13 +96,13 @@ class Faults(Callback):
         if self.nan_left or self.hang_step:
             self._hooks = [part.register_forward_hook(self._hook) for part in parts]
 
-    def on_start(self, run) -> None:
+    def on_start(self, run: RunState) -> None:
         self.install(run.t.parts)
         crash = os.environ.get("PLAIT_FAULT_SAVE_CRASH", "").strip()
         if crash:
             crash_before_publish(run.checkpointer.publisher, crash)
 
-    def before_step(self, run, step: int) -> None:
+    def before_step(self, run: RunState, step: int) -> None:
         if step == self.kill_step:
             print(f"plait: fault injection: killing rank {self.rank} at step {step}", file=sys.stderr, flush=True)
             os._exit(137)
@@ -111,13 +111,13 @@ class Faults(Callback):
         self.nan_armed = self.nan_left > 0 and step >= self.nan_step
         self.hang_armed = step == self.hang_step
 
-    def should_step(self, run, loss, grad_norm) -> None:
+    def should_step(self, run: RunState, loss, grad_norm) -> None:
         """After forward/backward: evaluation forwards are not touched."""
         if self.nan_armed:
             self.nan_left -= 1
         self.nan_armed = self.hang_armed = False
 
-    def close(self, run) -> None:
+    def close(self, run: RunState) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks = []

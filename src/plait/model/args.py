@@ -209,8 +209,8 @@ def recompute_units_pay(dim, hidden_dim, tp):
     """Whether selective recompute keeps less as two units per block (each half up to its output projection:
     the projections keep their inputs, (dim + hidden_dim) / tp per token) than as one (the projections'
     outputs kept instead: 2 dim, full-size partial sums under tensor parallelism). With Llama's hidden_dim
-    = 8/3 dim: from tp = 2 on. The one rule for the runtime (parallelize.apply_ac) and the planner; works on
-    numpy arrays of tp."""
+    = 8/3 dim: from tp = 2 on. The one rule for the runtime (parallel.activation_checkpoint.apply_ac) and the
+    planner; works on numpy arrays of tp."""
     return 2 * dim * tp > dim + hidden_dim
 
 

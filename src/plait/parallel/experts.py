@@ -14,7 +14,7 @@ Dropless: every token reaches every expert it picked, however unbalanced the rou
 no padding); the price of an imbalance is time on the busiest rank, which moe/load_imbalance shows.
 
 The expert weights are DTensors sharded on the expert dimension over the ep mesh (FSDP2 shards them further
-over ep_shard: plait.parallel.parallelize.apply_fsdp). Their gradients arrive summed over the ep ranks' tokens
+over ep_shard: plait.parallel.fsdp.apply_fsdp). Their gradients arrive summed over the ep ranks' tokens
 (the all-to-all's backward brings every rank's share to the expert's owner) and FSDP then averages over
 ep_shard, so they are scaled by 1 / ep on the way in (tp / ep where tp ranks hold different tokens of an MoE
 block: plait.parallel.dims): the mean over all data-parallel ranks, as for every other parameter.
@@ -90,7 +90,7 @@ def _expert_parallel(
 def all_to_all_forward(x: torch.Tensor, out_rows: list[int], in_rows: list[int], group: str) -> torch.Tensor:
     """Rows of x split by in_rows go one piece to each rank of the group; out_rows pieces arrive, in rank
     order. A torch op (plait::expert_all_to_all) so that selective activation checkpointing can keep its
-    output (parallelize.SAVED_OPS) instead of sending the tokens again in the recompute."""
+    output (activation_checkpoint.SAVED_OPS) instead of sending the tokens again in the recompute."""
     out = x.new_empty((sum(out_rows), *x.shape[1:]))
     dist.all_to_all_single(out, x.contiguous(), out_rows, in_rows, group=registered_group(group))
     return out
