@@ -20,8 +20,8 @@ def pytest_addoption(parser):
 
 
 # The multi-process runs CI keeps from those marked `slow`: the parity of every layout against one process at
-# 2 and 4 ranks, MoE at 2 (expert parallelism under FSDP, TP and PP), the retrieval family, compile, and a
-# model of your own under FSDP2. The other slow runs (faults, restarts, launchers, S3, resharding, 8 ranks)
+# 2 and 4 ranks, MoE at 2 (expert parallelism under FSDP, TP and PP), the retrieval family, compile, a model of
+# your own under FSDP2, and Muon's layouts, MoE and checkpoints. The other slow runs (faults, restarts, launchers, S3, resharding, 8 ranks)
 # run with --full: on CI's two cores the whole suite passed 90 minutes.
 CI_SLOW = (
     "tests/test_parallel.py::test_layouts_match_single_process[2]",
@@ -30,6 +30,10 @@ CI_SLOW = (
     "tests/test_retro.py::test_a_retrieval_model_trains_resumes_bitwise_and_every_layout_equals_one_process",
     "tests/test_compile.py::test_compile_matches_eager_and_never_recompiles",
     "tests/test_api.py::test_custom_model_example_under_fsdp2_equals_one_process_and_resumes",
+    "tests/test_muon.py::test_every_layout_takes_the_one_process_muon_step[2]",
+    "tests/test_muon.py::test_every_layout_takes_the_one_process_muon_step[4]",
+    "tests/test_muon.py::test_a_mixture_of_experts_takes_the_one_process_muon_step_under_expert_parallelism",
+    "tests/test_muon.py::test_muon_state_resumes_bitwise_reshards_and_another_optimizer_is_refused",
 )
 
 
