@@ -8,7 +8,7 @@ what happens:
 
     --case tp       one rank of tp 8 (a fake process group of 8, llama3-8b's block with 2 blocks): does the
                     compiled step run, and how long a step takes against eager (values are not meaningful on
-                    a fake group, so parity is for a real group: tests/test_compile.py on a machine with 8 GPUs)
+                    a fake group, so parity is for a real group: tests/parallel/test_compile.py on 8 GPUs)
     --case fsdp-tp  the same with FSDP 2 x TP 8 (a fake group of 16)
     --case moe      one process (a real group of 1), qwen3-30b-a3b's block shape with 2 blocks: the compiled
                     and the eager step from the same weights and batch: losses side by side, recompilations

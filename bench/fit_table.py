@@ -1,4 +1,4 @@
-"""`plait fit` over the layouts tests/test_fit.py holds to the planner, as a table: each rank's measured peak
+"""`plait fit` over the layouts tests/e2e/test_fit.py holds to the planner, as a table: each rank's measured peak
 (the CUDA allocator's on a GPU; live tensor bytes op by op on the CPU) beside the planner's prediction.
 
     python bench/fit_table.py                          # this machine (CPU unless --device cuda)
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def layouts() -> dict[str, tuple[int, list[str], list[str]]]:
-    """name -> (world size, model settings, layout settings): the test's own table, read from tests/test_fit.py."""
+    """name -> (world size, model settings, layout settings): the test's own table, read from tests/e2e/test_fit.py."""
     spec = importlib.util.spec_from_file_location("test_fit", ROOT / "tests" / "test_fit.py")
     assert spec is not None and spec.loader is not None
     test = importlib.util.module_from_spec(spec)

@@ -204,7 +204,8 @@ def parts(peers: Path) -> dict[int, list[Step]]:
             # long context, passed on an H200 on 2026-11-26 (kept as regression checks)
             Step(
                 "ring-attention-cuda",
-                ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_context_parallel.py", "-k", "cuda"],
+                ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/parallel/test_context_parallel.py"]
+                + ["-k", "cuda"],
                 25,  # measured 13 s
             ),
             seq32k,
@@ -212,7 +213,7 @@ def parts(peers: Path) -> dict[int, list[Step]]:
             # then its cost in attention against causal flash attention (bench/document_mask.py)
             Step(
                 "document-mask-cuda",
-                ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_document_mask.py", "-k", "cuda"],
+                ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/parallel/test_document_mask.py", "-k", "cuda"],
                 40,
             ),
             Step(

@@ -1,9 +1,23 @@
-"""Fixtures every test module shares."""
+"""Fixtures every test module shares, and the three tiers of the style guide as folders:
+
+- unit/: no process group (the config, the model's parts, the planner, the data, the house's rules);
+- parallel/: multi-process runs on gloo against the single-process run (every layout, MoE, RETRO, Muon,
+  resharding, compile, the golden curves);
+- e2e/: the `plait` command and the Python API end to end on tiny models (checkpoints, launches, faults,
+  interop, lifecycle, bad inputs).
+
+A file sits in the tier of its heaviest tests. Helpers shared by several tiers (parallel_harness, bad_inputs,
+runs, s3_server) stay here; a test module may import another tier's (e.g. test_parallel's base config).
+"""
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
+
+HERE = Path(__file__).parent
+sys.path[1:1] = [str(HERE / tier) for tier in ("unit", "parallel", "e2e") if str(HERE / tier) not in sys.path]
 
 # Fault injection (PLAIT_FAULT_*) is a test's tool, not plait's: the suite attaches it to every run it starts,
 # in this process and in the worker processes that inherit the environment.
@@ -21,19 +35,19 @@ def pytest_addoption(parser):
 
 # The multi-process runs CI keeps from those marked `slow`: the parity of every layout against one process at
 # 2 and 4 ranks, MoE at 2 (expert parallelism under FSDP, TP and PP), the retrieval family, compile, a model of
-# your own under FSDP2, and Muon's layouts, MoE and checkpoints. The other slow runs (faults, restarts, launchers, S3, resharding, 8 ranks)
-# run with --full: on CI's two cores the whole suite passed 90 minutes.
+# your own under FSDP2, and Muon's layouts, MoE and checkpoints. The other slow runs (faults, restarts,
+# launchers, S3, resharding, 8 ranks) run with --full: on CI's two cores the whole suite passed 90 minutes.
 CI_SLOW = (
-    "tests/test_parallel.py::test_layouts_match_single_process[2]",
-    "tests/test_parallel.py::test_layouts_match_single_process[4]",
-    "tests/test_moe.py::test_moe_layouts_match_single_process[2]",
-    "tests/test_retro.py::test_a_retrieval_model_trains_resumes_bitwise_and_every_layout_equals_one_process",
-    "tests/test_compile.py::test_compile_matches_eager_and_never_recompiles",
-    "tests/test_api.py::test_custom_model_example_under_fsdp2_equals_one_process_and_resumes",
-    "tests/test_muon.py::test_every_layout_takes_the_one_process_muon_step[2]",
-    "tests/test_muon.py::test_every_layout_takes_the_one_process_muon_step[4]",
-    "tests/test_muon.py::test_a_mixture_of_experts_takes_the_one_process_muon_step_under_expert_parallelism",
-    "tests/test_muon.py::test_muon_state_resumes_bitwise_reshards_and_another_optimizer_is_refused",
+    "tests/parallel/test_parallel.py::test_layouts_match_single_process[2]",
+    "tests/parallel/test_parallel.py::test_layouts_match_single_process[4]",
+    "tests/parallel/test_moe.py::test_moe_layouts_match_single_process[2]",
+    "tests/parallel/test_retro.py::test_a_retrieval_model_trains_resumes_bitwise_and_every_layout_equals_one_process",
+    "tests/parallel/test_compile.py::test_compile_matches_eager_and_never_recompiles",
+    "tests/parallel/test_api.py::test_custom_model_example_under_fsdp2_equals_one_process_and_resumes",
+    "tests/parallel/test_muon.py::test_every_layout_takes_the_one_process_muon_step[2]",
+    "tests/parallel/test_muon.py::test_every_layout_takes_the_one_process_muon_step[4]",
+    "tests/parallel/test_muon.py::test_a_mixture_of_experts_takes_the_one_process_muon_step_under_expert_parallelism",
+    "tests/parallel/test_muon.py::test_muon_state_resumes_bitwise_reshards_and_another_optimizer_is_refused",
 )
 
 

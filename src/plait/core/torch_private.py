@@ -1,6 +1,6 @@
 """torch APIs that are not public, each behind a function here, so a torch upgrade that moves one breaks one
 place (and its test), not the callers. Nothing else in plait imports a private torch module or name, reads a
-`_`-attribute of torch, or passes torch a `_`-keyword: tests/test_layers.py reads the source to hold that. The
+`_`-attribute of torch, or passes torch a `_`-keyword: tests/unit/test_layers.py reads the source to hold that. The
 private API of the libraries beside torch (torchao, s3fs) is kept here too, at the end, for the same reason.
 
 Longer than the house's 450 lines on purpose: the rule is one module for all of them, so that a torch upgrade
@@ -574,7 +574,7 @@ def _torch_minor() -> tuple[int, int]:
 
 # torch releases on which per-block torch.compile under tensor parallelism trains as eager does: compiled TP 2
 # and FSDP 2 x TP 2 equal the eager single process (loss and gradient norm, 6 steps) on real gloo groups
-# (tests/test_compile.py, run in a torch 2.11 environment on 2026-11-27). Not torch 2.12 or 2.13 (both tried
+# (tests/parallel/test_compile.py, run in a torch 2.11 environment on 2026-11-27). Not torch 2.12 or 2.13 (both tried
 # the same day): TP alone fails in backward (DTensor's NestedRedistribute: "'Tensor' object has no attribute
 # '_local_tensor'"), and on 2.13 FSDP2 + TP trains on wrong gradients.
 COMPILE_WITH_TP_WORKS = {(2, 11)}

@@ -9,7 +9,7 @@ models and plait's own (`plait data prepare`'s BPE) do not, and take a built-in 
 tokenizer's special tokens (bos_token, ...) as variables; and within limits of time, size and depth, since a
 template is data from outside (plait.data.sandbox: 2 s and 8 Mi characters per render). The rendered text is
 tokenised whole, without added special tokens, so the ids equal `apply_chat_template(messages,
-tokenize=True)` exactly (tests/test_chat.py checks it against transformers).
+tokenize=True)` exactly (tests/e2e/test_chat.py checks it against transformers).
 
 Only assistant turns are learned: each assistant turn's text is where it lies in the rendered conversation,
 found by rendering the conversation up to the turn (with the generation prompt) and through it; a token is

@@ -7,12 +7,12 @@ so that the copies stay small; the moments are then written back rounded *stocha
 Plain round-to-nearest would stall them: a second moment moves by (1 - beta2)(g^2 - v) a step, and where
 that is under half of bfloat16's spacing (0.4% of v; at beta2 = 0.999 always) it rounds back to the old
 value and stops following the gradients. Stochastic rounding keeps each stored moment unbiased (its
-expected value is the fp32 one; tests/test_bf16_adamw.py).
+expected value is the fp32 one; tests/parallel/test_bf16_adamw.py).
 
 The rounding noise is deterministic: one buffer of uniform 16-bit integers, drawn once from a fixed seed,
 read at an offset hashed from (step, parameter, chunk). A resumed run rounds as the uninterrupted one did,
 bitwise; a run under another layout (other shard boundaries) rounds differently, within the tolerance
-written in tests/test_bf16_adamw.py.
+written in tests/parallel/test_bf16_adamw.py.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ every layout (`optim.name = "muon"`).
 
 torch.optim.Muon is the reference: its Newton-Schulz coefficients, step count and epsilon are read from its
 signature, its update rule (Nesterov momentum, decoupled weight decay, Moonlight's `match_rms_adamw` scale, so
-AdamW's learning rate and weight decay carry over) is the one applied, and tests/test_muon.py holds the two
+AdamW's learning rate and weight decay carry over) is the one applied, and tests/parallel/test_muon.py holds the two
 equal on one process. What it lacks, and this module adds: matrices split over ranks (FSDP2, tensor
 parallelism, both; plait.parallel.orthogonal gives each whole matrix to one rank of its shard group), stacks of
 experts (3-D, orthogonalised per expert, batched, where they live), fp32 iterations on a CPU (torch's are bf16

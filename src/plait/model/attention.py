@@ -59,7 +59,7 @@ def document_mask(docs: torch.Tensor, window: int) -> torch.Tensor:
 
 FLEX_VERIFIED_ON_CUDA: set[tuple[int, int]] = set()
 """torch releases on which a GPU session has run document masking through flex_attention against the masked
-SDPA path, forward and backward (tests/test_document_mask.py, in bench/gpu_session.py part 2): none yet. Until
+SDPA path, forward and backward (tests/parallel/test_document_mask.py, in bench/gpu_session.py part 2): none yet. Until
 then CUDA keeps the masked SDPA path, which runs there already; PLAIT_FLEX_ATTENTION=1 turns flex on."""
 
 

@@ -6,7 +6,7 @@ activation checkpointing keeps in torch's own cache, which those hooks do not se
         loss = loss_fn(model(x), y)
     saved.total, saved.per_block, saved.blocks   # the whole pass; inside model.layers' blocks; block calls
 
-The planner's memory model is checked against this (tests/test_plan_vs_runtime.py), and bench/memory.py
+The planner's memory model is checked against this (tests/parallel/test_plan_vs_runtime.py), and bench/memory.py
 prints it per token and layer next to Megatron's formula."""
 
 from __future__ import annotations

@@ -72,7 +72,7 @@ def stage_examples(cfg: Config, meshes: Meshes, micro_batch: int, first: bool, l
     the first stage takes token ids (micro-batch, T), every other the hidden states (micro-batch, T, dim),
     T the sequence over cp and, under sequence parallelism, over tp; in bf16 where FSDP computes in bf16,
     else fp32 (autocast keeps the residual stream in fp32); the last stage gives the fused head's summed loss.
-    tests/test_fit.py holds this against what torch infers on a real group."""
+    tests/e2e/test_fit.py holds this against what torch infers on a real group."""
     from plait.core.errors import ConfigError
     from plait.core.hardware import uses_bf16
 

@@ -121,7 +121,7 @@ def schedule_problem(schedule: str, fused_head: bool) -> str | None:
     """Why this torch cannot run a pipeline schedule with this head (None: it can). The runtime's check calls it
     through pipeline_problem; the planner's search through pipeline_problem too, and before that to leave such
     schedules out of its candidates (plait.planner.search), so `--layout auto` never picks a schedule the run
-    would refuse (tests/test_parallel.py checks both)."""
+    would refuse (tests/parallel/test_parallel.py checks both)."""
     if schedule == "zero_bubble" and fused_head and not weight_pass_takes_custom_functions():
         return (
             f"pp_schedule='zero_bubble' with train.fused_head=true does not run on torch {torch_version()}: its "

@@ -1,7 +1,7 @@
 """Will this run fit? Asked before any worker starts, of the planner's memory model.
 
 The model is the one `plait plan` ranks layouts with, checked against the runtime's measured memory
-(tests/test_plan_vs_runtime.py): parameters, gradients and AdamW states as sharded by this layout, gathered
+(tests/parallel/test_plan_vs_runtime.py): parameters, gradients and AdamW states as sharded by this layout, gathered
 parameters and communication buffers, activations as the schedule keeps them, the head's transients, the
 allocator's slack and the device's reserve. A run predicted over its devices' memory (on the CPU: over what
 the machine has available for its processes) would end in an out-of-memory error or the kernel's OOM killer,

@@ -7,7 +7,7 @@ is copied in, ``plait.json`` is written (the lock re-read just before: a run who
 nothing), an earlier checkpoint of the same step is retired (a complete one removed, a damaged one set aside),
 and the directory renamed to ``step_<N>``. A checkpoint is a directory with ``plait.json`` named ``step_<N>``,
 so a crash between any two steps leaves either no new checkpoint or the new one complete
-(tests/test_checkpoint_crash.py crashes a run between each pair). Damaged checkpoints are never deleted: they
+(tests/unit/test_checkpoint_crash.py crashes a run between each pair). Damaged checkpoints are never deleted: they
 are set aside under a name no listing counts."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Activation bytes per token: what a block, RETRO's retrieval, a mixture of experts' MLP and the head keep for
 backward under each activation-checkpointing mode, and the head's working memory. Per token and per layer,
-measured against the real model (tests/test_planner.py, tests/test_plan_vs_runtime.py); plait.planner.cost.memory
-multiplies them by a rank's tokens, layers and in-flight micro-batches."""
+measured against the real model (tests/unit/test_planner.py, tests/parallel/test_plan_vs_runtime.py);
+plait.planner.cost.memory multiplies them by a rank's tokens, layers and in-flight micro-batches."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def _norm_bytes(e: int) -> int:
 
 
 def layer_activation_bytes(a: ModelArgs, e: int, tp, ac, cp=1, ep=1) -> np.ndarray:
-    """Bytes kept for backward per token per block (measured on the real model: tests/test_planner.py).
+    """Bytes kept for backward per token per block (measured on the real model: tests/unit/test_planner.py).
 
     none: two norms, each (norm_bytes h + 4 for rsqrt) + its output h e (the input of the next matmul);
         q, k, v (k and v after the GQA repeat) and the attention output, each Q = H x head_dim wide (h, but
@@ -69,7 +69,7 @@ def layer_activation_bytes(a: ModelArgs, e: int, tp, ac, cp=1, ep=1) -> np.ndarr
 
 def retrieval_activation_bytes(a: ModelArgs, e: int, tp, ac) -> np.ndarray:
     """RETRO's bytes kept for backward per token of the sequence (0 without retrieval; measured on the real
-    model: tests/test_plan_vs_runtime.py). Each token brings n = 2k neighbour tokens (k neighbours of 2c per
+    model: tests/parallel/test_plan_vs_runtime.py). Each token brings n = 2k neighbour tokens (k neighbours of 2c per
     chunk of c), kept whatever the activation checkpointing, which covers the decoder's blocks only: their int64
     ids, the encoder's blocks over them (sequence-parallel under TP, as the decoder's, without checkpointing),
     its final norm, and its output, whole on every tp rank (every cross-attending block's key and value
@@ -96,12 +96,12 @@ def retrieval_activation_bytes(a: ModelArgs, e: int, tp, ac) -> np.ndarray:
 
 
 def moe_mlp_bytes(a: ModelArgs, e: int) -> tuple[float, float]:
-    """Bytes per token an MoE block's MLP keeps (measured on plait.model.moe.MoE: tests/test_plan_vs_runtime.py),
-    as (no AC, selective AC beyond the one h e the block's formula counts for the MLP's output). Per routed copy
-    (k per token): without AC the expert's SwiGLU tensors (4 F e), the gathered token and the expert output
-    back in token order (2 h e) and int64 indices (32); selective keeps the w1 and w3 outputs and the w2 output
-    (2 F e + h e). Per token: the fp32 router scores and their top-k weights (4 E + 8; selective: the router's
-    output, E e); a shared expert as a dense SwiGLU of its width."""
+    """Bytes per token an MoE block's MLP keeps (measured on plait.model.moe.MoE:
+    tests/parallel/test_plan_vs_runtime.py), as (no AC, selective AC beyond the one h e the block's formula counts for
+    the MLP's output). Per routed copy (k per token): without AC the expert's SwiGLU tensors (4 F e), the gathered token
+    and the expert output back in token order (2 h e) and int64 indices (32); selective keeps the w1 and w3 outputs and
+    the w2 output (2 F e + h e). Per token: the fp32 router scores and their top-k weights (4 E + 8; selective: the
+    router's output, E e); a shared expert as a dense SwiGLU of its width."""
     h, k, fe, experts = a.dim, a.moe_top_k, a.expert_hidden_dim, a.moe_experts
     shared = a.expert_hidden_dim * a.moe_shared_experts
     none = k * (4 * fe * e + 2 * h * e + 32) + 4 * experts + 8 + 4 * shared * e

@@ -73,12 +73,12 @@ STEADY_MICRO_BATCHES = 4
 """A longer steady state only repeats moments. 1F1B and interleaved 1F1B: the distinct moments of m
 micro-batches (a multiple of p) are those of 4 p from 3 p on. Zero bubble: they are too, but for the weight
 gradients done, which grow by p each period in the moments that follow the steady state, so those of k p
-(k > 5) are 4 p's plus (k - 4) times the growth from 4 p to 5 p (tests/test_planner.py walks them all)."""
+(k > 5) are 4 p's plus (k - 4) times the growth from 4 p to 5 p (tests/unit/test_planner.py walks them all)."""
 
 GPIPE_LINEAR_FROM = 3
 """GPipe's moments (all forwards, then the backwards' first two) hold m, m - 1 and m - 2 micro-batches: from
 this many micro-batches on, those of m are 3's plus (m - 3) times the growth from 3 to 4, for any m (walked in
-tests/test_planner.py)."""
+tests/unit/test_planner.py)."""
 
 
 @functools.lru_cache(maxsize=4096)
@@ -255,13 +255,13 @@ ZERO_BUBBLE_LAST_MARGIN = 1.15
 """Zero bubble's last pipeline rank keeps more than ``zero_bubble_residue`` accounts for: with one stage per
 rank the weight passes of the last stage wait, and each waiting micro-batch holds the fused head's output-weight
 gradient (V x dim) it computed in forward. Measured 0-14% above the model on the last rank
-(tests/test_plan_vs_runtime.py), so its activations are taken 15% larger: a zero-bubble layout the planner
+(tests/parallel/test_plan_vs_runtime.py), so its activations are taken 15% larger: a zero-bubble layout the planner
 calls fitting must fit. The first rank's prediction is exact."""
 
 
 def zero_bubble_residue(a: ModelArgs, e: int, tp, layers, has_head, fused: bool = True) -> np.ndarray:
     """Bytes per token one micro-batch of a stage keeps after its zero-bubble weight gradient, until the step
-    ends (measured: tests/test_plan_vs_runtime.py). torch's input-gradient pass runs with retain_graph=True
+    ends (measured: tests/parallel/test_plan_vs_runtime.py). torch's input-gradient pass runs with retain_graph=True
     and the weight pass only visits the nodes next to the weights, so what those do not need stays saved: per
     layer the attention's q, k, v (h wide each after the GQA repeat), output and logsumexp; for the final
     stage also the fused head's input gradient (e h / tp), or the plain head's fp32 log-softmax, logits and

@@ -1,5 +1,5 @@
 """`plait bench` on a tiny eager model: the JSON it writes, the table it prints, and its refusals.
-(Its compile path, cold vs warm start, shares plait.engine.compile_cache with tests/test_compile.py.)"""
+(Its compile path, cold vs warm start, shares plait.engine.compile_cache with tests/parallel/test_compile.py.)"""
 
 import json
 import statistics
@@ -118,7 +118,7 @@ def _gpu_session():
     import sys
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "bench" / "gpu_session.py"
+    path = Path(__file__).resolve().parents[2] / "bench" / "gpu_session.py"
     spec = importlib.util.spec_from_file_location("gpu_session", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
@@ -147,7 +147,7 @@ def _bench_script(name: str):
     import sys
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    path = Path(__file__).resolve().parents[2] / "bench" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
@@ -184,7 +184,7 @@ def test_moe_peers_run_on_the_cpu_with_plaits_parameter_count():
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     proc = subprocess.run(
         [sys.executable, "bench/gpu_peers.py", "--family", "moe", "--check"], cwd=root, capture_output=True, text=True
     )

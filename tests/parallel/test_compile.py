@@ -8,7 +8,7 @@ restart measures what a restarted job sees and nothing leaks into the other test
 
 Tolerances (relative, fp32), both 1e-5: Inductor fuses the element-wise work of a block (RMSNorm, rotary
 embeddings, SwiGLU) and may reorder its reductions, which moves results by fp32 rounding only (observed: 1e-7
-on the loss over 6 steps, 0 on the gradient norm). At lr 1e-3, as in tests/test_parallel.py, such rounding
+on the loss over 6 steps, 0 on the gradient norm). At lr 1e-3, as in tests/parallel/test_parallel.py, such rounding
 stays at that size; a real compile bug (a wrong gradient, a stale weight) moves the loss by 1e-4 or more.
 """
 

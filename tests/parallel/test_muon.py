@@ -1,7 +1,7 @@
 """Muon (optim.name = "muon"): torch.optim.Muon's update on one process, the same update in every layout, the
 one rule of which parameters take it, and its state through checkpoints.
 
-Parity tolerances are the layouts' AdamW ones (tests/test_parallel.py, relative 1e-5, fp32): the Newton-Schulz
+Parity tolerances are the layouts' AdamW ones (tests/parallel/test_parallel.py, relative 1e-5, fp32): the Newton-Schulz
 iterations run in fp32 on the CPU (optim.muon_ns_dtype=auto), on whole matrices, so a layout changes only the
 order of fp32 sums in the gradients, as under AdamW; the iteration is a polynomial of bounded degree, so it
 carries those rounding differences through without growing them past the tolerance over ten steps.

@@ -373,7 +373,7 @@ def test_hang_watchdog_reports_exits_and_the_group_restarts(data_dir, tmp_path):
         cwd=tmp_path,
         env={
             **env,
-            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *filter(None, [env.get("PYTHONPATH")])]),
+            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), *filter(None, [env.get("PYTHONPATH")])]),
         },
         timeout=600,
     )

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXTRAS = ("matplotlib", "tensorboard", "pyarrow", "huggingface_hub")
 
 # The process runs as if the extras were not installed: each import of them fails, find_spec finds none.

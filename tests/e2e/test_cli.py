@@ -312,7 +312,7 @@ def test_a_typo_gets_the_nearest_name(args, toml, said, tmp_path, monkeypatch, c
 
 def tour_lines() -> list[str]:
     """The README's "A quick tour" block, line by line as a user pastes it (comments and all)."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     block = readme.split("## A quick tour", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
     return [line for line in block.splitlines() if line.strip()]
 
@@ -326,7 +326,7 @@ def test_the_readme_tour_runs_verbatim_in_order(tmp_path):
     import gzip
     import shutil
 
-    corpus = Path(__file__).resolve().parents[1] / "src/plait/data/corpus/shakespeare.jsonl.gz"
+    corpus = Path(__file__).resolve().parents[2] / "src/plait/data/corpus/shakespeare.jsonl.gz"
     with gzip.open(corpus, "rt") as f:
         rows = [json.loads(line) for line in f][:6]
     (tmp_path / "books").mkdir()

@@ -443,7 +443,7 @@ def test_lora_run_resumes(runs, corpus, capsys):
 def test_lora_under_fsdp_reproduces_the_single_process_run(runs, corpus, tmp_path, start):
     """dp_shard=2: the frozen base sharded by FSDP2, the adapters replicated with averaged gradients; from a
     plait base, or continuing a PEFT adapter made by peft (on the base's transformers export). Same
-    tolerance and reason as tests/test_parallel.py: a reordering of fp32 sums only."""
+    tolerance and reason as tests/parallel/test_parallel.py: a reordering of fp32 sums only."""
     from parallel_harness import read_metrics, run_layouts
     from plait.api import train
     from plait.config import load_config

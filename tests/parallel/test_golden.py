@@ -6,7 +6,7 @@ one thread per rank. Their loss and gradient norm at every step, and their peak 
 tests/golden/curves.json and checked here. A change that alters training (an init scale, RMSNorm's eps moved by
 1%, a reduction order) fails this test; a change meant to alter it regenerates the curves on purpose:
 
-    python tests/test_golden.py --write      # then review `git diff tests/golden/curves.json`
+    python tests/parallel/test_golden.py --write      # then review `git diff tests/golden/curves.json`
 
 The runs use plait's own trainer in real gloo process groups (tests/parallel_harness.py).
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-GOLDEN = Path(__file__).with_name("golden") / "curves.json"
+GOLDEN = Path(__file__).parents[1] / "golden" / "curves.json"
 STEPS = 20
 
 LOSS_ATOL = 2e-6
@@ -107,7 +107,7 @@ def differences(golden: dict, got: dict) -> list[str]:
 @pytest.fixture(scope="module")
 def golden() -> dict:
     if not GOLDEN.is_file():
-        pytest.fail(f"{GOLDEN} is missing: write it with `python tests/test_golden.py --write`")
+        pytest.fail(f"{GOLDEN} is missing: write it with `python tests/parallel/test_golden.py --write`")
     return json.loads(GOLDEN.read_text())
 
 
@@ -116,7 +116,7 @@ def test_training_follows_the_golden_curves(golden, data_dir):
     assert set(golden["curves"]) == set(CONFIGS), "the stored curves are of other configurations: regenerate them"
     problems = differences(golden, run_all(data_dir))
     assert not problems, (
-        "training changed:\n" + "\n".join(problems) + "\n(on purpose? python tests/test_golden.py --write)"
+        "training changed:\n" + "\n".join(problems) + "\n(on purpose? python tests/parallel/test_golden.py --write)"
     )
 
 
@@ -144,8 +144,8 @@ def _write() -> None:
         data_dir = ensure_prepared("shakespeare", Path(tmp) / "shakespeare-cache", 4096)
         curves = run_all(data_dir)
     record = {
-        "about": "tests/test_golden.py: 20 steps of each configuration; regenerate with `python tests/test_golden.py "
-        "--write` and review the diff",
+        "about": "tests/parallel/test_golden.py: 20 steps of each configuration; regenerate with "
+        "`python tests/parallel/test_golden.py --write` and review the diff",
         "torch": torch.__version__,
         "configs": {name: {"world": w, "overrides": o} for name, (w, o) in CONFIGS.items()},
         "curves": curves,
@@ -157,6 +157,6 @@ def _write() -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:] != ["--write"]:
-        sys.exit("usage: python tests/test_golden.py --write   (runs every configuration and stores its curves)")
-    sys.path.insert(0, str(Path(__file__).parent))  # parallel_harness, as under pytest
+        sys.exit("usage: python tests/parallel/test_golden.py --write   (runs every configuration, stores its curves)")
+    sys.path.insert(0, str(Path(__file__).parents[1]))  # parallel_harness, as under pytest
     _write()

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CAP = ["--train.steps=2", "--eval.every_steps=2", "--eval.num_batches=1", "--sample.max_new_tokens=8"]
 
 SLURM = "plait launch slurm --nodes 4 --gpus-per-node 8 --gpu h100 configs/seed_3d.toml --out job.sbatch"
@@ -76,17 +76,17 @@ SMOLLM2_TRAIN = (
 )
 SKIPPED = {  # README line -> why it is not run here
     "plait config show --run.name=mine-toml > my.toml": (
-        "a shell redirection: tests/test_cli.py's tour test runs the tour through bash; here my.toml is written "
+        "a shell redirection: tests/e2e/test_cli.py's tour test runs the tour through bash; here my.toml is written "
         "by the test (the debug preset, to keep this one quick)"
     ),
     "plait train --data.source=s3://my-bucket/corpus --checkpoint.s3_endpoint=http://127.0.0.1:8333": (
-        "needs an S3 server: tests/test_remote_data.py trains from the real one (SeaweedFS) on loopback"
+        "needs an S3 server: tests/e2e/test_remote_data.py trains from the real one (SeaweedFS) on loopback"
     ),
     f"{SLURM} && sbatch job.sbatch": "no Slurm here: the plait half runs above and its script is checked (bash -n)",
     SMOLLM2_TRAIN: "the SmolLM2 example's own steps (examples/smollm2_lora.py downloads the model)",
     "plait eval runs/smollm2-lora --suite suite.yaml --json eval.json": "the SmolLM2 example's own steps",
     "plait lineage show runs/smollm2-lora": "the SmolLM2 example's own steps",
-    "torchrun --nproc-per-node 2 examples/custom_model.py": "run by tests/test_api.py (FSDP 2 against one process)",
+    "torchrun --nproc-per-node 2 examples/custom_model.py": "run by tests/parallel/test_api.py (FSDP 2 vs one process)",
 }
 
 

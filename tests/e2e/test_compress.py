@@ -18,7 +18,7 @@ from plait.model import ModelArgs
 transformers = pytest.importorskip("transformers")
 
 TEXT = "First Citizen: Before we proceed any further, hear me speak.\nAll: Speak, speak.\n"
-# Both sides compute in fp32 (see tests/test_interop.py for the same bound and its reason).
+# Both sides compute in fp32 (see tests/e2e/test_interop.py for the same bound and its reason).
 LOGITS_ATOL = 1e-5
 
 

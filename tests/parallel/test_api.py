@@ -19,7 +19,7 @@ from plait.data.samples import SampleLoader
 from plait.engine.callbacks import Callbacks
 from plait.parallel import ParallelDims
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "custom_model.py"
 
 # FSDP 2 vs one process, fp32: the same arithmetic except the order of the gradient reduce-scatter's sums and

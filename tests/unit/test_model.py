@@ -203,7 +203,7 @@ def test_the_preset_comments_give_the_presets_sizes():
     from plait.model.args import ModelArgs
     from plait.model.presets import PRESETS
 
-    source = Path(__file__).resolve().parents[1].joinpath("src/plait/model/presets.py").read_text()
+    source = Path(__file__).resolve().parents[2].joinpath("src/plait/model/presets.py").read_text()
     said = re.findall(r"# ([\d.]+)([MB]) parameters.*\n\s+\"([\w-]+)\"", source)
     assert len(said) >= 4, said
     for number, unit, name in said:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1] / "src" / "plait"
+ROOT = Path(__file__).resolve().parents[2] / "src" / "plait"
 
 FLOORS: list[tuple[str, ...]] = [
     # the folders of src/plait, lowest floor first: a module may import its own floor's and lower floors'

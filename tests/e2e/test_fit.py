@@ -3,7 +3,7 @@ measured beside the planner's prediction for that rank.
 
 On the CPU the peak is the live tensor bytes op by op (plait.core.live_bytes), the stand-in for the CUDA
 allocator's peak that a GPU run reads. The model states must be the planner's exactly, the activations one
-micro-batch saves within MEMORY_RTOL (as tests/test_plan_vs_runtime.py holds them), and the peak within
+micro-batch saves within MEMORY_RTOL (as tests/parallel/test_plan_vs_runtime.py holds them), and the peak within
 FIT_PEAK_RTOL, at world sizes 8 to 64 and in each parallelism.
 """
 
@@ -19,7 +19,7 @@ last forward, at the head's last chunk; the start of backward), each a sum of pa
 shapes what that over-counts (two blocks' unsharded gradients at once, a block's gathered parameters freed a
 little earlier) is 1-4% of the peak, and the prediction is never below the measurement by more than this."""
 
-MEMORY_RTOL = 0.05  # activations, as in tests/test_plan_vs_runtime.py
+MEMORY_RTOL = 0.05  # activations, as in tests/parallel/test_plan_vs_runtime.py
 
 # dim 256, 4 blocks, a 4,096-entry vocabulary, 256-token sequences: small enough for 2 CPU cores, large enough
 # that activations and states, not the interpreter's odds and ends, make the peak.
@@ -68,7 +68,7 @@ PIPELINES = {
 }  # fmt: skip
 ZERO_BUBBLE_LAST_RTOL = 0.25
 """Zero bubble's last rank: the planner adds 15% to its activations on purpose (ZERO_BUBBLE_LAST_MARGIN: a
-layout it calls fitting must fit); as in tests/test_plan_vs_runtime.py, at most this much above the measure."""
+layout it calls fitting must fit); as in tests/parallel/test_plan_vs_runtime.py, at most this much above the measure."""
 
 
 def fit(tmp_path, world: int, *settings: str) -> tuple[int, list[dict], str]:
