@@ -66,6 +66,10 @@ RUN = {
         ["--run.device=cpu"],
         ["rank 0 of 64 (dp_shard 0 of 16, tp 0 of 4)", "peak of the steps", "fits"],
     ),
+    "plait train --optim.name=muon --train.steps=100 --run.name=muon": (
+        CAP,
+        ["optimizer: Muon for", "runs/muon/checkpoints"],
+    ),
     SLURM: ([], ["wrote job.sbatch"]),
     "plait launch slurm --nodes 3 --gpus-per-node 8 configs/seed_3d.toml --parallel.pp_degree=6 "
     "--parallel.tp_degree=4": ([], ["--nnodes=3 --nproc-per-node=8", "--parallel.pp_degree=6 --parallel.tp_degree=4"]),
