@@ -96,13 +96,13 @@ class _Kind:
 
 
 def orthogonalise_all(
-    updates: list[torch.Tensor], locals_: list[torch.Tensor], ns: Orthogonalise
+    matrices: list[torch.Tensor], locals_: list[torch.Tensor], ns: Orthogonalise
 ) -> list[torch.Tensor]:
-    """The orthogonalised update of each matrix, as this rank's local shard. updates: the parameters (DTensor or
-    plain; their global shape and placements); locals_: this rank's local momentum update of each."""
-    out: list[torch.Tensor | None] = [None] * len(updates)
+    """The orthogonalised update of each matrix, as this rank's local shard. matrices: the parameters (DTensor
+    or plain: their global shape and placements); locals_: this rank's local momentum update of each."""
+    out: list[torch.Tensor | None] = [None] * len(matrices)
     kinds: dict[tuple, _Kind] = {}
-    for i, (u, local) in enumerate(zip(updates, locals_, strict=True)):
+    for i, (u, local) in enumerate(zip(matrices, locals_, strict=True)):
         split = split_mesh_dims(u)
         if not split:
             out[i] = ns(local)  # whole where it lives (batched over a stack of experts)
