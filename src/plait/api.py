@@ -66,7 +66,8 @@ def callbacks_from_environment() -> list[Callback]:
             raise ArgumentError(f"PLAIT_CALLBACKS entry {entry!r}: {why}") from None
         made = made if isinstance(made, list) else [made]
         if not all(isinstance(c, Callback) for c in made):
-            raise ArgumentError(f"PLAIT_CALLBACKS entry {entry!r}: made {made!r}, not plait.Callback objects")
+            kinds = ", ".join(sorted({type(c).__name__ for c in made}))
+            raise ArgumentError(f"PLAIT_CALLBACKS entry {entry!r}: made {kinds}, not plait.Callback objects")
         found += made
     return found
 

@@ -390,3 +390,20 @@ def test_an_include_directory_warns_that_its_python_runs(lora, tmp_path, capsys)
     (tmp_path / "tasks").mkdir()
     run_cli([*_eval(lora["base"]), "--limit", "2", "--lm-eval-include", str(tmp_path / "tasks")], tmp_path)
     assert "!function entries run the Python files there" in capsys.readouterr().err
+
+
+PLAIT_CALLBACKS_TABLE = [  # (value, words of the one line)
+    ("nosuchmod:make", "PLAIT_CALLBACKS entry 'nosuchmod:make': expected MODULE:FACTORY"),
+    ("plait.api", "PLAIT_CALLBACKS entry 'plait.api': expected MODULE:FACTORY"),
+    ("plait.api:nothing_here", "PLAIT_CALLBACKS entry 'plait.api:nothing_here': expected MODULE:FACTORY"),
+    ("plait.api:load_config", "made Config, not plait.Callback objects"),
+]
+
+
+@pytest.mark.parametrize(("value", "words"), PLAIT_CALLBACKS_TABLE, ids=[v for v, _ in PLAIT_CALLBACKS_TABLE])
+def test_bad_plait_callbacks_is_one_line_exit_2_and_writes_nothing(value, words, tmp_path, capsys, monkeypatch):
+    from bad_inputs import judge
+
+    monkeypatch.setenv("PLAIT_CALLBACKS", value)
+    argv = ["train", "--model.preset=debug", "--train.steps=1", f"--run.out_dir={tmp_path / 'runs'}"]
+    judge(value, argv, words, tmp_path, capsys)
