@@ -27,6 +27,7 @@ COMMANDS = {  # command -> (module, function)
     "compress": ("plait.cli.compress", "cmd_compress"),
     "finetune": ("plait.cli.finetune", "cmd_finetune"),
     "plot": ("plait.cli.plot", "cmd_plot"),
+    "lighthouse": ("plait.cli.replicas", "cmd_lighthouse"),
 }
 USAGE = """\
 usage: plait COMMAND [...]
@@ -34,6 +35,8 @@ usage: plait COMMAND [...]
 commands:
   train [CONFIG] [--section.key=value ...]   train a model (no arguments: the default job)
         [--nproc N] [--max-restarts R]       ... on N local processes (default: one per GPU, else 1)
+        [--replicas R]                       ... as R fault-tolerant replica groups (torchft)
+  lighthouse [--port P]                      the quorum server of replica groups started as separate jobs
   launch slurm --nodes N [CONFIG] [...]      write an sbatch script for a multi-node run
   data prepare INPUTS --out DIR              tokenise a corpus into token shards
   generate CHECKPOINT [--prompt TEXT]        sample text from a checkpoint (KV cache)

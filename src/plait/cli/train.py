@@ -1,4 +1,4 @@
-"""`plait train [CONFIG] [--section.key=value ...] [--nproc N] [--max-restarts R] [--layout auto]`."""
+"""`plait train [CONFIG] [--section.key=value ...] [--nproc N] [--max-restarts R] [--replicas R] [--layout auto]`."""
 
 from __future__ import annotations
 
@@ -24,6 +24,9 @@ def cmd_train(argv: list[str]) -> int:
         "--max-restarts", type=int, default=0, metavar="R", help="restarts of the group after a lost worker"
     )
     parser.add_argument(
+        "--replicas", type=int, metavar="R", help="fault-tolerant: R replica groups of --nproc each (torchft)"
+    )
+    parser.add_argument(
         "--layout", metavar="auto", help="'auto': the planner chooses the [parallel] degrees for the processes"
     )
     a, settings = parse_config_args(parser, argv)
@@ -45,6 +48,10 @@ def cmd_train(argv: list[str]) -> int:
             args += [f"--{o}" for o in overrides]
         elif a.layout is not None:
             raise ConfigError(f"--layout={a.layout!r}: only 'auto' is accepted (or set the [parallel] options)")
+        if a.replicas is not None:
+            from plait.cli.replicas import launch_replicas
+
+            return launch_replicas(args, a.replicas, nproc, a.max_restarts)
         cfg = _validate_before_launch(args, nproc)
         if nproc > 1 or a.max_restarts:
             from plait.planner.preflight import check_memory

@@ -232,6 +232,22 @@ class ParallelConfig:
     timeout_s: int = 900
     """Collectives that take longer than this raise instead of hanging. Above guard.hang_timeout_s, so that the
     hang watchdog reports a stalled rank (and which) before a collective times out on the ranks waiting for it."""
+    fault_tolerant: bool = False
+    """This job is one replica group of a fault-tolerant run (torchft): groups average their gradients over the
+    groups alive at each step, a lost group drops out while the others step on, and a restarted one heals from a
+    live peer (no checkpoint read). `plait train --replicas R` starts R groups and their lighthouse; inside a
+    group every layout works, across groups dp_replicate_degree stays 1 (the groups are the replicas)."""
+    replica_id: int = 0
+    """This group's number in a fault-tolerant run (set by `plait train --replicas`; one per job under Slurm)."""
+    lighthouse: str = ""
+    """The torchft lighthouse of a fault-tolerant run, http://HOST:PORT: `plait train --replicas` starts one and
+    sets it; several jobs (Slurm) name the one started by `plait lighthouse`."""
+    min_replicas: int = 1
+    """A fault-tolerant step commits only where at least this many groups took part in it."""
+    contribution_check: bool = True
+    """Fault-tolerant runs: check each group's gradient against the others' before averaging (non-finite, a norm
+    or direction far from the rest: plait.parallel.replicas.contributions) and leave an offender out, by name;
+    repeated offenders are quarantined. Needs 3 or more groups to compare (with 2, only non-finite values)."""
 
 
 @dataclass

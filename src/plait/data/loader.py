@@ -297,6 +297,21 @@ class TokenLoader:
     def __iter__(self) -> TokenLoader:
         return self
 
+    def place(self, cursor: int, *, dp_rank: int, dp_degree: int, global_batch_size: int) -> None:
+        """Go on from global sample `cursor` as data-parallel rank dp_rank of dp_degree, in global batches of
+        global_batch_size: a fault-tolerant run's step, whose batch follows from the groups taking part and the
+        batches they committed (plait.engine.replicas). Where nothing changed, the prefetched batches stay."""
+        if (cursor, dp_rank, dp_degree, global_batch_size) == (
+            self._samples_consumed, self.dp_rank, self.dp_degree, self.global_batch_size,
+        ):  # fmt: skip
+            return
+        if global_batch_size % dp_degree or not 0 <= dp_rank < dp_degree:
+            raise ValueError(f"rank {dp_rank} of {dp_degree} cannot take a share of {global_batch_size} samples")
+        self.close()
+        self.dp_rank, self.dp_degree = dp_rank, dp_degree
+        self._plan = self._make_plan(self.seq_len, global_batch_size, self._plan.seed)
+        self._samples_consumed = cursor
+
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
         pin = self.device.type == "cuda"
         if self.prefetch == 0:

@@ -43,6 +43,7 @@ from plait.config import Config
 from plait.core.storage import Location
 from plait.engine.checkpoint.manager import CheckpointManager, TrainState
 from plait.engine.metrics import MetricsLogger
+from plait.engine.replicas import Replicas
 from plait.engine.trainable import Trainable
 from plait.parallel.dims import Meshes
 from plait.parallel.env import DistEnv
@@ -64,6 +65,7 @@ class RunState(Protocol):
     state: TrainState  # the step and token counters
     final: dict[str, float]  # the last logged metrics and validation loss
     data_dir: Path | None  # the prepared corpus, a mixture's first source (None: data given to the Trainer)
+    replicas: Replicas  # the replica groups (plait.engine.replicas; one alone unless fault-tolerant): from on_start on
 
     @property
     def plait_model(self) -> bool:

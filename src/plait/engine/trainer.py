@@ -21,11 +21,12 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from plait.config import Config, to_dict, to_toml, validate
-from plait.core.errors import ArgumentError, ConfigError, PlaitError
+from plait.core.errors import ConfigError, PlaitError
 from plait.core.stop import StopRequest
 from plait.core.storage import Location
 from plait.data import TokenLoader
 from plait.data.samples import SampleLoader
+from plait.engine.arguments import check_arguments
 from plait.engine.callbacks import Callback, Callbacks
 from plait.engine.checkpoint import CheckpointManager, TrainState, checkpoint_dir, list_checkpoints
 from plait.engine.core_callbacks import CompileWatch, LockWatch
@@ -34,6 +35,7 @@ from plait.engine.inputs import RunData
 from plait.engine.loss import IGNORE_INDEX, TokenLoss, cross_entropy
 from plait.engine.metrics import MetricsLogger, info, use_console
 from plait.engine.plot import write_run_plot
+from plait.engine.replicas import Replicas, build_replicas
 from plait.engine.rundir import final_checkpoint_lost, inspect_run_dir, raise_stopped, resume
 from plait.engine.runlock import RunLock, RunLocked
 from plait.engine.step_metrics import StepMetrics
@@ -53,11 +55,15 @@ __all__ = [  # the loop, and the pieces of a step that benchmarks and tests impo
 ]  # fmt: skip
 
 
+ALONE = Replicas()  # a run that is not fault-tolerant: one group, nothing to average across, every step commits
+
+
 @dataclass
 class StepResult:
     loss: torch.Tensor  # mean loss over the global batch (a 0-d tensor: no device sync)
     grad_norm: torch.Tensor
     stepped: bool = True  # False when should_step withheld the update
+    committed: bool = True  # False when a fault-tolerant step failed on a group: no group moved (engine.replicas)
 
 
 def mask_documents(parts: list[nn.Module], eos: int) -> None:
@@ -77,12 +83,15 @@ def train_step(
     inputs: torch.Tensor,
     targets: torch.Tensor,
     should_step: Callable[[torch.Tensor, torch.Tensor], bool] | None = None,
+    replicas: Replicas = ALONE,
 ) -> StepResult:
     """One optimizer step over this rank's batch: micro-batches (gradient accumulation or the pipeline
-    schedule), the global gradient norm and clipping, the optimizer and LR schedule.
+    schedule), the gradients averaged over the replica groups (a fault-tolerant run's; one group alone has only
+    its own), the global gradient norm and clipping, the optimizer and LR schedule.
 
     should_step(loss, grad_norm), given the global values, may withhold the update (plait.features.guards): the
-    gradients are then dropped and neither the optimizer nor the LR schedule moves."""
+    gradients are then dropped and neither the optimizer nor the LR schedule moves. A fault-tolerant step that
+    does not commit moves nothing either."""
     inputs, targets = context_shard(t.meshes, inputs, targets)  # cp > 1: this rank's part of each sequence
     pipelined = t.pipeline.num_microbatches if t.pipeline is not None else 1
     t.loss_fn.for_step(targets, t.meshes, pipelined, 1 if t.pipeline is not None else _num_micro(t, inputs))
@@ -92,18 +101,21 @@ def train_step(
             loss = pipeline_forward_backward(t.pipeline, inputs, targets, t.meshes.pp.get_group())
         else:
             loss = _accumulate(t, inputs, targets)
+    replicas.average_gradients(t.parameters())  # before clipping: every group clips the same average
     norm = clip_grad_norm(t.parameters(), t.cfg.train.grad_clip, t.meshes)
     if t.meshes.dims.dp_cp > 1:
         # Each rank holds dp x cp x its share of the global token mean: sum, divide. (gloo has no AVG.)
         dist.all_reduce(loss, group=t.meshes.loss.get_group())
         loss = loss / t.meshes.dims.dp_cp
+    loss = replicas.mean_loss(loss)
     stepped = should_step is None or should_step(loss, norm)
+    committed = replicas.commit()
     for opt, sched in zip(t.optimizers, t.schedulers, strict=True):
-        if stepped:
+        if stepped and committed:
             opt.step()
             sched.step()
         opt.zero_grad(set_to_none=True)
-    return StepResult(loss, norm, stepped)
+    return StepResult(loss, norm, stepped, committed)
 
 
 def _num_micro(t: Trainable, inputs: torch.Tensor) -> int:
@@ -121,55 +133,6 @@ def _accumulate(t: Trainable, inputs: torch.Tensor, targets: torch.Tensor) -> to
         loss.backward()
         total += full_value(loss.detach())
     return total
-
-
-def check_arguments(model, parallelize, loss, data, val_data, callbacks, env) -> list[Callback]:
-    """The Trainer's arguments, each of the kind it takes (ArgumentError naming it and what it takes); the
-    callbacks as a list. Checked when the Trainer is made: before any health check, model or directory."""
-    if isinstance(model, nn.Module):
-        raise ArgumentError(
-            f"model= takes what builds the model (its class, or a function returning it): plait builds it on the "
-            f"meta device and materialises each rank's shard; got a built {type(model).__name__}: pass "
-            f"{type(model).__name__} (or lambda: {type(model).__name__}(...))"
-        )
-    if isinstance(model, type) and not issubclass(model, nn.Module):
-        raise ArgumentError(f"model={model.__name__} is not an nn.Module class; give a class or function building one")
-    for name, value in (("model", model), ("parallelize", parallelize), ("loss", loss)):
-        if value is not None and not callable(value):
-            raise ArgumentError(f"{name}= takes a function (or class), got {_kind(value)}")
-    if parallelize is not None and model is None:
-        raise ConfigError("parallelize= is the plan for your own model: give model= too")
-    if val_data is not None and data is None:
-        raise ConfigError("val_data= goes with your own data=; plait's data has its own validation split")
-    for name, value in (("data", data), ("val_data", val_data)):
-        if value is None:
-            continue
-        if isinstance(value, str | bytes | dict) or not (hasattr(value, "__iter__") or hasattr(value, "__getitem__")):
-            hint = "; for a prepared corpus set cfg.data.source instead" if isinstance(value, str) else ""
-            raise ArgumentError(
-                f"{name}= takes a sequence or iterable of samples (token lists, 1-D tensors, or dicts with "
-                f"'input_ids'), got {_kind(value)}{hint}"
-            )
-        if hasattr(value, "__len__") and len(value) == 0:
-            raise ArgumentError(f"{name}= is empty; give at least one global batch of samples")
-    if isinstance(callbacks, str | bytes | Callback) or not hasattr(callbacks, "__iter__"):
-        one = isinstance(callbacks, Callback)
-        hint = f"; put it in a list: callbacks=[{type(callbacks).__name__}()]" if one else ""
-        raise ArgumentError(f"callbacks= takes a list of plait.Callback instances, got {_kind(callbacks)}{hint}")
-    callbacks = list(callbacks)
-    for i, c in enumerate(callbacks):
-        if isinstance(c, type) and issubclass(c, Callback):
-            raise ArgumentError(f"callbacks[{i}] is the class {c.__name__}: give an instance, {c.__name__}()")
-        if not isinstance(c, Callback):
-            raise ArgumentError(f"callbacks[{i}] is {_kind(c)}, not a plait.Callback: subclass plait.Callback")
-    if env is not None and not isinstance(env, DistEnv):
-        raise ArgumentError(f"env= takes a plait.parallel.DistEnv (a process group set up) or None, got {_kind(env)}")
-    return callbacks
-
-
-def _kind(value) -> str:
-    text = repr(value)
-    return f"{type(value).__name__} {text[:40] + '...' if len(text) > 40 else text}"
 
 
 class Trainer:
@@ -195,9 +158,11 @@ class Trainer:
     stop: StopRequest
     inputs: RunData
     step_metrics: StepMetrics
+    replicas: Replicas
     _callbacks: Callbacks  # the trainer's observers, then yours: this fit()'s
     _RUN_FIELDS = (
-        "env", "meshes", "t", "loader", "checkpointer", "metrics", "stop", "inputs", "step_metrics", "_callbacks",
+        "env", "meshes", "t", "loader", "checkpointer", "metrics", "stop", "inputs", "step_metrics", "replicas",
+        "_callbacks",
     )  # fmt: skip
 
     def __init__(
@@ -297,6 +262,7 @@ class Trainer:
             config=to_dict(cfg), tokenizer_path=self.data_dir / "tokenizer.json" if self.data_dir else None,
         )  # fmt: skip
         self._resume(plan.candidates)
+        self.replicas = build_replicas(cfg, env, self.meshes, self.t, self.loader, self.state, self.data is not None)
         self.metrics = MetricsLogger(
             cfg.run_dir, cfg.log, cfg.train.steps, enabled=env.is_main, name=cfg.run.name, config=to_dict(cfg),
             run_id=self.lock.token[:12] if self.lock else "", start_step=self.state.step,
@@ -352,11 +318,14 @@ class Trainer:
         cfg, cb, state = self.cfg, self._callbacks, self.state
         tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
         while state.step < cfg.train.steps and not self.checkpointer.stopped_at:
+            self.replicas.start_step()  # fault-tolerant: this step's groups; a group behind heals from a peer
             step = state.step + 1
             inputs, targets = next(self.loader)
             cb.before_step(self, step)
             self.step_metrics.before_step(step)
-            result = train_step(self.t, inputs, targets, self._should_step)
+            result = train_step(self.t, inputs, targets, self._should_step, self.replicas)
+            if not result.committed:
+                continue  # a group failed during the step: no group moved, the next quorum tries it again
             state.step, state.tokens = step, state.tokens + tokens_per_step
             self._rolled_back = False
             cb.after_step(self, step, result)  # a callback may roll back: state is then a checkpoint's
@@ -370,6 +339,8 @@ class Trainer:
         cb = self._callbacks
         if logged := self.step_metrics.after_step(step, result):
             self.final = logged
+        if replicas := self.replicas.record():  # a fault-tolerant step: its groups and samples, every step
+            self.metrics.log(step, replicas, prefix="replicas")
         if (evaluated := self.validation.maybe_evaluate(step)) is not None:
             self.final.update(evaluated)
             cb.after_eval(self, step, self.final["val_loss"])
@@ -406,6 +377,8 @@ class Trainer:
         return path
 
     def _close(self) -> None:
+        if hasattr(self, "replicas"):
+            self.replicas.close()
         saved = self.checkpointer.close()  # waits for the save in flight and publishes it
         if saved:
             self.metrics.log(self.state.step, saved, prefix="checkpoint")

@@ -12,6 +12,11 @@ variable) and a PLAIT_FAULT_* variable is set. Production runs carry none of it.
 - PLAIT_FAULT_BAD_RANK=R makes rank R's arithmetic wrong in the health check (plait.features.health).
 - PLAIT_FAULT_SAVE_CRASH=STEP ends the main rank (as a lost machine would) after STEP's shards and DCP metadata
   are written and before the checkpoint is published.
+- Fault-tolerant runs (parallel.fault_tolerant): PLAIT_FAULT_REPLICA=ID confines the faults above to replica group
+  ID. PLAIT_FAULT_REPLICA_KILLS=ID:STEP[,ID:STEP...] kills group ID's rank 0 at its first step from STEP on; a
+  group's entries fire in its elastic attempts in turn. PLAIT_FAULT_BAD_REPLICA=ID:MODE[:SIZE][@STEP] makes group
+  ID's gradient contribution bad from STEP on (default 1): MODE 'scale' (times SIZE, default 100), 'noise' (plus
+  Gaussian noise of SIZE times its norm, default 10), 'flip' (sign-flipped, times SIZE, default 1) or 'nan'.
 
 Production code knows none of this: the faults go in through the hooks the components offer
 (plait.features.health.COMPUTE_FAULTS, the model's forward hooks), or by wrapping a method of the one object a
@@ -74,22 +79,31 @@ class Faults(Callback):
 
     def on_setup(self, run: RunState) -> None:
         if not hasattr(self, "rank"):
-            self._configure(run.env.rank, run.env.world_size)
+            p = run.cfg.parallel
+            self._configure(run.env.rank, run.env.world_size, p.replica_id if p.fault_tolerant else None)
         install_health_faults()  # the health check runs next (plait.api.default_callbacks' order)
 
-    def _configure(self, rank: int, world_size: int | None = None) -> None:
+    def _configure(self, rank: int, world_size: int | None = None, replica: int | None = None) -> None:
         self.rank = rank
+        only = os.environ.get("PLAIT_FAULT_REPLICA", "").strip()
+        ours = not only or replica is None or only == str(replica)  # else the faults are another group's
         first_attempt = restart_count() == 0
         nan, hang, slow = injected("PLAIT_FAULT_NAN"), injected("PLAIT_FAULT_HANG"), injected("PLAIT_FAULT_SLOW_RANK")
+        if not ours:
+            nan = hang = slow = None
         self.nan_step, self.nan_left = (nan[0], int(nan[1] or 1)) if nan and first_attempt else (0, 0)
         self.hang_step = int(hang[1] or 0) if hang and first_attempt and hang[0] == rank else 0
         self.slow_s = (slow[1] or 1.0) if slow and slow[0] == rank else 0.0
         spec = os.environ.get("PLAIT_FAULT_KILL")
-        kills = parse_fault_kills(spec) if spec else []
+        kills = parse_fault_kills(spec) if spec and ours else []
         if world_size is not None and (beyond := [r for r, _ in kills if r >= world_size]):
             raise ConfigError(f"PLAIT_FAULT_KILL names rank {beyond[0]}, but the run has {world_size} ranks")
         attempt = restart_count()
         self.kill_step = kills[attempt][1] if attempt < len(kills) and kills[attempt][0] == rank else 0
+        self.kill_from = 0  # a replica group's kill: at its first step from here on (healing skips steps)
+        if replica is not None and rank == 0 and (spec := os.environ.get("PLAIT_FAULT_REPLICA_KILLS", "").strip()):
+            mine = [step for r, step in parse_fault_kills(spec) if r == replica]
+            self.kill_from = mine[attempt] if attempt < len(mine) else 0
 
     def install(self, parts: list[torch.nn.Module]) -> None:
         """Forward hooks on the model parts, only when a NaN or hang is to be injected."""
@@ -101,9 +115,15 @@ class Faults(Callback):
         crash = os.environ.get("PLAIT_FAULT_SAVE_CRASH", "").strip()
         if crash:
             crash_before_publish(run.checkpointer.publisher, crash)
+        bad = os.environ.get("PLAIT_FAULT_BAD_REPLICA", "").strip()
+        if bad and run.cfg.parallel.fault_tolerant:
+            replica, corrupt = bad_replica(bad)
+            if replica == run.cfg.parallel.replica_id:
+                hooks = run.replicas.contribution_hooks  # type: ignore[attr-defined]
+                hooks.append(lambda flat: corrupt(flat, run.state.step + 1))
 
     def before_step(self, run: RunState, step: int) -> None:
-        if step == self.kill_step:
+        if step == self.kill_step or (self.kill_from and step >= self.kill_from):
             print(f"plait: fault injection: killing rank {self.rank} at step {step}", file=sys.stderr, flush=True)
             os._exit(137)
         if self.slow_s:
@@ -129,6 +149,40 @@ class Faults(Callback):
         if self.nan_armed and isinstance(output, torch.Tensor):
             return output * float("nan")
         return output
+
+
+BAD_MODES = {"scale": 100.0, "noise": 10.0, "flip": 1.0, "nan": 0.0}  # each mode's default SIZE
+
+
+def bad_replica(spec: str):
+    """PLAIT_FAULT_BAD_REPLICA=ID:MODE[:SIZE][@STEP] as (ID, corrupt(flat, step)): the change to the group's
+    flattened gradient (this rank's shard of it) from STEP on."""
+    head, _, start = spec.partition("@")
+    fields = head.split(":")
+    try:
+        replica, mode = int(fields[0]), fields[1]
+        size = float(fields[2]) if len(fields) > 2 else BAD_MODES[mode]
+        first = int(start) if start else 1
+    except (ValueError, IndexError, KeyError):
+        raise ConfigError(
+            f"PLAIT_FAULT_BAD_REPLICA={spec!r}: expected ID:MODE[:SIZE][@STEP] with MODE one of {', '.join(BAD_MODES)}"
+        ) from None
+    noise = torch.Generator().manual_seed(1234 + replica)
+
+    def corrupt(flat: torch.Tensor, step: int) -> None:
+        if step < first:
+            return
+        if mode == "scale":
+            flat.mul_(size)
+        elif mode == "flip":
+            flat.mul_(-size)
+        elif mode == "nan":
+            flat[0] = float("nan")
+        else:
+            scale = size * float(flat.norm()) / max(flat.numel(), 1) ** 0.5
+            flat.add_(torch.randn(flat.shape, generator=noise).to(flat.device) * scale)
+
+    return replica, corrupt
 
 
 def crash_before_publish(publisher, at: str) -> None:

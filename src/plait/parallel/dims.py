@@ -38,6 +38,7 @@ from plait.parallel.rules import (
     optimizer_problem,
     pipeline_problem,
     reduce_every_micro_batch_problem,
+    replicas_problem,
     tp_problem,
 )
 
@@ -254,6 +255,10 @@ def validate_layout(cfg: Config, dims: ParallelDims) -> None:
         or compile_problem(cfg.compile.enabled, bool(m.moe_experts), dims.tp, dims.cp, dims.pp, dims.ep, p.pp_schedule)
         or lora_problem(cfg.finetune.lora_rank, dims.tp, dims.pp)
         or optimizer_problem(cfg.optim.name == "muon", p.cpu_offload)
+        or replicas_problem(
+            p.fault_tolerant, dims.dp_replicate, False, bool(cfg.data.sources),
+            cfg.guard.nonfinite_policy == "rollback", p.min_replicas,
+        )
     )  # fmt: skip
     if problem:
         raise ConfigError(problem)

@@ -298,3 +298,33 @@ def lora_problem(lora_rank: int, tp: int, pp: int) -> str | None:
             "parallel.pp_degree=1"
         )
     return None
+
+
+def replicas_problem(
+    fault_tolerant: bool, dp_replicate: int, own_data: bool, mixture: bool, rollback: bool, min_replicas: int
+) -> str | None:
+    """Why a fault-tolerant run (parallel.fault_tolerant) cannot run as set (None: it can, or it is not one). The
+    replica groups are the data-parallel replicas; each places its batch in one sample stream by the count of
+    committed batches, which plait's token loader does (your own samples and mixtures do not yet); and a group
+    must not roll back alone to a checkpoint its peers never saw."""
+    if not fault_tolerant:
+        return None
+    if dp_replicate > 1:
+        return (
+            f"parallel.dp_replicate_degree={dp_replicate} with parallel.fault_tolerant=true: the replica groups are "
+            "the data-parallel replicas; set dp_replicate_degree=1 and start R groups (plait train --replicas R)"
+        )
+    if own_data or mixture:
+        what = "your own data= samples" if own_data else "a mixture (data.sources)"
+        return (
+            f"parallel.fault_tolerant=true reads plait's token stream by the count of committed batches; {what} "
+            "cannot be placed that way yet: train on one prepared directory (data.source)"
+        )
+    if rollback:
+        return (
+            "guard.nonfinite_policy='rollback' with parallel.fault_tolerant=true would roll one group back alone; "
+            "use 'skip' (the step is then not committed by any group) or 'stop'"
+        )
+    if min_replicas < 1:
+        return f"parallel.min_replicas={min_replicas} must be at least 1"
+    return None

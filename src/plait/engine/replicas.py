@@ -1,0 +1,223 @@
+"""The replica groups of a run as the training step sees them: one group alone (every run that is not
+fault-tolerant: nothing to join, sum or vote on, and every step commits), or one group of a fault-tolerant run
+(parallel.fault_tolerant, on torchft: plait.parallel.replicas.group).
+
+A fault-tolerant step, on every rank of every group alive at it:
+1. start_step: join the step's quorum; a group that is behind heals from a live peer first (the same state a
+   checkpoint holds: model, optimizer, schedules, counters; plait.engine.checkpoint.state), and the loader is
+   placed at this group's batch: the samples of a run form one stream, each committed step takes
+   `groups x global_batch_size` of them, and the group in slot s of n takes the s-th share. A step that does not
+   commit moves nothing, so its samples are trained by the next step that does: no sample is trained twice or
+   dropped, whoever comes and goes.
+2. mean_loss and average_gradients: the loss and the gradients averaged over the groups (the gradients after
+   the contribution check, plait.parallel.replicas.contributions, which leaves an offending group out, by name).
+   Clipping and the guards then see the same values on every group, so every group takes the same update.
+3. commit: the optimizer steps only where torchft says the step counts on every rank of the group.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from plait.config import Config
+from plait.core.errors import ConfigError
+from plait.engine.checkpoint.state import Counters, ModelParts, Optimizers, Part, Schedules, TrainState
+from plait.engine.metrics import info
+from plait.parallel import DistEnv, Meshes
+from plait.parallel.rules import replicas_problem
+
+
+class Replicas:
+    """One group alone: nothing to join, sum or vote on; every step commits."""
+
+    verdict: Any = None  # the last step's contribution verdict (fault-tolerant runs with the check on)
+
+    def start_step(self) -> None:
+        """Join the step (a group alone has nothing to join)."""
+
+    def mean_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss
+
+    def average_gradients(self, params: list[torch.nn.Parameter]) -> None:
+        """Average the gradients over the groups (a group alone has only its own)."""
+
+    def commit(self) -> bool:
+        return True
+
+    def record(self) -> dict[str, Any]:
+        """What the last committed step's metrics say of the groups ({}: nothing for a group alone)."""
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+class FaultTolerant(Replicas):
+    """This group's part in a fault-tolerant run (see the module docstring)."""
+
+    def __init__(self, cfg: Config, env: DistEnv, meshes: Meshes, t, loader, state: TrainState) -> None:
+        from plait.parallel.replicas.group import ReplicaGroup
+
+        p = cfg.parallel
+        self.cfg, self.env, self.meshes, self.loader, self.state = cfg, env, meshes, loader, state
+        self.parts: list[Part] = [ModelParts(t.parts), Counters(state), Schedules(t.schedulers, t.optimizers),
+                                  Optimizers(t.parts, t.optimizers)]  # fmt: skip
+        self.check = None
+        if p.contribution_check:
+            from plait.parallel.replicas.contributions import ContributionCheck
+
+            self.check = ContributionCheck()
+        self.contribution_hooks: list[Callable[[torch.Tensor], None]] = []  # what a group sends may be changed
+        self.group = ReplicaGroup(
+            replica_id=p.replica_id, lighthouse=p.lighthouse, min_replicas=p.min_replicas,
+            timeout_s=p.timeout_s, save_state=self._save, load_state=self._load,
+        )  # fmt: skip
+        self.batch = cfg.train.global_batch_size  # each group's batch: samples per group per step
+        self.group.restore(state.step, loader.state_dict()["samples_consumed"] // self.batch)
+        self.groups = 0
+        self.failed = 0  # attempts of steps that did not commit, so far
+        self.membership: Any = None
+
+    def start_step(self) -> None:
+        began = time.perf_counter()
+        m = self.membership = self.group.start_step()
+        if m.healed and self.env.is_main:
+            info(
+                f"replica {self.group.replica_id}: healed from a live peer at step {m.step} "
+                f"({time.perf_counter() - began:.1f} s, no checkpoint read)"
+            )
+        if m.replicas != self.groups and self.env.is_main:
+            info(f"replica {self.group.replica_id}: {m.replicas} group(s) step together from step {m.step + 1}")
+        self.groups = m.replicas
+        dp, rank = self.meshes.dims.dp, self.meshes.dp_rank
+        self.loader.place(
+            m.batches_committed * self.batch, dp_rank=m.slot * dp + rank, dp_degree=m.replicas * dp,
+            global_batch_size=m.replicas * self.batch,
+        )  # fmt: skip
+
+    def mean_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        total = loss.detach().reshape(1).float().clone()
+        self.group.sum(total)
+        return (total / max(self.membership.replicas, 1)).reshape(())
+
+    def average_gradients(self, params: list[torch.nn.Parameter]) -> None:
+        """One flat buffer of this rank's gradient shards crosses the groups (one allreduce); the check, where
+        on, adds a few floats per group before it and, on a step with an offender, one more allreduce."""
+        grads = [_local(p.grad) for p in params if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1).float() for g in grads])
+        for hook in self.contribution_hooks:
+            hook(flat)
+        m = self.membership
+        if self.check is None:
+            self.group.sum(flat)
+            flat /= m.replicas
+        else:
+            self.verdict = self.check.average(
+                flat, slot=m.slot, slots=m.replicas, replica_id=self.group.replica_id,
+                group_sum=self._group_sum, replica_sum=self.group.sum,
+            )  # fmt: skip
+            if self.verdict.excluded and self.env.is_main:
+                info(f"replica {self.group.replica_id}, step {m.step + 1}: {self.verdict.summary()}")
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def _group_sum(self, t: torch.Tensor) -> None:
+        if self.env.world_size > 1:
+            dist.all_reduce(t)
+
+    def commit(self) -> bool:
+        committed = self.group.commit()
+        if not committed:
+            self.failed += 1
+            if self.env.is_main:
+                why = self.group.error.splitlines()[0][:200] if self.group.error else "a group could not finish it"
+                info(f"replica {self.group.replica_id}: step {self.membership.step + 1} not committed ({why}); retried")
+        return committed
+
+    def record(self) -> dict[str, Any]:
+        """The committed step's groups and samples: enough to replay it (tests/parallel/test_replicas.py)."""
+        m, v = self.membership, self.verdict
+        out = {
+            "groups": m.replicas, "slot": m.slot, "first_sample": m.batches_committed * self.batch,
+            "samples": m.replicas * self.batch, "failed_attempts": self.failed, "healed": int(m.healed),
+        }  # fmt: skip
+        if v is not None:
+            out.update(admitted=v.admitted, excluded=",".join(map(str, sorted(v.excluded))))
+        return out
+
+    def close(self) -> None:
+        self.group.close()
+
+    def _save(self) -> dict[str, Any]:
+        """The state a peer heals from: each part's entries, tensors as this rank's local shards."""
+        out: dict[str, Any] = {}
+        for part in self.parts:
+            out.update(_tree(part.state_dict(), _local))
+        if self.check is not None:
+            out["contributions"] = json.dumps(self.check.state_dict())  # a string: its keys vary with offenders
+        return out
+
+    def _load(self, received: dict[str, Any]) -> None:
+        """A peer's state (already checked against this group's own by the transport) into the run."""
+        live: dict[str, Any] = {}
+        for part in self.parts:
+            live.update(part.state_dict())
+        placed = _placed(received, live)
+        for part in self.parts:
+            part.load_state_dict(placed)
+        if self.check is not None:
+            self.check.load_state_dict(json.loads(received["contributions"]))
+
+
+def build_replicas(cfg: Config, env: DistEnv, meshes: Meshes, t, loader, state: TrainState, own_data: bool) -> Replicas:
+    """This run's replica groups: fault-tolerant where parallel.fault_tolerant says so, else one alone."""
+    p = cfg.parallel
+    problem = replicas_problem(
+        p.fault_tolerant, meshes.dims.dp_replicate, own_data, bool(cfg.data.sources),
+        cfg.guard.nonfinite_policy == "rollback", p.min_replicas,
+    )  # fmt: skip
+    if problem:
+        raise ConfigError(problem)
+    return FaultTolerant(cfg, env, meshes, t, loader, state) if p.fault_tolerant else Replicas()
+
+
+def _local(x: Any) -> Any:
+    if isinstance(x, DTensor):
+        return x.to_local().detach()
+    return x.detach() if isinstance(x, torch.Tensor) else x
+
+
+def _tree(x: Any, leaf: Callable[[Any], Any]) -> Any:
+    if isinstance(x, dict):
+        return {k: _tree(v, leaf) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_tree(v, leaf) for v in x]
+    return leaf(x)
+
+
+def _placed(received: Any, live: Any) -> Any:
+    """The received tree with each tensor placed as this rank's live one is (a DTensor's local shard wrapped in
+    its mesh and placements again, on its device)."""
+    if isinstance(live, dict):
+        return {k: _placed(received[k], v) for k, v in live.items()}
+    if isinstance(live, list | tuple):
+        return type(live)(_placed(r, v) for r, v in zip(received, live, strict=True))
+    if isinstance(live, DTensor):
+        local = received.to(live.device)
+        return DTensor.from_local(
+            local, live.device_mesh, live.placements, run_check=False, shape=live.shape, stride=live.stride()
+        )
+    if isinstance(live, torch.Tensor):
+        return received.to(live.device)
+    return received

@@ -1,0 +1,151 @@
+"""Fault-tolerant replica groups (parallel.fault_tolerant, torchft) end to end: `plait train --replicas 3` on the
+CPU, each group one process, a real lighthouse and real gloo groups between them.
+
+The oracle is one process replaying the run: every committed step records which samples it trained on (the
+groups taking part and the first sample: engine.replicas), and one process given those same batches takes the
+same steps (the average over groups of each group's mean is the mean over their samples). A lost group, its
+heal and a bad group are checked against it and against each other."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from runs import debug_run
+
+pytest.importorskip("torchft")
+
+# Each step's loss against the replay's: the groups sum their gradients in another order than one process's
+# backward over the whole batch (fp32 rounding, ~1e-7 relative per step, grown by 12 steps of AdamW).
+LOSS_TOL = 2e-4
+GROUP_BATCH = 8  # train.global_batch_size of tests/runs.debug_run: each group's batch per step
+
+
+def launch(tmp_path: Path, data_dir: Path, name: str, steps: int, *extra: str, env: dict | None = None):
+    settings = [f"--{s}" for s in debug_run(data_dir, tmp_path, name, steps, "run.health_check_enabled=false")]
+    cmd = [sys.executable, "-m", "plait.cli", "train", "--replicas", "3", "--nproc", "1", *settings, *extra]
+    clean = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    return subprocess.run(cmd, capture_output=True, text=True, env={**clean, **(env or {})}, timeout=900)
+
+
+def records(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(run: Path) -> dict[int, float]:
+    return {r["step"]: r["train/loss"] for r in records(run) if "train/loss" in r}
+
+
+def schedule(run: Path) -> dict[int, tuple[int, int]]:
+    """Each committed step's (first sample, samples) as the group recorded it."""
+    return {
+        r["step"]: (r["replicas/first_sample"], r["replicas/samples"]) for r in records(run) if "replicas/samples" in r
+    }
+
+
+def replay(tmp_path: Path, data_dir: Path, steps: dict[int, tuple[int, int]], monkeypatch) -> dict[int, float]:
+    """One process taking each recorded step's samples as one batch: the run without replicas."""
+    import plait.engine.trainer as trainer
+    from plait.api import train
+    from plait.config import load_config
+    from plait.engine.replicas import Replicas
+
+    class Replay(Replicas):
+        def __init__(self, loader, state):
+            self.loader, self.state = loader, state
+
+        def start_step(self) -> None:
+            first, samples = steps[self.state.step + 1]
+            self.loader.place(first, dp_rank=0, dp_degree=1, global_batch_size=samples)
+
+    monkeypatch.setattr(
+        trainer, "build_replicas", lambda cfg, env, meshes, t, loader, state, own: Replay(loader, state)
+    )
+    train(load_config(None, debug_run(data_dir, tmp_path, "replay", max(steps), "run.health_check_enabled=false")))
+    return losses(tmp_path / "replay")
+
+
+def final_weights(run: Path) -> dict[str, torch.Tensor]:
+    from plait.engine.checkpoint import list_checkpoints
+    from plait.engine.checkpoint.weights import load_checkpoint_model
+
+    return load_checkpoint_model(list_checkpoints(run / "checkpoints")[-1]).state_dict()
+
+
+def step_gaps(run: Path) -> list[float]:
+    times = [r["time"] for r in records(run) if "train/loss" in r]
+    return [b - a for a, b in zip(times, times[1:], strict=False)]
+
+
+STEPS = 40  # with SLOW_S a step, the run outlasts a group's restart (~5-10 s on two busy cores)
+SLOW_S = "0.3"  # every group's step takes this much longer (PLAIT_FAULT_SLOW_RANK on each group's rank 0)
+
+
+@pytest.mark.slow
+def test_a_lost_group_drops_out_heals_from_a_peer_and_the_run_equals_one_process(tmp_path, data_dir, monkeypatch):
+    """Group 2 is killed (as a lost machine: a hard exit) at step 5: groups 0 and 1 step on without a restart,
+    group 2's own agent restarts it and it heals from a live peer (no checkpoint read), and every group ends with
+    the same weights, bitwise. One process replaying the committed steps' samples gives each step's loss."""
+    result = launch(
+        tmp_path, data_dir, "ft", STEPS, "--max-restarts", "1",
+        env={"PLAIT_FAULT_REPLICA_KILLS": "2:5", "PLAIT_FAULT_SLOW_RANK": f"0:{SLOW_S}"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    err = result.stderr
+    assert "fault injection: killing rank 0 at step 5" in err
+    assert "[replica 2] replica 2: healed from a live peer" in err, err[-4000:]
+    for survivor in (0, 1):
+        assert f"[replica {survivor}] plait train: worker rank 0 failed" not in err  # no restart of theirs
+    run = tmp_path / "ft"
+    got = [losses(run / f"replica_{i}") for i in range(3)]
+    plans = [schedule(run / f"replica_{i}") for i in range(3)]
+    plan = {step: each for p in plans for step, each in p.items()}  # a group that joined late healed past the start
+    assert sorted(plan) == list(range(1, STEPS + 1))  # every step committed once
+    for g, p in zip(got, plans, strict=True):  # where two groups took a step, they took the same one
+        assert all(plan[s] == p[s] and g[s] == got[0].get(s, g[s]) for s in p)
+    sizes = {samples for _, samples in plan.values()}
+    assert {2 * GROUP_BATCH, 3 * GROUP_BATCH} <= sizes <= {GROUP_BATCH, 2 * GROUP_BATCH, 3 * GROUP_BATCH}
+    # it ran as 3 groups and as 2; a group that started late joined by healing (the first step or two may be 1 or 2)
+    firsts = [plan[s][0] for s in sorted(plan)]
+    assert firsts == [sum(plan[s][1] for s in sorted(plan) if s < step) for step in sorted(plan)]  # none twice
+    weights = [final_weights(run / f"replica_{i}") for i in range(3)]
+    for other in weights[1:]:
+        assert all(torch.equal(weights[0][k], other[k]) for k in weights[0]), "the groups ended apart"
+    gaps = step_gaps(run / "replica_0")
+    print(f"longest step-to-step gap of a survivor: {max(gaps):.1f} s (median {sorted(gaps)[len(gaps) // 2]:.2f} s)")
+    assert max(gaps) < 30  # the survivors noticed the loss at once (gloo: connection closed), not at a timeout
+    expected = replay(tmp_path, data_dir, plan, monkeypatch)
+    merged = {s: loss for g in got for s, loss in g.items()}
+    for step, loss in merged.items():
+        assert abs(loss - expected[step]) < LOSS_TOL, (step, loss, expected[step])
+
+
+@pytest.mark.slow
+def test_a_bad_group_is_named_and_left_out(tmp_path, data_dir):
+    """Group 1 sends its gradient sign-flipped and x100 from step 2 on: the check leaves it out by name each
+    step (then quarantines it), and the loss falls as without it; the same run without the check climbs."""
+    bad = {"PLAIT_FAULT_BAD_REPLICA": "1:flip:100@2"}
+    checked = launch(tmp_path, data_dir, "checked", 10, env=bad)
+    assert checked.returncode == 0, checked.stderr[-4000:]
+    assert "left out: replica 1 (norm" in checked.stderr and "quarantined: 1" in checked.stderr
+    run = tmp_path / "checked" / "replica_0"
+    excluded = {
+        r["step"]: (r["replicas/groups"], r["replicas/excluded"])
+        for i in range(3) for r in records(tmp_path / "checked" / f"replica_{i}") if "replicas/samples" in r
+    }  # fmt: skip
+    assert excluded[1][1] == "" and all(excluded[s][1] == "1" for s in range(2, 11) if excluded[s][0] == 3)
+    assert sum(excluded[s][0] == 3 for s in range(2, 11)) >= 6  # (a group that started late healed into step 2 or 3)
+    unchecked = launch(tmp_path, data_dir, "unchecked", 10, "--parallel.contribution_check=false", env=bad)
+    assert unchecked.returncode == 0, unchecked.stderr[-4000:]
+    with_check, without = losses(run), losses(tmp_path / "unchecked" / "replica_0")
+    print(
+        f"loss at step 10: {with_check[10]:.3f} with the check, {without[10]:.3f} without (step 1: {with_check[1]:.3f})"
+    )
+    assert with_check[10] < with_check[1] - 0.2  # it learns
+    assert without[10] > with_check[10] + 0.5  # the flipped group's ascent wins without the check
