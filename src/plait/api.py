@@ -30,7 +30,7 @@ from plait.features.health import HealthCheck
 from plait.features.report import EndReport
 from plait.lifecycle.finetune import Finetune
 from plait.lifecycle.models import load_model
-from plait.lifecycle.retrieval import database_retriever
+from plait.lifecycle.retrieval import DatabaseRecord, database_retriever
 from plait.lifecycle.tracking import Lineage
 
 __all__ = ["Callback", "Config", "Trainer", "default_callbacks", "load_config", "load_model", "train"]
@@ -38,8 +38,9 @@ __all__ = ["Callback", "Config", "Trainer", "default_callbacks", "load_config", 
 
 def default_callbacks(cfg: Config) -> list[Callback]:
     """plait's standard features of a run, in their order: the callbacks named by PLAIT_CALLBACKS (if set), the
-    health check, fine-tuning (finetune.*), the lineage record, the guards and hang watchdog (guard.*), and the
-    end-of-run report. Each does nothing its settings do not ask for."""
+    health check, fine-tuning (finetune.*), the lineage record, the guards and hang watchdog (guard.*), a
+    retrieval model's database record in its checkpoints, and the end-of-run report. Each does nothing its
+    settings do not ask for."""
     del cfg  # each reads its own section when the run starts
     return [
         *callbacks_from_environment(),
@@ -47,6 +48,7 @@ def default_callbacks(cfg: Config) -> list[Callback]:
         Finetune(),
         Lineage(),
         Guards(),
+        DatabaseRecord(),
         EndReport(retriever=database_retriever),
     ]
 

@@ -24,12 +24,17 @@ def _parser() -> PlaitParser:
     parser.add_argument("--seed", type=int, default=0, help="Sampling seed (the same seed, the same text).")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (a GPU if there is one).")
     parser.add_argument(
+        "--database",
         "--data",
+        dest="database",
         default="",
-        help="A retrieval model's prepared directory with its database (default: the one it trained on).",
+        help="A retrieval model: the prepared directory whose database it retrieves from (or its retrieval/ "
+        "folder), any built with the model's encoder, tokenizer and chunk size (default: the one it trained on).",
     )
     parser.add_argument(
-        "--show-neighbours", action="store_true", help="A retrieval model: print the neighbours each chunk retrieved."
+        "--show-neighbours",
+        action="store_true",
+        help="A retrieval model: print each passage retrieved whole (by default, its first words).",
     )
     parser.add_argument(
         "--chat",
@@ -43,16 +48,18 @@ def _parser() -> PlaitParser:
 def cmd_generate(argv: list[str]) -> int:
     a = _parser().parse_args(argv)
     check_input("", a.checkpoint, "a checkpoint directory or a run directory")  # before torch
+    check_input("--database", a.database, "a prepared directory with a retrieval database (plait data retrieve)")
     _check_sampling(a)
     from plait.engine.checkpoint import resolve_checkpoint
     from plait.engine.generate import generate, load_for_generation
     from plait.engine.metrics import info
+    from plait.lifecycle.retrieval import retrieved_passages
 
     found = resolve_checkpoint(a.checkpoint)
     model, tok, eos = load_for_generation(found, a.device)
+    retrieve, used = _retrieval(a, model)  # a database the model cannot use: refused before anything is said
     info(f"sampling {_describe(found)}")
     ids, chat = _prompt_ids(a, found, tok, model.args.max_seq_len)
-    retrieve, used = _retrieval(a, model)
     outs = generate(
         model,
         [ids] * a.num_samples,
@@ -65,12 +72,13 @@ def cmd_generate(argv: list[str]) -> int:
         retrieve=retrieve,
         used=used,
     )
+    report = retrieved_passages(retrieve, tok, outs, used) if retrieve is not None else []
     for i, out in enumerate(outs):
         if a.num_samples > 1:
             print(f"--- sample {i + 1}")
         print(tok.decode(out[len(ids) :] if chat else out))  # a chat: the answer alone
-        if a.show_neighbours:
-            _print_neighbours(tok, out, [(chunk, found) for row, chunk, found in used or [] if row == i], retrieve)
+        if retrieve is not None:
+            _print_passages([r for r in report if r.sample == i], retrieve, whole=a.show_neighbours)
     return 0
 
 
@@ -107,19 +115,20 @@ def _prompt_ids(a, found, tok, max_seq_len: int):
 
 
 def _retrieval(a, model):
-    """(retrieve, used) for plait.engine.generate: a retrieval model's database (--data, else the one it trained
-    on) and the list its neighbours are noted in; (None, None) for a model that retrieves nothing, which refuses
-    --data and --show-neighbours."""
+    """(retrieve, used) for plait.engine.generate: a retrieval model's database (--database, else the one it
+    trained on; refused where built with another encoder, tokenizer or chunk size) and the list its neighbours
+    are noted in; (None, None) for a model that retrieves nothing, which refuses --database and
+    --show-neighbours."""
     used: list[tuple[int, int, np.ndarray]] | None
     if model.args.retrieval_ids:
         from plait.lifecycle.retrieval import checkpoint_retriever
 
-        retrieve, used = checkpoint_retriever(a.checkpoint, model, a.data, a.device), []
+        retrieve, used = checkpoint_retriever(a.checkpoint, model, a.database, a.device), []
     else:
         retrieve, used = None, None
-    if retrieve is None and (a.data or a.show_neighbours):
+    if retrieve is None and (a.database or a.show_neighbours):
         raise ConfigError(
-            f"{a.checkpoint} retrieves nothing (no model.retrieval_layers): drop --data / --show-neighbours"
+            f"{a.checkpoint} retrieves nothing (no model.retrieval_layers): drop --database / --show-neighbours"
         )
     return retrieve, used
 
@@ -155,11 +164,26 @@ def _describe(ckpt) -> str:
     return f"{ckpt} (step {step}{adapters})"
 
 
-def _print_neighbours(tok, out: list[int], found: list, retrieve) -> None:
-    """Each retrieved chunk's text and its neighbours' (database chunk number, text of chunk + continuation)."""
-    c = retrieve.chunk
-    for chunk, ids in found:
-        print(f"  chunk {chunk} {tok.decode(out[chunk * c : (chunk + 1) * c])!r} retrieved:")
-        for j in ids.tolist():
-            text = tok.decode(retrieve.store.tokens(j * c, (j + 2) * c).tolist())
-            print(f"    database chunk {j}: {text!r}")
+PREVIEW_CHARS = 60
+"""How much of a chunk's and a passage's text the report shows without --show-neighbours."""
+
+
+def _print_passages(report: list, retrieve, *, whole: bool) -> None:
+    """After a sample, the passages each complete chunk of it retrieved (plait.lifecycle.retrieval's
+    ChunkPassages): a line per chunk (its number and first words), one per passage (its number in the
+    database and its first words, or all of it with --show-neighbours)."""
+    c, k = retrieve.chunk, retrieve.k
+    print(f"passages retrieved from {retrieve.data_dir} (chunks of {c} tokens, {k} each):")
+    if not report:
+        print(f"  none: the text is shorter than one chunk of {c} tokens")
+    for r in report:
+        print(f"  chunk {r.chunk} {_preview(r.text, False)}")
+        for p in r.passages:
+            print(f"    database chunk {p.index}: {_preview(p.text, whole)}")
+
+
+def _preview(text: str, whole: bool) -> str:
+    """A text on one line (its repr: line breaks shown as \\n), cut to PREVIEW_CHARS unless whole."""
+    if not whole and len(text) > PREVIEW_CHARS:
+        return repr(text[:PREVIEW_CHARS]) + "..."
+    return repr(text)

@@ -40,6 +40,8 @@ from plait.data.retrieval_format import (
     RETRIEVAL_DIR,
     Chunks,
     Encoder,
+    ModelNeeds,
+    check_database_fits,
     check_index,
     check_index_fields,
     check_manifest,
@@ -47,8 +49,11 @@ from plait.data.retrieval_format import (
     corpus_digest,
     database_for,
     database_record,
+    describe_encoder,
+    encoder_key,
     neighbours,
     read_database,
+    rebuild_command,
 )
 
 __all__ = [  # the database's names, importable from here (its readers and builder live in the two modules above)
@@ -60,10 +65,12 @@ __all__ = [  # the database's names, importable from here (its readers and build
     "SEARCH_BLOCK",
     "Chunks",
     "Encoder",
+    "ModelNeeds",
     "RetrievalDataset",
     "Retriever",
     "build_database",
     "check_build_settings",
+    "check_database_fits",
     "check_index",
     "check_index_fields",
     "check_manifest",
@@ -71,16 +78,19 @@ __all__ = [  # the database's names, importable from here (its readers and build
     "corpus_digest",
     "database_for",
     "database_record",
+    "describe_encoder",
+    "encoder_key",
     "neighbours",
     "read_database",
+    "rebuild_command",
 ]
 
 
 class Retriever:
     """Neighbours of new chunks (text being generated) from a prepared directory's database: each chunk
     embedded by `encode` (the database's own encoder), normalised as the database's, its k nearest database
-    chunks found in the index, and each read with its continuation from the train stream (2 chunk tokens).
-    `retriever(chunks (n, chunk))` -> (database chunk numbers (n, k), their tokens (n, k, 2 chunk))."""
+    chunks found in the index, and each read with its continuation from the train stream (`store`, 2 chunk
+    tokens). `retriever(chunks (n, chunk))` -> (database chunk numbers (n, k), their tokens (n, k, 2 chunk))."""
 
     def __init__(self, data_dir: str | Path, encode: Encoder, *, chunk: int, k: int) -> None:
         try:
@@ -96,6 +106,7 @@ class Retriever:
         flat_ip = isinstance(self.index, faiss.IndexFlatIP) and self.index.metric_type == faiss.METRIC_INNER_PRODUCT
         check_index_fields(path, db, flat_ip, self.index.d, self.index.ntotal)
         self.store, self.encode, self.chunk, self.k = TokenDataset(data_dir, "train"), encode, chunk, k
+        self.data_dir = Path(data_dir)
 
     def __call__(self, chunks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         vectors = np.asarray(self.encode(np.asarray(chunks, dtype=np.int64)), dtype=np.float32)

@@ -114,15 +114,89 @@ def database_for(data_dir: str | Path, chunk: int, k: int) -> dict[str, Any]:
     if db["chunk"] != chunk:
         raise ConfigError(
             f"model.retrieval_chunk={chunk} but the retrieval database of {data_dir} has chunks of {db['chunk']} "
-            f"tokens: set model.retrieval_chunk={db['chunk']}, or build the database again with --chunk {chunk}"
+            f"tokens: set model.retrieval_chunk={db['chunk']}, or build it again with "
+            f"`{rebuild_command(data_dir, db['encoder'], chunk, max(k, db['k']))}`"
         )
     if k > db["k"]:
         raise ConfigError(
             f"model.retrieval_k={k} but the retrieval database of {data_dir} holds {db['k']} neighbours per chunk: "
-            f"set model.retrieval_k <= {db['k']}, or build it again with --k {k}"
+            f"set model.retrieval_k <= {db['k']}, or build it again with "
+            f"`{rebuild_command(data_dir, db['encoder'], chunk, k)}`"
         )
     check_index(data_dir, db)
     return db
+
+
+def encoder_key(encoder: dict[str, Any]) -> tuple[str, Any]:
+    """What makes two databases' encoders the same one: a model's weights (their hash), or the lexical
+    encoder's size. The lexical encoder's idf is fitted on each corpus's own chunks by design, so databases of
+    other text differ in it and still share their encoder; a model's path says nothing (the run may have moved
+    on), its weights do. A model's description without a hash (none is written so) falls back to its path."""
+    if encoder.get("kind") == "lexical":
+        return ("lexical", encoder.get("dim"))
+    return ("model", encoder.get("weights_hash") or encoder.get("path"))
+
+
+def describe_encoder(encoder: dict[str, Any]) -> str:
+    """An encoder in a few words, for a message: `lexical (dim 32)` or `PATH (weights 0123456789ab)`."""
+    kind, key = encoder_key(encoder)
+    if kind == "lexical":
+        return f"lexical (dim {key})"
+    digest = encoder.get("weights_hash")
+    return f"{encoder.get('path')} (weights {digest[:12]})" if isinstance(digest, str) else str(encoder.get("path"))
+
+
+def rebuild_command(data_dir: str | Path, encoder: dict[str, Any], chunk: int, k: int) -> str:
+    """The `plait data retrieve` command that builds a database of `data_dir` with this encoder and sizes."""
+    lexical = encoder.get("kind") == "lexical"
+    use = f"lexical --dim {encoder.get('dim')}" if lexical else str(encoder.get("path"))
+    return f"plait data retrieve {data_dir} --encoder {use} --chunk {chunk} --k {k} --overwrite"
+
+
+@dataclass(frozen=True)
+class ModelNeeds:
+    """What a trained retrieval model needs of a database it retrieves from (another than the one it trained
+    with, `plait generate --database DIR`): the model's chunk size and neighbour count, the tokenizer its ids
+    are of (the sha256 of its tokenizer.json; "" where unknown), and the encoder its own database was built
+    with (the manifest's description; None where no record of it survives). `model` names it in messages."""
+
+    model: str
+    chunk: int
+    k: int
+    tokenizer_sha256: str
+    encoder: dict[str, Any] | None
+
+
+def check_database_fits(data_dir: str | Path, db: dict[str, Any], needs: ModelNeeds) -> None:
+    """Refuse a database built for another model, naming the field and both values: its corpus's tokenizer
+    (the ids would be another vocabulary's), its chunk size or neighbour count (the model's input is cut in
+    its own chunks), or its encoder (the neighbours the model learned to use are found by its own encoder).
+    The fix is the `plait data retrieve` command with the model's encoder and sizes."""
+    wanted = needs.encoder or db["encoder"]
+    fix = f"build it again with `{rebuild_command(data_dir, wanted, needs.chunk, max(needs.k, db['k']))}`"
+    where = f"the retrieval database of {data_dir}"
+    tokenizer = db.get("corpus_tokenizer_sha256") or read_manifest(data_dir).get("tokenizer_sha256", "")
+    if needs.tokenizer_sha256 and tokenizer and tokenizer != needs.tokenizer_sha256:
+        raise ConfigError(
+            f"{where} was built with tokenizer {tokenizer[:12]} (sha256 of its corpus's tokenizer.json), "
+            f"{needs.model} reads tokenizer {needs.tokenizer_sha256[:12]}: prepare the text with the model's "
+            f"tokenizer (plait data prepare ... --tokenizer {needs.model}/tokenizer.json) and {fix}"
+        )
+    if db["chunk"] != needs.chunk:
+        raise ConfigError(
+            f"{where} was built with chunk={db['chunk']} tokens, {needs.model} needs chunk={needs.chunk} "
+            f"(model.retrieval_chunk): {fix}"
+        )
+    if db["k"] < needs.k:
+        raise ConfigError(
+            f"{where} was built with k={db['k']} neighbours per chunk, {needs.model} needs k={needs.k} "
+            f"(model.retrieval_k): {fix}"
+        )
+    if needs.encoder is not None and encoder_key(db["encoder"]) != encoder_key(needs.encoder):
+        raise ConfigError(
+            f"{where} was built with encoder {describe_encoder(db['encoder'])}, {needs.model} trained with "
+            f"neighbours found by encoder {describe_encoder(needs.encoder)}: {fix}"
+        )
 
 
 _INDEX_HEADER = struct.Struct("<4siqqq?iQ")  # fourcc, d, ntotal, two unused, is_trained, metric, code words
