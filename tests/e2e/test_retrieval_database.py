@@ -77,7 +77,8 @@ def dbs(corpus, tmp_path_factory) -> dict[str, Path]:  # noqa: F811
     no_database = root / "no_database"
     shutil.copytree(corpus[0], no_database)
     return {"root": root, "run": root / "run", "data": data, "other_text": other_text, "other_chunk": other_chunk,
-            "other_encoder": other_encoder, "other_tokenizer": other_tokenizer, "no_database": no_database}  # fmt: skip
+            "other_encoder": other_encoder, "other_encoder_model": corpus[1], "other_tokenizer": other_tokenizer,
+            "no_database": no_database}  # fmt: skip
 
 
 def _generate(run: Path, *extra: str) -> list[str]:
@@ -117,6 +118,27 @@ def test_a_training_run_refuses_a_database_of_another_chunk_size_naming_the_rebu
     words = "model.retrieval_chunk=8 but the retrieval database"
     err = judge("train, another chunk size", argv, words, tmp_path, capsys, protected=dbs["root"])
     assert f"plait data retrieve {dbs['other_chunk']} --encoder lexical --dim {DIM} --chunk 8" in err, err
+
+
+def test_evaluation_and_a_resumed_run_refuse_a_database_of_another_encoder(dbs, tmp_path, capsys):
+    """plait eval CHECKPOINT --data DIR checks the database as generation does; a run resumed from a checkpoint
+    whose record names the lexical encoder refuses its data's database rebuilt meanwhile with the encoder
+    model (its neighbours would be another encoder's), naming both."""
+    from plait.api import train
+    from plait.config import load_config
+    from runs import debug_run
+
+    words = "trained with neighbours found by encoder lexical (dim 32)"
+    argv = ["eval", str(dbs["run"]), "--data", str(dbs["other_encoder"]), "--batches", "1", "--device", "cpu"]
+    judge("eval, another encoder", argv, words, tmp_path, capsys, protected=dbs["root"])
+    data = tmp_path / "data"
+    shutil.copytree(dbs["other_text"], data)
+    train(load_config(None, debug_run(data, tmp_path, "r", 1, *RETRO)))
+    _retrieve(data, str(dbs["other_encoder_model"]), CHUNK, "--overwrite")
+    capsys.readouterr()
+    assert run_cli(["train", *(f"--{s}" for s in debug_run(data, tmp_path, "r", 2, *RETRO))], tmp_path) == 2
+    err = capsys.readouterr().err
+    assert words in err and f"database of {data} was built with encoder" in err and "Traceback" not in err, err
 
 
 def _passages(printed: str) -> list[tuple[int, str]]:

@@ -113,6 +113,10 @@ def _perplexity(a, loaded, data_dir: Path) -> dict[str, float]:
     seq_len = a.seq_len or run.get("data", {}).get("seq_len", 256)
     batch = run.get("train", {}).get("global_batch_size", 4) if a.batches is None else 4
     batches = a.batches or run.get("eval", {}).get("num_batches", 8)
+    if loaded.model.args.retrieval_ids and loaded.kind == "checkpoint":  # a database built for this model
+        from plait.lifecycle.retrieval import check_checkpoint_database
+
+        check_checkpoint_database(loaded.path, loaded.model, data_dir)
     with phase(f"perplexity on {data_dir} ({a.split}, up to {batches} batches of {batch} x {seq_len})"):
         measured = perplexity(
             loaded.model, data_dir, split=a.split, seq_len=seq_len, batch_size=batch, max_batches=batches

@@ -132,6 +132,15 @@ def checkpoint_retriever(checkpoint: str | Path, model, data: str | Path = "", d
     return database_retriever(data_dir, model, str(resolve_device(device)))
 
 
+def check_checkpoint_database(found, model, data_dir: str | Path) -> None:
+    """A checkpoint's retrieval model against the database of `data_dir` it is about to read (`plait eval
+    CHECKPOINT --data DIR`): refused, as for generation, where built with another tokenizer, chunk size or
+    encoder (plait.data.retrieval.check_database_fits)."""
+    from plait.data.retrieval import check_database_fits, read_database
+
+    check_database_fits(data_dir, read_database(data_dir), checkpoint_needs(found, model, str(found)))
+
+
 def database_dir(data: str | Path) -> Path:
     """The prepared directory of a database given by it or by its retrieval/ folder; one that does not exist is
     refused naming it."""
