@@ -149,3 +149,28 @@ def test_a_bad_group_is_named_and_left_out(tmp_path, data_dir):
     )
     assert with_check[10] < with_check[1] - 0.2  # it learns
     assert without[10] > with_check[10] + 0.5  # the flipped group's ascent wins without the check
+
+
+@pytest.mark.slow
+def test_diloco_groups_talk_once_a_round_and_a_round_a_group_left_is_undone(tmp_path, data_dir):
+    """DiLoCo with H = 4: the groups send nothing to each other inside a round and average once at its end, so
+    every group holds the same weights at each round's end. Group 2 is lost in round 2: the others' round is not
+    committed (weights back to its start, its samples to the next round), group 2 heals at a round's start, and
+    all end bitwise equal."""
+    result = launch(
+        tmp_path, data_dir, "diloco", 24, "--max-restarts", "1", "--parallel.diloco_sync_every=4",
+        "--checkpoint.every_steps=8",
+        env={"PLAIT_FAULT_REPLICA_KILLS": "2:6", "PLAIT_FAULT_SLOW_RANK": f"0:{SLOW_S}"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    err = result.stderr
+    assert "[replica 0] replica 0: the round ending at step 8 was not committed" in err, err[-4000:]
+    assert "[replica 2] replica 2: healed from a live peer" in err
+    run = tmp_path / "diloco"
+    sent = {r["step"]: r["replicas/sent_mb"] for r in records(run / "replica_0") if "replicas/sent_mb" in r}
+    inside = [s for s in sent if s % 4 and s - 1 in sent]
+    assert inside and all(sent[s] == sent[s - 1] for s in inside)  # nothing crosses inside a round
+    assert all(sent[s] > sent[s - 1] for s in sent if s % 4 == 0 and s - 1 in sent)  # one average at its end
+    weights = [final_weights(run / f"replica_{i}") for i in range(3)]
+    for other in weights[1:]:
+        assert all(torch.equal(weights[0][k], other[k]) for k in weights[0]), "the groups ended apart"

@@ -20,11 +20,13 @@ import time
 from plait.core.errors import ConfigError, PlaitError
 
 
-def replica_argv(args: list[str], i: int, lighthouse: str, cfg, nproc: int, max_restarts: int) -> list[str]:
+def replica_argv(
+    args: list[str], i: int, replicas: int, lighthouse: str, cfg, nproc: int, max_restarts: int
+) -> list[str]:
     """Group i's command line: the run's settings, then its own."""
     own = [
         "--parallel.fault_tolerant=true", f"--parallel.replica_id={i}", f"--parallel.lighthouse={lighthouse}",
-        f"--run.out_dir={cfg.run_dir}", f"--run.name=replica_{i}",
+        f"--run.out_dir={cfg.run_dir}", f"--run.name=replica_{i}", f"--parallel.start_replicas={replicas}",
     ]  # fmt: skip
     if cfg.checkpoint.dir:
         own.append(f"--checkpoint.dir={cfg.checkpoint.dir.rstrip('/')}/replica_{i}")
@@ -47,7 +49,9 @@ def launch_replicas(args: list[str], replicas: int, nproc: int, max_restarts: in
         lighthouse, address = _start_lighthouse(cfg.parallel.min_replicas)
         print(f"plait train: {replicas} replica groups of {nproc} process(es), lighthouse {address}", file=sys.stderr)
         try:
-            codes = _run_groups([replica_argv(args, i, address, cfg, nproc, max_restarts) for i in range(replicas)])
+            codes = _run_groups(
+                [replica_argv(args, i, replicas, address, cfg, nproc, max_restarts) for i in range(replicas)]
+            )
         finally:
             lighthouse.terminate()
             lighthouse.wait()

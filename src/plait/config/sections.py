@@ -244,6 +244,17 @@ class ParallelConfig:
     sets it; several jobs (Slurm) name the one started by `plait lighthouse`."""
     min_replicas: int = 1
     """A fault-tolerant step commits only where at least this many groups took part in it."""
+    start_replicas: int = 0
+    """A fresh fault-tolerant run's first step waits (up to 2 minutes) for this many groups, so that none starts
+    alone (`plait train --replicas R` sets R); 0: the first step takes the groups that are there."""
+    diloco_sync_every: int = 0
+    """Fault-tolerant runs: average across the groups every this many steps (DiLoCo, low-communication: each
+    group steps alone in between, then the groups average their weights' change and an outer Nesterov step
+    applies it: plait.engine.diloco); 0 or 1: every step (synchronous)."""
+    diloco_outer_lr: float = 0.7
+    """DiLoCo's outer learning rate (the paper's 0.7)."""
+    diloco_outer_momentum: float = 0.9
+    """DiLoCo's outer Nesterov momentum (the paper's 0.9)."""
     contribution_check: bool = True
     """Fault-tolerant runs: check each group's gradient against the others' before averaging (non-finite, a norm
     or direction far from the rest: plait.parallel.replicas.contributions) and leave an offender out, by name;

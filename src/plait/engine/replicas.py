@@ -27,11 +27,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from plait.config import Config
-from plait.core.errors import ConfigError
 from plait.engine.checkpoint.state import Counters, ModelParts, Optimizers, Part, Schedules, TrainState
 from plait.engine.metrics import info
 from plait.parallel import DistEnv, Meshes
-from plait.parallel.rules import replicas_problem
 
 
 class Replicas:
@@ -50,6 +48,9 @@ class Replicas:
 
     def commit(self) -> bool:
         return True
+
+    def after_update(self) -> None:
+        """After the optimizer's step (DiLoCo: at a round's end, the groups' outer step)."""
 
     def record(self) -> dict[str, Any]:
         """What the last committed step's metrics say of the groups ({}: nothing for a group alone)."""
@@ -80,14 +81,22 @@ class FaultTolerant(Replicas):
             timeout_s=p.timeout_s, save_state=self._save, load_state=self._load,
         )  # fmt: skip
         self.batch = cfg.train.global_batch_size  # each group's batch: samples per group per step
-        self.group.restore(state.step, loader.state_dict()["samples_consumed"] // self.batch)
+        self.round = max(p.diloco_sync_every, 1)  # steps between two averagings (DiLoCo: engine.diloco)
+        committed = loader.state_dict()["samples_consumed"] // (self.batch * self.round)  # at a round's end
+        self.group.restore(state.step // self.round, committed)
         self.groups = 0
         self.failed = 0  # attempts of steps that did not commit, so far
+        self.sent = 0.0  # bytes this rank sent to the other groups (a ring allreduce: 2 (n-1)/n of each buffer)
         self.membership: Any = None
 
     def start_step(self) -> None:
+        self.join()
+
+    def join(self) -> None:
+        """This step's (or DiLoCo round's) quorum, and the loader placed at this group's samples: the round
+        takes `groups x round x batch` samples from the committed frontier, this group every groups-th batch."""
         began = time.perf_counter()
-        m = self.membership = self.group.start_step()
+        m = self.membership = self.group.start_step(wait_for=self.cfg.parallel.start_replicas)
         if m.healed and self.env.is_main:
             info(
                 f"replica {self.group.replica_id}: healed from a live peer at step {m.step} "
@@ -98,39 +107,44 @@ class FaultTolerant(Replicas):
         self.groups = m.replicas
         dp, rank = self.meshes.dims.dp, self.meshes.dp_rank
         self.loader.place(
-            m.batches_committed * self.batch, dp_rank=m.slot * dp + rank, dp_degree=m.replicas * dp,
+            m.batches_committed * self.round * self.batch, dp_rank=m.slot * dp + rank, dp_degree=m.replicas * dp,
             global_batch_size=m.replicas * self.batch,
         )  # fmt: skip
 
     def mean_loss(self, loss: torch.Tensor) -> torch.Tensor:
         total = loss.detach().reshape(1).float().clone()
-        self.group.sum(total)
+        self._sum(total)
         return (total / max(self.membership.replicas, 1)).reshape(())
 
     def average_gradients(self, params: list[torch.nn.Parameter]) -> None:
         """One flat buffer of this rank's gradient shards crosses the groups (one allreduce); the check, where
         on, adds a few floats per group before it and, on a step with an offender, one more allreduce."""
-        grads = [_local(p.grad) for p in params if p.grad is not None]
-        if not grads:
-            return
-        flat = torch.cat([g.reshape(-1).float() for g in grads])
+        grads = [local_tensor(p.grad) for p in params if p.grad is not None]
+        if grads:
+            unflatten_into(self.average(flatten(grads)), grads)
+
+    def average(self, flat: torch.Tensor) -> torch.Tensor:
+        """This group's contribution (flat, fp32) replaced by the groups' average, after the check where on."""
         for hook in self.contribution_hooks:
             hook(flat)
         m = self.membership
         if self.check is None:
-            self.group.sum(flat)
+            self._sum(flat)
             flat /= m.replicas
-        else:
-            self.verdict = self.check.average(
-                flat, slot=m.slot, slots=m.replicas, replica_id=self.group.replica_id,
-                group_sum=self._group_sum, replica_sum=self.group.sum,
-            )  # fmt: skip
-            if self.verdict.excluded and self.env.is_main:
-                info(f"replica {self.group.replica_id}, step {m.step + 1}: {self.verdict.summary()}")
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+            return flat
+        said = self.verdict.summary() if self.verdict is not None else ""
+        self.verdict = self.check.average(
+            flat, slot=m.slot, slots=m.replicas, replica_id=self.group.replica_id,
+            group_sum=self._group_sum, replica_sum=self._sum,
+        )  # fmt: skip
+        if self.verdict.excluded and self.verdict.summary() != said and self.env.is_main:
+            info(f"replica {self.group.replica_id}, step {self.state.step + 1}: {self.verdict.summary()}")
+        return flat
+
+    def _sum(self, t: torch.Tensor) -> None:
+        n = max(self.membership.replicas, 1)
+        self.sent += t.numel() * t.element_size() * 2 * (n - 1) / n
+        self.group.sum(t)
 
     def _group_sum(self, t: torch.Tensor) -> None:
         if self.env.world_size > 1:
@@ -149,8 +163,9 @@ class FaultTolerant(Replicas):
         """The committed step's groups and samples: enough to replay it (tests/parallel/test_replicas.py)."""
         m, v = self.membership, self.verdict
         out = {
-            "groups": m.replicas, "slot": m.slot, "first_sample": m.batches_committed * self.batch,
+            "groups": m.replicas, "slot": m.slot, "first_sample": m.batches_committed * self.round * self.batch,
             "samples": m.replicas * self.batch, "failed_attempts": self.failed, "healed": int(m.healed),
+            "sent_mb": self.sent / 2**20,
         }  # fmt: skip
         if v is not None:
             out.update(admitted=v.admitted, excluded=",".join(map(str, sorted(v.excluded))))
@@ -163,7 +178,7 @@ class FaultTolerant(Replicas):
         """The state a peer heals from: each part's entries, tensors as this rank's local shards."""
         out: dict[str, Any] = {}
         for part in self.parts:
-            out.update(_tree(part.state_dict(), _local))
+            out.update(_tree(part.state_dict(), local_tensor))
         if self.check is not None:
             out["contributions"] = json.dumps(self.check.state_dict())  # a string: its keys vary with offenders
         return out
@@ -180,19 +195,19 @@ class FaultTolerant(Replicas):
             self.check.load_state_dict(json.loads(received["contributions"]))
 
 
-def build_replicas(cfg: Config, env: DistEnv, meshes: Meshes, t, loader, state: TrainState, own_data: bool) -> Replicas:
-    """This run's replica groups: fault-tolerant where parallel.fault_tolerant says so, else one alone."""
-    p = cfg.parallel
-    problem = replicas_problem(
-        p.fault_tolerant, meshes.dims.dp_replicate, own_data, bool(cfg.data.sources),
-        cfg.guard.nonfinite_policy == "rollback", p.min_replicas,
-    )  # fmt: skip
-    if problem:
-        raise ConfigError(problem)
-    return FaultTolerant(cfg, env, meshes, t, loader, state) if p.fault_tolerant else Replicas()
+def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.reshape(-1).float() for t in tensors])
 
 
-def _local(x: Any) -> Any:
+def unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """flat's values back into the tensors it was made of (flatten), in place."""
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
+def local_tensor(x: Any) -> Any:
     if isinstance(x, DTensor):
         return x.to_local().detach()
     return x.detach() if isinstance(x, torch.Tensor) else x

@@ -31,11 +31,12 @@ from plait.engine.callbacks import Callback, Callbacks
 from plait.engine.checkpoint import CheckpointManager, TrainState, checkpoint_dir, list_checkpoints
 from plait.engine.core_callbacks import CompileWatch, LockWatch
 from plait.engine.expert_balance import ExpertBalance, set_aux_scale
+from plait.engine.groups import build_replicas
 from plait.engine.inputs import RunData
 from plait.engine.loss import IGNORE_INDEX, TokenLoss, cross_entropy
 from plait.engine.metrics import MetricsLogger, info, use_console
 from plait.engine.plot import write_run_plot
-from plait.engine.replicas import Replicas, build_replicas
+from plait.engine.replicas import Replicas
 from plait.engine.rundir import final_checkpoint_lost, inspect_run_dir, raise_stopped, resume
 from plait.engine.runlock import RunLock, RunLocked
 from plait.engine.step_metrics import StepMetrics
@@ -115,6 +116,7 @@ def train_step(
             opt.step()
             sched.step()
         opt.zero_grad(set_to_none=True)
+    replicas.after_update()  # DiLoCo: at a round's end, the groups' outer step
     return StepResult(loss, norm, stepped, committed)
 
 

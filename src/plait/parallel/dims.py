@@ -33,6 +33,7 @@ from plait.parallel.rules import (
     batch_problem,
     compile_problem,
     cp_problem,
+    diloco_problem,
     ep_problem,
     lora_problem,
     optimizer_problem,
@@ -259,6 +260,7 @@ def validate_layout(cfg: Config, dims: ParallelDims) -> None:
             p.fault_tolerant, dims.dp_replicate, False, bool(cfg.data.sources),
             cfg.guard.nonfinite_policy == "rollback", p.min_replicas,
         )
+        or diloco_problem(p.fault_tolerant, p.diloco_sync_every, cfg.checkpoint.every_steps, cfg.train.steps)
     )  # fmt: skip
     if problem:
         raise ConfigError(problem)

@@ -328,3 +328,23 @@ def replicas_problem(
     if min_replicas < 1:
         return f"parallel.min_replicas={min_replicas} must be at least 1"
     return None
+
+
+def diloco_problem(fault_tolerant: bool, sync_every: int, checkpoint_every: int, steps: int) -> str | None:
+    """Why DiLoCo (parallel.diloco_sync_every) cannot run as set (None: it can, or it is off). Its rounds are
+    the commit unit of a fault-tolerant run, and a checkpoint is taken where a round ends (its weights are then
+    the groups' common ones)."""
+    if sync_every < 0:
+        return f"parallel.diloco_sync_every={sync_every} must be 0 (off) or a number of steps"
+    if sync_every > 1 and not fault_tolerant:
+        return (
+            f"parallel.diloco_sync_every={sync_every} averages across replica groups: set parallel.fault_tolerant=true "
+            "and start the groups with `plait train --replicas R`"
+        )
+    for setting, value in (("checkpoint.every_steps", checkpoint_every), ("train.steps", steps)):
+        if sync_every > 1 and value % sync_every:
+            return (
+                f"{setting}={value} must be a multiple of parallel.diloco_sync_every={sync_every}: checkpoints "
+                "and the run's end fall where a round ends, when the groups hold the same weights"
+            )
+    return None

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -28,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from plait.core.errors import PlaitError
+from plait.parallel.env import restart_count
 
 QUORUM_TIMEOUT_S = 120  # a group waits this long for the lighthouse's quorum (a restarting peer takes ~10 s)
 CONNECT_TIMEOUT_S = 60  # to the lighthouse and the managers: they are started before the groups
@@ -111,10 +113,20 @@ class ReplicaGroup:
         """The counters of a checkpoint this group resumed from (its peers, if ahead, heal it at the next step)."""
         self.manager.load_state_dict({"step": step, "batches_committed": batches_committed})
 
-    def start_step(self) -> Membership:
-        """Join this step's quorum (healing from a peer where this group is behind)."""
+    def start_step(self, wait_for: int = 0) -> Membership:
+        """Join this step's quorum (healing from a peer where this group is behind). A fresh run's first quorum
+        waits (up to QUORUM_TIMEOUT_S) until `wait_for` groups are in it: a group that started first must not
+        train alone while the others form a quorum of their own (neither would be behind the other, so neither
+        would heal: two runs, not one)."""
         self._healed = False
+        deadline = time.monotonic() + QUORUM_TIMEOUT_S
         self.manager.start_quorum()
+        fresh = restart_count() == 0 and self.manager.current_step() == 0  # a restarted group heals instead
+        while (
+            fresh and not self._healed and self.manager.num_participants() < wait_for and time.monotonic() < deadline
+        ):  # fmt: skip
+            time.sleep(0.2)
+            self.manager.start_quorum()
         slot = self.manager.participating_rank()
         return Membership(
             replicas=self.manager.num_participants(),

@@ -7,7 +7,10 @@ from __future__ import annotations
 import os
 import socket
 
-JOIN_TIMEOUT_MS = 1000  # a quorum waits this long for more groups once min_replicas are there (start-up, rejoin)
+# A quorum waits up to this long for a group that is alive (heartbeating) but has not asked to join yet: one whose
+# step or round ended late. A dead group stops heartbeating and is left out after HEARTBEAT_TIMEOUT_MS, so a long
+# join timeout costs nothing on a failure; a short one lets a late group miss a quorum and sit out a round.
+JOIN_TIMEOUT_MS = 30_000
 HEARTBEAT_TIMEOUT_MS = 5000  # a group silent this long is left out of the next quorum
 
 
