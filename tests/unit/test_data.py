@@ -317,6 +317,23 @@ def test_loader_is_deterministic_per_seed(prepared: Path) -> None:
     assert not all(torch.equal(x[0], y[0]) for x, y in zip(a, c, strict=True))
 
 
+def test_a_placed_loader_takes_its_share_of_the_groups_batch(prepared: Path) -> None:
+    """TokenLoader.place (a fault-tolerant step: engine.replicas): group s of n at the committed frontier takes the
+    s-th share of the n groups' batch, keeps its prefetched batches where nothing changed, and goes back to the
+    frontier of a step that did not commit."""
+    whole = batches(make_loader(prepared, global_batch_size=24), 3)  # 3 groups x 8, as one process reads them
+    group = make_loader(prepared, prefetch=2)
+    group.place(24, dp_rank=1, dp_degree=3, global_batch_size=24)  # the second step, group 1 of 3
+    second = next(group)
+    assert torch.equal(second[0], whole[1][0][8:16])
+    group.place(48, dp_rank=1, dp_degree=3, global_batch_size=24)  # where it already is: nothing restarts
+    assert group._thread is not None and torch.equal(next(group)[0], whole[2][0][8:16])
+    group.place(24, dp_rank=0, dp_degree=2, global_batch_size=16)  # a failed step, retried by two groups
+    assert torch.equal(next(group)[0], whole[1][0][0:8])
+    with pytest.raises(ValueError, match="cannot take a share"):
+        group.place(0, dp_rank=3, dp_degree=3, global_batch_size=24)
+
+
 def window_ids(ds: TokenDataset, rows: torch.Tensor, targets: torch.Tensor) -> list[int]:
     """Map each (inputs, targets) row back to its window index."""
     index = {tuple(ds.sample(i, SEQ).tolist()): i for i in range(ds.num_samples(SEQ))}

@@ -222,7 +222,7 @@ srun torchrun \\
   --nnodes={nodes} --nproc-per-node={gpus} \\
   --rdzv-backend=c10d --rdzv-endpoint="$head_node:29500" --rdzv-id="$SLURM_JOB_ID" \\
   --max-restarts={restarts} \\
-  -m plait train {args} &
+  -m plait train {args}{group} &
 trainer=$!
 trap 'kill -TERM "$trainer" 2>/dev/null || true' TERM
 while kill -0 "$trainer" 2>/dev/null; do  # a trapped signal ends `wait` early: wait until the trainer ends
@@ -254,6 +254,11 @@ def cmd_launch(argv: list[str]) -> int:
         "preemption); it resumes from it.",
     )
     p.add_argument("--max-restarts", type=int, default=3, help="torchrun restarts after a lost worker or node.")
+    p.add_argument(
+        "--replicas", type=int, metavar="R",
+        help="fault-tolerant: R replica groups as a job array, each of --nodes (needs --lighthouse)",
+    )  # fmt: skip
+    p.add_argument("--lighthouse", metavar="URL", help="the run's lighthouse, http://HOST:PORT (`plait lighthouse`)")
     p.add_argument("--name", default="plait", help="Slurm job name.")
     p.add_argument("--out", help="Write the script here instead of printing it.")
     p.add_argument(
@@ -265,10 +270,12 @@ def cmd_launch(argv: list[str]) -> int:
     a, train_args = p.parse_known_args(argv[1:]) if argv[:1] == ["slurm"] else parser.parse_known_args(argv)
     if a.nodes < 1 or a.gpus_per_node < 1:
         raise ConfigError("--nodes and --gpus-per-node must be at least 1")
+    train_args, extra_lines = _replica_array(a, train_args)
     cfg = _validate_before_launch(train_args, a.nodes * a.gpus_per_node)
     print(_check_memory_on(a.gpu, cfg, a.nodes, a.gpus_per_node), file=sys.stderr)
     extra = "".join(f"#SBATCH --{k}={v}\n" for k, v in (("partition", a.partition), ("account", a.account)) if v)
     extra += "#SBATCH --requeue\n" if a.requeue else ""
+    extra += extra_lines
     note = "The job is then requeued and resumes from it." if a.requeue else "Submit the script again to resume."
     script = SBATCH.format(
         extra=extra,
@@ -282,6 +289,12 @@ def cmd_launch(argv: list[str]) -> int:
         restarts=a.max_restarts,
         grace=STOP_GRACE_S,
         args=" ".join(shlex.quote(x) for x in train_args),
+        group=(
+            f' --parallel.replica_id="$SLURM_ARRAY_TASK_ID" --run.name={shlex.quote(cfg.run.name)}'
+            '"/replica_$SLURM_ARRAY_TASK_ID"'
+            if a.replicas
+            else ""
+        ),
     )
     if a.out:
         if os.path.exists(a.out):
@@ -292,6 +305,31 @@ def cmd_launch(argv: list[str]) -> int:
     else:
         print(script, end="")
     return 0
+
+
+def _replica_array(a, train_args: list[str]) -> tuple[list[str], str]:
+    """With --replicas R: each group a task of a job array (its own nodes, restarts and requeue), all meeting at
+    the lighthouse; the train arguments with the group's settings (its number from SLURM_ARRAY_TASK_ID)."""
+    if a.replicas is None:
+        if a.lighthouse:
+            raise ConfigError("--lighthouse goes with --replicas R (a fault-tolerant run of R replica groups)")
+        return train_args, ""
+    if a.replicas < 1:
+        raise ConfigError(f"--replicas={a.replicas} must be at least 1 (the number of replica groups)")
+    if not a.lighthouse:
+        raise ConfigError(
+            "--replicas needs --lighthouse http://HOST:PORT: start one where every node reaches it "
+            "(`plait lighthouse --port 29510`) and name it"
+        )
+    group = [
+        "--parallel.fault_tolerant=true", f"--parallel.lighthouse={a.lighthouse}",
+        f"--parallel.start_replicas={a.replicas}",
+    ]  # fmt: skip
+    lines = (
+        f"#SBATCH --array=0-{a.replicas - 1}\n# Fault-tolerant: each array task is one replica group (its number is "
+        "SLURM_ARRAY_TASK_ID); a lost group restarts or is requeued alone and heals from a live one.\n"
+    )
+    return [*train_args, *group], lines
 
 
 def _check_memory_on(gpu: str | None, cfg, nodes: int, gpus_per_node: int) -> str:

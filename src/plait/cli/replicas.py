@@ -37,9 +37,11 @@ def replica_argv(
 def launch_replicas(args: list[str], replicas: int, nproc: int, max_restarts: int) -> int:
     from plait.cli.launch import _validate_before_launch
     from plait.engine.runlock import RunLock
+    from plait.parallel.replicas.lighthouse import require_torchft
 
     if replicas < 1:
         raise ConfigError(f"--replicas={replicas} must be at least 1 (the number of replica groups)")
+    require_torchft()
     cfg = _validate_before_launch([*args, "--parallel.fault_tolerant=true", "--parallel.lighthouse=http://x:1"], nproc)
     if replicas < cfg.parallel.min_replicas:
         raise ConfigError(

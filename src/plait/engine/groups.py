@@ -18,6 +18,7 @@ def build_replicas(cfg: Config, env: DistEnv, meshes: Meshes, t, loader, state: 
     problem = replicas_problem(
         p.fault_tolerant, meshes.dims.dp_replicate, own_data, bool(cfg.data.sources),
         cfg.guard.nonfinite_policy == "rollback", p.min_replicas,
+        p.lighthouse,
     ) or diloco_problem(
         p.fault_tolerant, p.diloco_sync_every, cfg.checkpoint.every_steps, cfg.train.steps
     )  # fmt: skip

@@ -259,6 +259,7 @@ def validate_layout(cfg: Config, dims: ParallelDims) -> None:
         or replicas_problem(
             p.fault_tolerant, dims.dp_replicate, False, bool(cfg.data.sources),
             cfg.guard.nonfinite_policy == "rollback", p.min_replicas,
+            p.lighthouse,
         )
         or diloco_problem(p.fault_tolerant, p.diloco_sync_every, cfg.checkpoint.every_steps, cfg.train.steps)
     )  # fmt: skip

@@ -12,6 +12,7 @@ it only where FSDP accumulates: a subset of what the rule allows.
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Any
 
 from plait.core.torch_private import compile_with_tp_works, torch_version, weight_pass_takes_custom_functions
@@ -301,7 +302,13 @@ def lora_problem(lora_rank: int, tp: int, pp: int) -> str | None:
 
 
 def replicas_problem(
-    fault_tolerant: bool, dp_replicate: int, own_data: bool, mixture: bool, rollback: bool, min_replicas: int
+    fault_tolerant: bool,
+    dp_replicate: int,
+    own_data: bool,
+    mixture: bool,
+    rollback: bool,
+    min_replicas: int,
+    lighthouse: str = "http://-:0",
 ) -> str | None:
     """Why a fault-tolerant run (parallel.fault_tolerant) cannot run as set (None: it can, or it is not one). The
     replica groups are the data-parallel replicas; each places its batch in one sample stream by the count of
@@ -327,6 +334,12 @@ def replicas_problem(
         )
     if min_replicas < 1:
         return f"parallel.min_replicas={min_replicas} must be at least 1"
+    if not re.fullmatch(r"https?://[^\s/:]+:\d{1,5}/?", lighthouse):
+        return (
+            f"parallel.fault_tolerant=true needs a lighthouse at http://HOST:PORT (parallel.lighthouse="
+            f"{lighthouse!r}): start the groups with `plait train --replicas R` (it starts one), or start one with "
+            "`plait lighthouse` and set parallel.lighthouse"
+        )
     return None
 
 

@@ -61,6 +61,9 @@ class ReplicaGroup:
         save_state: Callable[[], dict[str, Any]],
         load_state: Callable[[dict[str, Any]], None],
     ) -> None:
+        from plait.parallel.replicas.lighthouse import require_torchft
+
+        require_torchft()
         from torchft import Manager, ProcessGroupGloo
 
         if os.environ.get("LOGLEVEL", "").upper() not in ("INFO", "DEBUG"):
