@@ -236,7 +236,8 @@ exit "$status"
 """
 
 
-def cmd_launch(argv: list[str]) -> int:
+def _launch_parser():
+    """`plait launch`'s parser and its `slurm` subcommand's."""
     parser = PlaitParser(prog="plait launch", description="Launch plait on a cluster.")
     sub = parser.add_subparsers(dest="target", required=True)
     p = sub.add_parser("slurm", help="Print (or write) an sbatch script running `plait train` on N nodes.")
@@ -267,6 +268,11 @@ def cmd_launch(argv: list[str]) -> int:
         help="the nodes' GPU (a `plait plan` cluster preset: a100, h100, h200, trn1): the run's memory is checked "
         "against it now, before the job waits in the queue",
     )
+    return parser, p
+
+
+def cmd_launch(argv: list[str]) -> int:
+    parser, p = _launch_parser()
     a, train_args = p.parse_known_args(argv[1:]) if argv[:1] == ["slurm"] else parser.parse_known_args(argv)
     if a.nodes < 1 or a.gpus_per_node < 1:
         raise ConfigError("--nodes and --gpus-per-node must be at least 1")
