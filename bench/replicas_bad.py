@@ -1,0 +1,221 @@
+"""A bad replica group against the contribution check: is it named and left out, and does the loss curve stay
+within the fault-free run's seed-to-seed spread; and without the check, what does the same fault do.
+
+    python bench/replicas_bad.py [--modes scale:100,noise:10,flip:1,flip:100,nan] [--seeds 0,1,2] [--steps 60]
+        [--bad-from 5] [--out bench/results/replicas_bad.json]
+
+Each run is `plait train --replicas 3 --nproc 1` of the debug model on the bundled corpus (tests/runs.py's short
+run: 8 sequences of 32 tokens per group and step, warm-up 2, cosine), one at a time. Runs: fault-free (check on);
+and per mode, group 1's gradient made bad from step --bad-from on (PLAIT_FAULT_BAD_REPLICA=1:MODE:SIZE@STEP,
+plait.features.faults), once with the check (the default) and once with --parallel.contribution_check=false;
+each over the seeds (run.seed).
+
+The loss is train/loss: every group logs the same one, the committed step's loss averaged over the groups'
+batches (the bad group's batch loss is honest: only its gradient is made bad). A run's "final" loss is the mean
+of its last --tail logged losses (one step's loss is one batch of 24 sequences, noisy). A run that stops early
+(a NaN without the check: every step non-finite, the guard gives up after guard.max_consecutive_failures) has
+no final loss; its last step is reported. Named and left out: replicas/excluded, per step from --bad-from on
+where group 1 took part (replicas/groups is 3), read from every group's metrics; any other id left out anywhere
+(or anything left out in a fault-free run) is a false positive. Printed: a table per mode; written to --out,
+with a plot of the loss curves (mean over seeds, band min..max) beside it (.png).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+RUN = ["model.preset=debug", "data.seq_len=32", "train.global_batch_size=8", "optim.warmup_steps=2",
+       "eval.every_steps=0", "log.every_steps=1", "log.tensorboard=false", "log.plot=false",
+       "sample.max_new_tokens=0", "data.prefetch=0", "run.device=cpu", "run.health_check_enabled=false",
+       "checkpoint.save_final=false", "checkpoint.every_steps=0", "lineage.enabled=false"]  # fmt: skip
+BAD = 1  # the bad group's replica id
+
+
+def launch(data: Path, scratch: Path, name: str, seed: int, args, fault: str = "", check: bool = True) -> dict:
+    """One 3-group run: its loss per step, each step's (groups, excluded), its exit status and wall time."""
+    settings = [*RUN, f"data.source={data}", f"train.steps={args.steps}", f"run.seed={seed}",
+                f"run.out_dir={scratch}", f"run.name={name}"]  # fmt: skip
+    if not check:
+        settings.append("parallel.contribution_check=false")
+    cmd = [sys.executable, "-m", "plait.cli", "train", "--replicas", "3", "--nproc", "1", *(f"--{s}" for s in settings)]
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env["PLAIT_CALLBACKS"] = "plait.features.faults:from_environment"
+    if fault:
+        env["PLAIT_FAULT_BAD_REPLICA"] = f"{BAD}:{fault}@{args.bad_from}"
+    start = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    seconds = time.perf_counter() - start
+    loss: dict[int, float] = {}
+    steps: dict[int, tuple[int, str]] = {}
+    for i in range(3):
+        path = scratch / name / f"replica_{i}" / "metrics.jsonl"
+        for r in [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []:
+            if "train/loss" in r:
+                loss[r["step"]] = r["train/loss"]
+            if "replicas/groups" in r:
+                steps[r["step"]] = (r["replicas/groups"], r.get("replicas/excluded", ""))  # none: no check
+    shutil.rmtree(scratch / name, ignore_errors=True)
+    first_error = next((line for line in done.stderr.splitlines() if "error:" in line), "")
+    return {"rc": done.returncode, "seconds": seconds, "loss": {s: loss[s] for s in sorted(loss)},
+            "steps": {s: steps[s] for s in sorted(steps)}, "error": first_error[:300]}  # fmt: skip
+
+
+def final(run: dict, args) -> float | None:
+    """The mean of the last --tail logged losses; None for a run that did not reach its last step."""
+    loss = run["loss"]
+    if not loss or max(loss) < args.steps:
+        return None
+    return statistics.fmean(loss[s] for s in sorted(loss)[-args.tail :])
+
+
+def exclusions(run: dict, args, bad: int | None) -> dict:
+    """Of the steps from --bad-from on where the bad group took part: how many left it out; and the steps that
+    left out anything else (false positives; with no bad group, any exclusion)."""
+    bad_steps = [(g, ex) for s, (g, ex) in run["steps"].items() if bad is not None and s >= args.bad_from and g == 3]
+    named = sum(ex.split(",") == [str(bad)] for _, ex in bad_steps)
+    false = sorted(s for s, (_, ex) in run["steps"].items() if ex and (bad is None or ex.split(",") != [str(bad)]))
+    return {"bad_steps": len(bad_steps), "named": named, "false_positive_steps": false}
+
+
+def one(runs: dict, key: str, data: Path, scratch: Path, seed: int, args, fault: str = "", check: bool = True):
+    runs[key] = got = launch(data, scratch, key.replace(" ", "_").replace(":", "-"), seed, args, fault, check)
+    f = final(got, args)
+    stop = f"final {f:.3f}" if f is not None else f"stopped at step {max(got['loss'], default=0)} (rc {got['rc']})"
+    ex = exclusions(got, args, BAD if fault else None)
+    print(f"{key}: {stop}, left out on {ex['named']}/{ex['bad_steps']} bad steps, false positives "
+          f"{len(ex['false_positive_steps'])} ({got['seconds']:.0f} s)", flush=True)  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--modes", default="scale:100,noise:10,flip:1,flip:100,nan")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--bad-from", type=int, default=5)
+    ap.add_argument("--tail", type=int, default=5)
+    ap.add_argument("--out", default="bench/results/replicas_bad.json")
+    args = ap.parse_args()
+    from plait.data import ensure_prepared
+
+    modes, seeds, out = args.modes.split(","), [int(s) for s in args.seeds.split(",")], Path(args.out)
+    scratch = Path(tempfile.mkdtemp(prefix="plait-replicas-bad-"))
+    data = ensure_prepared("shakespeare", scratch / "corpus", 4096)
+    runs: dict[str, dict] = {}
+    start = time.perf_counter()
+    try:
+        for seed in seeds:
+            one(runs, f"fault-free s{seed}", data, scratch, seed, args)
+        for mode in modes:
+            for check in (True, False):
+                for seed in seeds:
+                    key = f"{mode} {'check' if check else 'nocheck'} s{seed}"
+                    one(runs, key, data, scratch, seed, args, mode, check)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    report(args, modes, seeds, runs, out, time.perf_counter() - start)
+
+
+def spread(values: list[float | None]) -> dict:
+    got = [v for v in values if v is not None]
+    if not got:
+        return {"mean": None, "sd": None, "min": None, "max": None, "finished": 0}
+    sd = statistics.stdev(got) if len(got) > 1 else 0.0
+    return {"mean": statistics.fmean(got), "sd": sd, "min": min(got), "max": max(got), "finished": len(got)}
+
+
+def report(args, modes: list[str], seeds: list[int], runs: dict, out: Path, wall: float) -> None:
+    free = spread([final(runs[f"fault-free s{s}"], args) for s in seeds])
+    free_fp = sum(len(exclusions(runs[f"fault-free s{s}"], args, None)["false_positive_steps"]) for s in seeds)
+    rows = {}
+    for mode in modes:
+        row: dict = {}
+        for arm in ("check", "nocheck"):
+            each = [runs[f"{mode} {arm} s{s}"] for s in seeds]
+            ex = [exclusions(r, args, BAD) for r in each]
+            row[arm] = {**spread([final(r, args) for r in each]),
+                        "named": sum(e["named"] for e in ex), "bad_steps": sum(e["bad_steps"] for e in ex),
+                        "false_positive_steps": sum(len(e["false_positive_steps"]) for e in ex),
+                        "last_step": [max(r["loss"], default=0) for r in each],
+                        "rc": [r["rc"] for r in each]}  # fmt: skip
+        c = row["check"]["mean"]
+        row["check_within_spread"] = c is not None and free["min"] <= c <= free["max"]
+        row["check_minus_free"] = None if c is None else c - free["mean"]
+        n = row["nocheck"]["mean"]
+        row["nocheck_minus_free"] = None if n is None or row["nocheck"]["finished"] < len(seeds) else n - free["mean"]
+        rows[mode] = row
+    table(args, seeds, free, free_fp, rows, wall)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    record = {"steps": args.steps, "bad_from": args.bad_from, "tail": args.tail, "seeds": seeds, "groups": 3,
+              "bad_replica": BAD, "fault_free": {**free, "false_positive_steps": free_fp}, "rows": rows,
+              "wall_s": wall, "runs": runs, "machine": _machine()}  # fmt: skip
+    out.write_text(json.dumps(record, indent=1))
+    plot(runs, modes, seeds, out.with_suffix(".png"), args)
+    print(f"written to {out} and {out.with_suffix('.png')}")
+
+
+def table(args, seeds: list[int], free: dict, free_fp: int, rows: dict, wall: float) -> None:
+    print(f"\n3 groups x 1 process, debug model, {args.steps} steps, group {BAD} bad from step {args.bad_from}, "
+          f"seeds {seeds}; final = mean train loss of the last {args.tail} steps; wall {wall:.0f} s")  # fmt: skip
+    print(f"fault-free: {free['mean']:.3f} +- {free['sd']:.3f} (min {free['min']:.3f}, max {free['max']:.3f}); "
+          f"steps with a group left out: {free_fp}")  # fmt: skip
+    print(f"{'mode':<10} {'named/bad steps':>15} {'false +':>7} {'check final':>12} {'- free':>7} {'within':>6} "
+          f"{'no-check final':>15} {'- free':>7}")  # fmt: skip
+    for mode, r in rows.items():
+        c, n = r["check"], r["nocheck"]
+        cf = "-" if c["mean"] is None else f"{c['mean']:.3f}"
+        if n["finished"] < len(seeds):
+            nf, nd = f"stopped@{','.join(map(str, n['last_step']))}", "-"
+        else:
+            nf, nd = f"{n['mean']:.3f}", f"{r['nocheck_minus_free']:+.3f}"
+        cd = "-" if r["check_minus_free"] is None else f"{r['check_minus_free']:+.3f}"
+        print(f"{mode:<10} {c['named']:>7}/{c['bad_steps']:<7} {c['false_positive_steps']:>7} {cf:>12} {cd:>7} "
+              f"{'yes' if r['check_within_spread'] else 'no':>6} {nf:>15} {nd:>7}")  # fmt: skip
+
+
+def plot(runs: dict, modes: list[str], seeds: list[int], path: Path, args) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(modes), figsize=(3.6 * len(modes), 3.8), sharey=True, squeeze=False)
+    arms = (("fault-free", "fault-free {s}", "tab:grey"), ("with check", "{m} check {s}", "tab:blue"),
+            ("without check", "{m} nocheck {s}", "tab:red"))  # fmt: skip
+    for ax, mode in zip(axes[0], modes, strict=True):
+        for label, key, colour in arms:
+            curves = [runs[key.format(m=mode, s=f"s{s}")]["loss"] for s in seeds]
+            steps = sorted(set().union(*curves))
+            xs, mean, lo, hi = [], [], [], []
+            for step in steps:
+                vals = [c[step] for c in curves if step in c and c[step] == c[step]]  # finite (NaN != NaN)
+                if vals:
+                    xs.append(step), mean.append(statistics.fmean(vals)), lo.append(min(vals)), hi.append(max(vals))
+            ax.plot(xs, mean, color=colour, label=label, linewidth=1.2)
+            ax.fill_between(xs, lo, hi, color=colour, alpha=0.2, linewidth=0)
+        ax.axvline(args.bad_from, color="black", linestyle=":", linewidth=0.8)
+        ax.set(title=f"group {BAD}: {mode}", xlabel="step")
+    axes[0][0].set(ylabel="train loss (mean over seeds, band min..max)")
+    axes[0][0].set_ylim(top=9.5)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"A bad replica group among 3 (from step {args.bad_from}, dotted), seeds {seeds}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def _machine() -> str:
+    import platform
+
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}"
+
+
+if __name__ == "__main__":
+    main()
