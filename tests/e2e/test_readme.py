@@ -23,6 +23,10 @@ CAP = ["--train.steps=2", "--eval.every_steps=2", "--eval.num_batches=1", "--sam
 SLURM = "plait launch slurm --nodes 4 --gpus-per-node 8 --gpu h100 configs/seed_3d.toml --out job.sbatch"
 # README line -> (arguments appended, words its output must contain)
 RUN = {
+    "plait train --replicas 3 --max-restarts 2 --model.preset=debug --run.name=ft": (
+        CAP,
+        ["3 replica groups", "runs/ft/replica_2/checkpoints/step_00000002"],
+    ),
     "plait train --help": ([], ["--train.steps"]),
     "plait config show --model.preset=small": ([], ["[model]", "dim = 512"]),
     "plait train": (CAP, ["validation loss", "checkpoint: runs/default/checkpoints/step_00000002"]),
@@ -79,6 +83,12 @@ SMOLLM2_TRAIN = (
     "--data.source=data-smollm2 --data.seq_len=128 --train.steps=12 --eval.suite=suite.yaml --run.name=smollm2-lora"
 )
 SKIPPED = {  # README line -> why it is not run here
+    "plait train --replicas 3 --parallel.diloco_sync_every=10 --model.preset=debug --checkpoint.every_steps=100 "
+    "--run.name=diloco": "2 capped steps are no round of 10: tests/parallel/test_replicas.py runs DiLoCo's groups",
+    "plait lighthouse --port 29510": "a server that runs until stopped: `plait train --replicas` starts one above",
+    "plait launch slurm --nodes 2 --gpus-per-node 8 --replicas 4 --lighthouse http://login1:29510 --out ft.sbatch": (
+        "no Slurm here: tests/e2e/test_malformed_replicas.py checks the job array it writes"
+    ),
     "plait config show --run.name=mine-toml > my.toml": (
         "a shell redirection: tests/e2e/test_cli.py's tour test runs the tour through bash; here my.toml is written "
         "by the test (the debug preset, to keep this one quick)"

@@ -174,3 +174,65 @@ def test_diloco_groups_talk_once_a_round_and_a_round_a_group_left_is_undone(tmp_
     weights = [final_weights(run / f"replica_{i}") for i in range(3)]
     for other in weights[1:]:
         assert all(torch.equal(weights[0][k], other[k]) for k in weights[0]), "the groups ended apart"
+
+
+def check_accounting(run: Path, groups: int, steps: int) -> dict[int, tuple[int, int]]:
+    """Every step committed once, the same by every group that took it, its samples right after the last's."""
+    plans = [schedule(run / f"replica_{i}") for i in range(groups)]
+    plan = {step: each for p in plans for step, each in p.items()}
+    assert sorted(plan) == list(range(1, steps + 1))
+    assert all(plan[s] == p[s] for p in plans for s in p)
+    firsts = [plan[s][0] for s in sorted(plan)]
+    assert firsts == [sum(plan[s][1] for s in sorted(plan) if s < step) for step in sorted(plan)]
+    weights = [final_weights(run / f"replica_{i}") for i in range(groups)]
+    for other in weights[1:]:
+        assert all(torch.equal(weights[0][k], other[k]) for k in weights[0]), "the groups ended apart"
+    return plan
+
+
+@pytest.mark.full
+def test_ten_random_kills_in_one_run_lose_no_step_and_no_sample(tmp_path, data_dir):
+    """Ten kills drawn at random over the three groups in one run: it completes, each step committed once by the
+    groups alive at it, every sample trained once, and the groups end bitwise equal."""
+    import random
+
+    rng, steps = random.Random(47), 70
+    kills = sorted(rng.sample(range(4, steps - 8), 10))
+    spec = ",".join(f"{rng.randrange(3)}:{s}" for s in kills)
+    result = launch(
+        tmp_path, data_dir, "kills", steps, "--max-restarts", "10",
+        env={"PLAIT_FAULT_REPLICA_KILLS": spec, "PLAIT_FAULT_SLOW_RANK": f"0:{SLOW_S}"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    fired = result.stderr.count("fault injection: killing rank 0")
+    plan = check_accounting(tmp_path / "kills", 3, steps)
+    failed = max(r.get("replicas/failed_attempts", 0) for r in records(tmp_path / "kills" / "replica_0"))
+    print(f"kills {spec}: {fired} fired, {failed} step attempts failed on group 0, {len(plan)} steps committed")
+    assert fired >= 8  # (a kill drawn for a group after its own last step does not fire)
+
+
+@pytest.mark.full
+def test_groups_of_two_fsdp_ranks_heal_their_shards(tmp_path, data_dir):
+    """Two groups, each FSDP over 2 processes: group 1 is lost and heals its DTensor shards rank by rank from
+    group 0's ranks; both end bitwise equal, every step and sample accounted for."""
+    settings = [f"--{s}" for s in debug_run(data_dir, tmp_path, "fsdp", 60, "run.health_check_enabled=false")]
+    settings.append("--guard.straggler_ratio=0")  # the injected slowness is rank 0's alone
+    cmd = [
+        sys.executable,
+        "-m",
+        "plait.cli",
+        "train",
+        "--replicas",
+        "2",
+        "--nproc",
+        "2",
+        "--max-restarts",
+        "1",
+        *settings,
+    ]
+    clean = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env = {**clean, "PLAIT_FAULT_REPLICA_KILLS": "1:6", "PLAIT_FAULT_SLOW_RANK": f"0:{SLOW_S}"}
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "dp_shard=2" in result.stderr and "[replica 1] replica 1: healed from a live peer" in result.stderr
+    check_accounting(tmp_path / "fsdp", 2, 60)

@@ -211,6 +211,23 @@ def test_state_bytes_exact_against_fsdp2_on_a_fake_process_group(tmp_path):
 # ---------------------------------------------------------------------------------------------- the model
 
 
+def test_replica_groups_add_their_averaging_and_diloco_divides_it():
+    """Fault-tolerant groups (plait.engine.replicas) all-reduce each rank's fp32 gradient shard with the other
+    groups over the nodes' network once a step; DiLoCo (sync_every = H) once per H steps."""
+    import dataclasses
+
+    base = Workload(preset_args("llama3-8b"), 4096, 64)
+    cluster, lay = get_cluster("h100", nodes=1), Layouts.single(dp_shard=8, micro_batch=1)
+    alone, three = (evaluate(dataclasses.replace(base, replica_groups=n), cluster, lay) for n in (1, 3))
+    diloco = evaluate(dataclasses.replace(base, replica_groups=3, sync_every=10), cluster, lay)
+    assert alone["t_replicas"][0] == 0
+    shard = 8.03e9 / 8  # llama3-8b's parameters over the FSDP group, in fp32, 2 (n - 1) / n of them each way
+    expected = 2 * 2 / 3 * 4 * shard / cluster.inter_bw
+    assert three["t_replicas"][0] == pytest.approx(expected, rel=0.02)
+    assert three["step_time"][0] == pytest.approx(alone["step_time"][0] + three["t_replicas"][0])
+    assert diloco["t_replicas"][0] == pytest.approx(three["t_replicas"][0] / 10)
+
+
 def test_pipeline_bubble_and_memory_follow_the_schedules():
     work = Workload(preset_args("llama3-8b"), 4096, 64)
     cluster = get_cluster("h100", nodes=2)

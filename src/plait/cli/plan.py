@@ -231,6 +231,8 @@ def _workload(model, seq: int, tokens: int, precision: str, base):
             compiled=base.compile.enabled,
             lora_rank=base.finetune.lora_rank,
             muon=base.optim.name == "muon",
+            replica_groups=max(base.parallel.start_replicas, 2) if base.parallel.fault_tolerant else 1,
+            sync_every=max(base.parallel.diloco_sync_every, 1),
         )
     return work
 

@@ -50,15 +50,15 @@ def launch_replicas(args: list[str], replicas: int, nproc: int, max_restarts: in
     with RunLock.for_run(cfg).acquire(break_lock=cfg.run.break_lock).held():
         lighthouse, address = _start_lighthouse(cfg.parallel.min_replicas)
         print(f"plait train: {replicas} replica groups of {nproc} process(es), lighthouse {address}", file=sys.stderr)
+        late: set[int] = set()
         try:
-            codes = _run_groups(
-                [replica_argv(args, i, replicas, address, cfg, nproc, max_restarts) for i in range(replicas)]
-            )
+            commands = [replica_argv(args, i, replicas, address, cfg, nproc, max_restarts) for i in range(replicas)]
+            codes = _run_groups(commands, late)
         finally:
             lighthouse.terminate()
             lighthouse.wait()
     finished = [i for i, c in enumerate(codes) if c == 0]
-    lost = {i: c for i, c in enumerate(codes) if c != 0}
+    lost = {i: c for i, c in enumerate(codes) if c != 0 and i not in late}
     if len(finished) < cfg.parallel.min_replicas:
         raise PlaitError(
             f"the run did not finish: {len(finished)} group(s) finished, {cfg.parallel.min_replicas} needed "
@@ -88,8 +88,14 @@ def _start_lighthouse(min_replicas: int) -> tuple[subprocess.Popen, str]:
     raise PlaitError(f"the lighthouse did not start (exit {proc.wait()}): is torchft installed? pip install torchft")
 
 
-def _run_groups(commands: list[list[str]]) -> list[int]:
-    """Run the groups side by side, their lines prefixed, SIGINT / SIGTERM passed on to each; their exit codes."""
+FINISH_GRACE_S = 60
+"""A group still running this long after another finished the run is stopped: it was restarting or behind, and
+would otherwise train the rest of the run alone."""
+
+
+def _run_groups(commands: list[list[str]], late: set[int]) -> list[int]:
+    """Run the groups side by side, their lines prefixed, SIGINT / SIGTERM passed on to each; their exit codes
+    (`late` gets the groups stopped after the run finished)."""
     env = {**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")}
     procs = [
         subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -105,9 +111,20 @@ def _run_groups(commands: list[list[str]]) -> list[int]:
                 os.killpg(p.pid, signum)
 
     saved = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    finished_at = None
     try:
         while any(p.poll() is None for p in procs):
             time.sleep(0.2)
+            if finished_at is None and any(p.returncode == 0 for p in procs):
+                finished_at = time.monotonic()
+            if finished_at is not None and time.monotonic() - finished_at > FINISH_GRACE_S:
+                for i, p in enumerate(procs):
+                    if p.poll() is None:
+                        print(f"plait train: replica {i} stopped: the run finished while it was restarting or behind",
+                              file=sys.stderr)  # fmt: skip
+                        late.add(i)
+                        os.killpg(p.pid, signal.SIGTERM)
+                finished_at = float("inf")
     finally:
         for s, handler in saved.items():
             signal.signal(s, handler)

@@ -245,8 +245,9 @@ class ParallelConfig:
     min_replicas: int = 1
     """A fault-tolerant step commits only where at least this many groups took part in it."""
     start_replicas: int = 0
-    """A fresh fault-tolerant run's first step waits (up to 2 minutes) for this many groups, so that none starts
-    alone (`plait train --replicas R` sets R); 0: the first step takes the groups that are there."""
+    """A fault-tolerant launch's first step (fresh or resumed) waits (up to 2 minutes) for this many groups, so
+    that none starts alone (`plait train --replicas R` sets R); 0: the first step takes the groups that are
+    there. A group restarted alone does not wait: it heals from the others."""
     diloco_sync_every: int = 0
     """Fault-tolerant runs: average across the groups every this many steps (DiLoCo, low-communication: each
     group steps alone in between, then the groups average their weights' change and an outer Nesterov step

@@ -31,7 +31,12 @@ from plait.parallel import DistEnv, Meshes
 
 
 class OuterOptimizer(Part):
-    """DiLoCo's outer Nesterov momentum, one buffer per weight: part of what a joining group heals from."""
+    """DiLoCo's outer Nesterov momentum, one buffer per weight (``outer.<i>``, the i-th trained parameter): in
+    each checkpoint, and part of what a joining group heals from. A checkpoint without it (another kind of run)
+    leaves it fresh."""
+
+    TENSORS = ("outer",)
+    OPTIONAL = True
 
     def __init__(self, outer: torch.optim.SGD, params: list[torch.nn.Parameter]):
         self.outer, self.params = outer, params
@@ -42,6 +47,8 @@ class OuterOptimizer(Part):
                           enumerate(zip(buffers, self.params, strict=True))}}  # fmt: skip
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if "outer" not in state_dict:
+            return
         for i, p in enumerate(self.params):
             self.outer.state[p]["momentum_buffer"] = state_dict["outer"][str(i)]
 
@@ -54,7 +61,9 @@ class LowCommunication(FaultTolerant):
         p = cfg.parallel
         self.outer = torch.optim.SGD(self.params, lr=p.diloco_outer_lr, momentum=p.diloco_outer_momentum, nesterov=True)
         super().__init__(cfg, env, meshes, t, loader, state)
-        self.parts.append(OuterOptimizer(self.outer, self.params))
+        outer = OuterOptimizer(self.outer, self.params)
+        self.parts.append(outer)  # healed from a peer...
+        t.extra_state.append(outer)  # ...and checkpointed
         self.local_step = 0  # steps taken in this round
         self.start: list[torch.Tensor] = []  # this rank's shards of the weights at the round's start
         self.rounds_failed = 0

@@ -82,8 +82,7 @@ class FaultTolerant(Replicas):
         )  # fmt: skip
         self.batch = cfg.train.global_batch_size  # each group's batch: samples per group per step
         self.round = max(p.diloco_sync_every, 1)  # steps between two averagings (DiLoCo: engine.diloco)
-        committed = loader.state_dict()["samples_consumed"] // (self.batch * self.round)  # at a round's end
-        self.group.restore(state.step // self.round, committed)
+        self.restored = False  # the counters of the checkpoint the run resumed (at the first join)
         self.groups = 0
         self.failed = 0  # attempts of steps that did not commit, so far
         self.sent = 0.0  # bytes this rank sent to the other groups (a ring allreduce: 2 (n-1)/n of each buffer)
@@ -95,6 +94,10 @@ class FaultTolerant(Replicas):
     def join(self) -> None:
         """This step's (or DiLoCo round's) quorum, and the loader placed at this group's samples: the round
         takes `groups x round x batch` samples from the committed frontier, this group every groups-th batch."""
+        if not self.restored:  # the run's own checkpoint, if it resumed one: checkpoints fall at a round's end
+            committed = self.loader.state_dict()["samples_consumed"] // (self.batch * self.round)
+            self.group.restore(self.state.step // self.round, committed)
+            self.restored = True
         began = time.perf_counter()
         m = self.membership = self.group.start_step(wait_for=self.cfg.parallel.start_replicas)
         if m.healed and self.env.is_main:

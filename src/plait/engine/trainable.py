@@ -56,6 +56,7 @@ class Trainable:
     meshes: Meshes  # one rank's share of the layout; a lone process is a mesh of size 1
     pipeline: Pipeline | None = None
     loss_fn: TokenLoss | MeanLoss = field(default_factory=TokenLoss)  # also the pipeline schedule's
+    extra_state: list = field(default_factory=list)  # more checkpoint Parts a run's features add (engine.diloco)
 
     @property
     def model(self) -> nn.Module:

@@ -263,8 +263,9 @@ class Trainer:
             checkpoint_dir(cfg), cfg.checkpoint, total_steps=cfg.train.steps, is_writer=env.is_main,
             config=to_dict(cfg), tokenizer_path=self.data_dir / "tokenizer.json" if self.data_dir else None,
         )  # fmt: skip
-        self._resume(plan.candidates)
+        # before resuming: a mode of replica groups may add to the checkpoint's state (DiLoCo's outer momentum)
         self.replicas = build_replicas(cfg, env, self.meshes, self.t, self.loader, self.state, self.data is not None)
+        self._resume(plan.candidates)
         self.metrics = MetricsLogger(
             cfg.run_dir, cfg.log, cfg.train.steps, enabled=env.is_main, name=cfg.run.name, config=to_dict(cfg),
             run_id=self.lock.token[:12] if self.lock else "", start_step=self.state.step,

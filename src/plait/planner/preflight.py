@@ -32,9 +32,11 @@ def workload_of(cfg: Config, bf16: bool, device: str = "cuda"):
     """This config's workload for the planner's cost model (shapes, batch, precision, head, optimizer states)."""
     from plait.planner.cost import Workload
 
+    p = cfg.parallel
     return Workload(cfg.model, cfg.data.seq_len, cfg.train.global_batch_size, "bf16" if bf16 else "fp32",
                     cfg.train.fused_head, device, 2 if cfg.optim.state_dtype == "bf16" else 4,
-                    cfg.compile.enabled, cfg.finetune.lora_rank, cfg.optim.name == "muon")  # fmt: skip
+                    cfg.compile.enabled, cfg.finetune.lora_rank, cfg.optim.name == "muon",
+                    max(p.start_replicas, 2) if p.fault_tolerant else 1, max(p.diloco_sync_every, 1))  # fmt: skip
 
 
 def layout_of(cfg: Config, world_size: int):

@@ -13,7 +13,7 @@ from plait.planner.cost import Layouts, Workload
 
 TIE = 0.005
 """Step times closer than this fraction are a tie (the model is not that precise): less memory wins."""
-TIME_PARTS = ("t_compute", "t_tp", "t_cp", "t_ep", "t_p2p", "t_bubble", "t_fsdp", "t_optimizer")
+TIME_PARTS = ("t_compute", "t_tp", "t_cp", "t_ep", "t_p2p", "t_bubble", "t_fsdp", "t_optimizer", "t_replicas")
 PART_NAMES = {
     "t_compute": "compute",
     "t_tp": "TP communication",
@@ -23,6 +23,7 @@ PART_NAMES = {
     "t_bubble": "pipeline bubble",
     "t_fsdp": "FSDP/HSDP communication not hidden by compute",
     "t_optimizer": "optimizer step",
+    "t_replicas": "averaging across fault-tolerant replica groups",
 }
 
 

@@ -194,6 +194,7 @@ def run_state(t, *, loader, state: TrainState, rank: int) -> list[Part]:
         Schedules(t.schedulers, t.optimizers),
         Optimizers(t.parts, t.optimizers),
         Rng(rank),
+        *getattr(t, "extra_state", []),  # what a run's features add (DiLoCo's outer momentum)
     ]
 
 

@@ -79,6 +79,7 @@ class ReplicaGroup:
             )
         self.replica_id = replica_id
         self._healed = False
+        self._joined = False  # whether this process has joined a quorum yet
         self._load = load_state
         timeout = timedelta(seconds=timeout_s)
         rank = dist.get_rank() if dist.is_initialized() else 0
@@ -117,16 +118,17 @@ class ReplicaGroup:
         self.manager.load_state_dict({"step": step, "batches_committed": batches_committed})
 
     def start_step(self, wait_for: int = 0) -> Membership:
-        """Join this step's quorum (healing from a peer where this group is behind). A fresh run's first quorum
-        waits (up to QUORUM_TIMEOUT_S) until `wait_for` groups are in it: a group that started first must not
-        train alone while the others form a quorum of their own (neither would be behind the other, so neither
-        would heal: two runs, not one)."""
+        """Join this step's quorum (healing from a peer where this group is behind). The first quorum of a
+        launch (fresh or resumed) waits (up to QUORUM_TIMEOUT_S) until `wait_for` groups are in it: a group that
+        started first must not train alone while the others form a quorum of their own (neither would be behind
+        the other, so neither would heal: two runs, not one)."""
         self._healed = False
         deadline = time.monotonic() + QUORUM_TIMEOUT_S
         self.manager.start_quorum()
-        fresh = restart_count() == 0 and self.manager.current_step() == 0  # a restarted group heals instead
+        launched = restart_count() == 0 and not self._joined  # a group restarted alone heals instead
+        self._joined = True
         while (
-            fresh and not self._healed and self.manager.num_participants() < wait_for and time.monotonic() < deadline
+            launched and not self._healed and self.manager.num_participants() < wait_for and time.monotonic() < deadline
         ):  # fmt: skip
             time.sleep(0.2)
             self.manager.start_quorum()

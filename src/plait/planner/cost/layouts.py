@@ -41,6 +41,11 @@ class Workload:
     muon: bool = False
     """optim.name = "muon": one momentum buffer for the blocks' matrices instead of two moments, the whole
     matrices each rank orthogonalises, and Newton-Schulz and its exchange in the step (cost.muon)."""
+    replica_groups: int = 1
+    """Fault-tolerant replica groups (parallel.fault_tolerant, `plait train --replicas`): the layout is one group's,
+    and each rank averages its gradient shard with its peers of the other groups over the nodes' network."""
+    sync_every: int = 1
+    """parallel.diloco_sync_every: the groups average once per this many steps (DiLoCo), else every step."""
 
     @property
     def act_bytes(self) -> int:

@@ -157,6 +157,7 @@ def rank_time(work: Workload, cluster: Cluster, lay: Layouts, c: Columns, links:
     f_t, b_t, w_t = (t_mb * x / total_flops for x in (fwd, bwd_in, wgt))
     fsdp_exposed, gathers = _fsdp_exposed(work, lay, c, links, rank, f_t, b_t + w_t)
     return dict(
+        sharded=rank["sharded"] * np.ones(np.shape(compute)),
         compute=compute,
         tp=tp_time,
         cp=cp_time,
@@ -276,6 +277,18 @@ def _optimizer_time(cluster: Cluster, lay: Layouts, sharded, gathers, per_param:
     )
 
 
+def replica_time(work: Workload, cluster: Cluster, sharded):
+    """Fault-tolerant groups' averaging per step (plait.engine.replicas): each rank all-reduces its fp32
+    gradient shard (`sharded` parameters) with its peers of the other groups, over the nodes' network, after
+    backward (not hidden by compute); DiLoCo does it once per `sync_every` steps, so its share per step is that
+    much smaller. The contribution check's few floats per group are left out."""
+    n = work.replica_groups
+    if n <= 1:
+        return np.zeros(np.shape(sharded))
+    bw, lat = cluster.inter_bw, cluster.inter_latency
+    return allreduce_time(4.0 * sharded, n, bw, lat) / max(work.sync_every, 1)
+
+
 def step_time(work: Workload, cluster: Cluster, lay: Layouts, c: Columns, per_rank: dict) -> dict:
     """The step: the slower pipeline rank's micro-batches, the schedule's bubble, exposed FSDP communication
     and the optimizer; tokens/s and MFU from it."""
@@ -290,7 +303,9 @@ def step_time(work: Workload, cluster: Cluster, lay: Layouts, c: Columns, per_ra
     )
     fsdp_time = np.maximum(per_rank["first"]["fsdp"], per_rank["last"]["fsdp"])
     opt_time = np.maximum(per_rank["first"]["optimizer"], per_rank["last"]["optimizer"])
-    step = mf * t_mb + bubble + fsdp_time + opt_time
+    sharded = np.maximum(per_rank["first"]["sharded"], per_rank["last"]["sharded"])
+    replicas_time = replica_time(work, cluster, sharded)
+    step = mf * t_mb + bubble + fsdp_time + opt_time + replicas_time
     world = c.dp * c.cp * c.tp * pp
     tokens = work.tokens
     return dict(
@@ -302,6 +317,7 @@ def step_time(work: Workload, cluster: Cluster, lay: Layouts, c: Columns, per_ra
         t_bubble=bubble,
         t_fsdp=fsdp_time,
         t_optimizer=opt_time,
+        t_replicas=replicas_time,
         step_time=step,
         tokens_per_s=tokens / step,
         mfu=train_flops_per_token(work.model, work.seq_len) * tokens / (step * world * cluster.peak_flops),
