@@ -43,7 +43,15 @@ def losses(run: Path) -> dict[int, float]:
 
 
 def schedule(run: Path) -> dict[int, tuple[int, int]]:
-    """Each committed step's (first sample, samples) as the group recorded it."""
+    """Each committed step's (first sample, samples) as the group recorded it (a group restarted without a
+    checkpoint of its own moved its earlier metrics to previous-*: they count too)."""
+    earlier = {}
+    for moved in sorted(run.glob("previous-*")):
+        earlier.update(schedule(moved))
+    return earlier | _schedule(run)
+
+
+def _schedule(run: Path) -> dict[int, tuple[int, int]]:
     return {
         r["step"]: (r["replicas/first_sample"], r["replicas/samples"]) for r in records(run) if "replicas/samples" in r
     }
@@ -236,3 +244,18 @@ def test_groups_of_two_fsdp_ranks_heal_their_shards(tmp_path, data_dir):
     assert result.returncode == 0, result.stderr[-4000:]
     assert "dp_shard=2" in result.stderr and "[replica 1] replica 1: healed from a live peer" in result.stderr
     check_accounting(tmp_path / "fsdp", 2, 60)
+
+
+@pytest.mark.full
+def test_diloco_resumes_bitwise_from_its_round_checkpoints(tmp_path, data_dir):
+    """DiLoCo groups stopped at a round's checkpoint (step 8) and launched again to step 12 end with the weights
+    of groups that ran the 12 steps at once: the inner and outer optimizers' states and the data position
+    come back from each group's checkpoint."""
+    diloco = ["--parallel.diloco_sync_every=4", "--checkpoint.every_steps=4"]
+    assert launch(tmp_path, data_dir, "once", 12, *diloco).returncode == 0
+    first = launch(tmp_path, data_dir, "twice", 8, *diloco)
+    assert first.returncode == 0, first.stderr[-3000:]
+    again = launch(tmp_path, data_dir, "twice", 12, *diloco)
+    assert again.returncode == 0 and "resumed from" in again.stderr, again.stderr[-3000:]
+    once, twice = final_weights(tmp_path / "once" / "replica_0"), final_weights(tmp_path / "twice" / "replica_1")
+    assert all(torch.equal(once[k], twice[k]) for k in once)

@@ -27,9 +27,12 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from plait.config import Config
+from plait.core.errors import PlaitError
+from plait.engine.checkpoint.find import list_checkpoints, step_of
 from plait.engine.checkpoint.state import Counters, ModelParts, Optimizers, Part, Schedules, TrainState
 from plait.engine.metrics import info
 from plait.parallel import DistEnv, Meshes
+from plait.parallel.env import restart_count
 
 
 class Replicas:
@@ -94,6 +97,8 @@ class FaultTolerant(Replicas):
     def join(self) -> None:
         """This step's (or DiLoCo round's) quorum, and the loader placed at this group's samples: the round
         takes `groups x round x batch` samples from the committed frontier, this group every groups-th batch."""
+        if not self.restored and restart_count() > 0 and (done := finished_elsewhere(self.cfg)):
+            raise RunFinishedElsewhere(done)  # restarted after the others ended: nothing is left to train
         if not self.restored:  # the run's own checkpoint, if it resumed one: checkpoints fall at a round's end
             committed = self.loader.state_dict()["samples_consumed"] // (self.batch * self.round)
             self.group.restore(self.state.step // self.round, committed)
@@ -196,6 +201,29 @@ class FaultTolerant(Replicas):
             part.load_state_dict(placed)
         if self.check is not None:
             self.check.load_state_dict(json.loads(received["contributions"]))
+
+
+class RunFinishedElsewhere(PlaitError):
+    """A group restarted after its peers finished the run: it ends at once, successfully (exit 0), naming
+    the group that holds the result, instead of training the whole run again alone."""
+
+    exit_code = 0
+
+
+def finished_elsewhere(cfg: Config) -> str:
+    """Where a sibling group (<run>/replica_<j>, as `plait train --replicas` and `plait launch slurm --replicas`
+    lay them out) has a checkpoint at train.steps: the run is over ("" if none has)."""
+    here = cfg.run_dir
+    for sibling in sorted(here.parent.glob("replica_*")):
+        if sibling == here or not (sibling / "checkpoints").is_dir():
+            continue
+        found = list_checkpoints(sibling / "checkpoints")
+        if found and step_of(found[-1]) >= cfg.train.steps:
+            return (
+                f"replica {cfg.parallel.replica_id}: the run finished while this group was restarting "
+                f"({found[-1]} is step {step_of(found[-1])} of {cfg.train.steps}); nothing left to train"
+            )
+    return ""
 
 
 def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
