@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from plait.parallel.replicas.contributions import ContributionCheck, Verdict
+from plait.parallel.replicas.contributions import QUARANTINE_AFTER, ContributionCheck, Verdict
 
 D_IN, HIDDEN, CLASSES = 16, 32, 4
 
@@ -158,9 +158,9 @@ def _flipped(g, gen):
     return -g
 
 
-def _noisy(g, gen):  # noise ten times the gradient's norm
+def _noisy(g, gen):  # noise a hundred times the gradient's norm (ten times is clipped, not left out)
     noise = torch.randn(g.shape, generator=gen)
-    return g + noise * (10 * g.norm() / noise.norm())
+    return g + noise * (100 * g.norm() / noise.norm())
 
 
 OFFENDERS = {
@@ -195,6 +195,26 @@ def test_three_groups_judge_norms(task, kind):
     grads[0] = OFFENDERS[kind][0](grads[0], None)
     results, verdict = Replicas().step(grads)
     assert set(verdict.excluded) == {0} and torch.equal(results[1], _plain_average(grads[1:]))
+
+
+def test_a_spike_within_the_exclusion_ratio_is_clipped_not_left_out(task):
+    """An honest-looking spike (8x the others' norm: small groups early in training reach 12x) is scaled to
+    NORM_RATIO x the median and kept in the average, named as clipped; it is no offence, so it never
+    quarantines the group."""
+    from plait.parallel.replicas.contributions import NORM_RATIO
+
+    grads = task.grads(5)
+    median = sorted(float(g.norm()) for g in grads)[2]
+    spiked = grads[:2] + [grads[2] * 8 * median / float(grads[2].norm())] + grads[3:]
+    groups = Replicas()  # kept across rounds: the history would quarantine an offender
+    for _ in range(QUARANTINE_AFTER + 1):
+        results, verdict = groups.step(spiked, ids=[10, 11, 12, 13, 14])
+        assert verdict.admitted == 5 and not verdict.excluded and not verdict.quarantined, verdict
+        assert "clipped to 4x" in verdict.clipped[12] and "clipped: replica 12" in verdict.summary()
+    new_median = statistics.median(float(g.norm()) for g in spiked)
+    clipped = spiked[2] * (NORM_RATIO * new_median / float(spiked[2].norm()))
+    want = _plain_average(spiked[:2] + [clipped] + spiked[3:])
+    assert torch.allclose(results[0], want, rtol=1e-5, atol=1e-7)
 
 
 def test_three_groups_do_not_catch_a_flip(task):

@@ -53,7 +53,7 @@ def launch_replicas(args: list[str], replicas: int, nproc: int, max_restarts: in
         late: set[int] = set()
         try:
             commands = [replica_argv(args, i, replicas, address, cfg, nproc, max_restarts) for i in range(replicas)]
-            codes = _run_groups(commands, late)
+            codes = _run_groups(commands, late, replicas * nproc)
         finally:
             lighthouse.terminate()
             lighthouse.wait()
@@ -93,10 +93,15 @@ FINISH_GRACE_S = 60
 would otherwise train the rest of the run alone."""
 
 
-def _run_groups(commands: list[list[str]], late: set[int]) -> list[int]:
+def _run_groups(commands: list[list[str]], late: set[int], processes: int) -> list[int]:
     """Run the groups side by side, their lines prefixed, SIGINT / SIGTERM passed on to each; their exit codes
     (`late` gets the groups stopped after the run finished)."""
+    from plait.core.hardware import threads_per_rank
+
+    # the groups share this machine's cores: each process its share, not all of them (on the CPU R x nproc
+    # processes each running all cores' threads ran ~3x slower here)
     env = {**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")}
+    env.setdefault("OMP_NUM_THREADS", str(threads_per_rank(processes)))
     procs = [
         subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         for cmd in commands

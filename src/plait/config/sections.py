@@ -259,7 +259,8 @@ class ParallelConfig:
     contribution_check: bool = True
     """Fault-tolerant runs: check each group's gradient against the others' before averaging (non-finite, a norm
     or direction far from the rest: plait.parallel.replicas.contributions) and leave an offender out, by name;
-    repeated offenders are quarantined. Needs 3 or more groups to compare (with 2, only non-finite values)."""
+    repeated offenders are quarantined, and a norm 4x to 32x the median is clipped to 4x. Needs 3 or more groups
+    to compare (with 2, only non-finite values)."""
 
 
 @dataclass

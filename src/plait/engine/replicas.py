@@ -145,7 +145,8 @@ class FaultTolerant(Replicas):
             flat, slot=m.slot, slots=m.replicas, replica_id=self.group.replica_id,
             group_sum=self._group_sum, replica_sum=self._sum,
         )  # fmt: skip
-        if self.verdict.excluded and self.verdict.summary() != said and self.env.is_main:
+        shown = self.verdict.excluded or self.verdict.clipped
+        if shown and self.verdict.summary() != said and self.env.is_main:
             info(f"replica {self.group.replica_id}, step {self.state.step + 1}: {self.verdict.summary()}")
         return flat
 
@@ -176,7 +177,10 @@ class FaultTolerant(Replicas):
             "sent_mb": self.sent / 2**20,
         }  # fmt: skip
         if v is not None:
-            out.update(admitted=v.admitted, excluded=",".join(map(str, sorted(v.excluded))))
+            out.update(
+                admitted=v.admitted, excluded=",".join(map(str, sorted(v.excluded))),
+                clipped=",".join(map(str, sorted(v.clipped))),
+            )  # fmt: skip
         return out
 
     def close(self) -> None:

@@ -10,8 +10,11 @@ The rules, in order, on the groups that are not quarantined ("judged"):
 
 1. Non-finite: a contribution with a NaN or an infinity (or a norm past float32's range) is left out. Always,
    whatever the number of groups.
-2. Norm: with at least `MIN_JUDGED` finite contributions, one whose norm is over `ratio` times the median norm
-   of the finite ones (itself included), or under 1/`ratio` of it, is left out. The median of all, not of the
+2. Norm: with at least `MIN_JUDGED` finite contributions, one whose norm is over `exclude_ratio` times the
+   median norm of the finite ones (itself included), or under 1/`exclude_ratio` of it, is left out; one over
+   `ratio` times the median (but within `exclude_ratio`) is clipped to `ratio` x the median: its direction kept,
+   its weight bounded (honest small-batch gradients spike that far early in training; a broken or scaled group is
+   off by far more). Clipping is no offence. The median of all, not of the
    others: with three groups and one scaled by 100, an honest group's others would have for median the mean
    of an honest norm and the scaled one. The median holds while fewer than half the groups are outliers.
 3. Direction: with at least `MIN_JUDGED` contributions left, each one's cosine with the sum of the OTHER
@@ -60,12 +63,17 @@ Reduce = Callable[[torch.Tensor], None]
 """Sums a tensor in place: over the ranks of this replica group (`group_sum`), or over the participating replica
 groups at this group rank (`replica_sum`)."""
 
+EXCLUDE_RATIO = 32.0
+"""A norm this far from the median is left out (an offence). Honest language-model gradients of small groups
+(8 sequences of 32 tokens) early in training were measured up to 12.4x the median (bench/diloco.py's smoke
+run), and 4.7x at step 14 of its 200-step runs; scaled, overflowing or noise-dominated contributions of the
+fault modes (x100) are far beyond."""
 NORM_RATIO = 4.0
-"""Honest gradients of different batches differ in norm by tens of percent: over 3,500 draws of a small MLP's
-gradients (3 to 8 groups, 8 to 256 samples a group, the model fresh to 300 steps trained) the largest ratio to
-the median was 2.5 (8 samples a group; 1.6 from 64 samples), though once 5.3 with 8 samples on a model trained
-longer: groups of a handful of samples want a larger ratio. A scaled, broken or overflowing contribution is off
-by far more."""
+"""The norm a contribution is clipped to, as a multiple of the median. Honest gradients of different batches
+mostly differ in norm by tens of percent: over 3,500 draws of a small MLP's gradients (3 to 8 groups, 8 to 256
+samples a group, the model fresh to 300 steps trained) the largest ratio to the median was 2.5 (8 samples a
+group; 1.6 from 64 samples), once 5.3 with 8 samples on a model trained longer. Clipped, such a spike still
+counts with its direction; its weight is bounded."""
 MIN_JUDGED = 3
 """Below three contributions a norm or a direction has no majority to be judged against."""
 MIN_AGREEMENT = 0.5
@@ -100,6 +108,8 @@ class Verdict:
     """Replica id -> why its contribution was left out (one short phrase with the numbers)."""
     quarantined: set[int] = field(default_factory=set)
     """Replica ids under quarantine after this round (those quarantined by it included)."""
+    clipped: dict[int, str] = field(default_factory=dict)
+    """Replica id -> why its admitted contribution was scaled down to the clip norm (no offence)."""
 
     def summary(self) -> str:
         """One line for the log."""
@@ -107,6 +117,8 @@ class Verdict:
         line = f"contributions: {self.admitted} of {total} admitted"
         if self.excluded:
             line += "; left out: " + ", ".join(f"replica {r} ({why})" for r, why in sorted(self.excluded.items()))
+        if self.clipped:
+            line += "; clipped: " + ", ".join(f"replica {r} ({why})" for r, why in sorted(self.clipped.items()))
         if self.quarantined:
             line += "; quarantined: " + ", ".join(str(r) for r in sorted(self.quarantined))
         return line
@@ -129,20 +141,23 @@ class ContributionCheck:
         self,
         *,
         ratio: float = NORM_RATIO,
+        exclude_ratio: float = EXCLUDE_RATIO,
         min_agreement: float = MIN_AGREEMENT,
         opposed_fraction: float = OPPOSED_FRACTION,
         quarantine_after: int = QUARANTINE_AFTER,
         window: int = WINDOW,
         quarantine_steps: int = QUARANTINE_STEPS,
     ):
-        if not ratio > 1:
-            raise ValueError(f"ratio={ratio}: a norm ratio must be above 1")
+        if not 1 < ratio <= exclude_ratio:
+            raise ValueError(f"ratio={ratio}, exclude_ratio={exclude_ratio}: need 1 < ratio <= exclude_ratio")
         if quarantine_after < 1 or window < 1 or quarantine_steps < 0:
             raise ValueError(
                 f"quarantine_after={quarantine_after}, window={window}, quarantine_steps={quarantine_steps}: "
                 "the first two must be at least 1, the last at least 0"
             )
         self.ratio, self.min_agreement, self.opposed_fraction = ratio, min_agreement, opposed_fraction
+        self.exclude_ratio = exclude_ratio
+        self._clipped: dict[int, tuple[float, str]] = {}  # this round's clipped slots: scale, reason
         self.quarantine_after, self.window, self.quarantine_steps = quarantine_after, window, quarantine_steps
         self.round = 0  # rounds of averaging so far
         self.offences: dict[int, list[int]] = {}  # replica id -> rounds of its offences within the window
@@ -160,6 +175,10 @@ class ContributionCheck:
             raise ValueError(f"replica_id={replica_id} must be in [0, 2**24): it travels as a float32")
         sizes = _reduce_sizes(flat, slot, slots, replica_id, group_sum, replica_sum)
         excluded = self._judge_sizes(sizes)
+        for s, (scale, _) in self._clipped.items():  # every rank knows the scales; each clips its own
+            sizes.sq[s] *= scale * scale
+            if s == slot:
+                flat.mul_(scale)
         admitted = [s for s in range(slots) if s not in excluded]
         total = torch.empty_like(flat)
         if admitted:
@@ -187,6 +206,7 @@ class ContributionCheck:
             elif sizes.flag[s] == _INF:
                 out[s] = "infinite gradient, or a norm past float32's range"
         judged = [s for s in range(len(sizes.ids)) if s not in out]
+        self._clipped = {}
         if len(judged) < MIN_JUDGED:
             return out
         norms = {s: math.sqrt(sizes.sq[s]) for s in judged}
@@ -194,10 +214,13 @@ class ContributionCheck:
         if median == 0:  # every group, or most, has a zero gradient: no scale to compare against
             return out
         for s, norm in norms.items():
-            if norm > self.ratio * median:
+            if norm > self.exclude_ratio * median:
                 out[s] = f"norm {norm:.3g} is {norm / median:.3g}x the median {median:.3g}"
-            elif norm * self.ratio < median:
+            elif norm * self.exclude_ratio < median:
                 out[s] = f"norm {norm:.3g} is 1/{median / norm if norm else math.inf:.3g} of the median {median:.3g}"
+            elif norm > self.ratio * median:
+                why = f"norm {norm:.3g} is {norm / median:.3g}x the median {median:.3g}, clipped to {self.ratio:g}x"
+                self._clipped[s] = (self.ratio * median / norm, why)
         return out
 
     def _judge_directions(
@@ -241,8 +264,9 @@ class ContributionCheck:
         self.offences = {r: k for r, k in self.offences.items() if k[-1] > self.round - 1 - self.window}
         self.quarantine = {r: until for r, until in self.quarantine.items() if until > self.round}
         return Verdict(
-            admitted=admitted, excluded={ids[s]: why for s, why in excluded.items()}, quarantined=set(self.quarantine)
-        )
+            admitted=admitted, excluded={ids[s]: why for s, why in excluded.items()}, quarantined=set(self.quarantine),
+            clipped={ids[s]: why for s, (_, why) in self._clipped.items() if s not in excluded},
+        )  # fmt: skip
 
     def state_dict(self) -> dict[str, Any]:
         """The history, as plain JSON (replica ids as strings: JSON's keys are)."""
