@@ -59,7 +59,8 @@ class LowCommunication(FaultTolerant):
     def __init__(self, cfg: Config, env: DistEnv, meshes: Meshes, t, loader, state: TrainState) -> None:
         self.params = [p for p in t.parameters() if p.requires_grad]
         p = cfg.parallel
-        self.outer = torch.optim.SGD(self.params, lr=p.diloco_outer_lr, momentum=p.diloco_outer_momentum, nesterov=True)
+        m = p.diloco_outer_momentum  # 0: plain averaging of the weights' change (local SGD's)
+        self.outer = torch.optim.SGD(self.params, lr=p.diloco_outer_lr, momentum=m, nesterov=m > 0)
         super().__init__(cfg, env, meshes, t, loader, state)
         outer = OuterOptimizer(self.outer, self.params)
         self.parts.append(outer)  # healed from a peer...

@@ -20,7 +20,8 @@ def build_replicas(cfg: Config, env: DistEnv, meshes: Meshes, t, loader, state: 
         cfg.guard.nonfinite_policy == "rollback", p.min_replicas,
         p.lighthouse,
     ) or diloco_problem(
-        p.fault_tolerant, p.diloco_sync_every, cfg.checkpoint.every_steps, cfg.train.steps
+        p.fault_tolerant, p.diloco_sync_every, cfg.checkpoint.every_steps, cfg.train.steps, p.diloco_outer_lr,
+        p.diloco_outer_momentum,
     )  # fmt: skip
     if problem:
         raise ConfigError(problem)

@@ -261,7 +261,10 @@ def validate_layout(cfg: Config, dims: ParallelDims) -> None:
             cfg.guard.nonfinite_policy == "rollback", p.min_replicas,
             p.lighthouse,
         )
-        or diloco_problem(p.fault_tolerant, p.diloco_sync_every, cfg.checkpoint.every_steps, cfg.train.steps)
+        or diloco_problem(
+            p.fault_tolerant, p.diloco_sync_every, cfg.checkpoint.every_steps, cfg.train.steps, p.diloco_outer_lr,
+            p.diloco_outer_momentum,
+        )
     )  # fmt: skip
     if problem:
         raise ConfigError(problem)

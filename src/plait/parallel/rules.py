@@ -343,7 +343,14 @@ def replicas_problem(
     return None
 
 
-def diloco_problem(fault_tolerant: bool, sync_every: int, checkpoint_every: int, steps: int) -> str | None:
+def diloco_problem(
+    fault_tolerant: bool,
+    sync_every: int,
+    checkpoint_every: int,
+    steps: int,
+    outer_lr: float = 0.7,
+    outer_momentum: float = 0.9,
+) -> str | None:
     """Why DiLoCo (parallel.diloco_sync_every) cannot run as set (None: it can, or it is off). Its rounds are
     the commit unit of a fault-tolerant run, and a checkpoint is taken where a round ends (its weights are then
     the groups' common ones)."""
@@ -354,6 +361,10 @@ def diloco_problem(fault_tolerant: bool, sync_every: int, checkpoint_every: int,
             f"parallel.diloco_sync_every={sync_every} averages across replica groups: set parallel.fault_tolerant=true "
             "and start the groups with `plait train --replicas R`"
         )
+    if sync_every > 1 and not outer_lr > 0:
+        return f"parallel.diloco_outer_lr={outer_lr} must be above 0 (the paper's 0.7)"
+    if sync_every > 1 and not 0 <= outer_momentum < 1:
+        return f"parallel.diloco_outer_momentum={outer_momentum} must be in [0, 1) (the paper's 0.9; 0: no momentum)"
     for setting, value in (("checkpoint.every_steps", checkpoint_every), ("train.steps", steps)):
         if sync_every > 1 and value % sync_every:
             return (
