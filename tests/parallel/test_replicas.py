@@ -224,12 +224,17 @@ def test_ten_random_kills_in_one_run_lose_no_step_and_no_sample(tmp_path, data_d
     assert fired >= 8  # (a kill drawn for a group after its own last step does not fire)
 
 
+LAYOUTS = {"fsdp": ["--parallel.dp_shard_degree=2"], "tp": ["--parallel.tp_degree=2"], "pp": ["--parallel.pp_degree=2"]}
+
+
 @pytest.mark.full
-def test_groups_of_two_fsdp_ranks_heal_their_shards(tmp_path, data_dir):
-    """Two groups, each FSDP over 2 processes: group 1 is lost and heals its DTensor shards rank by rank from
-    group 0's ranks; both end bitwise equal, every step and sample accounted for."""
-    settings = [f"--{s}" for s in debug_run(data_dir, tmp_path, "fsdp", 60, "run.health_check_enabled=false")]
-    settings.append("--guard.straggler_ratio=0")  # the injected slowness is rank 0's alone
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_groups_of_two_ranks_heal_their_shards_in_each_layout(tmp_path, data_dir, layout):
+    """Two groups, each of 2 processes in a layout of its own (FSDP, TP with SP, a 2-stage pipeline): group 1 is
+    lost and heals rank by rank from group 0's (DTensor shards, or its stage's parameters); both end bitwise
+    equal, every step and sample accounted for."""
+    settings = [f"--{s}" for s in debug_run(data_dir, tmp_path, layout, 60, "run.health_check_enabled=false")]
+    settings += ["--guard.straggler_ratio=0", *LAYOUTS[layout]]  # (the injected slowness is rank 0's alone)
     cmd = [
         sys.executable,
         "-m",
@@ -247,8 +252,8 @@ def test_groups_of_two_fsdp_ranks_heal_their_shards(tmp_path, data_dir):
     env = {**clean, "PLAIT_FAULT_REPLICA_KILLS": "1:6", "PLAIT_FAULT_SLOW_RANK": f"0:{SLOW_S}"}
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
-    assert "dp_shard=2" in result.stderr and "[replica 1] replica 1: healed from a live peer" in result.stderr
-    check_accounting(tmp_path / "fsdp", 2, 60)
+    assert "[replica 1] replica 1: healed from a live peer" in result.stderr, result.stderr[-4000:]
+    check_accounting(tmp_path / layout, 2, 60)
 
 
 @pytest.mark.full
