@@ -70,6 +70,22 @@ def test_the_update_is_orthogonal_and_scaled_to_adamw_rms():
     assert (-w.detach()).pow(2).mean().sqrt().item() == pytest.approx(0.2, rel=0.2)
 
 
+@pytest.mark.parametrize("shape", [(64, 256), (256, 64)])
+def test_zero_iterations_is_the_control_scaled_momentum_of_muons_size(shape):
+    """optim.muon_ns_steps=0, the control for Muon's benefit: the update is G / ||G||_F times sqrt(min(A, B))
+    (an orthogonal matrix's Frobenius norm) times Muon's scale, so its RMS is Muon's 0.2 and its direction G's."""
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.zeros(shape))
+    opt = muon([w], lr=1.0, weight_decay=0.0, momentum=0.0, ns_steps=0)
+    g = torch.randn(shape) * 1e-4
+    w.grad = g.clone()
+    opt.step()
+    expected = -0.2 * max(shape) ** 0.5 * min(shape) ** 0.5 * g / g.norm()
+    torch.testing.assert_close(w.detach(), expected, rtol=1e-5, atol=0)
+    assert w.detach().pow(2).mean().sqrt().item() == pytest.approx(0.2, rel=1e-5)
+    load_config(None, ["optim.name=muon", "optim.muon_ns_steps=0"])  # allowed
+
+
 def test_one_rule_picks_the_blocks_matrices_and_each_experts():
     dense = empty_model(preset_args("debug"))
     muon_names = [n for n, _ in split_parameters(dense)[0]]
@@ -87,8 +103,8 @@ def test_one_rule_picks_the_blocks_matrices_and_each_experts():
 def test_settings_out_of_range_are_refused():
     with pytest.raises(ConfigError, match="optim.muon_momentum=1.0 must be in"):
         load_config(None, ["optim.name=muon", "optim.muon_momentum=1.0"])
-    with pytest.raises(ConfigError, match="optim.muon_ns_steps=0 must be in"):
-        load_config(None, ["optim.name=muon", "optim.muon_ns_steps=0"])
+    with pytest.raises(ConfigError, match="optim.muon_ns_steps=-1 must be in"):
+        load_config(None, ["optim.name=muon", "optim.muon_ns_steps=-1"])
     with pytest.raises(ConfigError, match="state_dtype='bf16' is not supported yet"):
         load_config(None, ["optim.name=muon", "optim.state_dtype=bf16"])
     with pytest.raises(ConfigError, match="optim.name"):

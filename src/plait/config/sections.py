@@ -119,7 +119,8 @@ class OptimConfig:
     muon_momentum: float = 0.95
     """Muon's momentum (Nesterov), as torch.optim.Muon's default."""
     muon_ns_steps: int = 5
-    """Muon's Newton-Schulz iterations per step, as torch.optim.Muon's default."""
+    """Muon's Newton-Schulz iterations per step, as torch.optim.Muon's default. 0 is the control, not Muon: the
+    momentum un-orthogonalised, scaled to Muon's update size (plait.parallel.orthogonal.newton_schulz)."""
     muon_ns_dtype: Literal["auto", "fp32", "bf16"] = "auto"
     """Muon's Newton-Schulz arithmetic: 'auto' is bf16 on a GPU (as torch.optim.Muon) and fp32 on a CPU."""
     state_dtype: Literal["fp32", "bf16"] = "fp32"

@@ -207,8 +207,8 @@ def _validate_data(cfg: Config) -> None:
 def _validate_muon(o) -> None:
     if not 0 <= o.muon_momentum < 1:
         raise ConfigError(f"optim.muon_momentum={o.muon_momentum} must be in [0, 1), e.g. 0.95")
-    if not 1 <= o.muon_ns_steps <= 20:
-        raise ConfigError(f"optim.muon_ns_steps={o.muon_ns_steps} must be in [1, 20], e.g. 5 (torch.optim.Muon's)")
+    if not 0 <= o.muon_ns_steps <= 20:
+        raise ConfigError(f"optim.muon_ns_steps={o.muon_ns_steps} must be in [0, 20], e.g. 5 (torch.optim.Muon's)")
     if o.name == "muon" and o.state_dtype == "bf16":
         raise ConfigError(
             "optim.name='muon' with optim.state_dtype='bf16' is not supported yet (Muon keeps one fp32 momentum "

@@ -36,7 +36,11 @@ def newton_schulz(
 ) -> torch.Tensor:
     """The quintic Newton-Schulz iteration of torch.optim.Muon (its coefficients and step count), batched over
     leading dimensions (a stack of experts), in `dtype` (bf16 on a GPU as torch's; fp32 for exact parity on a
-    CPU). Returns about U V^T of G = U S V^T, in g's dtype."""
+    CPU). Returns about U V^T of G = U S V^T, in g's dtype.
+
+    steps=0 is Muon's control, not Muon (optim.muon_ns_steps=0): G itself, scaled to the Frobenius norm
+    of an orthogonal matrix of its shape (sqrt(min(A, B))), so that the update has Muon's size and G's direction
+    and a difference between the two is the orthogonalisation's, not the step's size."""
     if g.numel() == 0:
         return g.clone()
     a, b, c = coefficients
@@ -45,6 +49,8 @@ def newton_schulz(
     if tall:
         x = x.mT
     x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)  # spectral norm at most 1
+    if steps == 0:
+        x = x * math.sqrt(min(x.shape[-2:]))
     mm, add = (torch.mm, torch.addmm) if x.ndim == 2 else (torch.bmm, torch.baddbmm)
     flat = x.reshape(-1, *x.shape[-2:]) if x.ndim > 3 else x
     for _ in range(steps):
