@@ -199,22 +199,28 @@ def test_three_groups_judge_norms(task, kind):
 
 def test_a_spike_within_the_exclusion_ratio_is_clipped_not_left_out(task):
     """An honest-looking spike (8x the others' norm: small groups early in training reach 12x) is scaled to
-    NORM_RATIO x the median and kept in the average, named as clipped; it is no offence, so it never
-    quarantines the group."""
-    from plait.parallel.replicas.contributions import NORM_RATIO
+    NORM_RATIO x the median and kept in the average, named as clipped. A clip counts towards quarantine: one
+    spike now and then never quarantines a group, a group clipped QUARANTINE_AFTER times within the window is
+    (a group whose noise is 10x its gradient is clipped nearly every step)."""
+    from plait.parallel.replicas.contributions import NORM_RATIO, WINDOW
 
     grads = task.grads(5)
     median = sorted(float(g.norm()) for g in grads)[2]
     spiked = grads[:2] + [grads[2] * 8 * median / float(grads[2].norm())] + grads[3:]
-    groups = Replicas()  # kept across rounds: the history would quarantine an offender
-    for _ in range(QUARANTINE_AFTER + 1):
-        results, verdict = groups.step(spiked, ids=[10, 11, 12, 13, 14])
-        assert verdict.admitted == 5 and not verdict.excluded and not verdict.quarantined, verdict
-        assert "clipped to 4x" in verdict.clipped[12] and "clipped: replica 12" in verdict.summary()
+    ids = [10, 11, 12, 13, 14]
+    groups = Replicas()  # kept across rounds: the history counts
+    results, verdict = groups.step(spiked, ids=ids)
+    assert verdict.admitted == 5 and not verdict.excluded and not verdict.quarantined, verdict
+    assert "clipped to 4x" in verdict.clipped[12] and "clipped: replica 12" in verdict.summary()
     new_median = statistics.median(float(g.norm()) for g in spiked)
     clipped = spiked[2] * (NORM_RATIO * new_median / float(spiked[2].norm()))
     want = _plain_average(spiked[:2] + [clipped] + spiked[3:])
     assert torch.allclose(results[0], want, rtol=1e-5, atol=1e-7)
+    for _ in range(WINDOW):  # a spike a window apart: never quarantined
+        assert not groups.step(grads, ids=ids)[1].quarantined
+    for _ in range(QUARANTINE_AFTER):
+        verdict = groups.step(spiked, ids=ids)[1]
+    assert verdict.quarantined == {12}
 
 
 def test_three_groups_do_not_catch_a_flip(task):
