@@ -3,6 +3,8 @@ loss, each optimizer at its best peak learning rate from the same sweep, over se
 
     python bench/muon_vs_adamw.py [--job default|small] [--lrs 1e-3,3e-3,1e-2] [--seeds 0,1,2] [--steps 400]
         [--eval-every 25] [--eval-batches 16] [--time-steps 30] [--out bench/results/muon_vs_adamw_default.json]
+    python bench/muon_vs_adamw.py --control [--base bench/results/muon_vs_adamw_default.json]
+        [--control-lrs 1e-3,1e-2] [--out bench/results/muon_vs_adamw_control.json]
 
 The job is `plait train`'s default (preset tiny, the bundled corpus, 16 x 256 tokens a step, warm-up 100, cosine
 to 10%) or `small` (preset small, shorter, for a CPU). Phase 1 sweeps the peak learning rate of both optimizers
@@ -12,6 +14,14 @@ is AdamW's mean final held-out loss; the steps to it are read off the seeds' mea
 times the median step time of each optimizer, timed separately (--time-steps steps, after the sweep) so that a
 busy machine during the long runs does not skew it. Printed: a table of both, with the spread over seeds, and
 the ratio; written to --out, with a plot of the curves beside it (.png).
+
+--control adds the control that should not help as much: Muon without its orthogonalisation
+(`optim.muon_ns_steps=0`: the same Nesterov momentum, scaled to the size of Muon's update, in its own direction),
+at Muon's best peak and on the same seeds as the --base record, whose AdamW and Muon runs it reads rather than
+reruns (the same job, steps and evaluation); any run the --base record holds is read, not rerun, so a control
+record can be its own base. --control-lrs adds peaks for the control on the first seed, to tell a control that
+does not help from one that is only tuned wrong. If Muon's gain is the orthogonalisation's, the control does not
+share it. Its step is not timed (its wall-time columns are left empty): the question is steps and loss.
 """
 
 from __future__ import annotations
@@ -28,16 +38,19 @@ JOBS = {
     "default": [],
     "small": ["model.preset=small", "train.global_batch_size=8", "data.seq_len=128", "optim.warmup_steps=20"],
 }
+ARMS = {"adamw": ["optim.name=adamw"], "muon": ["optim.name=muon"],
+        "control": ["optim.name=muon", "optim.muon_ns_steps=0"]}  # fmt: skip
+COLOURS = {"adamw": "tab:blue", "muon": "tab:orange", "control": "tab:green"}
 QUIET = ["sample.max_new_tokens=0", "log.tensorboard=false", "log.plot=false", "checkpoint.save_final=false",
          "checkpoint.every_steps=0", "lineage.enabled=false", "log.every_steps=50"]  # fmt: skip
 
 
-def run(job: list[str], name: str, optim: str, lr: float, seed: int, args, out: Path) -> dict:
+def run(job: list[str], name: str, arm: str, lr: float, seed: int, args, out: Path) -> dict:
     """One run's held-out curve {step: loss}, its final loss and its step times."""
     from plait.api import train
     from plait.config import load_config
 
-    cfg = [*job, *QUIET, f"optim.name={optim}", f"optim.lr={lr}", f"run.seed={seed}", f"train.steps={args.steps}",
+    cfg = [*job, *QUIET, *ARMS[arm], f"optim.lr={lr}", f"run.seed={seed}", f"train.steps={args.steps}",
            f"eval.every_steps={args.eval_every}", f"eval.num_batches={args.eval_batches}",
            f"run.out_dir={out}", f"run.name={name}"]  # fmt: skip
     start = time.perf_counter()
@@ -63,9 +76,9 @@ def step_seconds(job: list[str], optim: str, lr: float, steps: int, out: Path) -
     return tokens / statistics.median(rates)
 
 
-def one(runs: dict, job: list[str], optim: str, lr: float, seed: int, args, scratch: Path, phase: str) -> None:
-    runs[f"{optim} {lr:g} s{seed}"] = got = run(job, f"{optim}-{lr:g}-s{seed}", optim, lr, seed, args, scratch)
-    print(f"{phase}: {optim} lr {lr:g} seed {seed}: {got['final']:.4f} ({got['seconds']:.0f} s)", flush=True)
+def one(runs: dict, job: list[str], arm: str, lr: float, seed: int, args, scratch: Path, phase: str) -> None:
+    runs[f"{arm} {lr:g} s{seed}"] = got = run(job, f"{arm}-{lr:g}-s{seed}", arm, lr, seed, args, scratch)
+    print(f"{phase}: {arm} lr {lr:g} seed {seed}: {got['final']:.4f} ({got['seconds']:.0f} s)", flush=True)
 
 
 def mean_curve(curves: list[dict]) -> dict:
@@ -99,7 +112,12 @@ def main() -> None:
     ap.add_argument("--eval-batches", type=int, default=16)
     ap.add_argument("--time-steps", type=int, default=30)
     ap.add_argument("--out", default="")
+    ap.add_argument("--control", action="store_true", help="add the control to the --base record's runs")
+    ap.add_argument("--base", default="bench/results/muon_vs_adamw_default.json")
+    ap.add_argument("--control-lrs", default="", help="more peaks for the control, on the first seed only")
     args = ap.parse_args()
+    if args.control:
+        return control(args)
     job, lrs = JOBS[args.job], [float(x) for x in args.lrs.split(",")]
     seeds = [int(s) for s in args.seeds.split(",")]
     out = Path(args.out or f"bench/results/muon_vs_adamw_{args.job}.json")
@@ -119,7 +137,36 @@ def main() -> None:
     report(args, seeds, runs, best, timing, out)
 
 
-def report(args, seeds: list[int], runs: dict, best: dict, timing: dict, out: Path) -> None:
+def control(args) -> None:
+    """The control arm (un-orthogonalised, Muon-sized momentum) at Muon's best peak on the --base record's seeds,
+    with that record's AdamW and Muon runs read, not rerun."""
+    base = json.loads(Path(args.base).read_text())
+    args.job, args.steps = base["job"], base["steps"]
+    seeds, rows = base["seeds"], base["rows"]
+    runs = {k: {**r, "curve": {int(s): v for s, v in r["curve"].items()}} for k, r in base["runs"].items()}
+    best = {o: rows[o]["lr"] for o in ("adamw", "muon")} | {"control": rows["muon"]["lr"]}
+    timing = {o: rows[o]["step_seconds"] for o in ("adamw", "muon")} | {"control": None}
+    out = Path(args.out or "bench/results/muon_vs_adamw_control.json")
+    scratch = Path(tempfile.mkdtemp(prefix="plait-muon-"))
+    wanted = [(best["control"], seed) for seed in seeds]
+    wanted += [(float(lr), seeds[0]) for lr in args.control_lrs.split(",") if lr and float(lr) != best["control"]]
+    try:
+        for lr, seed in wanted:
+            if f"control {lr:g} s{seed}" in runs:  # a record that holds it already: read, not rerun
+                continue
+            one(runs, JOBS[args.job], "control", lr, seed, args, scratch, "control")
+            got, ref = runs[f"control {lr:g} s{seed}"]["curve"], runs[f"muon {best['muon']:g} s{seeds[0]}"]["curve"]
+            assert sorted(got) == sorted(ref), "evaluated at other steps than the base: set --eval-every"
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    sweep = {f"{lr:g}": runs[f"control {lr:g} s{seeds[0]}"]["final"] for lr in sorted({lr for lr, _ in wanted})}
+    print(f"control, seed {seeds[0]}, final held-out loss by peak lr: {sweep}")
+    report(args, seeds, runs, best, timing, out, base=args.base, extra={"control_sweep_seed0": sweep})
+
+
+def report(
+    args, seeds: list[int], runs: dict, best: dict, timing: dict, out: Path, base: str = "", extra: dict | None = None
+) -> None:
     finals = {o: [runs[f"{o} {best[o]:g} s{s}"]["final"] for s in seeds] for o in best}
     target = statistics.fmean(finals["adamw"])
     rows = {}
@@ -129,7 +176,7 @@ def report(args, seeds: list[int], runs: dict, best: dict, timing: dict, out: Pa
         mean = steps_to(mean_curve(curves), target)
         rows[o] = {"lr": best[o], "finals": finals[o], "steps_to_target": mean, "per_seed": per_seed,
                    "steps_sd": summary(per_seed)[1], "step_seconds": timing[o],
-                   "wall_to_target_s": None if mean is None else mean * timing[o]}  # fmt: skip
+                   "wall_to_target_s": None if mean is None or timing[o] is None else mean * timing[o]}  # fmt: skip
     print(f"\n{args.job} job, {args.steps} steps, seeds {seeds}; target: AdamW's final held-out loss {target:.4f}")
     head = f"{'optimizer':<8} {'best lr':>8} {'final loss (sd)':>18} {'steps to target':>16} {'per seed':>20}"
     print(f"{head} {'s/step':>7} {'wall s':>7}")
@@ -137,9 +184,10 @@ def report(args, seeds: list[int], runs: dict, best: dict, timing: dict, out: Pa
         steps = "never" if r["steps_to_target"] is None else f"{r['steps_to_target']:.0f}"
         per_seed = ",".join("-" if v is None else f"{v:.0f}" for v in r["per_seed"])
         wall = "-" if r["wall_to_target_s"] is None else f"{r['wall_to_target_s']:.0f}"
+        step_s = "-" if r["step_seconds"] is None else f"{r['step_seconds']:.3f}"
         sd = statistics.stdev(r["finals"]) if len(r["finals"]) > 1 else 0.0
         print(f"{o:<8} {r['lr']:>8g} {statistics.fmean(r['finals']):>11.4f} ({sd:.4f}) {steps:>16} {per_seed:>20} "
-              f"{r['step_seconds']:>7.3f} {wall:>7}")  # fmt: skip
+              f"{step_s:>7} {wall:>7}")  # fmt: skip
     a, m = rows["adamw"], rows["muon"]
     ratios = {}
     if a["steps_to_target"] and m["steps_to_target"]:
@@ -148,9 +196,12 @@ def report(args, seeds: list[int], runs: dict, best: dict, timing: dict, out: Pa
                   "step_time": m["step_seconds"] / a["step_seconds"]}  # fmt: skip
         print(f"AdamW / Muon: {ratios['steps']:.2f}x the steps, {ratios['wall']:.2f}x the wall time to the target; "
               f"a Muon step takes {ratios['step_time']:.2f}x an AdamW step")  # fmt: skip
+    if "control" in rows and a["steps_to_target"] and rows["control"]["steps_to_target"]:
+        ratios["control_steps"] = a["steps_to_target"] / rows["control"]["steps_to_target"]
+        print(f"AdamW / control: {ratios['control_steps']:.2f}x the steps to the target")
     out.parent.mkdir(parents=True, exist_ok=True)
     record = {"job": args.job, "steps": args.steps, "seeds": seeds, "target": target, "rows": rows, "ratios": ratios,
-              "runs": runs, "machine": _machine()}  # fmt: skip
+              "runs": runs, "machine": _machine()} | ({"base": base} if base else {}) | (extra or {})  # fmt: skip
     out.write_text(json.dumps(record, indent=1))
     plot(runs, best, seeds, target, out.with_suffix(".png"), args.job)
     print(f"written to {out} and {out.with_suffix('.png')}")
@@ -163,12 +214,16 @@ def plot(runs: dict, best: dict, seeds: list[int], target: float, path: Path, jo
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for o, colour in (("adamw", "tab:blue"), ("muon", "tab:orange")):
+    for o in best:
+        colour = COLOURS[o]
         for i, s in enumerate(seeds):
             curve = sorted((int(k), v) for k, v in runs[f"{o} {best[o]:g} s{s}"]["curve"].items())
-            ax.plot(*zip(*curve, strict=True), color=colour, alpha=0.8, label=f"{o} lr {best[o]:g}" if i == 0 else None)
+            label = f"{o} lr {best[o]:g}" if i == 0 else None
+            ax.plot(*zip(*curve, strict=True), color=colour, alpha=0.8, label=label)
     ax.axhline(target, color="grey", linestyle="--", linewidth=1, label="AdamW's final (target)")
-    ax.set(xlabel="step", ylabel="held-out loss", title=f"Muon vs AdamW, {job} job, seeds {seeds}")
+    arms = "Muon vs AdamW" + (" vs control (no orthogonalisation)" if "control" in best else "")
+    title = f"{arms}, {job} job, seeds {seeds}"
+    ax.set(xlabel="step", ylabel="held-out loss", title=title)
     ax.set_ylim(top=min(ax.get_ylim()[1], target + 1.5))
     ax.legend()
     fig.tight_layout()
