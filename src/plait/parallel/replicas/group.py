@@ -28,7 +28,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from plait.core.errors import PlaitError
 from plait.parallel.env import restart_count
 
 QUORUM_TIMEOUT_S = 120  # a group waits this long for the lighthouse's quorum (a restarting peer takes ~10 s)
@@ -72,11 +71,6 @@ class ReplicaGroup:
 
         from plait.parallel.replicas.transport import SafeTransport
 
-        if not lighthouse:
-            raise PlaitError(
-                "parallel.fault_tolerant=true needs a lighthouse: start the groups with `plait train --replicas R` "
-                "(it starts one), or set parallel.lighthouse=http://HOST:PORT"
-            )
         self.replica_id = replica_id
         self._healed = False
         self._joined = False  # whether this process has joined a quorum yet
