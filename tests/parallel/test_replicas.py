@@ -154,6 +154,16 @@ def test_a_bad_group_is_named_and_left_out(tmp_path, data_dir):
     }  # fmt: skip
     assert excluded[1][1] == "" and all(excluded[s][1] == "1" for s in range(2, 11) if excluded[s][0] == 3)
     assert sum(excluded[s][0] == 3 for s in range(2, 11)) >= 6  # (a group that started late healed into step 2 or 3)
+    logged = {
+        r["step"]: r
+        for i in range(3)
+        for r in records(tmp_path / "checked" / f"replica_{i}")
+        if "replicas/samples" in r
+    }
+    # the left-out group's shares went back in the queue: every sample handed out was trained once or waits there
+    fresh, trained = (sum(r[f"replicas/{k}"] for r in logged.values()) for k in ("samples", "trained"))
+    assert trained == fresh - logged[10]["replicas/pending"] and trained < fresh
+    assert sum(r["replicas/retrained"] for r in logged.values()) > 0  # and later steps trained them
     unchecked = launch(tmp_path, data_dir, "unchecked", 10, "--parallel.contribution_check=false", env=bad)
     assert unchecked.returncode == 0, unchecked.stderr[-4000:]
     with_check, without = losses(run), losses(tmp_path / "unchecked" / "replica_0")

@@ -223,13 +223,27 @@ def test_a_spike_within_the_exclusion_ratio_is_clipped_not_left_out(task):
     assert verdict.quarantined == {12}
 
 
-def test_three_groups_do_not_catch_a_flip(task):
-    """A stated limit: with three groups a flipped one cancels one honest group in the other's reference sum, so
-    the median agreement is that of noise and the direction rule stays off."""
+@pytest.mark.parametrize("bad", [0, 1, 2])
+def test_three_groups_catch_a_flip_by_pairs(task, bad):
+    """With three groups a flipped one cancels one honest group in the other's reference sum (the others'-sum
+    rule sees noise), so three are judged by pairs: two agree and the third opposes both."""
     grads = task.grads(3)
-    grads[2] = -grads[2]
-    _, verdict = Replicas().step(grads)
-    assert verdict.admitted == 3
+    grads[bad] = -grads[bad]
+    results, verdict = Replicas().step(grads)
+    assert verdict.admitted == 2 and set(verdict.excluded) == {bad}, verdict
+    assert "with the other two, which agree at" in verdict.excluded[bad]
+    assert torch.equal(results[0], _plain_average([g for i, g in enumerate(grads) if i != bad]))
+
+
+def test_three_groups_that_disagree_are_all_admitted(task):
+    """Where no two groups agree (gradients mostly noise: the MLP trained long, 16 samples a group) there is no
+    majority direction, and a flip is admitted: its harm is one small batch's noise."""
+    late = Task(seed=3, trained_steps=300)
+    grads = late.grads(3, batch=16)
+    grads[1] = -grads[1]
+    pairs = [float(grads[i] @ grads[j] / (grads[i].norm() * grads[j].norm())) for i, j in ((0, 1), (0, 2), (1, 2))]
+    assert max(pairs) < 0.5, pairs  # the premise: no pair agrees
+    assert Replicas().step(grads)[1].admitted == 3
 
 
 def test_two_groups_cannot_outvote_each_other_but_nan_is_still_left_out(task):
@@ -362,4 +376,27 @@ def test_honest_gradients_are_never_left_out(capsys):
         print(
             f"\nhonest: largest norm ratio to the median {worst_ratio:.2f}, lowest cosine {lowest_cosine:.2f}, "
             f"lowest cosine / agreement where agreement >= 0.5: {lowest_relative:.2f}"
+        )
+
+
+def test_honest_trios_are_never_left_out_by_pairs(capsys):
+    """The pair rule against data: 300 draws of three honest groups (the MLP fresh, at 60 and 300 steps; 16 to 256
+    samples a group). Nobody is left out; the lowest cosine of the third with either of an agreeing pair, as a
+    fraction of their agreement, is printed (the margin to -OPPOSED_FRACTION)."""
+    tasks = [Task(seed=4, trained_steps=s) for s in (0, 60, 300)]
+    gen = torch.Generator().manual_seed(5)
+    closest = math.inf
+    for _ in range(300):
+        task = tasks[int(torch.randint(0, 3, (), generator=gen))]
+        grads = task.grads(3, batch=[16, 64, 256][int(torch.randint(0, 3, (), generator=gen))])
+        assert Replicas().step(grads)[1].admitted == 3
+        unit = [g / g.norm() for g in grads]
+        pairs = {(i, j): float(unit[i] @ unit[j]) for i, j in ((0, 1), (0, 2), (1, 2))}
+        (a, b), agreement = max(pairs.items(), key=lambda kv: kv[1])
+        if agreement >= 0.5:
+            odd = 3 - a - b
+            closest = min(closest, max(pairs[tuple(sorted((odd, s)))] for s in (a, b)) / agreement)
+    with capsys.disabled():
+        print(
+            f"\nhonest trios: the third's larger cosine with an agreeing pair, over their agreement: >= {closest:.2f}"
         )

@@ -96,6 +96,7 @@ class LowCommunication(FaultTolerant):
             for p, s in zip(self.params, self.start, strict=True):
                 local_tensor(p.data).copy_(s)  # every group back to the round's start...
         if committed:
+            self.settle()
             grads = [torch.empty_like(s) for s in self.start]
             unflatten_into(delta, grads)
             for p, g in zip(self.params, grads, strict=True):
@@ -105,11 +106,7 @@ class LowCommunication(FaultTolerant):
             return
         self.failed += 1
         self.rounds_failed += 1
-        m = self.membership
-        self.loader.place(
-            m.batches_committed * self.round * self.batch, dp_rank=self.loader.dp_rank,
-            dp_degree=self.loader.dp_degree, global_batch_size=self.loader.global_batch_size,
-        )  # fmt: skip
+        self.place()  # the round's share again (the next round's quorum may place it elsewhere)
         if self.env.is_main:
             info(
                 f"replica {self.group.replica_id}: the round ending at step {self.state.step + 1} was not committed "

@@ -5,10 +5,11 @@ fault-tolerant: nothing to join, sum or vote on, and every step commits), or one
 A fault-tolerant step, on every rank of every group alive at it:
 1. start_step: join the step's quorum; a group that is behind heals from a live peer first (the same state a
    checkpoint holds: model, optimizer, schedules, counters; plait.engine.checkpoint.state), and the loader is
-   placed at this group's batch: the samples of a run form one stream, each committed step takes
-   `groups x global_batch_size` of them, and the group in slot s of n takes the s-th share. A step that does not
-   commit moves nothing, so its samples are trained by the next step that does: no sample is trained twice or
-   dropped, whoever comes and goes.
+   placed at this group's share: the samples of a run form one stream, each group takes one share of
+   global_batch_size of them per step, from the queue of shares left out earlier first, then from the frontier
+   (plait.engine.ledger). A step that does not commit moves nothing, so its samples are trained by the next step
+   that does, and a share the check left out goes back in the queue: no sample is trained twice or dropped,
+   whoever comes, goes or is left out.
 2. mean_loss and average_gradients: the loss and the gradients averaged over the groups (the gradients after
    the contribution check, plait.parallel.replicas.contributions, which leaves an offending group out, by name).
    Clipping and the guards then see the same values on every group, so every group takes the same update.
@@ -30,6 +31,7 @@ from plait.config import Config
 from plait.core.errors import PlaitError
 from plait.engine.checkpoint.find import list_checkpoints, step_of
 from plait.engine.checkpoint.state import Counters, ModelParts, Optimizers, Part, Schedules, TrainState
+from plait.engine.ledger import SampleLedger, Share
 from plait.engine.metrics import info
 from plait.parallel import DistEnv, Meshes
 from plait.parallel.env import restart_count
@@ -85,6 +87,10 @@ class FaultTolerant(Replicas):
         )  # fmt: skip
         self.batch = cfg.train.global_batch_size  # each group's batch: samples per group per step
         self.round = max(p.diloco_sync_every, 1)  # steps between two averagings (DiLoCo: engine.diloco)
+        self.ledger = SampleLedger(self.batch * self.round)  # the samples each step takes; healed and...
+        t.extra_state.append(self.ledger)  # ...checkpointed
+        self.shares: list[Share] = []  # this step's (round's) share of each slot
+        self.first = 0  # the frontier at this step's start: its fresh block's first sample
         self.restored = False  # the counters of the checkpoint the run resumed (at the first join)
         self.groups = 0
         self.failed = 0  # attempts of steps that did not commit, so far
@@ -100,8 +106,9 @@ class FaultTolerant(Replicas):
         if not self.restored and restart_count() > 0 and (done := finished_elsewhere(self.cfg)):
             raise RunFinishedElsewhere(done)  # restarted after the others ended: nothing is left to train
         if not self.restored:  # the run's own checkpoint, if it resumed one: checkpoints fall at a round's end
-            committed = self.loader.state_dict()["samples_consumed"] // (self.batch * self.round)
-            self.group.restore(self.state.step // self.round, committed)
+            if not self.ledger.loaded:  # a fresh run, or a checkpoint of another kind of run: from its position
+                self.ledger.frontier = self.loader.state_dict()["samples_consumed"]
+            self.group.restore(self.state.step // self.round, self.ledger.frontier // self.ledger.share_samples)
             self.restored = True
         began = time.perf_counter()
         m = self.membership = self.group.start_step(wait_for=self.cfg.parallel.start_replicas)
@@ -113,10 +120,15 @@ class FaultTolerant(Replicas):
         if m.replicas != self.groups and self.env.is_main:
             info(f"replica {self.group.replica_id}: {m.replicas} group(s) step together from step {m.step + 1}")
         self.groups = m.replicas
-        dp, rank = self.meshes.dims.dp, self.meshes.dp_rank
+        self.first, self.shares = self.ledger.frontier, self.ledger.assign(m.replicas)
+        self.place()
+
+    def place(self) -> None:
+        """The loader at the start of this group's share of the step (or round)."""
+        mine, dp = self.shares[self.membership.slot], self.meshes.dims.dp
         self.loader.place(
-            m.batches_committed * self.round * self.batch, dp_rank=m.slot * dp + rank, dp_degree=m.replicas * dp,
-            global_batch_size=m.replicas * self.batch,
+            mine.cursor, dp_rank=mine.index * dp + self.meshes.dp_rank, dp_degree=mine.count * dp,
+            global_batch_size=mine.count * self.batch,
         )  # fmt: skip
 
     def mean_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -161,20 +173,31 @@ class FaultTolerant(Replicas):
 
     def commit(self) -> bool:
         committed = self.group.commit()
-        if not committed:
+        if committed:
+            self.settle()
+        else:
             self.failed += 1
             if self.env.is_main:
                 why = self.group.error.splitlines()[0][:200] if self.group.error else "a group could not finish it"
                 info(f"replica {self.group.replica_id}: step {self.membership.step + 1} not committed ({why}); retried")
         return committed
 
+    def settle(self) -> None:
+        """A committed step (round) in the ledger: the left-out groups' shares back in the queue."""
+        self.ledger.settle(self.shares, self.verdict.excluded_slots if self.verdict is not None else set())
+
     def record(self) -> dict[str, Any]:
-        """The committed step's groups and samples: enough to replay it (tests/parallel/test_replicas.py)."""
-        m, v = self.membership, self.verdict
+        """The committed step's groups and samples: enough to replay it (tests/parallel/test_replicas.py). Its
+        fresh block: `samples` from `first_sample`; `retrained`: samples of queued shares it took; `requeued`:
+        its samples the check left out (back in the queue); `pending`: samples in the queue after it."""
+        m, v, share = self.membership, self.verdict, self.ledger.share_samples
+        retrained = sum(1 for s in self.shares if s.cursor < self.first)
+        left_out = len(v.excluded_slots) if v is not None else 0
         out = {
-            "groups": m.replicas, "slot": m.slot, "first_sample": m.batches_committed * self.round * self.batch,
-            "samples": m.replicas * self.batch, "failed_attempts": self.failed, "healed": int(m.healed),
-            "sent_mb": self.sent / 2**20,
+            "groups": m.replicas, "slot": m.slot, "first_sample": self.first,
+            "samples": (m.replicas - retrained) * share, "retrained": retrained * share, "requeued": left_out * share,
+            "trained": (m.replicas - left_out) * share, "pending": self.ledger.pending(),
+            "failed_attempts": self.failed, "healed": int(m.healed), "sent_mb": self.sent / 2**20,
         }  # fmt: skip
         if v is not None:
             out.update(
@@ -193,6 +216,7 @@ class FaultTolerant(Replicas):
             out.update(_tree(part.state_dict(), local_tensor))
         if self.check is not None:
             out["contributions"] = json.dumps(self.check.state_dict())  # a string: its keys vary with offenders
+        out["samples"] = self.ledger.dumps()  # a string too: the queue's length varies
         return out
 
     def _load(self, received: dict[str, Any]) -> None:
@@ -205,6 +229,7 @@ class FaultTolerant(Replicas):
             part.load_state_dict(placed)
         if self.check is not None:
             self.check.load_state_dict(json.loads(received["contributions"]))
+        self.ledger.loads(received["samples"])
 
 
 class RunFinishedElsewhere(PlaitError):

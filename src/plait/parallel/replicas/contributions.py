@@ -23,7 +23,11 @@ The rules, in order, on the groups that are not quarantined ("judged"):
 3. Direction: with at least `MIN_JUDGED` contributions left, each one's cosine with the sum of the OTHER
    admitted ones is computed. Where the groups agree (the median cosine, "agreement", is at least
    `min_agreement`), one whose cosine is below -`opposed_fraction` x agreement (it points against the others)
-   is left out, and the sum is redone without it.
+   is left out, and the sum is redone without it. With exactly three admitted, the others' sum of an honest group
+   holds the flipped one and cancels: the rule compares pairs instead. The three pairwise dot products follow
+   from the same reduced numbers (<g_a, S> - |g_a|^2 = <g_a, g_b> + <g_a, g_c>, three equations for three
+   unknowns); where the best-agreeing pair's cosine is at least `min_agreement`, the third is left out if its
+   cosine with each of the two is below -`opposed_fraction` x that agreement (two agree, and it opposes both).
 
 With fewer than `MIN_JUDGED` finite contributions only non-finite ones are left out: two cannot outvote each
 other. Limits, measured on a small MLP's honest gradients (tests/unit/test_contributions.py and the
@@ -34,8 +38,9 @@ constants' notes):
   eight groups a flip was caught in nearly every draw at 256 samples a group on the fresh model, in most until
   60 steps of training, and rarely after, or below 64 samples a group. Its harm there is of the size of one
   batch's noise.
-- With three groups, a sign-flipped one cancels one honest group in the other honest group's reference sum:
-  the median agreement falls to noise and the direction rule stays off. A flip is caught from four groups on.
+- With three groups a flip is judged by pairs (above): caught where the two honest groups agree, which in the
+  runs of bench/replicas_bad.py happens often enough early in training that a flipped group is quarantined
+  (3 offences in 20 rounds) before the honest groups' gradients decorrelate.
 - A noisy contribution whose norm stays within `ratio` and whose cosine is above the opposed bound is admitted:
   it adds variance, as a smaller batch would, not a bias. Noise that dominates the norm is a norm outlier.
 - Each rule holds while fewer than half the judged groups offend (a median is its reference).
@@ -114,6 +119,8 @@ class Verdict:
     clipped: dict[int, str] = field(default_factory=dict)
     """Replica id -> why its admitted contribution was scaled down to the clip norm (it stays in the average; the
     clip counts towards quarantine)."""
+    excluded_slots: set[int] = field(default_factory=set)
+    """The participating slots of the left-out groups (their samples go back in the queue: plait.engine.ledger)."""
 
     def summary(self) -> str:
         """One line for the log."""
@@ -233,6 +240,8 @@ class ContributionCheck:
         """Slot -> reason, for the direction outliers among the admitted (rule 3). A group's cosine with the
         others' sum O = S - g follows from |g|^2, <g, S> and |S|^2: <g, O> = <g, S> - |g|^2 and
         |O|^2 = |S|^2 - 2 <g, S> + |g|^2."""
+        if len(admitted) == MIN_JUDGED:
+            return self._judge_pairs(sq, dots, admitted)
         cosines: dict[int, float] = {}
         for s in admitted:
             others_sq = total_sq - 2 * dots[s] + sq[s]
@@ -249,6 +258,28 @@ class ContributionCheck:
             for s, c in cosines.items()
             if c < bound
         }
+
+    def _judge_pairs(self, sq: list[float], dots: list[float], admitted: list[int]) -> dict[int, str]:
+        """Rule 3 for exactly three: slot -> reason for the one that opposes both others where those two agree.
+        With e_a = <g_a, S> - |g_a|^2 = d_ab + d_ac (and likewise for b and c), d_bc = (e_a + e_b + e_c) / 2 - e_a."""
+        if any(sq[s] <= 0 for s in admitted):
+            return {}
+        side = {s: dots[s] - sq[s] for s in admitted}
+        half = sum(side.values()) / 2
+        cosine = {}
+        for s in admitted:
+            a, b = (o for o in admitted if o != s)
+            cosine[frozenset((a, b))] = (half - side[s]) / math.sqrt(sq[a] * sq[b])
+        pair = max(cosine, key=lambda k: cosine[k])
+        agreement = cosine[pair]
+        if agreement < self.min_agreement:
+            return {}
+        (odd,) = set(admitted) - pair
+        against = [cosine[frozenset((odd, s))] for s in sorted(pair)]
+        if max(against) >= -self.opposed_fraction * agreement:
+            return {}
+        shown = " and ".join(f"{c:.2f}" for c in against)
+        return {odd: f"cosines {shown} with the other two, which agree at {agreement:.2f}"}
 
     def _record(self, ids: list[int], excluded: dict[int, str], *, admitted: int) -> Verdict:
         """Count this round's offences (a quarantined group's exclusion is none), quarantine the groups that reach
@@ -271,6 +302,7 @@ class ContributionCheck:
         return Verdict(
             admitted=admitted, excluded={ids[s]: why for s, why in excluded.items()}, quarantined=set(self.quarantine),
             clipped={ids[s]: why for s, (_, why) in self._clipped.items() if s not in excluded},
+            excluded_slots=set(excluded),
         )  # fmt: skip
 
     def state_dict(self) -> dict[str, Any]:
