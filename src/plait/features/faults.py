@@ -13,7 +13,7 @@ variable) and a PLAIT_FAULT_* variable is set. Production runs carry none of it.
 - PLAIT_FAULT_SAVE_CRASH=STEP ends the main rank (as a lost machine would) after STEP's shards and DCP metadata
   are written and before the checkpoint is published.
 - Fault-tolerant runs (parallel.fault_tolerant): PLAIT_FAULT_REPLICA=ID confines the faults above to replica group
-  ID. PLAIT_FAULT_REPLICA_KILLS=ID:STEP[,ID:STEP...] kills group ID's rank 0 at its first step from STEP on; a
+  ID. PLAIT_FAULT_REPLICA_KILLS=ID:STEP[,ID:STEP...] kills (SIGKILL) group ID's rank 0 at its first step from STEP on; a
   group's entries fire in its elastic attempts in turn. PLAIT_FAULT_BAD_REPLICA=ID:MODE[:SIZE][@STEP] makes group
   ID's gradient contribution bad from STEP on (default 1): MODE 'scale' (times SIZE, default 100), 'noise' (plus
   Gaussian noise of SIZE times its norm, default 10), 'flip' (sign-flipped, times SIZE, default 1) or 'nan'.
@@ -26,6 +26,7 @@ run hands over (the checkpointer's publisher: its `publish`, on that instance on
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 
@@ -125,6 +126,8 @@ class Faults(Callback):
     def before_step(self, run: RunState, step: int) -> None:
         if step == self.kill_step or (self.kill_from and step >= self.kill_from):
             print(f"plait: fault injection: killing rank {self.rank} at step {step}", file=sys.stderr, flush=True)
+            if self.kill_from:  # a replica group's worker: SIGKILL, as the OOM killer or a lost node ends it
+                os.kill(os.getpid(), signal.SIGKILL)
             os._exit(137)
         if self.slow_s:
             time.sleep(self.slow_s)
