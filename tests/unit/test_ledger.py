@@ -4,11 +4,13 @@ its state survives a round trip, and a malformed one is refused by field, changi
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
 
 from plait.engine.ledger import SampleLedger, Share
+from plait.parallel.replicas.contributions import ContributionCheck
 
 BATCH, ROUND = 4, 3  # a group's batch, and the steps of a (DiLoCo) round
 
@@ -107,3 +109,42 @@ def test_a_malformed_ledger_is_refused_by_field_and_changes_nothing(what, state,
         ledger.load_state_dict({"replica_samples": state})
     assert ledger.dumps() == before and not ledger.loaded
     SampleLedger(BATCH * ROUND).load_state_dict({"replica_samples": GOOD})  # the good one loads
+
+
+class _Probe:
+    """A state part that records whether it was loaded."""
+
+    def __init__(self) -> None:
+        self.loaded = False
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loaded = True
+
+
+PEER = {"samples": json.dumps({"replica_samples": GOOD}), "contributions": json.dumps(ContributionCheck().state_dict())}
+PEER_BAD = [
+    ("ledger not JSON", {**PEER, "samples": "{frontier: 1"}, "user/default/samples"),
+    ("ledger malformed", {**PEER, "samples": json.dumps({"replica_samples": {**GOOD, "frontier": -1}})}, "samples"),
+    ("history not JSON", {**PEER, "contributions": "[1,"}, "user/default/contributions"),
+    ("history malformed", {**PEER, "contributions": json.dumps({"round": 1})}, "contributions"),
+]
+
+
+@pytest.mark.parametrize(("what", "received", "field"), PEER_BAD, ids=[b[0] for b in PEER_BAD])
+def test_a_peers_malformed_ledger_or_history_is_refused_before_anything_changes(what, received, field):
+    """What a healing group receives as JSON strings (the transport checks only that they are strings) is parsed
+    and checked before any part of the state is loaded."""
+    from plait.engine.replicas import FaultTolerant
+    from plait.parallel.replicas import HealRefused
+
+    group = object.__new__(FaultTolerant)  # its state only: no torchft Manager is needed to heal into it
+    group.ledger, group.check, group.parts = SampleLedger(BATCH * ROUND), ContributionCheck(), [_Probe()]
+    before = group.ledger.dumps()
+    with pytest.raises(HealRefused, match=field):
+        group._load(received)
+    assert not group.parts[0].loaded and group.ledger.dumps() == before
+    group._load(PEER)  # a good one heals
+    assert group.parts[0].loaded and group.ledger.frontier == GOOD["frontier"]

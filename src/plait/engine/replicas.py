@@ -35,6 +35,7 @@ from plait.engine.ledger import SampleLedger, Share
 from plait.engine.metrics import info
 from plait.parallel import DistEnv, Meshes
 from plait.parallel.env import restart_count
+from plait.parallel.replicas.contributions import ContributionCheck
 
 
 class Replicas:
@@ -75,11 +76,7 @@ class FaultTolerant(Replicas):
         self.cfg, self.env, self.meshes, self.loader, self.state = cfg, env, meshes, loader, state
         self.parts: list[Part] = [ModelParts(t.parts), Counters(state), Schedules(t.schedulers, t.optimizers),
                                   Optimizers(t.parts, t.optimizers)]  # fmt: skip
-        self.check = None
-        if p.contribution_check:
-            from plait.parallel.replicas.contributions import ContributionCheck
-
-            self.check = ContributionCheck()
+        self.check = ContributionCheck() if p.contribution_check else None
         self.contribution_hooks: list[Callable[[torch.Tensor], None]] = []  # what a group sends may be changed
         self.group = ReplicaGroup(
             replica_id=p.replica_id, lighthouse=p.lighthouse, min_replicas=p.min_replicas,
@@ -220,16 +217,28 @@ class FaultTolerant(Replicas):
         return out
 
     def _load(self, received: dict[str, Any]) -> None:
-        """A peer's state (already checked against this group's own by the transport) into the run."""
+        """A peer's state (already checked against this group's own by the transport) into the run. Its two JSON
+        strings (the check's history and the ledger) are parsed and checked first: a malformed one is refused
+        (HealRefused, naming the field) before anything changes."""
+        from plait.parallel.replicas import HealRefused
+
+        ledger, check = SampleLedger(self.ledger.share_samples), None
+        try:
+            ledger.loads(received["samples"])
+            if self.check is not None:
+                check = ContributionCheck()
+                check.load_state_dict(json.loads(received["contributions"]))
+        except ValueError as e:  # (a JSON syntax error is one too)
+            raise HealRefused("", "user/default/" + ("contributions" if ledger.loaded else "samples"), str(e)) from None
         live: dict[str, Any] = {}
         for part in self.parts:
             live.update(part.state_dict())
         placed = _placed(received, live)
         for part in self.parts:
             part.load_state_dict(placed)
-        if self.check is not None:
-            self.check.load_state_dict(json.loads(received["contributions"]))
-        self.ledger.loads(received["samples"])
+        if check is not None:
+            self.check = check
+        self.ledger.load_state_dict(ledger.state_dict())
 
 
 class RunFinishedElsewhere(PlaitError):
