@@ -7,7 +7,10 @@ loss, each optimizer at its best peak learning rate from the same sweep, over se
         [--control-lrs 1e-3,1e-2] [--out bench/results/muon_vs_adamw_control.json]
 
 The job is `plait train`'s default (preset tiny, the bundled corpus, 16 x 256 tokens a step, warm-up 100, cosine
-to 10%) or `small` (preset small, shorter, for a CPU). Phase 1 sweeps the peak learning rate of both optimizers
+to 10%), `small` (preset small, shorter, for a CPU), or `lora`: a LoRA fine-tune (rank 8 on q, k, v, o) of a base
+trained first (the default job for --base-steps steps) on another text, the biographies of bench/facts.py (400
+people), where Muon's arm puts the adapters under Muon (optim.muon_adapters: the only matrices that train) and
+AdamW's keeps them under AdamW, plait's default. Phase 1 sweeps the peak learning rate of both optimizers
 with seed 0, scored by the held-out loss at the end; phase 2 runs the other seeds at each one's best. The target
 is AdamW's mean final held-out loss; the steps to it are read off the seeds' mean held-out curve (every
 --eval-every steps, interpolated linearly), and per seed for the spread. The wall time to it is those steps
@@ -37,6 +40,7 @@ from pathlib import Path
 JOBS = {
     "default": [],
     "small": ["model.preset=small", "train.global_batch_size=8", "data.seq_len=128", "optim.warmup_steps=20"],
+    "lora": ["finetune.lora_rank=8", "train.global_batch_size=8", "data.seq_len=128", "optim.warmup_steps=10"],
 }
 ARMS = {"adamw": ["optim.name=adamw"], "muon": ["optim.name=muon"],
         "control": ["optim.name=muon", "optim.muon_ns_steps=0"]}  # fmt: skip
@@ -45,12 +49,39 @@ QUIET = ["sample.max_new_tokens=0", "log.tensorboard=false", "log.plot=false", "
          "checkpoint.every_steps=0", "lineage.enabled=false", "log.every_steps=50"]  # fmt: skip
 
 
+def arm_settings(job: list[str], arm: str) -> list[str]:
+    """An arm's settings; in a LoRA job Muon's arms take the adapters (otherwise nothing would be Muon's)."""
+    lora = any(s.startswith("finetune.lora_rank") for s in job)
+    return [*ARMS[arm], *(["optim.muon_adapters=true"] if lora and arm != "adamw" else [])]
+
+
+def lora_job(scratch: Path, args) -> list[str]:
+    """The lora job's settings: a base trained first, and the facts' biographies prepared with its tokenizer."""
+    import subprocess
+    import sys
+
+    from plait.api import train
+    from plait.config import load_config
+    from plait.data import ensure_prepared
+
+    cfg = load_config(None, [])
+    corpus = ensure_prepared("shakespeare", Path(cfg.data.cache_dir).expanduser(), cfg.model.vocab_size)
+    train(load_config(None, [*QUIET, f"data.source={corpus}", f"train.steps={args.base_steps}", "run.seed=0",
+                             "checkpoint.save_final=true", f"run.out_dir={scratch}", "run.name=base"]))  # fmt: skip
+    facts, text = scratch / "facts", scratch / "facts-data"
+    here = Path(__file__).parent
+    subprocess.run([sys.executable, str(here / "facts.py"), "--out", str(facts), "--people", "400"], check=True)
+    subprocess.run([sys.executable, "-m", "plait.cli", "data", "prepare", str(facts / "train.jsonl"), "--out",
+                    str(text), "--tokenizer", str(corpus / "tokenizer.json")], check=True)  # fmt: skip
+    return [*JOBS["lora"], f"finetune.init_from={scratch / 'base'}", f"data.source={text}"]
+
+
 def run(job: list[str], name: str, arm: str, lr: float, seed: int, args, out: Path) -> dict:
     """One run's held-out curve {step: loss}, its final loss and its step times."""
     from plait.api import train
     from plait.config import load_config
 
-    cfg = [*job, *QUIET, *ARMS[arm], f"optim.lr={lr}", f"run.seed={seed}", f"train.steps={args.steps}",
+    cfg = [*job, *QUIET, *arm_settings(job, arm), f"optim.lr={lr}", f"run.seed={seed}", f"train.steps={args.steps}",
            f"eval.every_steps={args.eval_every}", f"eval.num_batches={args.eval_batches}",
            f"run.out_dir={out}", f"run.name={name}"]  # fmt: skip
     start = time.perf_counter()
@@ -66,7 +97,7 @@ def step_seconds(job: list[str], optim: str, lr: float, steps: int, out: Path) -
     from plait.config import load_config
 
     name = f"time-{optim}"
-    cfg = [*job, *QUIET, f"optim.name={optim}", f"optim.lr={lr}", f"train.steps={steps}", "eval.every_steps=0",
+    cfg = [*job, *QUIET, *arm_settings(job, optim), f"optim.lr={lr}", f"train.steps={steps}", "eval.every_steps=0",
            "log.every_steps=1",
            f"run.out_dir={out}", f"run.name={name}"]  # fmt: skip
     train(load_config(None, cfg))
@@ -111,6 +142,7 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=25)
     ap.add_argument("--eval-batches", type=int, default=16)
     ap.add_argument("--time-steps", type=int, default=30)
+    ap.add_argument("--base-steps", type=int, default=200, help="the lora job: the base's training steps")
     ap.add_argument("--out", default="")
     ap.add_argument("--control", action="store_true", help="add the control to the --base record's runs")
     ap.add_argument("--base", default="bench/results/muon_vs_adamw_default.json")
@@ -124,6 +156,8 @@ def main() -> None:
     scratch = Path(tempfile.mkdtemp(prefix="plait-muon-"))
     runs: dict[str, dict] = {}
     try:
+        if args.job == "lora":
+            job = lora_job(scratch, args)
         for optim in ("adamw", "muon"):
             for lr in lrs:
                 one(runs, job, optim, lr, seeds[0], args, scratch, "sweep")

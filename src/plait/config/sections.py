@@ -123,6 +123,9 @@ class OptimConfig:
     momentum un-orthogonalised, scaled to Muon's update size (plait.parallel.orthogonal.newton_schulz)."""
     muon_ns_dtype: Literal["auto", "fp32", "bf16"] = "auto"
     """Muon's Newton-Schulz arithmetic: 'auto' is bf16 on a GPU (as torch.optim.Muon) and fp32 on a CPU."""
+    muon_adapters: bool = False
+    """Muon for LoRA adapters' matrices too (finetune.lora_rank > 0, optim.name = 'muon'). Off by default: on a
+    LoRA fine-tune measured in bench/lora_muon.py it did not beat AdamW on the adapters (docs/optimizers.md)."""
     state_dtype: Literal["fp32", "bf16"] = "fp32"
     """AdamW's two moments: 'fp32', or 'bf16' with stochastic rounding (plait.engine.bf16_adamw): 12 bytes a
     parameter instead of 16, for runs whose states do not fit (llama3-8b with CPU offload on a 128 GiB host)."""
