@@ -37,6 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import host
+
 QUIET = ["model.preset=debug", "log.tensorboard=false", "log.plot=false", "sample.max_new_tokens=0",
          "run.health_check_enabled=false", "checkpoint.every_steps=0", "checkpoint.save_final=false",
          "lineage.enabled=false", "run.device=cpu", "log.every_steps=1"]  # fmt: skip
@@ -175,7 +177,7 @@ def report(args, seeds: list[int], hs: list[int], best: float, runs: dict, wall:
     record = {"model": "debug", "groups": args.groups, "batch_per_group": args.batch, "seq_len": args.seq_len,
               "steps": args.steps, "tokens": tokens, "seeds": seeds, "sync_every": hs, "outer_lr": best,
               "outer_lr_sweep": sweep, "rows": rows, "runs": runs, "bench_wall_s": wall, "anomalies": anomalies,
-              "machine": _machine(), "note": "wall times are whole runs (start-up included) on a machine shared "
+              "machine": host.describe(), "note": "wall times are whole runs (start-up included) on a machine shared "
               "with other work (another bench may have run at the same time): noisy"}  # fmt: skip
     out.write_text(json.dumps(record, indent=1))
     plot(rows, runs, arms(hs, best), seeds, tokens // args.steps, out.with_suffix(".png"), args)
@@ -211,12 +213,6 @@ def plot(rows: dict, runs: dict, names: dict, seeds: list[int], per_step: int, p
     bx.set_ylim(top=max(rows[a]["sent_mb"] for a in bars) * 1.2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-
-
-def _machine() -> str:
-    import platform
-
-    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}"
 
 
 if __name__ == "__main__":

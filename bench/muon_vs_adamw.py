@@ -37,6 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import host
+
 JOBS = {
     "default": [],
     "small": ["model.preset=small", "train.global_batch_size=8", "data.seq_len=128", "optim.warmup_steps=20"],
@@ -235,7 +237,7 @@ def report(
         print(f"AdamW / control: {ratios['control_steps']:.2f}x the steps to the target")
     out.parent.mkdir(parents=True, exist_ok=True)
     record = {"job": args.job, "steps": args.steps, "seeds": seeds, "target": target, "rows": rows, "ratios": ratios,
-              "runs": runs, "machine": _machine()} | ({"base": base} if base else {}) | (extra or {})  # fmt: skip
+              "runs": runs, "machine": host.describe()} | ({"base": base} if base else {}) | (extra or {})  # fmt: skip
     out.write_text(json.dumps(record, indent=1))
     plot(runs, best, seeds, target, out.with_suffix(".png"), args.job)
     print(f"written to {out} and {out.with_suffix('.png')}")
@@ -262,13 +264,6 @@ def plot(runs: dict, best: dict, seeds: list[int], target: float, path: Path, jo
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-
-
-def _machine() -> str:
-    import os
-    import platform
-
-    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}"
 
 
 if __name__ == "__main__":

@@ -44,6 +44,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import host
+
 RUN = ["model.preset=debug", "data.seq_len=32", "train.global_batch_size=8", "optim.warmup_steps=2",
        "log.every_steps=1", "log.tensorboard=false", "log.plot=false",
        "sample.max_new_tokens=0", "data.prefetch=0", "run.device=cpu", "run.health_check_enabled=false",
@@ -246,7 +248,7 @@ def report(args, modes: list[str], seeds: list[int], runs: dict, out: Path, wall
               "eval_batches": args.eval_batches, "seeds": seeds,
               "groups": 3, "bad_replica": BAD, "fault_free": {**free, "false_positive_steps": free_fp},
               "two_groups": two, "two_groups_equal_steps": two_equal, "rows": rows, "wall_s": wall, "runs": runs,
-              "machine": _machine()}  # fmt: skip
+              "machine": host.describe()}  # fmt: skip
     out.write_text(json.dumps(record, indent=1))
     plot(runs, modes, seeds, out.with_suffix(".png"), args)
     print(f"written to {out} and {out.with_suffix('.png')}")
@@ -329,12 +331,6 @@ def plot(runs: dict, modes: list[str], seeds: list[int], path: Path, args) -> No
     fig.suptitle(f"A bad replica group among 3 (from step {args.bad_from}), seeds {seeds}: loss by samples trained")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-
-
-def _machine() -> str:
-    import platform
-
-    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}"
 
 
 if __name__ == "__main__":
