@@ -1,0 +1,384 @@
+"""Does retrieval carry knowledge? Facts about fictional people (bench/facts.py), retrieval models and a plain one
+trained on the same text, the same steps and seed, then asked about people they trained on and people who exist
+only in the database; then the database swapped for one where every fact is changed, with no retraining.
+
+    python bench/knowledge.py [--people 400] [--steps 600] [--batch 8] [--seeds 0,1,2] [--chunk 16] [--k 2]
+        [--retro '...;...'] [--gate-start 0.5] [--models plain,retrieval,...] [--json bench/results/knowledge.json]
+
+The models (preset tiny, windows of 128 tokens, the plain one reading the windows the retrieval ones read):
+- plain: no retrieval;
+- retrieval: cross-attention in blocks 2 and 3, a 1-block neighbour encoder, the copy on (RETRO below), as
+  plait starts it: the gates shut (tanh(w) = 0);
+- retrieval_open: the same with its gates starting at tanh(w) = --gate-start (a control: does the shut start
+  keep the cross-attention out?);
+- retrieval_open_no_copy, first seed only: retrieval_open without the copy, so the cross-attention alone.
+
+The data (made once, facts seed 0; only the training seed changes between seeds):
+- train: the trained people's biographies (bench/facts.py's train.jsonl) and, for every other trained person
+  (the "qa" half), one document of their four questions and answers in the held-out phrasing
+  ("Q: Where was X born? A: Kestrelford" ...). Without some question-answering in training a model of this size
+  never answers a question form it has not seen (the "physics of language models" setup: biographies for all,
+  questions for half); the other half of the trained people ("trained") and the database-only people are asked
+  in a form the model saw only for others.
+- database: everyone's biographies (database.jsonl), and the swapped database (database_swapped.jsonl): every
+  fact changed. Both prepared with the training directory's tokenizer, a held-out split of 0.2% (HELD_OUT),
+  and the lexical encoder, each fitted on its own corpus as `plait data retrieve` does.
+
+The scoring: each question's prompt is left-padded with end-of-document tokens to a whole number of chunks, so
+that the chunk which ends at the prompt's last token is the question and names the person: generation retrieves
+a chunk's neighbours once it is complete, and they serve the tokens after it, so the answer sees the
+neighbours of the question (plait.data.retrieval.Retriever with the database's own encoder, as `plait generate
+--database` does). One forward of prompt and answer (the answer shorter than a chunk, so all its tokens see the
+question's neighbours and nothing else: as in generation) gives the answer tokens' mean loss and the greedy
+exact match: greedy decoding starts with the answer's tokens exactly when the argmax at every answer position
+is the answer's token. Per split, for the retrieval model with the database and with the swapped database
+(the rate that follows the new facts and the rate that repeats the old ones), and for the plain model (the same
+padded prompts, no neighbours: it can only remember or guess).
+
+Printed per run: the rates, each retrieval model's |tanh gate| per retrieval block and its copy shares; at the
+end a table with each model's ratio to the plain model. Written: bench/results/knowledge.json (every run, the
+means and spreads, the machine) and knowledge.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import platform
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import facts  # bench/facts.py
+from retrieval_quality import windows_every  # bench/: a plain run reads the windows a retrieval run reads
+
+RETRO = "model.retrieval_layers=2,3;model.retrieval_encoder_layers=1;model.retrieval_copy=true"
+SPLITS = ("qa", "trained", "database_only")
+CONTROLS = ("retrieval_open_no_copy",)
+"""Variants trained for the first seed only."""
+
+
+def variants(retro: list[str], gate_start: float) -> dict[str, tuple[list[str], float | None]]:
+    """Each model of the bench: its settings and where its gates start (None: plait's start, shut)."""
+    return {
+        "plain": ([], None),
+        "retrieval": (retro, None),
+        "retrieval_open": (retro, gate_start),
+        "retrieval_open_no_copy": ([*retro, "model.retrieval_copy=false"], gate_start),
+    }
+
+
+HELD_OUT = 0.002
+"""The databases' held-out share: as small as prepare allows while the split is not empty (a database built over
+an empty validation split fails in plait.data.retrieval_build._embed today). The few held-out biographies
+are missing from the database; each of their people has three others."""
+
+
+def qa_document(questions: list[dict]) -> str:
+    """One person's four questions with their answers, a line each, in the held-out phrasing."""
+    return "\n".join(q["prompt"] + q["answer"] for q in questions)
+
+
+def make_data(work: Path, people: int, chunk: int, k: int) -> tuple[dict[str, Path], list[dict]]:
+    """The prepared directories (train, database, swapped) with their lexical databases, and the questions,
+    each with its split: qa (trained, its questions in training), trained, database_only."""
+    from plait.data.prepare import prepare
+    from plait.data.retrieval import build_database
+    from plait.lifecycle.retrieval import encoder_for
+
+    files = facts.generate(people, 0.5, 4, 0)
+    raw = work / "facts"
+    raw.mkdir(parents=True)
+    for name, text in files.items():
+        (raw / name).write_text(text, encoding="utf-8")
+    questions = [json.loads(line) for line in files["questions.jsonl"].splitlines()]
+    trained = sorted({q["person"] for q in questions if q["split"] == "trained"})
+    qa_people = set(trained[::2])
+    for q in questions:
+        if q["person"] in qa_people:
+            q["split"] = "qa"
+    by_person: dict[str, list[dict]] = {}
+    for q in questions:
+        by_person.setdefault(q["person"], []).append(q)
+    docs = [json.loads(line)["text"] for line in files["train.jsonl"].splitlines()]
+    docs += [qa_document(by_person[p]) for p in sorted(qa_people)]
+    random.Random(0).shuffle(docs)
+    (raw / "train_qa.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
+    dirs = {"train": work / "train", "database": work / "database", "swapped": work / "swapped"}
+    prepare([raw / "train_qa.jsonl"], dirs["train"], vocab_size=2048, val_fraction=0.05)
+    tokenizer = dirs["train"] / "tokenizer.json"
+    prepare([raw / "database.jsonl"], dirs["database"], tokenizer=tokenizer, val_fraction=HELD_OUT)
+    prepare([raw / "database_swapped.jsonl"], dirs["swapped"], tokenizer=tokenizer, val_fraction=HELD_OUT)
+    for d in dirs.values():
+        encode, described = encoder_for("lexical", d, chunk)
+        build_database(d, encode, encoder=described, chunk=chunk, k=k)
+    return dirs, questions
+
+
+def train_run(data: Path, out: Path, name: str, a: argparse.Namespace, seed: int, variant) -> float:
+    """Train one model (preset tiny, seq_len 128) and return its wall time; a plain run (no
+    model.retrieval_layers in `extra`) reads the windows a retrieval run of this chunk reads."""
+    from plait.api import train
+    from plait.config import load_config
+
+    extra, gate_start = variant
+    cfg = [f"data.source={data}", f"train.steps={a.steps}", f"train.global_batch_size={a.batch}",
+           f"run.seed={seed}", "data.seq_len=128", "model.vocab_size=2048", f"optim.lr={a.lr}",
+           f"optim.warmup_steps={a.steps // 10}", f"eval.every_steps={a.steps}", "eval.num_batches=4",
+           "sample.max_new_tokens=0", "log.tensorboard=false", "log.every_steps=50", f"run.out_dir={out}",
+           f"run.name={name}", *extra]  # fmt: skip
+    started = time.perf_counter()
+    retrieves = any(c.startswith("model.retrieval_layers=") for c in extra)
+    with contextlib.nullcontext() if retrieves else windows_every(a.chunk), gates_start_at(gate_start):
+        train(load_config(None, cfg))
+    return time.perf_counter() - started
+
+
+@contextlib.contextmanager
+def gates_start_at(value: float | None):
+    """While active (value not None), a new retrieval model's cross-attention gates start at tanh(w) = value
+    instead of 0 (plait's Flamingo start): the control for a gate that never opens because it starts shut."""
+    from plait.model.llama import Transformer
+
+    if value is None:
+        yield
+        return
+    original = Transformer.init_weights
+
+    def init_weights(self, *args, **kw):
+        original(self, *args, **kw)
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                if name.endswith("cross.gate.weight"):
+                    param.fill_(math.atanh(value))
+
+    import math
+
+    import torch
+
+    Transformer.init_weights = init_weights  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Transformer.init_weights = original  # type: ignore[method-assign]
+
+
+def encode_questions(tok, questions: list[dict], chunk: int, eos: int):
+    """Per question: (prompt ids left-padded with eos to whole chunks, answer ids, swapped answer ids)."""
+    rows = []
+    for q in questions:
+        prompt = tok.encode(q["prompt"]).ids
+        pad = -len(prompt) % chunk
+        answers = [tok.encode(q[key]).ids for key in ("answer", "swapped_answer")]
+        if max(map(len, answers)) >= chunk:
+            raise SystemExit(f"an answer of {max(map(len, answers))} tokens is not shorter than the chunk {chunk}")
+        rows.append(([eos] * pad + prompt, *answers))
+    return rows
+
+
+def answer_scores(model, rows, answer: int, retrieve, chunk: int, batch: int = 64):
+    """Per question (answer tokens' mean loss, greedy exact match) of answer 1 (the fact) or 2 (the swapped
+    fact), teacher-forced: one forward of prompt + answer with the prompt's chunks' neighbours."""
+    import numpy as np
+    import torch
+
+    out = []
+    for start in range(0, len(rows), batch):
+        part = rows[start : start + batch]
+        width = max(len(r[0]) + len(r[answer]) for r in part)
+        width = -(-width // chunk) * chunk
+        tokens = torch.zeros(len(part), width, dtype=torch.long)
+        for i, r in enumerate(part):  # each row's prompt ends at its own chunk boundary: scored row by row below
+            seq = r[0] + r[answer]
+            tokens[i, : len(seq)] = torch.tensor(seq)
+        inputs = tokens
+        if retrieve is not None:
+            k = model.args.retrieval_k
+            found = np.zeros((len(part), width // chunk, k, 2 * chunk), dtype=np.int64)
+            for i, r in enumerate(part):
+                complete = len(r[0]) // chunk  # the prompt's chunks; the answer's chunk is never complete
+                chunks = np.array(r[0][: complete * chunk]).reshape(complete, chunk)
+                found[i, :complete] = retrieve(chunks)[1]
+            inputs = torch.cat([tokens, torch.from_numpy(found).reshape(len(part), -1)], 1)
+        with torch.no_grad():
+            logp = torch.log_softmax(model(inputs).float(), -1)
+        for i, r in enumerate(part):
+            p, ans = len(r[0]), torch.tensor(r[answer])
+            scores = logp[i, p - 1 : p - 1 + len(ans)]
+            loss = float(-scores.gather(1, ans[:, None]).mean())
+            out.append((loss, bool((scores.argmax(-1) == ans).all())))
+    return out
+
+
+def gates(model) -> dict:
+    """|tanh gate| per retrieval block and the copy's shares (w_u, w_b), if any."""
+    found = {
+        name.split(".")[1]: round(abs(float(m.weight.detach().tanh()[0])), 5)
+        for name, m in model.named_modules()
+        if type(m).__name__ == "RetrievalGate"
+    }
+    copy = getattr(model, "neighbour_copy", None)
+    return {"gates": found, **({"copy_shares": [round(float(v), 4) for v in copy.shares().detach()]} if copy else {})}
+
+
+def score_run(run_dir: Path, dirs: dict[str, Path], questions: list[dict], chunk: int) -> dict:
+    """A trained run's rates and losses per split: with the database and, for a retrieval model, the swapped one."""
+    from plait.engine.generate import load_for_generation
+    from plait.lifecycle.retrieval import checkpoint_retriever
+
+    model, tok, eos = load_for_generation(run_dir, device="cpu")
+    rows = encode_questions(tok, questions, chunk, eos)
+    retrieval = bool(model.args.retrieval_ids)
+    result: dict = gates(model) if retrieval else {}
+    for db in ("database", "swapped") if retrieval else ("database",):
+        retrieve = checkpoint_retriever(run_dir, model, data=dirs[db]) if retrieval else None
+        old = answer_scores(model, rows, 1, retrieve, chunk)
+        new = answer_scores(model, rows, 2, retrieve, chunk)
+        for split in SPLITS:
+            idx = [i for i, q in enumerate(questions) if q["split"] == split]
+            result.setdefault(db, {})[split] = {
+                "questions": len(idx),
+                "exact_old": statistics.fmean(old[i][1] for i in idx),
+                "exact_new": statistics.fmean(new[i][1] for i in idx),
+                "loss_old": statistics.fmean(old[i][0] for i in idx),
+                "loss_new": statistics.fmean(new[i][0] for i in idx),
+            }
+    return result
+
+
+def machine() -> dict:
+    import torch
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())  # fmt: skip
+    import os
+
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+            "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}  # fmt: skip
+
+
+def summarise(runs: dict[str, list[dict]]) -> dict:
+    """Mean and sample spread over seeds of every rate and loss, per model, database and split."""
+    out: dict = {}
+    for model, seeds in runs.items():
+        for db in ("database", "swapped"):
+            if db not in seeds[0]:
+                continue
+            for split in SPLITS:
+                for key in ("exact_old", "exact_new", "loss_old", "loss_new"):
+                    vals = [s[db][split][key] for s in seeds]
+                    spread = statistics.stdev(vals) if len(vals) > 1 else 0.0
+                    out.setdefault(model, {}).setdefault(db, {}).setdefault(split, {})[key] = [
+                        round(statistics.fmean(vals), 4),
+                        round(spread, 4),
+                    ]
+    return out
+
+
+def print_table(summary: dict) -> None:
+    """Per model and split: exact-match rate (mean over seeds) with the ratio to the plain model's, the answer
+    tokens' loss, and with the swapped database the rates and the answer losses of the new and the old facts (the
+    plain model's: the same forward, it reads no database)."""
+    print(f"{'model':<24} {'split':<14} {'EM':>6} {'x plain':>8} {'loss':>6} {'swap: new':>9} {'swap: old':>9} "
+          f"{'loss new':>8} {'loss old':>8}")  # fmt: skip
+    plain = summary["plain"]["database"]
+    for model, found in summary.items():
+        for split in SPLITS:
+            em, base = found["database"][split]["exact_old"][0], plain[split]["exact_old"][0]
+            ratio = f"{em / base:8.2f}" if base else f"{'-':>8}"
+            swap = found.get("swapped", found["database"])[split]
+            print(f"{model:<24} {split:<14} {em:6.3f} {ratio} {found['database'][split]['loss_old'][0]:6.3f} "
+                  f"{swap['exact_new'][0]:9.3f} {swap['exact_old'][0]:9.3f} {swap['loss_new'][0]:8.3f} "
+                  f"{swap['loss_old'][0]:8.3f}")  # fmt: skip
+
+
+def plot(summary: dict, path: Path) -> None:
+    """Exact-match rate per split: each model with its database, and each retrieval model with the swapped one
+    (the new facts' rate solid, the old facts' hatched)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bars = [(m, "database", "exact_old", m) for m in summary]
+    for m in summary:
+        if "swapped" in summary[m]:
+            bars += [(m, "swapped", "exact_new", f"{m}, swapped db: new fact"),
+                     (m, "swapped", "exact_old", f"{m}, swapped db: old fact")]  # fmt: skip
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    width = 0.85 / len(bars)
+    for j, (model, db, key, label) in enumerate(bars):
+        vals = [summary[model][db][s][key] for s in SPLITS]
+        ax.bar([i + j * width for i in range(len(SPLITS))], [v[0] for v in vals], width, yerr=[v[1] for v in vals],
+               label=label, hatch="//" if key == "exact_old" and db == "swapped" else None)  # fmt: skip
+    ax.set_xticks([i + 0.425 - width / 2 for i in range(len(SPLITS))],
+                  ["trained, its questions trained", "trained", "database only"])  # fmt: skip
+    ax.set_ylabel("greedy exact match")
+    ax.set_title("Facts of fictional people: answers with and without retrieval (mean, sd over seeds)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--people", type=int, default=400)
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--batch", type=int, default=8, help="train.global_batch_size (windows of 128 tokens)")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--chunk", type=int, default=16)
+    p.add_argument("--k", type=int, default=2)
+    p.add_argument("--retro", default=RETRO, help="the retrieval runs' settings, ';'-separated")
+    p.add_argument("--gate-start", type=float, default=0.5, help="the *_open runs' gates start at this tanh(w)")
+    p.add_argument("--models", default="plain,retrieval,retrieval_open,retrieval_open_no_copy",
+                   help="which of these to train (the last for the first seed only)")  # fmt: skip
+    p.add_argument("--json", default="bench/results/knowledge.json")
+    p.add_argument("--report", action="store_true", help="print the table and plot of --json again, train nothing")
+    a = p.parse_args()
+    if a.report:
+        summary = json.loads(Path(a.json).read_text())["summary"]
+        if "plain" in summary:
+            print_table(summary)
+        plot(summary, Path(a.json).with_suffix(".png"))
+        return 0
+    seeds = [int(s) for s in a.seeds.split(",")]
+    work = Path(tempfile.mkdtemp(prefix="plait-knowledge-"))
+    started = time.perf_counter()
+    dirs, questions = make_data(work, a.people, a.chunk, a.k)
+    print(f"data ready in {time.perf_counter() - started:.0f} s ({work})", flush=True)
+    retro = [*a.retro.split(";"), f"model.retrieval_chunk={a.chunk}", f"model.retrieval_k={a.k}"]
+    models = {m: v for m, v in variants(retro, a.gate_start).items() if m in a.models.split(",")}
+    runs: dict[str, list[dict]] = {}
+    for seed in seeds:
+        for model, variant in models.items():
+            if model in CONTROLS and seed != seeds[0]:
+                continue
+            name = f"{model}-{seed}"
+            seconds = train_run(dirs["train"], work / "runs", name, a, seed, variant)
+            result = score_run(work / "runs" / name, dirs, questions, a.chunk)
+            runs.setdefault(model, []).append({"seed": seed, "train_seconds": round(seconds, 1), **result})
+            db = result["database"]
+            print(f"seed {seed} {model}: exact match " + ", ".join(f"{s} {db[s]['exact_old']:.3f}" for s in SPLITS)
+                  + (f"; swapped db: new {result['swapped']['database_only']['exact_new']:.3f}, old "
+                     f"{result['swapped']['database_only']['exact_old']:.3f} (database only)" if "swapped" in result
+                     else "") + (f"; |tanh gate| {result['gates']}, copy {result.get('copy_shares')}"
+                                 if "gates" in result else "") + f"; {seconds:.0f} s", flush=True)  # fmt: skip
+    summary = summarise(runs)
+    if "plain" in summary:
+        print_table(summary)
+    record = {"settings": {k: v for k, v in vars(a).items() if k != "json"}, "retrieval_settings": retro,
+              "machine": machine(), "seeds": seeds, "summary": summary, "runs": runs,
+              "work_dir": str(work), "seconds": round(time.perf_counter() - started)}  # fmt: skip
+    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.json).write_text(json.dumps(record, indent=2) + "\n")
+    if summary:
+        plot(summary, Path(a.json).with_suffix(".png"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
