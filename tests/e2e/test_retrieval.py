@@ -168,3 +168,18 @@ def test_the_lexical_encoder_is_tf_idf_and_generation_rebuilds_it(corpus, tmp_pa
     assert "lexical encoder's size" in capsys.readouterr().err
     assert main(["data", "retrieve", str(data), "--encoder", "lexical", "--device", "cuda", "--overwrite"]) == 2
     assert "runs on the CPU" in capsys.readouterr().err
+
+
+def test_a_corpus_without_a_held_out_split_builds_with_no_validation_neighbours(corpus, tmp_path, data_dir):
+    """Prepared with --val-fraction 0 (every document in the database): the validation split has no chunks, and
+    its embeddings and neighbours are empty arrays of the right width instead of a crash."""
+    from plait.data.prepare import prepare
+    from plait.data.retrieval import RETRIEVAL_DIR, neighbours
+
+    data = tmp_path / "all"
+    prepare([corpus[0].parent / "speeches.jsonl"], data, tokenizer=Path(data_dir) / "tokenizer.json", val_fraction=0)
+    manifest = build(data, corpus[1], chunk=16, k=2)
+    assert manifest["chunks"]["val"] == 0 and manifest["database_chunks"] > 0
+    width = np.load(data / RETRIEVAL_DIR / "train_embeddings.npy").shape[1]
+    assert np.load(data / RETRIEVAL_DIR / "val_embeddings.npy").shape == (0, width)
+    assert neighbours(data, "val").shape == (0, 2)

@@ -73,10 +73,10 @@ def build_database(
     settings = dict(chunk=chunk, k=k, corpus=corpus_digest(corpus), encoder=encoder)
     with staged_dir(out, overwrite=overwrite, exists_error=exists, stage=stage):
         journal = _Journal.open(stage, settings)
-        embeddings = {
-            split: _embed(journal, f"{split}_embeddings", c.tokens, encode, batch, f"embedding {split}", progress)
-            for split, c in splits.items()
-        }
+        embeddings: dict[str, np.ndarray] = {}
+        for split, c in splits.items():  # train first: an empty validation split takes its width
+            dim = embeddings["train"].shape[1] if embeddings else 0
+            embeddings[split] = _embed(journal, f"{split}_embeddings", c.tokens, encode, batch, split, progress, dim)
         index = faiss.IndexFlatIP(embeddings["train"].shape[1])
         index.add(np.ascontiguousarray(embeddings["train"][:stored]))
         _find_neighbours(journal, index, splits, embeddings, k, progress)
@@ -173,10 +173,13 @@ class _Journal:
         (self.stage / JOURNAL).unlink()
 
 
-def _embed(journal: _Journal, key: str, tokens: np.ndarray, encode: Encoder, batch: int, what: str, progress):
-    """The L2-normalised embeddings of every chunk (rows already done kept), read back memory-mapped."""
-    total, done = len(tokens), journal.done(key)
-    arr = None
+def _embed(
+    journal: _Journal, key: str, tokens: np.ndarray, encode: Encoder, batch: int, split: str, progress, dim: int
+):
+    """The L2-normalised embeddings of every chunk (rows already done kept), read back memory-mapped; a split
+    without chunks (prepared with --val-fraction 0) gets an empty array `dim` wide."""
+    total, done, what = len(tokens), journal.done(key), f"embedding {split}"
+    arr = _array(journal.stage / f"{key}.npy", (0, dim), np.float32, fresh=True) if total == 0 else None
     for start in range(done, total, batch):
         vectors = np.asarray(encode(tokens[start : start + batch]), dtype=np.float32)
         if arr is None:
