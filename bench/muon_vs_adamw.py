@@ -9,8 +9,8 @@ loss, each optimizer at its best peak learning rate from the same sweep, over se
 The job is `plait train`'s default (preset tiny, the bundled corpus, 16 x 256 tokens a step, warm-up 100, cosine
 to 10%), `small` (preset small, shorter, for a CPU), or `lora`: a LoRA fine-tune (rank 8 on q, k, v, o) of a base
 trained first (the default job for --base-steps steps) on another text, the biographies of bench/facts.py (400
-people), where Muon's arm puts the adapters under Muon (optim.muon_adapters: the only matrices that train) and
-AdamW's keeps them under AdamW, plait's default. Phase 1 sweeps the peak learning rate of both optimizers
+people): the adapters are the only matrices that train, under Muon in Muon's arm (plait.engine.muon.takes_muon
+gives them to it) and under AdamW in AdamW's. Phase 1 sweeps the peak learning rate of both optimizers
 with seed 0, scored by the held-out loss at the end; phase 2 runs the other seeds at each one's best. The target
 is AdamW's mean final held-out loss; the steps to it are read off the seeds' mean held-out curve (every
 --eval-every steps, interpolated linearly), and per seed for the spread. The wall time to it is those steps
@@ -51,12 +51,6 @@ QUIET = ["sample.max_new_tokens=0", "log.tensorboard=false", "log.plot=false", "
          "checkpoint.every_steps=0", "lineage.enabled=false", "log.every_steps=50"]  # fmt: skip
 
 
-def arm_settings(job: list[str], arm: str) -> list[str]:
-    """An arm's settings; in a LoRA job Muon's arms take the adapters (otherwise nothing would be Muon's)."""
-    lora = any(s.startswith("finetune.lora_rank") for s in job)
-    return [*ARMS[arm], *(["optim.muon_adapters=true"] if lora and arm != "adamw" else [])]
-
-
 def lora_job(scratch: Path, args) -> list[str]:
     """The lora job's settings: a base trained first, and the facts' biographies prepared with its tokenizer."""
     import subprocess
@@ -83,7 +77,7 @@ def run(job: list[str], name: str, arm: str, lr: float, seed: int, args, out: Pa
     from plait.api import train
     from plait.config import load_config
 
-    cfg = [*job, *QUIET, *arm_settings(job, arm), f"optim.lr={lr}", f"run.seed={seed}", f"train.steps={args.steps}",
+    cfg = [*job, *QUIET, *ARMS[arm], f"optim.lr={lr}", f"run.seed={seed}", f"train.steps={args.steps}",
            f"eval.every_steps={args.eval_every}", f"eval.num_batches={args.eval_batches}",
            f"run.out_dir={out}", f"run.name={name}"]  # fmt: skip
     start = time.perf_counter()
@@ -99,7 +93,7 @@ def step_seconds(job: list[str], optim: str, lr: float, steps: int, out: Path) -
     from plait.config import load_config
 
     name = f"time-{optim}"
-    cfg = [*job, *QUIET, *arm_settings(job, optim), f"optim.lr={lr}", f"train.steps={steps}", "eval.every_steps=0",
+    cfg = [*job, *QUIET, *ARMS[optim], f"optim.lr={lr}", f"train.steps={steps}", "eval.every_steps=0",
            "log.every_steps=1",
            f"run.out_dir={out}", f"run.name={name}"]  # fmt: skip
     train(load_config(None, cfg))
@@ -187,10 +181,14 @@ def control(args) -> None:
     wanted = [(best["control"], seed) for seed in seeds]
     wanted += [(float(lr), seeds[0]) for lr in args.control_lrs.split(",") if lr and float(lr) != best["control"]]
     try:
+        job = JOBS[args.job]
         for lr, seed in wanted:
             if f"control {lr:g} s{seed}" in runs:  # a record that holds it already: read, not rerun
                 continue
-            one(runs, JOBS[args.job], "control", lr, seed, args, scratch, "control")
+            if args.job == "lora" and job is JOBS["lora"]:
+                args.base_steps = base.get("base_steps", args.base_steps)
+                job = lora_job(scratch, args)  # the same base and data as the record's, made again
+            one(runs, job, "control", lr, seed, args, scratch, "control")
             got, ref = runs[f"control {lr:g} s{seed}"]["curve"], runs[f"muon {best['muon']:g} s{seeds[0]}"]["curve"]
             assert sorted(got) == sorted(ref), "evaluated at other steps than the base: set --eval-every"
     finally:
@@ -238,6 +236,8 @@ def report(
     out.parent.mkdir(parents=True, exist_ok=True)
     record = {"job": args.job, "steps": args.steps, "seeds": seeds, "target": target, "rows": rows, "ratios": ratios,
               "runs": runs, "machine": host.describe()} | ({"base": base} if base else {}) | (extra or {})  # fmt: skip
+    if args.job == "lora":
+        record["base_steps"] = args.base_steps
     out.write_text(json.dumps(record, indent=1))
     plot(runs, best, seeds, target, out.with_suffix(".png"), args.job)
     print(f"written to {out} and {out.with_suffix('.png')}")

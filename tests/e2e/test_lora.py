@@ -439,11 +439,12 @@ def test_lora_run_resumes(runs, corpus, capsys):
     assert after.keys() == before.keys() and any(not torch.equal(after[k], before[k]) for k in after)  # trained on
 
 
-@pytest.mark.parametrize("start", ["plait base", "PEFT adapter"])
+@pytest.mark.parametrize("start", ["plait base", "PEFT adapter", "plait base, Muon"])
 def test_lora_under_fsdp_reproduces_the_single_process_run(runs, corpus, tmp_path, start):
     """dp_shard=2: the frozen base sharded by FSDP2, the adapters replicated with averaged gradients; from a
-    plait base, or continuing a PEFT adapter made by peft (on the base's transformers export). Same
-    tolerance and reason as tests/parallel/test_parallel.py: a reordering of fp32 sums only."""
+    plait base, or continuing a PEFT adapter made by peft (on the base's transformers export); with AdamW, or
+    Muon on the adapters. Same tolerance and reason as tests/parallel/test_parallel.py: a reordering of fp32
+    sums only."""
     from parallel_harness import read_metrics, run_layouts
     from plait.api import train
     from plait.config import load_config
@@ -477,6 +478,7 @@ def test_lora_under_fsdp_reproduces_the_single_process_run(runs, corpus, tmp_pat
         "data.prefetch=0",
         "run.device=cpu",
         "checkpoint.save_final=false",
+        *(["optim.name=muon"] if "Muon" in start else []),
     ]
     train(load_config(None, [*job, f"run.out_dir={tmp_path}", "run.name=ref"]))
     ref = read_metrics(tmp_path / "ref")

@@ -96,8 +96,7 @@ def test_one_rule_picks_the_blocks_matrices_and_each_experts():
     assert any(n.endswith("experts.w1") for n in names) and not any("router" in n for n in names)
     for name in ("tok_embeddings.weight", "output.weight", "norm.weight", "layers.0.attention_norm.weight"):
         assert not takes_muon(name, torch.empty(4, 4) if "norm" not in name else torch.empty(4))
-    assert not takes_muon("layers.0.attention.wq.lora_A", torch.empty(4, 64))
-    assert takes_muon("layers.0.attention.wq.lora_A", torch.empty(4, 64), adapters=True)  # optim.muon_adapters
+    assert takes_muon("layers.0.attention.wq.lora_A", torch.empty(4, 64))  # adapters too (docs/optimizers.md)
     assert "optimizer: Muon for 28 matrices" in describe([dense])
 
 
@@ -110,10 +109,6 @@ def test_settings_out_of_range_are_refused():
         load_config(None, ["optim.name=muon", "optim.state_dtype=bf16"])
     with pytest.raises(ConfigError, match="optim.name"):
         load_config(None, ["optim.name=lion"])
-    with pytest.raises(ConfigError, match="puts LoRA adapters under Muon, but this run has optim.name='adamw'"):
-        load_config(None, ["optim.muon_adapters=true", "finetune.lora_rank=8"])
-    with pytest.raises(ConfigError, match="finetune.lora_rank=0: set optim.name='muon' and finetune.lora_rank > 0"):
-        load_config(None, ["optim.name=muon", "optim.muon_adapters=true"])
 
 
 MUON = ["optim.name=muon"]

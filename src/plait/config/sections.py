@@ -94,8 +94,8 @@ class TrainConfig:
 @dataclass
 class OptimConfig:
     name: Literal["adamw", "muon"] = "adamw"
-    """'adamw', or 'muon': orthogonalised momentum for the blocks' matrices and each expert's, AdamW (these same
-    settings) for embeddings, head, norms, biases, routers and adapters (plait.engine.muon). lr and
+    """'adamw', or 'muon': orthogonalised momentum for the blocks' matrices, each expert's and LoRA adapters',
+    AdamW (these same settings) for embeddings, head, norms, biases and routers (plait.engine.muon). lr and
     weight_decay carry over from AdamW (Moonlight's RMS match)."""
     lr: float = 3e-3
     """Peak learning rate."""
@@ -123,9 +123,6 @@ class OptimConfig:
     momentum un-orthogonalised, scaled to Muon's update size (plait.parallel.orthogonal.newton_schulz)."""
     muon_ns_dtype: Literal["auto", "fp32", "bf16"] = "auto"
     """Muon's Newton-Schulz arithmetic: 'auto' is bf16 on a GPU (as torch.optim.Muon) and fp32 on a CPU."""
-    muon_adapters: bool = False
-    """Muon for LoRA adapters' matrices too (finetune.lora_rank > 0, optim.name = 'muon'). Off by default: on a
-    LoRA fine-tune measured in bench/lora_muon.py it did not beat AdamW on the adapters (docs/optimizers.md)."""
     state_dtype: Literal["fp32", "bf16"] = "fp32"
     """AdamW's two moments: 'fp32', or 'bf16' with stochastic rounding (plait.engine.bf16_adamw): 12 bytes a
     parameter instead of 16, for runs whose states do not fit (llama3-8b with CPU offload on a 128 GiB host)."""

@@ -227,12 +227,6 @@ def _validate_training(cfg: Config) -> None:
     if not 0 < o.decay_fraction <= 1:
         raise ConfigError(f"optim.decay_fraction={o.decay_fraction} must be in (0, 1], e.g. 0.2")
     _validate_muon(o)
-    if o.muon_adapters and (o.name != "muon" or not cfg.finetune.lora_rank):
-        raise ConfigError(
-            f"optim.muon_adapters=true puts LoRA adapters under Muon, but this run has optim.name={o.name!r} and "
-            f"finetune.lora_rank={cfg.finetune.lora_rank}: set optim.name='muon' and finetune.lora_rank > 0, or "
-            "leave optim.muon_adapters false"
-        )
     if t.micro_batch_size and t.global_batch_size % t.micro_batch_size:
         raise ConfigError(
             f"train.global_batch_size={t.global_batch_size} is not a multiple of "

@@ -25,7 +25,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) ->
     than foreach for the 0.7M debug model, 8x for tiny, 11x for 56M small; bench numbers in
     docs/performance.md), the foreach implementation elsewhere.
     """
-    muon, named = split_parameters(model, cfg.muon_adapters) if cfg.name == "muon" else ([], _trainable(model))
+    muon, named = split_parameters(model) if cfg.name == "muon" else ([], _trainable(model))
     decay = [p for name, p in named if p.ndim >= 2 and "tok_embeddings" not in name]
     no_decay = [p for name, p in named if not (p.ndim >= 2 and "tok_embeddings" not in name)]
     groups = [

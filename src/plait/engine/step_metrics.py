@@ -44,7 +44,7 @@ class StepMetrics:
             )
             if cfg.optim.name == "muon":
                 info(
-                    describe_optimizer(run.t.parts, cfg.optim.muon_adapters)
+                    describe_optimizer(run.t.parts)
                     + (" (this rank's pipeline stages)" if cfg.parallel.pp_degree > 1 else "")
                 )
             if problem := schedule_problem(cfg.optim, cfg.train.steps):
