@@ -9,7 +9,8 @@ import random
 
 import pytest
 
-from plait.engine.ledger import SampleLedger, Share
+from plait.core.errors import ConfigError
+from plait.engine.ledger import LedgerError, SampleLedger, Share
 from plait.parallel.replicas.contributions import ContributionCheck
 
 BATCH, ROUND = 4, 3  # a group's batch, and the steps of a (DiLoCo) round
@@ -105,9 +106,10 @@ def test_a_malformed_ledger_is_refused_by_field_and_changes_nothing(what, state,
     ledger = SampleLedger(BATCH * ROUND)
     ledger.settle(ledger.assign(2), {1})
     before = ledger.dumps()
-    with pytest.raises(ValueError, match=r"^replica_samples: .*" + message.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(LedgerError, match=r"^replica_samples: .*" + message.replace("[", r"\[").replace("]", r"\]")):
         ledger.load_state_dict({"replica_samples": state})
     assert ledger.dumps() == before and not ledger.loaded
+    assert issubclass(LedgerError, ConfigError)  # a command ends with one line, exit 2, no traceback
     SampleLedger(BATCH * ROUND).load_state_dict({"replica_samples": GOOD})  # the good one loads
 
 

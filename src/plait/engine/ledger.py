@@ -22,7 +22,13 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from plait.core.errors import ConfigError
 from plait.engine.checkpoint.state import Part
+
+
+class LedgerError(ConfigError, ValueError):
+    """A malformed ledger, in a checkpoint's plait.json or a healing peer's payload: one line naming the field
+    (a ConfigError: the command ends with it, exit 2, no traceback)."""
 
 
 @dataclass(frozen=True)
@@ -80,13 +86,13 @@ class SampleLedger(Part):
         }  # fmt: skip
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """A checkpoint's or a peer's ledger; a malformed one raises ValueError naming the field, changing
+        """A checkpoint's or a peer's ledger; a malformed one raises LedgerError naming the field, changing
         nothing (a checkpoint without one leaves this ledger as it is)."""
         if "replica_samples" not in state_dict:
             return
         got = state_dict["replica_samples"]
         if not isinstance(got, dict) or set(got) != {"frontier", "settled", "requeued", "queue"}:
-            raise ValueError(f"replica_samples: expected frontier, queue, requeued, settled; got {_keys(got)}")
+            raise LedgerError(f"replica_samples: expected frontier, queue, requeued, settled; got {_keys(got)}")
         frontier, settled, requeued = (_whole(got[k], k) for k in ("frontier", "settled", "requeued"))
         queue = [_share(item, frontier) for item in _list(got["queue"])]
         self.frontier, self.settled, self.requeued, self.queue = frontier, settled, requeued, queue
@@ -106,20 +112,20 @@ def _keys(x: Any) -> Any:
 
 def _whole(value: Any, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"replica_samples: {name} must be a whole number >= 0, got {value!r}")
+        raise LedgerError(f"replica_samples: {name} must be a whole number >= 0, got {value!r}")
     return value
 
 
 def _list(value: Any) -> list:
     if not isinstance(value, list):
-        raise ValueError(f"replica_samples: queue must be a list of [cursor, index, count], got {value!r}")
+        raise LedgerError(f"replica_samples: queue must be a list of [cursor, index, count], got {value!r}")
     return value
 
 
 def _share(item: Any, frontier: int) -> Share:
     if not isinstance(item, list) or len(item) != 3:
-        raise ValueError(f"replica_samples: each queued share must be [cursor, index, count], got {item!r}")
+        raise LedgerError(f"replica_samples: each queued share must be [cursor, index, count], got {item!r}")
     cursor, index, count = (_whole(v, "a queued share's field") for v in item)
     if not (index < count and cursor < frontier):
-        raise ValueError(f"replica_samples: queued share {item} is not a handed-out share (frontier {frontier})")
+        raise LedgerError(f"replica_samples: queued share {item} is not a handed-out share (frontier {frontier})")
     return Share(cursor, index, count)
