@@ -3,7 +3,8 @@ trained on the same text, the same steps and seed, then asked about people they 
 only in the database; then the database swapped for one where every fact is changed, with no retraining.
 
     python bench/knowledge.py [--people 400] [--steps 600] [--batch 8] [--seeds 0,1,2] [--chunk 16] [--k 2]
-        [--retro '...;...'] [--gate-start 0.5] [--models plain,retrieval,...] [--json bench/results/knowledge.json]
+        [--retro '...;...'] [--gate-start 0.5] [--models plain,retrieval_open,retrieval]
+        [--json bench/results/knowledge.json]
 
 The models (preset tiny, windows of 128 tokens, the plain one reading the windows the retrieval ones read):
 - plain: no retrieval;
@@ -11,15 +12,27 @@ The models (preset tiny, windows of 128 tokens, the plain one reading the window
   plait starts it: the gates shut (tanh(w) = 0);
 - retrieval_open: the same with its gates starting at tanh(w) = --gate-start (a control: does the shut start
   keep the cross-attention out?);
-- retrieval_open_no_copy, first seed only: retrieval_open without the copy, so the cross-attention alone.
+- retrieval_open_no_copy, first seed only: retrieval_open without the copy, so the cross-attention alone (not
+  in the default --models since the second slice; its first-slice numbers are in the JSON's "slice1").
 
-The data (made once, facts seed 0; only the training seed changes between seeds):
-- train: the trained people's biographies (bench/facts.py's train.jsonl) and, for every other trained person
-  (the "qa" half), one document of their four questions and answers in the held-out phrasing
-  ("Q: Where was X born? A: Kestrelford" ...). Without some question-answering in training a model of this size
-  never answers a question form it has not seen (the "physics of language models" setup: biographies for all,
-  questions for half); the other half of the trained people ("trained") and the database-only people are asked
-  in a form the model saw only for others.
+The data (made once, facts seed 0; only the training seed changes between seeds). The people, four splits:
+- qa: biography in the training text, and one document of their four questions and answers in the held-out
+  phrasing ("Q: Where was X born? A: Kestrelford" ...) in training too;
+- trained: biography in the training text, no questions in training (what the weights hold, asked in a form
+  the model saw only for others: without some question-answering in training a model of this size never answers
+  a question form it has not seen; the "physics of language models" setup);
+- read: biography only in the database, but their question document in training: answering it the first time
+  in training needs the neighbours, the signal that rewards reading the database (the first slice had none of
+  these, and its retrieval models answered from memory); asked after training they are trained text, so their
+  test is the swapped database: does the answer follow the database or the memorised question document?
+- database_only: biography only in the database, no questions in training: the test of reading.
+Files:
+- train: the training text (the qa and trained people's biographies, the qa and read people's question
+  documents, shuffled) followed by the database (everyone's biographies), one prepared directory with a
+  held-out share of 5% (TRAIN_VAL) and its lexical database built over its whole train stream: a question
+  chunk's neighbours are its person's biographies (other documents, so the exclusion of a chunk's own
+  documents leaves them). Every model (the plain one too) trains on windows of the training text only
+  (windows_before): the database part is read as neighbours, never trained on.
 - database: everyone's biographies (database.jsonl), and the swapped database (database_swapped.jsonl): every
   fact changed. Both prepared with the training directory's tokenizer, a held-out split of 0.2% (HELD_OUT),
   and the lexical encoder, each fitted on its own corpus as `plait data retrieve` does.
@@ -36,8 +49,9 @@ is the answer's token. Per split, for the retrieval model with the database and 
 padded prompts, no neighbours: it can only remember or guess).
 
 Printed per run: the rates, each retrieval model's |tanh gate| per retrieval block and its copy shares; at the
-end a table with each model's ratio to the plain model. Written: bench/results/knowledge.json (every run, the
-means and spreads, the machine) and knowledge.png.
+end a table with each model's ratio to the plain model. Written after every run: bench/results/knowledge.json
+(every run, the means and spreads, the machine; the first slice's record under "slice1"); at the end
+knowledge.png.
 """
 
 from __future__ import annotations
@@ -56,7 +70,7 @@ import facts  # bench/facts.py
 from retrieval_quality import windows_every  # bench/: a plain run reads the windows a retrieval run reads
 
 RETRO = "model.retrieval_layers=2,3;model.retrieval_encoder_layers=1;model.retrieval_copy=true"
-SPLITS = ("qa", "trained", "database_only")
+SPLITS = ("qa", "trained", "read", "database_only")
 CONTROLS = ("retrieval_open_no_copy",)
 """Variants trained for the first seed only."""
 
@@ -82,9 +96,16 @@ def qa_document(questions: list[dict]) -> str:
     return "\n".join(q["prompt"] + q["answer"] for q in questions)
 
 
-def make_data(work: Path, people: int, chunk: int, k: int) -> tuple[dict[str, Path], list[dict]]:
-    """The prepared directories (train, database, swapped) with their lexical databases, and the questions,
-    each with its split: qa (trained, its questions in training), trained, database_only."""
+TRAIN_VAL = 0.05
+"""The training directory's held-out share (of the training text and of the database appended to it)."""
+
+
+def make_data(work: Path, people: int, chunk: int, k: int) -> tuple[dict[str, Path], list[dict], int]:
+    """The prepared directories (train, database, swapped) with their lexical databases, the questions, each
+    with its split (qa, trained, read, database_only), and the training text's length in tokens: the training
+    directory's train stream is the training text followed by the database (everyone's biographies), so that
+    its retrieval database, built over the whole stream, holds every biography, and training reads windows of
+    the training text only (windows_before)."""
     from plait.data.prepare import prepare
     from plait.data.retrieval import build_database
     from plait.lifecycle.retrieval import encoder_for
@@ -95,32 +116,70 @@ def make_data(work: Path, people: int, chunk: int, k: int) -> tuple[dict[str, Pa
     for name, text in files.items():
         (raw / name).write_text(text, encoding="utf-8")
     questions = [json.loads(line) for line in files["questions.jsonl"].splitlines()]
-    trained = sorted({q["person"] for q in questions if q["split"] == "trained"})
-    qa_people = set(trained[::2])
+    qa_people = set(sorted({q["person"] for q in questions if q["split"] == "trained"})[::2])
+    read_people = set(sorted({q["person"] for q in questions if q["split"] == "database_only"})[::2])
     for q in questions:
-        if q["person"] in qa_people:
-            q["split"] = "qa"
+        q["split"] = "qa" if q["person"] in qa_people else "read" if q["person"] in read_people else q["split"]
     by_person: dict[str, list[dict]] = {}
     for q in questions:
         by_person.setdefault(q["person"], []).append(q)
     docs = [json.loads(line)["text"] for line in files["train.jsonl"].splitlines()]
-    docs += [qa_document(by_person[p]) for p in sorted(qa_people)]
+    docs += [qa_document(by_person[p]) for p in sorted(qa_people | read_people)]
     random.Random(0).shuffle(docs)
+    docs += [json.loads(line)["text"] for line in files["database.jsonl"].splitlines()]
     (raw / "train_qa.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
     dirs = {"train": work / "train", "database": work / "database", "swapped": work / "swapped"}
-    prepare([raw / "train_qa.jsonl"], dirs["train"], vocab_size=2048, val_fraction=0.05)
+    prepare([raw / "train_qa.jsonl"], dirs["train"], vocab_size=2048, val_fraction=TRAIN_VAL)
+    text_tokens = training_text_tokens(dirs["train"], docs, len(docs) - len(files["database.jsonl"].splitlines()))
     tokenizer = dirs["train"] / "tokenizer.json"
     prepare([raw / "database.jsonl"], dirs["database"], tokenizer=tokenizer, val_fraction=HELD_OUT)
     prepare([raw / "database_swapped.jsonl"], dirs["swapped"], tokenizer=tokenizer, val_fraction=HELD_OUT)
     for d in dirs.values():
         encode, described = encoder_for("lexical", d, chunk)
         build_database(d, encode, encoder=described, chunk=chunk, k=k)
-    return dirs, questions
+    return dirs, questions, text_tokens
 
 
-def train_run(data: Path, out: Path, name: str, a: argparse.Namespace, seed: int, variant) -> float:
+def training_text_tokens(train_dir: Path, docs: list[str], text_docs: int) -> int:
+    """Where the training text ends in the train stream: after its documents that prepare kept for train
+    (each ends with an end-of-document token); the rest of the stream is the database's biographies."""
+    from plait.data.encoding import is_held_out
+    from plait.data.loader import TokenDataset
+
+    kept = [not is_held_out(i, d, TRAIN_VAL) for i, d in enumerate(docs)]
+    stream = TokenDataset(train_dir, "train")
+    assert stream.num_documents == sum(kept), (stream.num_documents, sum(kept))
+    import numpy as np
+
+    ends = np.flatnonzero(stream.tokens(0, stream.num_tokens) == stream.eos_id)
+    return int(ends[sum(kept[:text_docs]) - 1]) + 1
+
+
+@contextlib.contextmanager
+def windows_before(train_dir: Path, end: int):
+    """While active, the training directory's train split offers only the windows that end before token `end`
+    (the training text); the database after it is read as neighbours only, never trained on."""
+    from plait.data.loader import TokenDataset
+
+    original = TokenDataset.num_samples
+
+    def num_samples(self, seq_len: int) -> int:
+        found = original(self, seq_len)
+        if self.split != "train" or self.data_dir.resolve() != train_dir.resolve():
+            return found
+        return min(found, max(0, (end - seq_len - 1) // self.stride(seq_len) + 1))
+
+    TokenDataset.num_samples = num_samples  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        TokenDataset.num_samples = original  # type: ignore[method-assign]
+
+
+def train_run(data: Path, end: int, out: Path, name: str, a: argparse.Namespace, seed: int, variant) -> float:
     """Train one model (preset tiny, seq_len 128) and return its wall time; a plain run (no
-    model.retrieval_layers in `extra`) reads the windows a retrieval run of this chunk reads."""
+    model.retrieval_layers in `extra`) reads the windows a retrieval run of this chunk reads; both read
+    windows of the training text only (the stream's first `end` tokens)."""
     from plait.api import train
     from plait.config import load_config
 
@@ -132,7 +191,11 @@ def train_run(data: Path, out: Path, name: str, a: argparse.Namespace, seed: int
            f"run.name={name}", *extra]  # fmt: skip
     started = time.perf_counter()
     retrieves = any(c.startswith("model.retrieval_layers=") for c in extra)
-    with contextlib.nullcontext() if retrieves else windows_every(a.chunk), gates_start_at(gate_start):
+    with (
+        contextlib.nullcontext() if retrieves else windows_every(a.chunk),
+        gates_start_at(gate_start),
+        windows_before(data, end),
+    ):
         train(load_config(None, cfg))
     return time.perf_counter() - started
 
@@ -308,14 +371,14 @@ def plot(summary: dict, path: Path) -> None:
         if "swapped" in summary[m]:
             bars += [(m, "swapped", "exact_new", f"{m}, swapped db: new fact"),
                      (m, "swapped", "exact_old", f"{m}, swapped db: old fact")]  # fmt: skip
-    fig, ax = plt.subplots(figsize=(10, 4.5))
+    fig, ax = plt.subplots(figsize=(12, 4.5))
     width = 0.85 / len(bars)
     for j, (model, db, key, label) in enumerate(bars):
         vals = [summary[model][db][s][key] for s in SPLITS]
         ax.bar([i + j * width for i in range(len(SPLITS))], [v[0] for v in vals], width, yerr=[v[1] for v in vals],
                label=label, hatch="//" if key == "exact_old" and db == "swapped" else None)  # fmt: skip
     ax.set_xticks([i + 0.425 - width / 2 for i in range(len(SPLITS))],
-                  ["trained, its questions trained", "trained", "database only"])  # fmt: skip
+                  ["trained, QA trained", "trained", "database, QA trained (read)", "database only"])  # fmt: skip
     ax.set_ylabel("greedy exact match")
     ax.set_title("Facts of fictional people: answers with and without retrieval (mean, sd over seeds)")
     ax.legend(fontsize=7)
@@ -334,8 +397,9 @@ def main() -> int:
     p.add_argument("--k", type=int, default=2)
     p.add_argument("--retro", default=RETRO, help="the retrieval runs' settings, ';'-separated")
     p.add_argument("--gate-start", type=float, default=0.5, help="the *_open runs' gates start at this tanh(w)")
-    p.add_argument("--models", default="plain,retrieval,retrieval_open,retrieval_open_no_copy",
-                   help="which of these to train (the last for the first seed only)")  # fmt: skip
+    p.add_argument("--models", default="plain,retrieval_open,retrieval",
+                   help="which to train, in this order per seed, of plain, retrieval, retrieval_open and "
+                        "retrieval_open_no_copy (the last for the first seed only)")  # fmt: skip
     p.add_argument("--json", default="bench/results/knowledge.json")
     p.add_argument("--report", action="store_true", help="print the table and plot of --json again, train nothing")
     a = p.parse_args()
@@ -348,36 +412,61 @@ def main() -> int:
     seeds = [int(s) for s in a.seeds.split(",")]
     work = Path(tempfile.mkdtemp(prefix="plait-knowledge-"))
     started = time.perf_counter()
-    dirs, questions = make_data(work, a.people, a.chunk, a.k)
-    print(f"data ready in {time.perf_counter() - started:.0f} s ({work})", flush=True)
+    dirs, questions, text_tokens = make_data(work, a.people, a.chunk, a.k)
+    print(f"data ready in {time.perf_counter() - started:.0f} s ({work}); training text: {text_tokens} tokens",
+          flush=True)  # fmt: skip
     retro = [*a.retro.split(";"), f"model.retrieval_chunk={a.chunk}", f"model.retrieval_k={a.k}"]
-    models = {m: v for m, v in variants(retro, a.gate_start).items() if m in a.models.split(",")}
+    table = variants(retro, a.gate_start)
+    models = {m: table[m] for m in a.models.split(",")}
+    earlier = previous_slices(Path(a.json))
     runs: dict[str, list[dict]] = {}
     for seed in seeds:
         for model, variant in models.items():
             if model in CONTROLS and seed != seeds[0]:
                 continue
             name = f"{model}-{seed}"
-            seconds = train_run(dirs["train"], work / "runs", name, a, seed, variant)
+            seconds = train_run(dirs["train"], text_tokens, work / "runs", name, a, seed, variant)
             result = score_run(work / "runs" / name, dirs, questions, a.chunk)
             runs.setdefault(model, []).append({"seed": seed, "train_seconds": round(seconds, 1), **result})
-            db = result["database"]
-            print(f"seed {seed} {model}: exact match " + ", ".join(f"{s} {db[s]['exact_old']:.3f}" for s in SPLITS)
-                  + (f"; swapped db: new {result['swapped']['database_only']['exact_new']:.3f}, old "
-                     f"{result['swapped']['database_only']['exact_old']:.3f} (database only)" if "swapped" in result
-                     else "") + (f"; |tanh gate| {result['gates']}, copy {result.get('copy_shares')}"
-                                 if "gates" in result else "") + f"; {seconds:.0f} s", flush=True)  # fmt: skip
+            print_run(seed, model, result, seconds)
+            # written after every run: a bench cut short keeps what finished
+            record = {"settings": {k: v for k, v in vars(a).items() if k != "json"}, "retrieval_settings": retro,
+                      "machine": machine(), "seeds": seeds, "training_text_tokens": text_tokens,
+                      "summary": summarise(runs), "runs": runs, "work_dir": str(work),
+                      "seconds": round(time.perf_counter() - started), **earlier}  # fmt: skip
+            Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(a.json).write_text(json.dumps(record, indent=2) + "\n")
     summary = summarise(runs)
     if "plain" in summary:
         print_table(summary)
-    record = {"settings": {k: v for k, v in vars(a).items() if k != "json"}, "retrieval_settings": retro,
-              "machine": machine(), "seeds": seeds, "summary": summary, "runs": runs,
-              "work_dir": str(work), "seconds": round(time.perf_counter() - started)}  # fmt: skip
-    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.json).write_text(json.dumps(record, indent=2) + "\n")
     if summary:
         plot(summary, Path(a.json).with_suffix(".png"))
     return 0
+
+
+def previous_slices(path: Path) -> dict:
+    """The earlier slices' records kept in the JSON: the first slice (three splits, the database only in the
+    database) was the whole file before this one's splits; its record is kept under "slice1"."""
+    if not path.exists():
+        return {}
+    old = json.loads(path.read_text())
+    if "slice1" in old:
+        return {"slice1": old["slice1"]}
+    return {"slice1": old} if "summary" in old else {}
+
+
+def print_run(seed: int, model: str, result: dict, seconds: float) -> None:
+    """One run's line: exact match per split, the swapped database's new and old rates (read, database only),
+    the gates and copy shares."""
+    db = result["database"]
+    line = f"seed {seed} {model}: exact match " + ", ".join(f"{s} {db[s]['exact_old']:.3f}" for s in SPLITS)
+    if "swapped" in result:
+        sw = result["swapped"]
+        line += "; swapped db new/old: " + ", ".join(
+            f"{s} {sw[s]['exact_new']:.3f}/{sw[s]['exact_old']:.3f}" for s in ("read", "database_only")
+        )
+        line += f"; |tanh gate| {result['gates']}, copy {result.get('copy_shares')}"
+    print(line + f"; {seconds:.0f} s", flush=True)
 
 
 if __name__ == "__main__":
