@@ -88,6 +88,7 @@ class FaultTolerant(Replicas):
         t.extra_state.append(self.ledger)  # ...checkpointed
         self.shares: list[Share] = []  # this step's (round's) share of each slot
         self.first = 0  # the frontier at this step's start: its fresh block's first sample
+        self.left_out: set[int] = set()  # the slots whose shares the last settled step put back in the queue
         self.restored = False  # the counters of the checkpoint the run resumed (at the first join)
         self.groups = 0
         self.failed = 0  # attempts of steps that did not commit, so far
@@ -117,7 +118,7 @@ class FaultTolerant(Replicas):
         if m.replicas != self.groups and self.env.is_main:
             info(f"replica {self.group.replica_id}: {m.replicas} group(s) step together from step {m.step + 1}")
         self.groups = m.replicas
-        self.first, self.shares = self.ledger.frontier, self.ledger.assign(m.replicas)
+        self.first, self.shares, self.left_out = self.ledger.frontier, self.ledger.assign(m.replicas), set()
         self.place()
 
     def place(self) -> None:
@@ -181,7 +182,8 @@ class FaultTolerant(Replicas):
 
     def settle(self) -> None:
         """A committed step (round) in the ledger: the left-out groups' shares back in the queue."""
-        self.ledger.settle(self.shares, self.verdict.excluded_slots if self.verdict is not None else set())
+        self.left_out = self.verdict.excluded_slots if self.verdict is not None else set()
+        self.ledger.settle(self.shares, self.left_out)
 
     def record(self) -> dict[str, Any]:
         """The committed step's groups and samples: enough to replay it (tests/parallel/test_replicas.py). Its
@@ -189,7 +191,7 @@ class FaultTolerant(Replicas):
         its samples the check left out (back in the queue); `pending`: samples in the queue after it."""
         m, v, share = self.membership, self.verdict, self.ledger.share_samples
         retrained = sum(1 for s in self.shares if s.cursor < self.first)
-        left_out = len(v.excluded_slots) if v is not None else 0
+        left_out = len(self.left_out)  # (DiLoCo: 0 until the round's end settles it)
         out = {
             "groups": m.replicas, "slot": m.slot, "first_sample": self.first,
             "samples": (m.replicas - retrained) * share, "retrained": retrained * share, "requeued": left_out * share,

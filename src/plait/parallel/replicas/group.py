@@ -36,12 +36,11 @@ CONNECT_TIMEOUT_S = 60  # to the lighthouse and the managers: they are started b
 
 @dataclass(frozen=True)
 class Membership:
-    """This group's view of one step: the groups taking part, its own place among them (slot), and the count of
-    per-group batches committed before this step (the data position: plait.engine.replicas)."""
+    """This group's view of one step: the groups taking part and its own place among them (slot); which samples
+    each takes is the run's ledger's (plait.engine.ledger)."""
 
     replicas: int
     slot: int
-    batches_committed: int
     step: int
     healed: bool  # this group took a peer's state at the start of this step
 
@@ -108,7 +107,8 @@ class ReplicaGroup:
         self._healed = True
 
     def restore(self, step: int, batches_committed: int) -> None:
-        """The counters of a checkpoint this group resumed from (its peers, if ahead, heal it at the next step)."""
+        """The counters of a checkpoint this group resumed from (its peers, if ahead, heal it at the next step;
+        torchft compares steps, and counts the group batches committed, which plait's ledger no longer reads)."""
         self.manager.load_state_dict({"step": step, "batches_committed": batches_committed})
 
     def start_step(self, wait_for: int = 0) -> Membership:
@@ -130,7 +130,6 @@ class ReplicaGroup:
         return Membership(
             replicas=self.manager.num_participants(),
             slot=0 if slot is None else slot,
-            batches_committed=self.manager.batches_committed(),
             step=self.manager.current_step(),
             healed=self._healed,
         )
