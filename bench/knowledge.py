@@ -71,7 +71,7 @@ from retrieval_quality import windows_every  # bench/: a plain run reads the win
 
 RETRO = "model.retrieval_layers=2,3;model.retrieval_encoder_layers=1;model.retrieval_copy=true"
 SPLITS = ("qa", "trained", "read", "database_only")
-CONTROLS = ("retrieval_open_no_copy",)
+CONTROLS = ("retrieval_open_no_copy", "pointer_no_copy")
 """Variants trained for the first seed only."""
 
 
@@ -82,6 +82,8 @@ def variants(retro: list[str], gate_start: float) -> dict[str, tuple[list[str], 
         "retrieval": (retro, None),
         "retrieval_open": (retro, gate_start),
         "retrieval_open_no_copy": ([*retro, "model.retrieval_copy=false"], gate_start),
+        "pointer": ([*retro, "model.retrieval_pointer=true"], None),
+        "pointer_no_copy": ([*retro, "model.retrieval_copy=false", "model.retrieval_pointer=true"], None),
     }
 
 
@@ -283,8 +285,13 @@ def gates(model) -> dict:
         for name, m in model.named_modules()
         if type(m).__name__ == "RetrievalGate"
     }
-    copy = getattr(model, "neighbour_copy", None)
-    return {"gates": found, **({"copy_shares": [round(float(v), 4) for v in copy.shares().detach()]} if copy else {})}
+    copy, pointer = getattr(model, "neighbour_copy", None), getattr(model, "neighbour_pointer", None)
+    found = {"gates": found}
+    if copy is not None:
+        found["copy_shares"] = [round(float(v), 4) for v in copy.shares().detach()]
+    if pointer is not None:
+        found["pointer_share"] = round(float(pointer.weight.detach().clamp(0, 0.9)), 4)
+    return found
 
 
 def score_run(run_dir: Path, dirs: dict[str, Path], questions: list[dict], chunk: int) -> dict:
@@ -446,13 +453,16 @@ def main() -> int:
 
 def previous_slices(path: Path) -> dict:
     """The earlier slices' records kept in the JSON: the first slice (three splits, the database only in the
-    database) was the whole file before this one's splits; its record is kept under "slice1"."""
+    database) under "slice1", the second (four splits, no pointer) under "slice2"; this one's at the top."""
     if not path.exists():
         return {}
     old = json.loads(path.read_text())
-    if "slice1" in old:
-        return {"slice1": old["slice1"]}
-    return {"slice1": old} if "summary" in old else {}
+    kept = {key: old[key] for key in ("slice1", "slice2") if key in old}
+    if "summary" in old and "slice1" in old and "slice2" not in old and "pointer" not in old["summary"]:
+        kept["slice2"] = {key: value for key, value in old.items() if key != "slice1"}
+    elif "summary" in old and "slice1" not in old:
+        kept["slice1"] = old
+    return kept
 
 
 def print_run(seed: int, model: str, result: dict, seconds: float) -> None:

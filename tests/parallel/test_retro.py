@@ -157,6 +157,65 @@ def test_the_neighbour_copy_through_the_fused_head_is_the_mixed_distribution():
     assert got[names.index("neighbour_copy.weight")].abs().min() > 0
 
 
+def test_the_pointer_through_the_fused_head_is_the_mixed_distribution():
+    """model.retrieval_pointer (with the copy, as the knowledge bench runs it): the training loss through the
+    fused head equals the log-probabilities generation samples from, built here by hand: each token's share s
+    of its pointer's attention over the neighbour tokens it sees, each placing its weight on that token's id;
+    the gradients of every parameter agree. A neighbour token after a copy of the token itself gets the follow
+    bonus. A fresh pointer mixes nothing; it is counted in the parameters."""
+    torch.manual_seed(0)
+    m = model(retrieval_copy=True, retrieval_pointer=True)
+    assert sum(p.numel() for p in m.parameters()) == m.args.num_params()
+    T = 16
+    tokens = torch.randint(0, 12, (2, T))
+    neighbours = torch.randint(0, 12, (2, T // C, K, 2 * C))
+    targets = torch.roll(tokens, -1, 1)
+    targets[1, 6] = -100
+    x = packed(tokens, neighbours)
+    pointer = m.neighbour_pointer
+    with torch.no_grad():
+        m.neighbour_copy.weight.copy_(torch.tensor([0.1, 0.2]))
+        copied = m(x)  # the pointer's share at 0: the copy's distribution
+        without = model(retrieval_copy=True)  # the same weights (seeded by name), no pointer
+        without.neighbour_copy.weight.copy_(torch.tensor([0.1, 0.2]))
+        torch.testing.assert_close(copied, without(x), rtol=0, atol=0)
+        pointer.weight.fill_(0.6)
+        pointer.follow.fill_(0.3)  # a bonus of 3 for the neighbour tokens after a copy of the token
+    logp = m(x)
+    hidden = {}
+    m.norm.register_forward_hook(lambda mod, args, out: hidden.update(h=out.detach()))
+    m(x)
+    memory = m.embed_retrieved(x)[2].detach()
+    want = copied.detach().clone()
+    d = ARGS["dim"] // ARGS["n_heads"]
+    with torch.no_grad():
+        for b in range(2):
+            for t in range(C - 1, T):
+                u = (t + 1) // C - 1
+                q, keys = pointer.wq(hidden["h"][b, t]), pointer.wk(memory[b, u])
+                before = torch.cat([torch.full((K, 1), -1), neighbours[b, u][:, :-1]], 1).flatten()
+                attention = torch.softmax(keys @ q / d**0.5 + 3.0 * (before == tokens[b, t]), -1)
+                share = 0.6 * torch.sigmoid(pointer.switch(hidden["h"][b, t]))
+                pointed = torch.zeros(64).index_add_(0, neighbours[b, u].flatten(), attention)
+                want[b, t] = ((1 - share) * copied[b, t].exp() + share * pointed).log()
+    torch.testing.assert_close(logp, want, rtol=0, atol=1e-5)
+    assert (logp - copied).abs().amax() > 0.01  # the pointer moves it
+    scored = targets != -100
+    reference = -logp.gather(-1, targets.clamp_min(0)[..., None])[..., 0][scored].sum()
+    grads = torch.autograd.grad(reference, list(m.parameters()), allow_unused=True)
+    fused = m(x, targets=targets)
+    torch.testing.assert_close(fused, reference, rtol=1e-6, atol=0)
+    got = torch.autograd.grad(fused, list(m.parameters()), allow_unused=True)
+    names = [n for n, _ in m.named_parameters()]
+    for name, g, w in zip(names, got, grads, strict=True):
+        if w is None or not w.any():
+            continue
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6, msg=name)
+    pointer_names = ("weight", "follow", "wq.weight", "wk.weight", "switch.weight")
+    for name in (f"neighbour_pointer.{p}" for p in pointer_names):
+        assert got[names.index(name)].abs().amax() > 0, name
+
+
 # ------------------------------------------------------------------------------------------- training
 
 import gzip  # noqa: E402
@@ -210,16 +269,13 @@ def job(data: Path, out: Path, name: str, *extra: str) -> list[str]:
             *RETRO, *extra]  # fmt: skip
 
 
-@pytest.mark.slow
-def test_a_retrieval_model_trains_resumes_bitwise_and_every_layout_equals_one_process(retro_data, tmp_path):
-    """One process, 6 steps with validation; resumed from its step-3 checkpoint it ends bitwise as the
-    uninterrupted run; FSDP 2, DDP 2 with full activation checkpointing, TP 2 (sequence parallel: the encoder and
-    the cross-attention split too) and FSDP 2 with selective checkpointing and compiled blocks equal one process
-    within test_parallel's tolerances, and so does TP 2 resuming the one-process run's step-3 checkpoint."""
+def trains_and_resumes_bitwise(data: Path, tmp_path: Path, *extra: str) -> dict:
+    """One process's run ("ref", 6 steps with validation), and its copy cut back to step 3 and resumed: checked
+    to end bitwise as the uninterrupted run. Returns ref's metrics."""
     from plait.api import train
     from plait.config import load_config
 
-    train(load_config(None, job(retro_data, tmp_path, "ref")))
+    train(load_config(None, job(data, tmp_path, "ref", *extra)))
     ref = read_metrics(tmp_path / "ref")
     assert len(ref["loss"]) == 6 and ref["loss"][6] < ref["loss"][1] and ref["val_loss"]
     cut = tmp_path / "cut"
@@ -232,9 +288,32 @@ def test_a_retrieval_model_trains_resumes_bitwise_and_every_layout_equals_one_pr
             if json.loads(line).get("step", 0) <= 3
         )
     )
-    train(load_config(None, job(retro_data, tmp_path, "cut")))
+    train(load_config(None, job(data, tmp_path, "cut", *extra)))
     resumed = read_metrics(cut)
     assert resumed["loss"] == ref["loss"] and resumed["val_loss"] == ref["val_loss"]  # bitwise
+    return ref
+
+
+def equal_one_process(ref: dict, layouts: dict[str, list[str]], results: list[dict]) -> None:
+    """Each layout's losses and gradient norms equal one process's within test_parallel's tolerances."""
+    for name, got in zip(layouts, results, strict=True):
+        assert "error" not in got, (name, got.get("error"))
+        resumed = "resuming" in name
+        assert sorted(got["loss"]) == ([4, 5, 6] if resumed else sorted(ref["loss"])), (name, got["loss"])
+        for step in got["loss"]:
+            loss = ref["loss"][step]
+            assert got["loss"][step] == pytest.approx(loss, rel=LOSS_RTOL), (name, step)
+            assert got["grad_norm"][step] == pytest.approx(ref["grad_norm"][step], rel=GRAD_NORM_RTOL), (name, step)
+
+
+@pytest.mark.slow
+def test_a_retrieval_model_trains_resumes_bitwise_and_every_layout_equals_one_process(retro_data, tmp_path):
+    """One process, 6 steps with validation; resumed from its step-3 checkpoint it ends bitwise as the
+    uninterrupted run; FSDP 2, DDP 2 with full activation checkpointing, TP 2 (sequence parallel: the encoder and
+    the cross-attention split too) and FSDP 2 with selective checkpointing and compiled blocks equal one process
+    within test_parallel's tolerances, and so does TP 2 resuming the one-process run's step-3 checkpoint."""
+
+    ref = trains_and_resumes_bitwise(retro_data, tmp_path)
     from plait.cli import main
 
     assert main(["eval", str(tmp_path / "ref"), "--seq-len", "32", "--batches", "2"]) == 0  # with its neighbours
@@ -257,15 +336,19 @@ def test_a_retrieval_model_trains_resumes_bitwise_and_every_layout_equals_one_pr
     layouts["TP 2, resuming one process's step 3"] = [  # the reference run's checkpoints, continued on purpose
         "parallel.tp_degree=2", f"checkpoint.dir={other}", "checkpoint.adopt=true",
     ]  # fmt: skip
-    results = run_layouts(2, [[*base, *extra] for extra in layouts.values()])
-    for name, got in zip(layouts, results, strict=True):
-        assert "error" not in got, (name, got.get("error"))
-        resumed = "resuming" in name
-        assert sorted(got["loss"]) == ([4, 5, 6] if resumed else sorted(ref["loss"])), (name, got["loss"])
-        for step in got["loss"]:
-            loss = ref["loss"][step]
-            assert got["loss"][step] == pytest.approx(loss, rel=LOSS_RTOL), (name, step)
-            assert got["grad_norm"][step] == pytest.approx(ref["grad_norm"][step], rel=GRAD_NORM_RTOL), (name, step)
+    equal_one_process(ref, layouts, run_layouts(2, [[*base, *extra] for extra in layouts.values()]))
+
+
+@pytest.mark.slow
+def test_the_pointer_trains_resumes_bitwise_and_fsdp_and_ddp_equal_one_process(retro_data, tmp_path):
+    """model.retrieval_pointer (with the copy): one process resumes bitwise from its step-3 checkpoint; FSDP 2
+    and DDP 2 equal one process within test_parallel's tolerances, the pointer's loss through each layout's
+    head. Tensor parallelism is refused (test_what_a_retrieval_model_cannot_take_is_refused)."""
+    pointer = "model.retrieval_pointer=true"
+    ref = trains_and_resumes_bitwise(retro_data, tmp_path, pointer)
+    base = [c for c in job(retro_data, tmp_path, "x", pointer) if not c.startswith("run.")]
+    layouts = {"FSDP 2": ["parallel.dp_shard_degree=2"], "DDP 2": ["parallel.dp_replicate_degree=2"]}
+    equal_one_process(ref, layouts, run_layouts(2, [[*base, *extra] for extra in layouts.values()]))
 
 
 @pytest.mark.parametrize(
@@ -280,6 +363,14 @@ def test_a_retrieval_model_trains_resumes_bitwise_and_every_layout_equals_one_pr
         (["data.seq_len=30"], "not a multiple of model.retrieval_chunk=8"),
         (["model.retrieval_layers=9"], "must name blocks 0 to"),
         (["model.retrieval_layers="], "model.retrieval_copy=true copies from the neighbours of a retrieval model"),
+        (
+            ["model.retrieval_layers=", "model.retrieval_copy=false", "model.retrieval_pointer=true"],
+            "model.retrieval_pointer=true copies from the neighbours of a retrieval model",
+        ),
+        (
+            ["model.retrieval_pointer=true", "parallel.tp_degree=2"],
+            "model.retrieval_pointer with parallel.tp_degree=2 is not supported yet",
+        ),
     ],
 )
 def test_what_a_retrieval_model_cannot_take_is_refused(extra, message):

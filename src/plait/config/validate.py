@@ -43,11 +43,12 @@ def _validate_retrieval(cfg: Config) -> None:
     plait.parallel.rules, tp_problem, cp_problem and pp_problem)."""
     m = cfg.model
     if not m.retrieval_layers.strip():
-        if m.retrieval_copy:
-            raise ConfigError(
-                "model.retrieval_copy=true copies from the neighbours of a retrieval model: set "
-                "model.retrieval_layers too (e.g. '1'), or model.retrieval_copy=false"
-            )
+        for name in ("retrieval_copy", "retrieval_pointer"):
+            if getattr(m, name):
+                raise ConfigError(
+                    f"model.{name}=true copies from the neighbours of a retrieval model: set "
+                    f"model.retrieval_layers too (e.g. '1'), or model.{name}=false"
+                )
         return
     try:
         ids = m.retrieval_ids

@@ -89,6 +89,10 @@ class ModelArgs:
     """RETRO: also mix each token's next-token probability with the neighbours' unigram and bigram caches, two
     learned shares from 0 (plait.model.retrieval.NeighbourCopy): a copy from the neighbours that needs no
     learning."""
+    retrieval_pointer: bool = False
+    """RETRO: also let each token point into its neighbours and copy the token it points at, a learned attention
+    of its own and a learned share per token from 0 (plait.model.retrieval.NeighbourPointer, a
+    pointer-generator): a copy by content that the loss teaches where an answer sits in a passage."""
 
     def neighbour_encoder_args(self) -> ModelArgs:
         """RETRO's neighbour encoder's blocks: this model's, dense, full attention, no cross-attention of their
@@ -147,6 +151,7 @@ class ModelArgs:
             cross = self.dim * q_dim * 2 + self.dim * kv_dim * 2 + self.dim + 1
             encoder = self.retrieval_encoder_layers * (attn + 2 * self.dim + 3 * self.dim * self.hidden_dim)
             total += len(self.retrieval_ids) * cross + encoder + self.dim + (2 if self.retrieval_copy else 0)
+            total += (2 * self.dim * self.head_dim + self.dim + 3) if self.retrieval_pointer else 0
         return total - (embed if exclude_embeddings else 0)
 
     def matmul_params(self) -> float:
@@ -192,7 +197,8 @@ class ModelArgs:
             q, kv, k = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.retrieval_k
             dense = self.dim * (2 * q + 2 * kv) + 3 * self.dim * self.hidden_dim
             cross = 2 * (2 * self.dim * q) + 2 * k * 2 * (2 * self.dim * kv)
-            return 2 * k * self.retrieval_encoder_layers * 2 * dense + len(self.retrieval_ids) * cross
+            pointer = (2 * self.dim * self.head_dim * (1 + 2 * k) + 2 * self.dim) if self.retrieval_pointer else 0
+            return 2 * k * self.retrieval_encoder_layers * 2 * dense + len(self.retrieval_ids) * cross + pointer
         q, kv, c, k = (
             self.n_heads * self.head_dim,
             self.n_kv_heads * self.head_dim,
@@ -202,7 +208,9 @@ class ModelArgs:
         dense = self.dim * (2 * q + 2 * kv) + 3 * self.dim * self.hidden_dim
         encoder = 2 * k * self.retrieval_encoder_layers * (2 * dense + 4 * q * 2 * c)
         cross = 2 * (2 * self.dim * q) + 2 * k * 2 * (2 * self.dim * kv) + 4 * q * k * 2 * c
-        return encoder + len(self.retrieval_ids) * cross
+        # model.retrieval_pointer: its query and switch per token, its keys per neighbour token, its scores
+        pointer = 2 * self.dim * self.head_dim * (1 + 2 * k) + 2 * self.dim + 2 * self.head_dim * k * 2 * c
+        return encoder + len(self.retrieval_ids) * cross + (pointer if self.retrieval_pointer else 0)
 
 
 def recompute_units_pay(dim, hidden_dim, tp):

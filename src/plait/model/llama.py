@@ -50,7 +50,13 @@ from plait.model.init import (
 from plait.model.mlp import FeedForward
 from plait.model.moe import MoE
 from plait.model.norm import RMSNorm, RMSNormFunction
-from plait.model.retrieval import ChunkedCrossAttention, NeighbourCopy, split_retrieved
+from plait.model.retrieval import (
+    ChunkedCrossAttention,
+    NeighbourCopy,
+    NeighbourPointer,
+    mixture_remainder,
+    split_retrieved,
+)
 from plait.model.rope import apply_rope, rope_tables
 
 __all__ = [  # the model's own names, and its parts' that callers import from here
@@ -150,6 +156,8 @@ class Transformer(nn.Module):
         self.retrieval_encoder: NeighbourEncoder | None = NeighbourEncoder(args) if args.retrieval_ids else None
         copies = args.retrieval_ids and args.retrieval_copy
         self.neighbour_copy: NeighbourCopy | None = NeighbourCopy(args) if copies else None
+        points = args.retrieval_ids and args.retrieval_pointer
+        self.neighbour_pointer: NeighbourPointer | None = NeighbourPointer(args) if points else None
         self.norm: RMSNorm | None = RMSNorm(args.dim, args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie_weights()
@@ -208,18 +216,38 @@ class Transformer(nn.Module):
         h = self.norm(h) if self.norm is not None else h
         if self.output is None:
             return h
-        copy = self.neighbour_copy if retrieved is not None else None
+        mixes = retrieved is not None and (self.neighbour_copy is not None or self.neighbour_pointer is not None)
         if targets is not None:
             if type(self.output).forward is not nn.Linear.forward:
                 raise TypeError(f"the fused head takes a plain nn.Linear output, not {type(self.output).__name__}")
-            if copy is None:
+            if not mixes:
                 return self.head_loss(h, self.output.weight, targets)
-            a, b = copy.mixture(tokens, neighbour_ids, targets)
+            a, b = self.copied(h, tokens, neighbour_ids, retrieved, targets)
             mixture = TokenMixture(a.detach(), b.detach())
             loss = self.head_loss(h, self.output.weight, targets, mixture=mixture)
-            return loss + copy.remainder(a, b, mixture, targets)
+            return loss + mixture_remainder(a, b, mixture, targets)
         logits = self.output(h)
-        return logits if copy is None else copy.log_probs(logits, tokens, neighbour_ids)
+        return self.copied_log_probs(logits, h, tokens, neighbour_ids, retrieved) if mixes else logits
+
+    def copied(self, h, tokens, neighbour_ids, retrieved, targets) -> tuple[torch.Tensor, torch.Tensor]:
+        """RETRO's copies (model.retrieval_copy, model.retrieval_pointer): each token's mixture (a, b) per token
+        (B, T), its loss -log(a p + b) with p the model's probability of the target (TokenMixture)."""
+        a, b = torch.ones_like(tokens, dtype=torch.float32), torch.zeros_like(tokens, dtype=torch.float32)
+        if self.neighbour_copy is not None:
+            a, b = self.neighbour_copy.mixture(tokens, neighbour_ids, targets)
+        if self.neighbour_pointer is not None:
+            a, b = self.neighbour_pointer.mix(a, b, h, retrieved, tokens, neighbour_ids, targets)
+        return a, b
+
+    def copied_log_probs(self, logits, h, tokens, neighbour_ids, retrieved) -> torch.Tensor:
+        """The copies' mixed distribution's log-probabilities (B, T, vocab): what generation samples from."""
+        if self.neighbour_copy is not None:
+            log_probs = self.neighbour_copy.log_probs(logits, tokens, neighbour_ids)
+        else:
+            log_probs = torch.log_softmax(logits.float(), -1)
+        if self.neighbour_pointer is not None:
+            log_probs = self.neighbour_pointer.log_probs(log_probs, h, retrieved, tokens, neighbour_ids)
+        return log_probs
 
     def embed_retrieved(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """RETRO: (the token ids (B, T), their embeddings, the encoded neighbours of each chunk (B, T / c, k 2c,
@@ -281,7 +309,16 @@ class Transformer(nn.Module):
             name = canonical_name(name)
             if name.endswith("norm.weight"):
                 rows = partial(_ones_rows, tuple(param.shape))
-            elif name.endswith((".bias", "cross.gate.weight", "neighbour_copy.weight")):
+            elif name.endswith(
+                (
+                    ".bias",
+                    "cross.gate.weight",
+                    "neighbour_copy.weight",
+                    "neighbour_pointer.weight",
+                    "pointer.follow",
+                    "pointer.prior",
+                )
+            ):
                 # RETRO's cross-attention starts shut and its copy at 0: the model starts as the one without
                 # retrieval
                 rows = partial(_zeros_rows, tuple(param.shape))

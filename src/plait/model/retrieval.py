@@ -101,6 +101,24 @@ class RetrievalGate(nn.Module):
         return torch.tanh(self.weight).to(x.dtype) * x
 
 
+def learned_share(weight: torch.Tensor, most: float) -> torch.Tensor:
+    """A copy's learned share (or shares) from its weight: clamped to [0, most], its gradient scaled by
+    COPY_GRAD_SCALE on its way back."""
+    w = weight.to_local() if hasattr(weight, "to_local") else weight  # replicated on every tensor-parallel rank
+    w = w * COPY_GRAD_SCALE + (w * (1 - COPY_GRAD_SCALE)).detach()  # its value, its gradient scaled
+    return w.float().clamp(0.0, most)
+
+
+def mixture_remainder(a, b, mixture, targets) -> torch.Tensor:
+    """What the head's weighted sum (TokenMixture) leaves of the mixed loss -log(a p + b): the sum over scored
+    tokens of -log(a p + b) - r loss, with the head's own losses and r; its gradient reaches a and b only (the
+    copies' shares and the pointer's attention)."""
+    losses, r = mixture.losses.view_as(a), mixture.shares.view_as(a)
+    model = torch.exp(-losses)
+    mixed = -torch.log((a * model + b).clamp_min(torch.finfo(torch.float32).tiny)) - r * losses
+    return torch.where(targets != IGNORE_INDEX, mixed, 0.0).sum()
+
+
 COPY_SHARE_MAX = 0.45
 """The most of a token's probability either copy may take (model.retrieval_copy): the model keeps at least 10%,
 so a target neither copy knows keeps a finite loss."""
@@ -133,10 +151,7 @@ class NeighbourCopy(nn.Module):
         self.weight = nn.Parameter(torch.zeros(2))  # w_u, w_b
 
     def shares(self) -> torch.Tensor:
-        w: torch.Tensor = self.weight
-        w = w.to_local() if hasattr(w, "to_local") else w  # replicated on every tensor-parallel rank
-        w = w * COPY_GRAD_SCALE + (w * (1 - COPY_GRAD_SCALE)).detach()  # its value, its gradient scaled
-        return w.float().clamp(0.0, COPY_SHARE_MAX)
+        return learned_share(self.weight, COPY_SHARE_MAX)
 
     def seen(self, tokens: torch.Tensor, neighbours: torch.Tensor):
         """Per token (B, T): (the neighbours it sees (B, T, k 2c), whether it sees any (B, T), which of their
@@ -159,14 +174,6 @@ class NeighbourCopy(nn.Module):
         wu, wb = w[0] * valid.float(), w[1] * (count > 0).float()
         return 1 - wu - wb, wu * unigram + wb * bigram
 
-    def remainder(self, a, b, mixture, targets) -> torch.Tensor:
-        """What the head's weighted sum (TokenMixture) leaves of the mixed loss: sum over scored tokens of
-        -log(a p + b) - r loss, with the head's own losses and r; its gradient reaches the shares only."""
-        losses, r = mixture.losses.view_as(a), mixture.shares.view_as(a)
-        model = torch.exp(-losses)
-        mixed = -torch.log((a * model + b).clamp_min(torch.finfo(torch.float32).tiny)) - r * losses
-        return torch.where(targets != IGNORE_INDEX, mixed, 0.0).sum()
-
     def log_probs(self, logits, tokens, neighbours) -> torch.Tensor:
         """The mixed distribution's log-probabilities (B, T, vocab) of the model's logits: what generation
         samples from and evaluation scores."""
@@ -181,3 +188,84 @@ class NeighbourCopy(nn.Module):
         wu, wb = (w[0] * valid.float())[..., None], (w[1] * (count > 0).float())
         probs = (1 - wu - wb) * logits.float().softmax(-1) + wu * unigram + wb * bigram
         return probs.log()
+
+
+POINTER_SHARE_MAX = 0.9
+"""The most of a token's probability the pointer may take (model.retrieval_pointer): what else predicts it (the
+model, and the caches of model.retrieval_copy) keeps at least 10%, so a target the pointer misses keeps a finite
+loss. Higher than COPY_SHARE_MAX: the pointer's share is decided per token, so where it points well it may take
+nearly all."""
+
+
+FOLLOW_SCALE = 10.0
+"""The pointer's follow bonus is this times its weight: a weight that Adam moves by about the learning rate a step
+moves the bonus by ten times that, so that within a short run it can grow to the few units of score that make
+the next token of a copied name the pointer's choice (at 0 it adds nothing)."""
+
+
+class NeighbourPointer(nn.Module):
+    """A learned copy from the neighbours (model.retrieval_pointer; the pointer-generator of See et al. 2017, over
+    RETRO's neighbours): token t scores each token j of the neighbours it sees (those of the last chunk that ends
+    at or before it, as the cross-attention) by q(h_t) . k(m_j) / sqrt(d), with h_t its final hidden state and m_j
+    the neighbours' encoder output, and mixes its next-token probability with the token it points at:
+
+        p(y) = (1 - s_t) p(y) + s_t sum_j softmax_j(q(h_t) . k(m_j) / sqrt(d) + f [n_(j-1) = x_t]) [n_j = y]
+
+    with s_t = w sigmoid(g . h_t + g_0) its share, w learned from 0 (at most POINTER_SHARE_MAX, through
+    learned_share): a retrieval model starts as the model without it. d is the model's head size. f
+    (FOLLOW_SCALE x a weight learned from 0) is a bonus for the neighbour tokens that follow a copy of the token
+    x_t itself: the way on through a name of several tokens once its first is copied (an induction match, given
+    as the bigram cache is). Its loss goes through the fused head as a TokenMixture, as NeighbourCopy's does."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.chunk, self.dim = args.retrieval_chunk, args.head_dim
+        self.wq = nn.Linear(args.dim, args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.head_dim, bias=False)
+        self.switch = nn.Linear(args.dim, 1)
+        self.weight = nn.Parameter(torch.zeros(1))
+        self.follow = nn.Parameter(torch.zeros(1))
+
+    def _grouped(self, x: torch.Tensor, value: float = 0) -> torch.Tensor:
+        """Per group row (B, T / c, c, ...) of per token (B, T, ...): row j of group u is token u c + c - 1 + j
+        (ChunkedCrossAttention's rows), the rows past the end `value`."""
+        c, (bsz, length) = self.chunk, x.shape[:2]
+        pad = [0, 0] * (x.dim() - 2) + [0, c - 1]
+        return F.pad(x[:, c - 1 :], pad, value=value).view(bsz, length // c, c, *x.shape[2:])
+
+    def point(self, h, memory, tokens, neighbours) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the attention (B, T / c, c, k 2c), the share (B, T / c, c)) of the tokens that see each chunk's
+        neighbours, in group rows (_grouped)."""
+        shifted = self._grouped(h)
+        scores = (self.wq(shifted) @ self.wk(memory).transpose(-1, -2)).float() / self.dim**0.5
+        before = F.pad(neighbours[..., :-1], (1, 0), value=-1).flatten(2)  # each neighbour token's predecessor
+        follows = before[:, :, None, :] == self._grouped(tokens, -2)[..., None]
+        attention = torch.softmax(scores + FOLLOW_SCALE * self.follow.float() * follows, -1)
+        share = learned_share(self.weight, POINTER_SHARE_MAX) * torch.sigmoid(self.switch(shifted).float())
+        return attention, share[..., 0]
+
+    def _to_tokens(self, grouped: torch.Tensor, length: int) -> torch.Tensor:
+        """Per token (B, T, ...) of per group row (B, T / c, c, ...): the first c - 1 tokens see no chunk (0)."""
+        c = self.chunk
+        flat = grouped.flatten(1, 2)
+        pad = [0, 0] * (flat.dim() - 2) + [c - 1, 0]
+        return F.pad(flat, pad)[:, :length]
+
+    def mix(self, a, b, h, memory, tokens, neighbours, targets) -> tuple[torch.Tensor, torch.Tensor]:
+        """The mixture (a, b) per token (B, T) of TokenMixture with the pointer added: (1 - s) a and (1 - s) b + s
+        x the attention on the target's copies (with their gradients)."""
+        length = targets.shape[1]
+        attention, share = self.point(h, memory, tokens, neighbours)
+        ids = neighbours.flatten(2)[:, :, None, :]  # (B, T / c, 1, k 2c)
+        pointed = (attention * (ids == self._grouped(targets, IGNORE_INDEX)[..., None])).sum(-1)
+        s, p = self._to_tokens(share, length), self._to_tokens(pointed, length)
+        return (1 - s) * a, (1 - s) * b + s * p
+
+    def log_probs(self, log_probs: torch.Tensor, h, memory, tokens, neighbours) -> torch.Tensor:
+        """The mixed distribution's log-probabilities (B, T, vocab) of the model's (those of the copy, if any)."""
+        attention, share = self.point(h, memory, tokens, neighbours)
+        ids = neighbours.flatten(2)[:, :, None, :].expand_as(attention)
+        vocab = log_probs.shape[-1]
+        pointed = torch.zeros(*attention.shape[:-1], vocab, device=h.device).scatter_add_(-1, ids, attention)
+        s = self._to_tokens(share, log_probs.shape[1])[..., None]
+        return ((1 - s) * log_probs.float().exp() + s * self._to_tokens(pointed, log_probs.shape[1])).log()
