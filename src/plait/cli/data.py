@@ -1,5 +1,5 @@
 """`plait data prepare INPUTS --out DIR`: tokenise a corpus into memory-mapped token shards; `plait data retrieve
-DIR --encoder MODEL`: its retrieval database."""
+DIR --encoder MODEL`: its retrieval database, or `--database OTHER`: its chunks' neighbours in another's."""
 
 from __future__ import annotations
 
@@ -42,11 +42,15 @@ def _parser() -> PlaitParser:
         "and each chunk's nearest neighbours (RETRO).",
     )
     r.add_argument("data", help="A prepared directory (plait data prepare): the database sits beside its shards.")
-    r.add_argument("--encoder", required=True,
+    r.add_argument("--encoder",
                    help="lexical (TF-IDF of the corpus's tokens, nothing to train), or a frozen model: plait "
                         "checkpoint / run or HF decoder directory.")  # fmt: skip
+    r.add_argument("--database", metavar="OTHER",
+                   help="Instead of a database of its own: find each chunk's neighbours in the database of another "
+                        "prepared directory OTHER (built first with --encoder), with OTHER's encoder and chunk "
+                        "size (RETRO: a database of other text than the training corpus).")  # fmt: skip
     r.add_argument("--dim", type=int, help="The lexical encoder's dimensions (default 512).")
-    r.add_argument("--chunk", type=int, default=64, help="Tokens per chunk (RETRO: 64).")
+    r.add_argument("--chunk", type=int, help="Tokens per chunk (default 64; RETRO: 64).")
     r.add_argument("--k", type=int, default=2, help="Neighbours per chunk.")
     r.add_argument("--batch", type=int, default=64, help="Chunks per encoder forward.")
     r.add_argument("--device", default="cpu")
@@ -106,13 +110,9 @@ def _retrieve(a) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
 
     from plait.core.progress import Progress as Lines
-    from plait.data.retrieval import RETRIEVAL_DIR, build_database, check_build_settings
-    from plait.lifecycle.retrieval import encoder_for
+    from plait.data.retrieval import RETRIEVAL_DIR
 
-    check_build_settings(a.chunk, a.k, a.batch, a.dim)  # before the encoder, which cuts the corpus into chunks
-    if a.encoder == "lexical" and a.device != "cpu":
-        raise ConfigError(f"--device={a.device} places a model encoder; the lexical one runs on the CPU (numpy)")
-    encode, described = encoder_for(a.encoder, a.data, a.chunk, a.device, a.dim)
+    build = _other_database(a) if a.database else _own_database(a)
     started = time.perf_counter()
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[rate]}"),
                TimeRemainingColumn()]  # fmt: skip
@@ -135,18 +135,54 @@ def _retrieve(a) -> int:
             rate = f"{done / max(time.perf_counter() - since, 1e-9):,.0f} chunks/s"
             bar.update(task, completed=done, rate=rate)
 
-        manifest = build_database(
-            a.data, encode, encoder=described, chunk=a.chunk, k=a.k, batch=a.batch, overwrite=a.overwrite,
-            progress=progress,
-        )  # fmt: skip
+        manifest = build(progress)
     seconds = time.perf_counter() - started
     chunks = sum(manifest["chunks"].values())
     from pathlib import Path
 
-    index_mb = (Path(a.data) / RETRIEVAL_DIR / "index.faiss").stat().st_size / 1e6
+    if a.database:
+        where = f"in the database of {manifest['database']['dir']}"
+    else:
+        where = f"index {(Path(a.data) / RETRIEVAL_DIR / 'index.faiss').stat().st_size / 1e6:.1f} MB"
     print(
-        f"wrote {Path(a.data) / RETRIEVAL_DIR}: {manifest['database_chunks']:,} database chunks of {a.chunk} tokens, "
-        f"{a.k} neighbours for each of {chunks:,} chunks (train and val) in {seconds:.1f} s ({chunks / seconds:,.0f} "
-        f"chunks/s), index {index_mb:.1f} MB"
+        f"wrote {Path(a.data) / RETRIEVAL_DIR}: {manifest['database_chunks']:,} database chunks of {manifest['chunk']} "
+        f"tokens, {a.k} neighbours for each of {chunks:,} chunks (train and val) in {seconds:.1f} s "
+        f"({chunks / seconds:,.0f} chunks/s), {where}"
     )
     return 0
+
+
+def _own_database(a):
+    """build(progress) -> manifest: the prepared directory's own database, with --encoder."""
+    from plait.data.retrieval import build_database, check_build_settings
+    from plait.lifecycle.retrieval import encoder_for
+
+    if not a.encoder:
+        raise ConfigError("plait data retrieve needs --encoder (lexical, or a model), or --database OTHER")
+    chunk = 64 if a.chunk is None else a.chunk
+    check_build_settings(chunk, a.k, a.batch, a.dim)  # before the encoder, which cuts the corpus into chunks
+    if a.encoder == "lexical" and a.device != "cpu":
+        raise ConfigError(f"--device={a.device} places a model encoder; the lexical one runs on the CPU (numpy)")
+    encode, described = encoder_for(a.encoder, a.data, chunk, a.device, a.dim)
+    return lambda progress: build_database(a.data, encode, encoder=described, chunk=chunk, k=a.k, batch=a.batch,
+                                           overwrite=a.overwrite, progress=progress)  # fmt: skip
+
+
+def _other_database(a):
+    """build(progress) -> manifest: neighbours found in another directory's database (--database), with its
+    encoder and chunk size."""
+    from plait.data.retrieval import check_build_settings, read_database
+    from plait.data.retrieval_build import find_in_database
+    from plait.lifecycle.retrieval import database_encoder
+
+    given = [name for name in ("encoder", "dim", "chunk") if getattr(a, name) is not None]
+    if given:
+        raise ConfigError(
+            f"--database {a.database} finds the neighbours with that database's own encoder and chunk size: drop "
+            f"--{given[0]}"
+        )
+    check_build_settings(1, a.k, a.batch)
+    db = read_database(a.database, follow=False)
+    encode = database_encoder(a.database, db, a.device)
+    return lambda progress: find_in_database(a.data, a.database, encode, k=a.k, batch=a.batch,
+                                             overwrite=a.overwrite, progress=progress)  # fmt: skip

@@ -51,6 +51,7 @@ from plait.data.retrieval_format import (
     database_record,
     describe_encoder,
     encoder_key,
+    index_dir,
     neighbours,
     read_database,
     rebuild_command,
@@ -80,6 +81,7 @@ __all__ = [  # the database's names, importable from here (its readers and build
     "database_record",
     "describe_encoder",
     "encoder_key",
+    "index_dir",
     "neighbours",
     "read_database",
     "rebuild_command",
@@ -98,15 +100,16 @@ class Retriever:
         except ImportError:
             raise ConfigError("retrieval needs faiss: pip install 'plait[retrieval]'") from None
         db = database_for(data_dir, chunk, k)
-        path = Path(data_dir) / RETRIEVAL_DIR / INDEX_FILE
+        home = index_dir(data_dir, db)  # another corpus's, where the neighbours were found in its database
+        path = Path(home) / RETRIEVAL_DIR / INDEX_FILE
         try:
             self.index = faiss.read_index(str(path))
         except RuntimeError as e:
             raise ConfigError(f"{path} cannot be read by faiss ({first_line(e)}): {REBUILD}") from None
         flat_ip = isinstance(self.index, faiss.IndexFlatIP) and self.index.metric_type == faiss.METRIC_INNER_PRODUCT
         check_index_fields(path, db, flat_ip, self.index.d, self.index.ntotal)
-        self.store, self.encode, self.chunk, self.k = TokenDataset(data_dir, "train"), encode, chunk, k
-        self.data_dir = Path(data_dir)
+        self.store, self.encode, self.chunk, self.k = TokenDataset(home, "train"), encode, chunk, k
+        self.data_dir = Path(home)  # where the passages are read from
 
     def __call__(self, chunks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         vectors = np.asarray(self.encode(np.asarray(chunks, dtype=np.int64)), dtype=np.float32)
@@ -135,7 +138,9 @@ class RetrievalDataset(TokenDataset):
         db = database_for(data_dir, chunk, k)
         self.chunk, self.k = chunk, k
         self.neighbours = neighbours(data_dir, split, db)[:, :k]
-        self.store = self if split == "train" else TokenDataset(data_dir, "train", remote_cache_mb)
+        home = index_dir(data_dir, db)  # another corpus's, where the neighbours were found in its database
+        own = split == "train" and "database" not in db
+        self.store = self if own else TokenDataset(home, "train", remote_cache_mb)
 
     def stride(self, seq_len: int) -> int:
         return seq_len + self.chunk

@@ -22,9 +22,11 @@ from plait.data.retrieval_format import (
     RETRIEVAL_DIR,
     Chunks,
     Encoder,
+    check_index,
     chunk_split,
     corpus_digest,
     load_array,
+    read_database,
 )
 
 JOURNAL = "progress.json"
@@ -95,6 +97,89 @@ def build_database(
         (stage / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
         journal.close()
     return manifest
+
+
+def find_in_database(
+    data_dir: str | Path,
+    source: str | Path,
+    encode: Encoder,
+    *,
+    k: int = 2,
+    batch: int = 64,
+    overwrite: bool = False,
+    progress: Callable[[str, int, int], None] = lambda stage, done, total: None,
+) -> dict[str, Any]:
+    """Neighbours for a prepared directory's chunks found in another's database (`plait data retrieve DIR
+    --database SOURCE`; RETRO's setting: a database of other text), with `encode`, SOURCE's own encoder, at its
+    chunk size: each chunk of DIR's splits gets SOURCE's k nearest chunks, none left out. DIR/retrieval holds
+    them and a manifest naming SOURCE (its place and corpus digest), whose index and train stream the readers
+    use (retrieval_format.index_dir). Journalled, staged, published whole as build_database; returns the manifest."""
+    try:
+        import faiss
+    except ImportError:
+        raise ConfigError("plait data retrieve needs faiss: pip install 'plait[retrieval]'") from None
+    data_dir, source = Path(data_dir), Path(source).resolve()
+    other, corpus = _source_database(data_dir, source)
+    chunk = other["chunk"]
+    check_build_settings(chunk, k, batch)
+    if k > other["database_chunks"]:
+        raise ConfigError(
+            f"--k={k} but the database of {source} holds {other['database_chunks']} chunks: a smaller --k"
+        )
+    splits = {split: chunk_split(data_dir, split, chunk) for split in ("train", "val")}
+    if len(splits["train"].tokens) < 2:
+        raise ConfigError(f"{data_dir}'s train split holds fewer than 2 chunks of {chunk} tokens: nothing to train on")
+    check_index(source, other)
+    index = faiss.read_index(str(source / RETRIEVAL_DIR / INDEX_FILE))
+    out, stage = data_dir / RETRIEVAL_DIR, data_dir / f"{RETRIEVAL_DIR}.partial"
+    exists = ConfigError(f"{out} exists; pass --overwrite to build it again")
+    if out.exists() and not overwrite:
+        raise exists
+    settings = dict(chunk=chunk, k=k, corpus=corpus_digest(corpus), encoder=other["encoder"],
+                    database={"dir": str(source), "corpus": other["corpus"]})  # fmt: skip
+    with staged_dir(out, overwrite=overwrite, exists_error=exists, stage=stage):
+        journal = _Journal.open(stage, settings)
+        for split, c in splits.items():
+            found = _embed(journal, f"{split}_embeddings", c.tokens, encode, batch, split, progress, index.d)
+
+            def search(rows: slice, found=found) -> np.ndarray:
+                return index.search(np.ascontiguousarray(found[rows]), k)[1].astype(np.int32)
+
+            _in_blocks(journal, f"{split}_neighbours", len(c.tokens), k, search, f"neighbours of {split}", progress)
+        manifest = {
+            "format": FORMAT,
+            **settings,
+            "corpus_tokenizer_sha256": corpus.get("tokenizer_sha256", ""),
+            "chunks": {split: len(c.tokens) for split, c in splits.items()},
+            "database_chunks": other["database_chunks"],
+            "index": other.get("index"),
+            "neighbour_tokens": 2 * chunk,
+            "excluded": "none: the neighbours are another corpus's chunks",
+        }
+        (stage / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        journal.close()
+    return manifest
+
+
+def _source_database(data_dir: Path, source: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the manifest of the database in `source`, data_dir's corpus manifest): refused where source has no
+    database of its own chunks, is data_dir itself, or was prepared with another tokenizer."""
+    other = read_database(source, follow=False)
+    if "database" in other:
+        raise ConfigError(
+            f"--database {source}: its own neighbours were found in {other['database']['dir']}; give the directory "
+            "whose database holds the chunks"
+        )
+    if source == data_dir.resolve():
+        raise ConfigError(f"--database names {data_dir} itself: build its own database with --encoder instead")
+    corpus = read_manifest(data_dir)
+    theirs, ours = other.get("corpus_tokenizer_sha256", ""), corpus.get("tokenizer_sha256", "")
+    if theirs and ours and theirs != ours:
+        raise ConfigError(
+            f"{data_dir} was prepared with tokenizer {ours[:12]}, the database of {source} with {theirs[:12]} "
+            f"(sha256 of tokenizer.json): prepare it with {source}/tokenizer.json (plait data prepare ... --tokenizer)"
+        )
+    return other, corpus
 
 
 def _find_neighbours(journal: _Journal, index, splits: dict[str, Chunks], embeddings, k: int, progress) -> None:

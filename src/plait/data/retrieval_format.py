@@ -67,9 +67,10 @@ def load_array(path: Path, fix: str) -> np.ndarray:
     return arr
 
 
-def read_database(data_dir: str | Path) -> dict[str, Any]:
+def read_database(data_dir: str | Path, *, follow: bool = True) -> dict[str, Any]:
     """A prepared directory's retrieval manifest, its fields checked (check_manifest) and checked against the
-    corpus it sits beside."""
+    corpus it sits beside; where its neighbours were found in another corpus's database, that database too
+    (unless not `follow`)."""
     data_dir = Path(data_dir)
     path = data_dir / RETRIEVAL_DIR / "manifest.json"
     if not path.is_file():
@@ -82,7 +83,38 @@ def read_database(data_dir: str | Path) -> dict[str, Any]:
         raise ConfigError(
             f"the retrieval database of {data_dir} was built from other data or another tokenizer: build it again"
         )
+    if "database" in manifest and follow:
+        _check_source(data_dir, manifest)
     return manifest
+
+
+def index_dir(data_dir: str | Path, db: dict[str, Any]) -> str | Path:
+    """The prepared directory whose index and train stream a database's neighbours are read from: its own, or,
+    for neighbours found in another corpus's database (`plait data retrieve DIR --database OTHER`), OTHER."""
+    return Path(db["database"]["dir"]) if "database" in db else data_dir
+
+
+def _check_source(data_dir: str | Path, manifest: dict[str, Any]) -> None:
+    """Neighbours found in another corpus's database hold that database's chunk numbers: refused once it is
+    gone, rebuilt or built over other text since (the numbers would name other chunks)."""
+    source = manifest["database"]["dir"]
+    fix = f"find them again: plait data retrieve {data_dir} --database {source} --overwrite"
+    try:
+        other = read_database(source, follow=False)
+    except ConfigError as e:
+        raise ConfigError(
+            f"{data_dir}'s neighbours were found in the database of {source}, which cannot be read now ({e}): {fix}"
+        ) from None
+    same = (other["corpus"], other["database_chunks"], other["chunk"], encoder_key(other["encoder"]))
+    if "database" in other or same != (
+        manifest["database"]["corpus"],
+        manifest["database_chunks"],
+        manifest["chunk"],
+        encoder_key(manifest["encoder"]),
+    ):
+        raise ConfigError(
+            f"the database of {source} has been built again since {data_dir}'s neighbours were found in it: {fix}"
+        )
 
 
 def check_manifest(manifest: dict[str, Any], path: Path | str) -> None:
@@ -94,7 +126,11 @@ def check_manifest(manifest: dict[str, Any], path: Path | str) -> None:
     train = chunks.integer("train", 2)
     chunks.integer("val", 0)
     stored = m.integer("database_chunks", 1)
-    if stored != train - 1:
+    if "database" in manifest:  # neighbours found in another corpus's database: its chunks
+        source = m.record("database")
+        source.string("dir", empty=False)
+        source.string("corpus")
+    elif stored != train - 1:
         raise m.error("database_chunks", stored, f"chunks.train - 1 = {train - 1} (the chunks with a continuation)")
     k = m.integer("k", 1)
     if k >= stored:
@@ -123,7 +159,7 @@ def database_for(data_dir: str | Path, chunk: int, k: int) -> dict[str, Any]:
             f"set model.retrieval_k <= {db['k']}, or build it again with "
             f"`{rebuild_command(data_dir, db['encoder'], chunk, k)}`"
         )
-    check_index(data_dir, db)
+    check_index(index_dir(data_dir, db), db)
     return db
 
 
@@ -251,7 +287,7 @@ def database_record(data_dir: str | Path) -> dict[str, Any]:
         manifest = json.loads(text)
     except (OSError, ValueError):
         return {"dir": str(Path(data_dir).resolve()), "present": False}
-    keep = ("format", "chunk", "k", "corpus", "encoder", "index", "database_chunks", "excluded")
+    keep = ("format", "chunk", "k", "corpus", "encoder", "index", "database_chunks", "excluded", "database")
     return {
         "dir": str((Path(data_dir) / RETRIEVAL_DIR).resolve()),
         "present": True,

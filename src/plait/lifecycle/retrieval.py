@@ -87,16 +87,15 @@ def encoder_for(ref: str, data_dir: str | Path, chunk: int, device: str = "cpu",
     return load_encoder(ref, read_manifest(data_dir), device)
 
 
-def database_retriever(data_dir: str | Path, model, device: str = "cpu"):
-    """A retrieval model's Retriever (plait.data.retrieval) of the database in a prepared directory, with the
-    encoder the database was built with (the one its manifest records; refused where that encoder has changed
-    since: its queries would not be the database's)."""
-    from plait.data.retrieval import Retriever, read_database, rebuild_command
+def database_encoder(data_dir: str | Path, db: dict[str, Any], device: str = "cpu"):
+    """The encoder a database was built with (the one its manifest `db` records), to embed queries as its chunks
+    were: refused where that encoder has changed since (its queries would not be the database's)."""
+    from plait.data.retrieval import index_dir, rebuild_command
 
-    db = read_database(data_dir)
     recorded = db["encoder"]
     lexical = recorded.get("kind") == "lexical"
-    encode, described = encoder_for(recorded["path"], data_dir, db["chunk"], device,
+    # the lexical encoder is fitted on the corpus whose database the neighbours are found in
+    encode, described = encoder_for(recorded["path"], index_dir(data_dir, db), db["chunk"], device,
                                     recorded["dim"] if lexical else None)  # fmt: skip
     if lexical and described["idf_sha256"] != recorded["idf_sha256"]:
         raise ConfigError(f"the lexical encoder of {data_dir} no longer matches its database: build it again")
@@ -107,6 +106,15 @@ def database_retriever(data_dir: str | Path, model, device: str = "cpu"):
             f"was built with weights {then[:12]}: build it again with "
             f"`{rebuild_command(data_dir, recorded, db['chunk'], db['k'])}`"
         )
+    return encode
+
+
+def database_retriever(data_dir: str | Path, model, device: str = "cpu"):
+    """A retrieval model's Retriever (plait.data.retrieval) of the database in a prepared directory, with the
+    encoder the database was built with (database_encoder)."""
+    from plait.data.retrieval import Retriever, read_database
+
+    encode = database_encoder(data_dir, read_database(data_dir), device)
     return Retriever(data_dir, encode, chunk=model.args.retrieval_chunk, k=model.args.retrieval_k)
 
 
