@@ -110,7 +110,7 @@ def _generate_retrieving(model: Transformer, prompt_ids, max_new_tokens: int, re
     found = np.zeros((len(rows), -(-total // c), k, 2 * c), dtype=np.int64)  # those of complete chunks, then 0
     retrieved = 0  # chunks whose neighbours are in `found`
     while length < total and not all(done):
-        if length // c > retrieved:  # a chunk is complete in every row (they grow together)
+        while length // c > retrieved:  # each complete chunk (a prompt may hold several; rows grow together)
             chunks = np.array([r[retrieved * c : (retrieved + 1) * c] for r in rows])
             ids, found[:, retrieved] = retrieve(chunks)
             for i, row_ids in enumerate(ids):
