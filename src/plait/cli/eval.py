@@ -1,8 +1,10 @@
-"""`plait eval MODEL [--suite suite.yaml] [--data DIR] [--json OUT]`: perplexity and a behavioural suite."""
+"""`plait eval MODEL [--suite suite.yaml] [--qa questions.jsonl] [--data DIR] [--json OUT]`: perplexity, a
+behavioural suite and questions' exact match."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Any, cast
@@ -14,7 +16,12 @@ from plait.core.errors import ConfigError, PlaitError
 EVAL_EPILOG = """suite format (YAML): a 'tests' list; each test has a name, a prompt (or 'prompts': paraphrases),
 optionally a 'text' to score, and 'expect': assertions among contains, not_contains, regex, not_regex, exact,
 max_length (characters), max_perplexity (of 'text'), equivalent (paraphrases agree). Greedy decoding unless
-'temperature' is set. Exit status: 0 all passed, 1 some failed, 2 usage error."""
+'temperature' is set.
+
+questions format (JSONL, --qa): one object per line with "prompt", the answer (--answer-field, default "answer")
+and optionally "split"; scored per split as greedy exact match and the answer tokens' loss.
+
+Exit status: 0 all passed, 1 some failed, 2 usage error."""
 
 
 def _parser() -> PlaitParser:
@@ -26,6 +33,24 @@ def _parser() -> PlaitParser:
     )
     parser.add_argument("model", help="Checkpoint / run / Hugging Face directory, adapter file or quantized dir.")
     parser.add_argument("--suite", help="A behavioural test suite (YAML).")
+    parser.add_argument(
+        "--qa",
+        metavar="FILE",
+        help="Questions (JSONL): per split, the rate at which greedy decoding starts with the answer and the answer "
+        "tokens' mean loss.",
+    )
+    parser.add_argument(
+        "--answer-field",
+        metavar="NAME",
+        help='--qa: the field holding the answer scored (default "answer"; e.g. "swapped_answer").',
+    )
+    parser.add_argument(
+        "--database",
+        metavar="DIR",
+        help="--qa with a retrieval model: the prepared directory whose database it retrieves from (or its "
+        "retrieval/ folder), any built with the model's encoder, tokenizer and chunk size (default: the one it "
+        "trained on).",
+    )
     parser.add_argument("--data", help="A prepared data directory for perplexity; default: the model's training data.")
     parser.add_argument("--split", default="val", help="Split to measure perplexity on.")
     parser.add_argument(
@@ -64,14 +89,16 @@ def cmd_eval(argv: list[str]) -> int:
     _check_args(a)
     from plait.cli.views_reports import print_report
     from plait.core.progress import phase
-    from plait.lifecycle.evaluate import Report, load_suite, write_json
+    from plait.lifecycle.evaluate import Report, load_suite
     from plait.lifecycle.models import describe, load_model
+    from plait.lifecycle.qa import read_questions
 
     if a.lm_eval:
         from plait.lifecycle.harness import _harness
 
         _harness()  # installed, before the model loads
-    suite = load_suite(a.suite) if a.suite else None  # check the suite before loading a model
+    suite = load_suite(a.suite) if a.suite else None  # check the suite and the questions before loading a model
+    questions = read_questions(a.qa, a.answer_field or "answer") if a.qa else None
     with phase(f"loading {a.model}"):
         loaded = load_model(a.model, device=a.device, base=a.base)
     console.print(describe(loaded), highlight=False)
@@ -84,10 +111,18 @@ def cmd_eval(argv: list[str]) -> int:
     if a.lm_eval:
         with phase(f"lm-eval {a.lm_eval}"):
             report.lm_eval = _lm_eval(a, loaded)
+    qa = _qa(a, loaded, questions) if questions else {}
     print_report(report, console)
+    for split, found in qa.items():
+        console.print(
+            f"qa {split}: exact match {found['exact_match']:.3f} ({found['correct']}/{found['n']}), answer loss "
+            f"{found['answer_loss']:.3f} nats/token",
+            highlight=False,
+        )
+    payload = {**report.to_dict(), **({"qa": qa} if qa else {})}
     if a.json:
-        write_json(report, a.json)
-    _record(a, loaded, report, suite, data_dir)
+        Path(a.json).write_text(json.dumps(payload, indent=2) + "\n")
+    _record(a, loaded, report, suite, data_dir, payload)
     return 1 if report.failed else 0
 
 
@@ -101,6 +136,10 @@ def _check_args(a) -> None:
     check_input("", a.model, "a checkpoint, run, Hugging Face directory or adapter file")
     check_input("--suite", a.suite, "a suite file (YAML)")
     check_input("--data", a.data, "a prepared data directory")
+    if (a.answer_field is not None or a.database) and not a.qa:
+        raise ConfigError("--answer-field and --database apply to --qa FILE: give the questions")
+    check_input("--qa", a.qa, "a questions file (JSONL, one object with prompt and answer per line)")
+    check_input("--database", a.database, "a prepared directory with a retrieval database (plait data retrieve)")
 
 
 def _perplexity(a, loaded, data_dir: Path) -> dict[str, float]:
@@ -139,7 +178,34 @@ def _run_suite(a, loaded, suite):
     return ran.results, ran.completions
 
 
-def _record(a, loaded, report, suite, data_dir: Path | None) -> None:
+def _qa(a, loaded, questions) -> dict[str, dict[str, Any]]:
+    """--qa: the questions scored (plait.lifecycle.qa), per split; a retrieval model reads --database or the
+    database it trained with, as `plait generate` does."""
+    from plait.core.progress import phase
+    from plait.data import eos_id, load_tokenizer
+    from plait.lifecycle.qa import qa_report, score_questions
+
+    if loaded.tokenizer is None:
+        raise PlaitError(f"{loaded.path} has no tokenizer.json; --qa needs one to encode its questions")
+    tok = load_tokenizer(loaded.tokenizer)
+    retrieve, eos = None, None
+    if loaded.model.args.retrieval_ids:
+        if loaded.kind != "checkpoint":
+            raise ConfigError(
+                f"{a.model} is a retrieval model loaded as {loaded.kind}: --qa finds its database through its "
+                "checkpoint; give its run or checkpoint directory"
+            )
+        from plait.lifecycle.retrieval import checkpoint_retriever
+
+        retrieve, eos = checkpoint_retriever(loaded.path, loaded.model, a.database or "", a.device), eos_id(tok)
+    elif a.database:
+        raise ConfigError(f"{a.model} retrieves nothing (no model.retrieval_layers): drop --database")
+    with phase(f"qa {a.qa} ({len(questions)} questions)"):
+        scores = score_questions(loaded.model, tok, eos, questions, retrieve)
+    return qa_report(questions, scores)
+
+
+def _record(a, loaded, report, suite, data_dir: Path | None, payload: dict[str, Any]) -> None:
     """The evaluation in the lineage registry that covers the model (or --registry), as a child of the model's
     artifact, with its numbers as metrics; nothing where there is no registry."""
     reg = open_registry_near(a.registry, loaded.path)
@@ -153,14 +219,16 @@ def _record(a, loaded, report, suite, data_dir: Path | None) -> None:
         metrics.update(perplexity=report.perplexity["perplexity"], loss=report.perplexity["loss"])
     for task, values in report.lm_eval.items():
         metrics.update({f"{task}/{k}": v for k, v in values.items() if isinstance(v, (int, float))})
+    for split, found in payload.get("qa", {}).items():
+        metrics.update({f"qa/{split}/{key}": found[key] for key in ("exact_match", "answer_loss")})
     reg.record(
         "eval",
         name=suite.name if suite else "perplexity",
         parent=target.id,
         weights_hash=None,
         metrics=metrics,
-        extra={"suite": a.suite, "json": a.json, "data": str(data_dir) if data_dir else None},
-        events=[(None, "eval", report.to_dict())],
+        extra={"suite": a.suite, "qa": a.qa, "json": a.json, "data": str(data_dir) if data_dir else None},
+        events=[(None, "eval", payload)],
     )
 
 
