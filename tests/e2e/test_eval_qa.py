@@ -137,6 +137,22 @@ def test_a_retrieval_models_prompt_ends_on_a_chunk_and_it_answers_as_it_generate
     assert scored(runs["retro"], path, tmp_path / "own.json") == given  # without --database: the one it trained on
 
 
+def test_the_scoring_api_refuses_a_model_and_retriever_that_do_not_go_together(runs):
+    from plait.core.errors import ConfigError
+    from plait.engine.generate import load_for_generation
+    from plait.lifecycle.qa import Question, score_questions
+
+    questions = [Question("Q: Who? A:", " Ada", "", 1, "q.jsonl")]
+    plain, tok, eos = load_for_generation(runs["plain"], "cpu")
+    retro = load_for_generation(runs["retro"], "cpu")[0]
+    for model, retrieve, pad_to, words in ((plain, len, 0, "retrieves nothing"), (retro, None, 0, "pass retrieve"),
+                                           (retro, len, 4, "pad_to=4")):  # fmt: skip
+        with pytest.raises(ConfigError, match=words):
+            score_questions(model, tok, eos, questions, retrieve, pad_to=pad_to)
+    padded = score_questions(plain, tok, eos, questions, pad_to=8)  # the bench's plain model: padded as retro's
+    assert len(padded) == 1 and padded[0] != score_questions(plain, tok, eos, questions)[0]
+
+
 # --------------------------------------------------------------------------------------- malformed questions
 def _lines(*rows) -> bytes:
     return b"".join((r if isinstance(r, bytes) else json.dumps(r).encode()) + b"\n" for r in rows)

@@ -113,10 +113,10 @@ def _json_type(value: Any) -> str:
 
 
 def encode_questions(tok, questions: list[Question], eos: int | None, chunk: int, max_seq_len: int):
-    """Per question (prompt ids, answer ids): for a retrieval model (chunk > 0) the prompt left-padded with
-    `eos` to a whole number of chunks, so that its last chunk ends at its last token (the module docstring says
-    why), and the answer refused unless shorter than a chunk; refused too where the forward would be longer than
-    `max_seq_len` (prompt + answer, right-padded to whole chunks for a retrieval model)."""
+    """Per question (prompt ids, answer ids): where `chunk` (a retrieval model's chunk size) the prompt
+    left-padded with `eos` to a whole number of chunks, so that its last chunk ends at its last token (the module
+    docstring says why), and the answer refused unless shorter than a chunk; refused too where the forward would
+    be longer than `max_seq_len` (prompt + answer, right-padded to whole chunks where `chunk`)."""
     rows = []
     for q in questions:
         prompt = tok.encode(q.prompt).ids
@@ -143,14 +143,22 @@ def encode_questions(tok, questions: list[Question], eos: int | None, chunk: int
     return rows
 
 
-def score_questions(model, tok, eos: int | None, questions: list[Question], retrieve=None, batch: int = 64):
+def score_questions(
+    model, tok, eos: int | None, questions: list[Question], retrieve=None, batch: int = 64, pad_to: int = 0
+):
     """Per question (the answer tokens' mean loss in nats, greedy exact match), by one teacher-forced forward
     of prompt + answer in batches of `batch`; a retrieval model (model.args.retrieval_ids) needs `retrieve`
-    (plait.data.retrieval.Retriever: the prompt's complete chunks' neighbours) and `eos` (its padding)."""
+    (plait.data.retrieval.Retriever: the prompt's complete chunks' neighbours) and `eos` (its padding).
+    `pad_to` pads a plain model's prompts as a retrieval model's of that chunk size (bench/knowledge.py compares
+    the two on the same text); a retrieval model's are padded to its own chunk."""
     args = model.args
-    chunk = args.retrieval_chunk if args.retrieval_ids else 0
-    if chunk and retrieve is None:
+    if args.retrieval_ids and retrieve is None:
         raise ConfigError("a retrieval model answers with neighbours from a database: pass retrieve=Retriever(...)")
+    if not args.retrieval_ids and retrieve is not None:
+        raise ConfigError("this model retrieves nothing (no model.retrieval_layers): pass retrieve=None")
+    if args.retrieval_ids and pad_to not in (0, args.retrieval_chunk):
+        raise ConfigError(f"pad_to={pad_to}: a retrieval model's prompts end on its chunks of {args.retrieval_chunk}")
+    chunk = args.retrieval_chunk if args.retrieval_ids else pad_to
     rows = encode_questions(tok, questions, eos, chunk, args.max_seq_len)
     out: list[tuple[float, bool]] = []
     for start in range(0, len(rows), batch):
@@ -160,7 +168,8 @@ def score_questions(model, tok, eos: int | None, questions: list[Question], retr
 
 def _score_batch(model, part, retrieve, chunk: int) -> list[tuple[float, bool]]:
     """One forward of a batch of (prompt, answer) rows, each right-padded (with 0: after its answer, nothing
-    it is scored on reads it) to the batch's width."""
+    it is scored on reads it) to the batch's width (whole chunks where `chunk`), with its prompt's chunks'
+    neighbours where `retrieve`."""
     import numpy as np
     import torch
 
@@ -171,7 +180,7 @@ def _score_batch(model, part, retrieve, chunk: int) -> list[tuple[float, bool]]:
     for i, (prompt, answer) in enumerate(part):
         tokens[i, : len(prompt) + len(answer)] = torch.tensor(prompt + answer)
     inputs = tokens
-    if chunk:  # each row's complete chunks are its prompt's; the answer's chunk and the padding get none
+    if retrieve is not None:  # each row's complete chunks are its prompt's; the answer's chunk and padding get none
         found = np.zeros((len(part), width // chunk, model.args.retrieval_k, 2 * chunk), dtype=np.int64)
         complete = [len(prompt) // chunk for prompt, _ in part]  # the whole prompt: padded to whole chunks
         chunks = np.concatenate([np.array(prompt).reshape(-1, chunk) for prompt, _ in part])  # (sum complete, c)
