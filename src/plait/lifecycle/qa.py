@@ -61,7 +61,7 @@ def read_questions(path: str | Path, answer_field: str = "answer", limit: int = 
         raise QAError(f"questions file {path} is {size / 2**20:.1f} MiB, over the {MAX_BYTES >> 20} MiB read: split it")
     raw = path.read_bytes()
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8-sig")  # strict; a leading byte-order mark (some editors write one) is dropped
     except UnicodeDecodeError as e:
         bad = raw[: e.start].count(b"\n") + 1
         raise QAError(f"{path}:{bad} is not UTF-8 (byte {e.start}): save the file as UTF-8") from None
