@@ -12,6 +12,10 @@ trains on one part, the other (--database-share of them) exists only in the retr
     train.jsonl              {"text"}: the trained people's biographies, every training phrasing
     database.jsonl           {"text"}: everyone's biographies (a retrieval database holds all people)
     database_swapped.jsonl   the same documents with each person's four facts changed to other values of the pools
+    train_questions.jsonl    with --qa-every N: {"text"}: every N-th person's (of each split, by name) questions with
+                             their answers, a document per person, for training; their questions' splits become
+                             qa (trained people) and read (database-only people: answering them in training needs
+                             the database, which is what teaches a retrieval model to read it)
     questions.jsonl          {"person", "split", "attribute", "prompt", "answer", "swapped_answer"}: one question
                              per person and fact, in a held-out phrasing (a template no document uses), the prompt
                              ending where the answer begins ("Q: Where was Ilvana Dorsk born? A:", " Kestrelford")
@@ -182,12 +186,29 @@ def questions(persons: list[Person]) -> list[dict]:
     ]
 
 
-def generate(people: int, database_share: float, phrasings: int, seed: int) -> dict[str, str]:
+def asked_in_training(persons: list[Person], every: int) -> set[str]:
+    """The people whose questions are trained on (--qa-every N): every N-th of each split, by name."""
+    if every < 1:
+        return set()
+    return {p.name for split in ("trained", "database_only") for p in [q for q in persons if q.split == split][::every]}
+
+
+def qa_documents(persons: list[Person], asked: set[str]) -> list[str]:
+    """One training document per asked person: their four questions with the answers, a line each, in the
+    held-out phrasing (the form the test asks in)."""
+    by_person: dict[str, list[dict]] = {}
+    for q in questions([p for p in persons if p.name in asked]):
+        by_person.setdefault(q["person"], []).append(q)
+    return ["\n".join(q["prompt"] + q["answer"] for q in qs) for _, qs in sorted(by_person.items())]
+
+
+def generate(people: int, database_share: float, phrasings: int, seed: int, qa_every: int = 0) -> dict[str, str]:
     """The benchmark's files: name -> text."""
     rng = random.Random(seed)
     pools = build_pools(rng)
     persons = build_people(rng, people, database_share, phrasings, pools)
     trained = [p for p in persons if p.split == "trained"]
+    asked = asked_in_training(persons, qa_every)
     meta = {
         "seed": seed,
         "people": people,
@@ -206,13 +227,22 @@ def generate(people: int, database_share: float, phrasings: int, seed: int) -> d
         },
         "pools": {a: len(pools[a]) for a in ATTRIBUTES},
     }
-    return {
+    files = {
         "train.jsonl": _jsonl({"text": d} for d in documents(trained)),
         "database.jsonl": _jsonl({"text": d} for d in documents(persons)),
         "database_swapped.jsonl": _jsonl({"text": d} for d in documents(persons, swapped=True)),
         "questions.jsonl": _jsonl(questions(persons)),
-        "meta.json": json.dumps(meta, indent=2) + "\n",
     }
+    if asked:  # their splits renamed: qa (trained people) and read (database-only people)
+        meta["qa_every"], meta["counts"]["asked_in_training"] = qa_every, len(asked)
+        rows = questions(persons)
+        for q in rows:
+            if q["person"] in asked:
+                q["split"] = "qa" if q["split"] == "trained" else "read"
+        files["questions.jsonl"] = _jsonl(rows)
+        files["train_questions.jsonl"] = _jsonl({"text": d} for d in qa_documents(persons, asked))
+    files["meta.json"] = json.dumps(meta, indent=2) + "\n"
+    return files
 
 
 def _jsonl(records) -> str:
@@ -226,6 +256,8 @@ def _check(a: argparse.Namespace) -> str | None:
         return f"--people must be at least 1, got {a.people}"
     if not 0.0 <= a.database_share <= 1.0:
         return f"--database-share must be in [0, 1], got {a.database_share}"
+    if a.qa_every < 0:
+        return f"--qa-every must be 0 (none) or a positive integer, got {a.qa_every}"
     if not 1 <= a.phrasings <= most:
         return f"--phrasings must be in 1..{most} (the training templates per fact), got {a.phrasings}"
     out = Path(a.out)
@@ -243,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--database-share", type=float, default=0.5, help="share of the people only in the database")
     p.add_argument("--phrasings", type=int, default=4, help="training templates per fact (biographies per person)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--qa-every", type=int, default=0,
+                   help="every N-th person of each split (by name) also has a training document of their questions "
+                        "and answers (train_questions.jsonl); their splits become qa and read")  # fmt: skip
     p.add_argument("--overwrite", action="store_true", help="write into a non-empty --out")
     a = p.parse_args(argv)
     error = _check(a)
@@ -251,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    files = generate(a.people, a.database_share, a.phrasings, a.seed)
+    files = generate(a.people, a.database_share, a.phrasings, a.seed, a.qa_every)
     for name, text in files.items():
         (out / name).write_text(text, encoding="utf-8", newline="\n")
     counts = json.loads(files["meta.json"])["counts"]

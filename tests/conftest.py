@@ -35,7 +35,8 @@ def pytest_addoption(parser):
 
 # The multi-process runs CI keeps from those marked `slow`: the parity of every layout against one process at
 # 2 and 4 ranks, MoE at 2 (expert parallelism under FSDP, TP and PP), the retrieval family, compile, a model of
-# your own under FSDP2, Muon's layouts, MoE and checkpoints, and a lost replica group healing. The other slow runs
+# your own under FSDP2, Muon's layouts, MoE and checkpoints, a lost replica group healing, and the README's knowledge
+# walk-through (a retrieval model trained 600 steps, about 3 minutes). The other slow runs
 # (faults, restarts, launchers, S3, resharding, 8 ranks) run with --full: on CI's two cores the whole suite passed
 # 90 minutes.
 CI_SLOW = (
@@ -51,6 +52,7 @@ CI_SLOW = (
     "tests/parallel/test_muon.py::test_a_mixture_of_experts_takes_the_one_process_muon_step_under_expert_parallelism",
     "tests/parallel/test_muon.py::test_muon_state_resumes_bitwise_reshards_and_another_optimizer_is_refused",
     "tests/parallel/test_replicas.py::test_a_lost_group_drops_out_heals_from_a_peer_and_the_run_equals_one_process",
+    "tests/e2e/test_knowledge_walkthrough.py::test_the_knowledge_walkthrough_answers_from_the_database_and_follows_the_swap",
 )
 
 

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from test_knowledge_walkthrough import walkthrough
+
 ROOT = Path(__file__).resolve().parents[2]
 CAP = ["--train.steps=2", "--eval.every_steps=2", "--eval.num_batches=1", "--sample.max_new_tokens=8"]
 
@@ -101,6 +103,11 @@ SKIPPED = {  # README line -> why it is not run here
     "plait eval runs/smollm2-lora --suite suite.yaml --json eval.json": "the SmolLM2 example's own steps",
     "plait lineage show runs/smollm2-lora": "the SmolLM2 example's own steps",
     "torchrun --nproc-per-node 2 examples/custom_model.py": "run by tests/parallel/test_api.py (FSDP 2 vs one process)",
+    **{
+        line: "the knowledge walk-through: tests/e2e/test_knowledge_walkthrough.py runs its block verbatim"
+        for line in walkthrough()
+        if line.startswith("plait ")
+    },  # fmt: skip
 }
 
 

@@ -116,6 +116,7 @@ def test_a_non_empty_out_is_refused_and_left_as_it_was(tmp_path, capsys):
         (["--database-share", "-0.1"], "--database-share"),
         (["--phrasings", "0"], "--phrasings"),
         (["--phrasings", "7"], "--phrasings"),
+        (["--qa-every", "-1"], "--qa-every"),
     ],
 )
 def test_bad_arguments_are_refused_in_one_line(tmp_path, capsys, bad, named):
@@ -123,3 +124,26 @@ def test_bad_arguments_are_refused_in_one_line(tmp_path, capsys, bad, named):
     assert facts.main(["--out", str(out), *ARGS, *bad]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and named in err and not out.exists()
+
+
+def test_questions_asked_in_training_are_every_other_persons_of_each_split(tmp_path):
+    """--qa-every 2: every other person of each split (by name) has a training document of their four questions
+    with the answers, in the form the test asks in; their splits become qa and read; nothing else changes."""
+    plain, asked = tmp_path / "plain", tmp_path / "asked"
+    _generate(plain), _generate(asked, "--qa-every", "2")
+    rows = [json.loads(line) for line in (asked / "questions.jsonl").read_text().splitlines()]
+    before = [json.loads(line) for line in (plain / "questions.jsonl").read_text().splitlines()]
+    renamed = {"trained": "qa", "database_only": "read"}
+    for split, new in renamed.items():
+        people = sorted({q["person"] for q in before if q["split"] == split})
+        assert {q["person"] for q in rows if q["split"] == new} == set(people[::2])
+    assert [dict(q, split=b["split"]) for q, b in zip(rows, before, strict=True)] == before
+    docs = [json.loads(line)["text"] for line in (asked / "train_questions.jsonl").read_text().splitlines()]
+    want = {}
+    for q in rows:
+        if q["split"] in renamed.values():
+            want.setdefault(q["person"], []).append(q["prompt"] + q["answer"])
+    assert sorted(docs) == sorted("\n".join(lines) for lines in want.values())
+    for name in ("train.jsonl", "database.jsonl", "database_swapped.jsonl"):
+        assert (asked / name).read_bytes() == (plain / name).read_bytes()
+    assert not (plain / "train_questions.jsonl").exists()
