@@ -30,7 +30,6 @@ paraphrase's completion. The same suite runs as a training monitor (``eval.suite
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import asdict, dataclass, field
@@ -361,7 +360,3 @@ def perplexity(
     model.train(was_training)
     loss = total / max(1, count)
     return {"loss": loss, "perplexity": math.exp(loss), "tokens": count}
-
-
-def write_json(report: Report, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(report.to_dict(), indent=2) + "\n")
