@@ -37,7 +37,8 @@ Files:
   fact changed. Both prepared with the training directory's tokenizer, a held-out split of 0.2% (HELD_OUT),
   and the lexical encoder, each fitted on its own corpus as `plait data retrieve` does.
 
-The scoring: each question's prompt is left-padded with end-of-document tokens to a whole number of chunks, so
+The scoring (plait.lifecycle.qa, as `plait eval --qa` scores): each question's prompt is left-padded with
+end-of-document tokens to a whole number of chunks, so
 that the chunk which ends at the prompt's last token is the question and names the person: generation retrieves
 a chunk's neighbours once it is complete, and they serve the tokens after it, so the answer sees the
 neighbours of the question (plait.data.retrieval.Retriever with the database's own encoder, as `plait generate
@@ -231,51 +232,22 @@ def gates_start_at(value: float | None):
         Transformer.init_weights = original  # type: ignore[method-assign]
 
 
-def encode_questions(tok, questions: list[dict], chunk: int, eos: int):
-    """Per question: (prompt ids left-padded with eos to whole chunks, answer ids, swapped answer ids)."""
-    rows = []
-    for q in questions:
-        prompt = tok.encode(q["prompt"]).ids
-        pad = -len(prompt) % chunk
-        answers = [tok.encode(q[key]).ids for key in ("answer", "swapped_answer")]
-        if max(map(len, answers)) >= chunk:
-            raise SystemExit(f"an answer of {max(map(len, answers))} tokens is not shorter than the chunk {chunk}")
-        rows.append(([eos] * pad + prompt, *answers))
-    return rows
+def encode_questions(questions: list[dict], key: str) -> list:
+    """The facts' questions as plait.lifecycle.qa's Questions (each with the split the bench gave it), answered
+    by `key`: "answer" (the fact) or "swapped_answer" (the swapped database's)."""
+    from plait.lifecycle.qa import Question
+
+    return [Question(q["prompt"], q[key], q["split"], i + 1, "questions.jsonl") for i, q in enumerate(questions)]
 
 
-def answer_scores(model, rows, answer: int, retrieve, chunk: int, batch: int = 64):
-    """Per question (answer tokens' mean loss, greedy exact match) of answer 1 (the fact) or 2 (the swapped
-    fact), teacher-forced: one forward of prompt + answer with the prompt's chunks' neighbours."""
-    import numpy as np
-    import torch
+def answer_scores(model, tok, eos: int, questions: list, retrieve, chunk: int) -> list[tuple[float, bool]]:
+    """Per question (answer tokens' mean loss, greedy exact match) by plait.lifecycle.qa.score_questions, the
+    method of `plait eval --qa`: teacher-forced, one forward of prompt + answer with the neighbours of the
+    prompt's chunks; every model's prompts left-padded to whole chunks, the plain model's too (the same text, no
+    neighbours). An answer of a chunk or more is refused naming its question."""
+    from plait.lifecycle.qa import score_questions
 
-    out = []
-    for start in range(0, len(rows), batch):
-        part = rows[start : start + batch]
-        width = max(len(r[0]) + len(r[answer]) for r in part)
-        width = -(-width // chunk) * chunk
-        tokens = torch.zeros(len(part), width, dtype=torch.long)
-        for i, r in enumerate(part):  # each row's prompt ends at its own chunk boundary: scored row by row below
-            seq = r[0] + r[answer]
-            tokens[i, : len(seq)] = torch.tensor(seq)
-        inputs = tokens
-        if retrieve is not None:
-            k = model.args.retrieval_k
-            found = np.zeros((len(part), width // chunk, k, 2 * chunk), dtype=np.int64)
-            for i, r in enumerate(part):
-                complete = len(r[0]) // chunk  # the prompt's chunks; the answer's chunk is never complete
-                chunks = np.array(r[0][: complete * chunk]).reshape(complete, chunk)
-                found[i, :complete] = retrieve(chunks)[1]
-            inputs = torch.cat([tokens, torch.from_numpy(found).reshape(len(part), -1)], 1)
-        with torch.no_grad():
-            logp = torch.log_softmax(model(inputs).float(), -1)
-        for i, r in enumerate(part):
-            p, ans = len(r[0]), torch.tensor(r[answer])
-            scores = logp[i, p - 1 : p - 1 + len(ans)]
-            loss = float(-scores.gather(1, ans[:, None]).mean())
-            out.append((loss, bool((scores.argmax(-1) == ans).all())))
-    return out
+    return score_questions(model, tok, eos, questions, retrieve, pad_to=0 if retrieve is not None else chunk)
 
 
 def gates(model) -> dict:
@@ -300,13 +272,13 @@ def score_run(run_dir: Path, dirs: dict[str, Path], questions: list[dict], chunk
     from plait.lifecycle.retrieval import checkpoint_retriever
 
     model, tok, eos = load_for_generation(run_dir, device="cpu")
-    rows = encode_questions(tok, questions, chunk, eos)
+    facts_asked, swapped_asked = encode_questions(questions, "answer"), encode_questions(questions, "swapped_answer")
     retrieval = bool(model.args.retrieval_ids)
     result: dict = gates(model) if retrieval else {}
     for db in ("database", "swapped") if retrieval else ("database",):
         retrieve = checkpoint_retriever(run_dir, model, data=dirs[db]) if retrieval else None
-        old = answer_scores(model, rows, 1, retrieve, chunk)
-        new = answer_scores(model, rows, 2, retrieve, chunk)
+        old = answer_scores(model, tok, eos, facts_asked, retrieve, chunk)
+        new = answer_scores(model, tok, eos, swapped_asked, retrieve, chunk)
         for split in SPLITS:
             idx = [i for i, q in enumerate(questions) if q["split"] == split]
             result.setdefault(db, {})[split] = {
