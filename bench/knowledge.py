@@ -350,7 +350,7 @@ def plot(summary: dict, path: Path) -> None:
         if "swapped" in summary[m]:
             bars += [(m, "swapped", "exact_new", f"{m}, swapped db: new fact"),
                      (m, "swapped", "exact_old", f"{m}, swapped db: old fact")]  # fmt: skip
-    fig, ax = plt.subplots(figsize=(12, 4.5))
+    fig, ax = plt.subplots(figsize=(14, 4.5))
     width = 0.85 / len(bars)
     for j, (model, db, key, label) in enumerate(bars):
         vals = [summary[model][db][s][key] for s in SPLITS]
@@ -360,7 +360,7 @@ def plot(summary: dict, path: Path) -> None:
                   ["trained, QA trained", "trained", "database, QA trained (read)", "database only"])  # fmt: skip
     ax.set_ylabel("greedy exact match")
     ax.set_title("Facts of fictional people: answers with and without retrieval (mean, sd over seeds)")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
