@@ -111,6 +111,24 @@ def test_the_shapes_parameters_and_flops_are_counted():
     assert m.layers["0"].cross is None and m.layers["1"].cross is not None
 
 
+def fused_head_matches(m, x, targets, logp) -> dict[str, torch.Tensor]:
+    """The training loss through the fused head equals the summed -log-probability of the targets under `logp`
+    (the forward's mixed distribution), and every parameter's gradient equals that reference's. Returns the fused
+    loss's gradients by parameter name."""
+    scored = targets != -100
+    reference = -logp.gather(-1, targets.clamp_min(0)[..., None])[..., 0][scored].sum()
+    grads = torch.autograd.grad(reference, list(m.parameters()), allow_unused=True)
+    fused = m(x, targets=targets)
+    torch.testing.assert_close(fused, reference, rtol=1e-6, atol=0)
+    got = torch.autograd.grad(fused, list(m.parameters()), allow_unused=True)
+    names = [n for n, _ in m.named_parameters()]
+    for name, g, w in zip(names, got, grads, strict=True):
+        if w is None or not w.any():
+            continue
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6, msg=name)
+    return {name: g for name, g in zip(names, got, strict=True) if g is not None}
+
+
 def test_the_neighbour_copy_through_the_fused_head_is_the_mixed_distribution():
     """model.retrieval_copy: the training loss through the fused head (a TokenMixture, no (B, T, vocab)
     logits) equals the mixed distribution's log-probabilities that generation samples from (the model's
@@ -143,18 +161,8 @@ def test_the_neighbour_copy_through_the_fused_head_is_the_mixed_distribution():
                 p = (1 - 0.15 - wb) * p + 0.15 * uni + wb * bi
             want[b, t] = p.log()
     torch.testing.assert_close(logp, want, rtol=0, atol=1e-5)
-    scored = targets != -100
-    reference = -logp.gather(-1, targets.clamp_min(0)[..., None])[..., 0][scored].sum()
-    grads = torch.autograd.grad(reference, list(m.parameters()), allow_unused=True)
-    fused = m(x, targets=targets)
-    torch.testing.assert_close(fused, reference, rtol=1e-6, atol=0)
-    got = torch.autograd.grad(fused, list(m.parameters()), allow_unused=True)
-    names = [n for n, _ in m.named_parameters()]
-    for name, g, w in zip(names, got, grads, strict=True):
-        if w is None or not w.any():
-            continue
-        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6, msg=name)
-    assert got[names.index("neighbour_copy.weight")].abs().min() > 0
+    got = fused_head_matches(m, x, targets, logp)
+    assert got["neighbour_copy.weight"].abs().min() > 0
 
 
 def test_the_pointer_through_the_fused_head_is_the_mixed_distribution():
@@ -200,20 +208,9 @@ def test_the_pointer_through_the_fused_head_is_the_mixed_distribution():
                 want[b, t] = ((1 - share) * copied[b, t].exp() + share * pointed).log()
     torch.testing.assert_close(logp, want, rtol=0, atol=1e-5)
     assert (logp - copied).abs().amax() > 0.01  # the pointer moves it
-    scored = targets != -100
-    reference = -logp.gather(-1, targets.clamp_min(0)[..., None])[..., 0][scored].sum()
-    grads = torch.autograd.grad(reference, list(m.parameters()), allow_unused=True)
-    fused = m(x, targets=targets)
-    torch.testing.assert_close(fused, reference, rtol=1e-6, atol=0)
-    got = torch.autograd.grad(fused, list(m.parameters()), allow_unused=True)
-    names = [n for n, _ in m.named_parameters()]
-    for name, g, w in zip(names, got, grads, strict=True):
-        if w is None or not w.any():
-            continue
-        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6, msg=name)
-    pointer_names = ("weight", "follow", "wq.weight", "wk.weight", "switch.weight")
-    for name in (f"neighbour_pointer.{p}" for p in pointer_names):
-        assert got[names.index(name)].abs().amax() > 0, name
+    got = fused_head_matches(m, x, targets, logp)
+    for name in ("weight", "follow", "wq.weight", "wk.weight", "switch.weight"):
+        assert got[f"neighbour_pointer.{name}"].abs().amax() > 0, name
 
 
 # ------------------------------------------------------------------------------------------- training
