@@ -213,6 +213,53 @@ def test_the_pointer_through_the_fused_head_is_the_mixed_distribution():
         assert got[f"neighbour_pointer.{name}"].abs().amax() > 0, name
 
 
+def _opened_pointer():
+    """(the pointer model of the fused-head test, opened: copy shares 0.1 and 0.2, pointer share 0.6 and follow
+    bonus 3; its batch and targets), the same on every rank."""
+    torch.manual_seed(0)
+    m = model(retrieval_copy=True, retrieval_pointer=True)
+    with torch.no_grad():
+        m.neighbour_copy.weight.copy_(torch.tensor([0.1, 0.2]))
+        m.neighbour_pointer.weight.fill_(0.6)
+        m.neighbour_pointer.follow.fill_(0.3)
+    tokens, neighbours = torch.randint(0, 12, (2, 16)), torch.randint(0, 12, (2, 16 // C, K, 2 * C))
+    targets = torch.roll(tokens, -1, 1)
+    return m, packed(tokens, neighbours), targets
+
+
+def _pointer_under_tp(rank: int, world: int, port: int) -> None:
+    """Rank `rank` of TP `world`: the opened pointer model's loss and every parameter's gradient equal one
+    process's (each rank computes the reference too)."""
+    join_as_rank(rank, world, port)
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from plait.model.retrieval import whole
+    from plait.parallel.head import apply_head
+    from plait.parallel.tensor_parallel import apply_tp
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    ref, x, targets = _opened_pointer()
+    want = ref(x, targets=targets)
+    want.backward()
+    m, _, _ = _opened_pointer()
+    apply_tp(m, init_device_mesh("cpu", (world,)))
+    apply_head(m, init_device_mesh("cpu", (world,)), chunk=1024, compiled=False, in_place=False)
+    got = m(x, targets=targets)
+    got.backward()
+    torch.testing.assert_close(whole(got), want, rtol=1e-5, atol=0)
+    for (name, p), (_, r) in zip(m.named_parameters(), ref.named_parameters(), strict=True):
+        if r.grad is not None:
+            torch.testing.assert_close(whole(p.grad), r.grad, rtol=1e-4, atol=1e-6, msg=name)
+    dist.destroy_process_group()
+
+
+def test_the_pointer_under_tensor_parallelism_takes_the_one_process_gradients():
+    """TP 2 (sequence parallel) with the pointer open: the loss and every parameter's gradient, the pointer's
+    included (computed whole on each tp rank: a gradient added once, not once per rank), equal one process's."""
+    run_ranks(_pointer_under_tp, (2, free_port()), 2)
+
+
 # ------------------------------------------------------------------------------------------- training
 
 import gzip  # noqa: E402
@@ -222,7 +269,7 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-from parallel_harness import read_metrics, run_layouts  # noqa: E402
+from parallel_harness import free_port, join_as_rank, read_metrics, run_layouts, run_ranks  # noqa: E402
 from test_parallel import GRAD_NORM_RTOL, LOSS_RTOL  # noqa: E402
 
 RETRO = [
@@ -337,14 +384,15 @@ def test_a_retrieval_model_trains_resumes_bitwise_and_every_layout_equals_one_pr
 
 
 @pytest.mark.slow
-def test_the_pointer_trains_resumes_bitwise_and_fsdp_and_ddp_equal_one_process(retro_data, tmp_path):
-    """model.retrieval_pointer (with the copy): one process resumes bitwise from its step-3 checkpoint; FSDP 2
-    and DDP 2 equal one process within test_parallel's tolerances, the pointer's loss through each layout's
-    head. Tensor parallelism is refused (test_what_a_retrieval_model_cannot_take_is_refused)."""
+def test_the_pointer_trains_resumes_bitwise_and_every_layout_equals_one_process(retro_data, tmp_path):
+    """model.retrieval_pointer (with the copy): one process resumes bitwise from its step-3 checkpoint; FSDP 2,
+    DDP 2 and TP 2 (sequence parallel: the pointer computed whole on each tp rank) equal one process within
+    test_parallel's tolerances, the pointer's loss through each layout's head."""
     pointer = "model.retrieval_pointer=true"
     ref = trains_and_resumes_bitwise(retro_data, tmp_path, pointer)
     base = [c for c in job(retro_data, tmp_path, "x", pointer) if not c.startswith("run.")]
-    layouts = {"FSDP 2": ["parallel.dp_shard_degree=2"], "DDP 2": ["parallel.dp_replicate_degree=2"]}
+    layouts = {"FSDP 2": ["parallel.dp_shard_degree=2"], "DDP 2": ["parallel.dp_replicate_degree=2"],
+               "TP 2 (sequence parallel)": ["parallel.tp_degree=2"]}  # fmt: skip
     equal_one_process(ref, layouts, run_layouts(2, [[*base, *extra] for extra in layouts.values()]))
 
 
@@ -363,10 +411,6 @@ def test_the_pointer_trains_resumes_bitwise_and_fsdp_and_ddp_equal_one_process(r
         (
             ["model.retrieval_layers=", "model.retrieval_copy=false", "model.retrieval_pointer=true"],
             "model.retrieval_pointer=true copies from the neighbours of a retrieval model",
-        ),
-        (
-            ["model.retrieval_pointer=true", "parallel.tp_degree=2"],
-            "model.retrieval_pointer with parallel.tp_degree=2 is not supported yet",
         ),
     ],
 )

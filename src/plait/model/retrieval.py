@@ -109,6 +109,13 @@ def learned_share(weight: torch.Tensor, most: float) -> torch.Tensor:
     return w.float().clamp(0.0, most)
 
 
+def whole(x: torch.Tensor) -> torch.Tensor:
+    """A tensor whole on this rank: a DTensor (tensor parallelism: a replicated parameter, a sequence-sharded
+    hidden state) gathered as a plain tensor; its gradient is taken as the same on every tp rank, so a part that
+    every tp rank computes alike (the pointer) adds it once."""
+    return x.full_tensor() if hasattr(x, "full_tensor") else x
+
+
 def mixture_remainder(a, b, mixture, targets) -> torch.Tensor:
     """What the head's weighted sum (TokenMixture) leaves of the mixed loss -log(a p + b): the sum over scored
     tokens of -log(a p + b) - r loss, with the head's own losses and r; its gradient reaches a and b only (the
@@ -235,13 +242,16 @@ class NeighbourPointer(nn.Module):
 
     def point(self, h, memory, tokens, neighbours) -> tuple[torch.Tensor, torch.Tensor]:
         """(the attention (B, T / c, c, k 2c), the share (B, T / c, c)) of the tokens that see each chunk's
-        neighbours, in group rows (_grouped)."""
-        shifted = self._grouped(h)
-        scores = (self.wq(shifted) @ self.wk(memory).transpose(-1, -2)).float() / self.dim**0.5
+        neighbours, in group rows (_grouped). Under tensor parallelism every tp rank computes it whole, alike
+        (the hidden states gathered from their sequence shards, the parameters replicated: whole)."""
+        shifted = self._grouped(whole(h))
+        query, key = F.linear(shifted, whole(self.wq.weight)), F.linear(whole(memory), whole(self.wk.weight))
+        scores = (query @ key.transpose(-1, -2)).float() / self.dim**0.5
         before = F.pad(neighbours[..., :-1], (1, 0), value=-1).flatten(2)  # each neighbour token's predecessor
         follows = before[:, :, None, :] == self._grouped(tokens, -2)[..., None]
-        attention = torch.softmax(scores + FOLLOW_SCALE * self.follow.float() * follows, -1)
-        share = learned_share(self.weight, POINTER_SHARE_MAX) * torch.sigmoid(self.switch(shifted).float())
+        attention = torch.softmax(scores + FOLLOW_SCALE * whole(self.follow).float() * follows, -1)
+        switch = F.linear(shifted, whole(self.switch.weight), whole(self.switch.bias))
+        share = learned_share(self.weight, POINTER_SHARE_MAX) * torch.sigmoid(switch.float())
         return attention, share[..., 0]
 
     def _to_tokens(self, grouped: torch.Tensor, length: int) -> torch.Tensor:

@@ -68,11 +68,6 @@ def tp_problem(m: ModelArgs, seq_len: int, tp: int) -> str | None:
             f"parallel.tp_degree={tp} must divide a neighbour's 2 x model.retrieval_chunk={2 * m.retrieval_chunk} "
             "tokens (the neighbours' encoder runs sequence-parallel too)"
         )
-    if tp > 1 and m.retrieval_ids and m.retrieval_pointer:
-        return (
-            f"model.retrieval_pointer with parallel.tp_degree={tp} is not supported yet (the pointer scores every "
-            "token's final hidden state, which sequence parallelism splits): use FSDP or DDP"
-        )
     return None
 
 

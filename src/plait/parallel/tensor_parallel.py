@@ -146,6 +146,8 @@ def apply_tp_retrieval(model: Transformer, tp_mesh) -> None:
             cast(nn.Module, block.cross_norm).register_forward_hook(_gather_whole)
     if model.neighbour_copy is not None:  # its shares replicated: every tp rank scores every token alike
         distribute_module(model.neighbour_copy, tp_mesh)
+    if model.neighbour_pointer is not None:  # replicated too: every tp rank points for every token alike
+        distribute_module(model.neighbour_pointer, tp_mesh)
 
 
 def _gather_whole(module, args, output):
