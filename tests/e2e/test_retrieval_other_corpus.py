@@ -11,11 +11,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from bad_inputs import judge
 
+from bad_inputs import judge
 from plait.cli import main
 from test_retrieval import corpus  # noqa: F401  (a fixture the next one needs)
-from test_retrieval_database import CHUNK, K, RETRO, _generate, _retrieve, dbs  # noqa: F401
+from test_retrieval_database import CHUNK, RETRO, K, _generate, _retrieve, dbs  # noqa: F401
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 faiss = pytest.importorskip("faiss")
@@ -44,8 +44,8 @@ def test_each_chunk_gets_the_other_databases_nearest_chunks_and_a_model_reads_th
     model trained on them generates with OTHER's passages, reported as OTHER's."""
     from plait.data.loader import TokenDataset
     from plait.data.retrieval import RetrievalDataset, chunk_split, neighbours, read_database
-    from plait.lifecycle.retrieval import database_retriever
     from plait.engine.generate import load_for_generation
+    from plait.lifecycle.retrieval import database_retriever
 
     data, other = reading["data"], reading["other"]
     db = read_database(data)
