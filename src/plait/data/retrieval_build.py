@@ -122,7 +122,7 @@ def find_in_database(
     other, corpus = _source_database(data_dir, source)
     chunk = other["chunk"]
     check_build_settings(chunk, k, batch)
-    if k > other["database_chunks"]:
+    if k >= other["database_chunks"]:  # as the manifest's reader requires (k below database_chunks)
         raise ConfigError(
             f"--k={k} but the database of {source} holds {other['database_chunks']} chunks: a smaller --k"
         )
