@@ -13,7 +13,12 @@ The models (preset tiny, windows of 128 tokens, the plain one reading the window
 - retrieval_open: the same with its gates starting at tanh(w) = --gate-start (a control: does the shut start
   keep the cross-attention out?);
 - retrieval_open_no_copy, first seed only: retrieval_open without the copy, so the cross-attention alone (not
-  in the default --models since the second slice; its first-slice numbers are in the JSON's "slice1").
+  in the default --models since the second slice; its first-slice numbers are in the JSON's "slice1");
+- pointer: retrieval with model.retrieval_pointer; pointer_no_copy, first seed only, without the copy;
+- pointer_learned: pointer with the retriever that learns (model.retrieval_learned: its encoder starts as the
+  database's lexical one, the pointer's likelihood is marginalised over the neighbours, the index is rebuilt
+  every REFRESH_STEPS steps), scored with its own encoder's neighbours (--json bench/results/knowledge_learned.json
+  keeps it beside the frozen runs of knowledge.json).
 
 The data (made once, facts seed 0; only the training seed changes between seeds). The people, four splits:
 - qa: biography in the training text, and one document of their four questions and answers in the held-out
@@ -85,8 +90,20 @@ def variants(retro: list[str], gate_start: float) -> dict[str, tuple[list[str], 
         "retrieval_open_no_copy": ([*retro, "model.retrieval_copy=false"], gate_start),
         "pointer": ([*retro, "model.retrieval_pointer=true"], None),
         "pointer_no_copy": ([*retro, "model.retrieval_copy=false", "model.retrieval_pointer=true"], None),
+        "pointer_learned": (
+            [
+                *retro,
+                "model.retrieval_pointer=true",
+                "model.retrieval_learned=true",
+                f"model.retrieval_refresh_steps={REFRESH_STEPS}",
+            ],
+            None,
+        ),
     }
 
+
+REFRESH_STEPS = 50
+"""pointer_learned: the learned retriever's index is rebuilt every this many steps (12 times in 600)."""
 
 HELD_OUT = 0.002
 """The databases' held-out share: as small as prepare allows while the split is not empty (a database built over

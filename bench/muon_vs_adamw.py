@@ -25,6 +25,9 @@ reruns (the same job, steps and evaluation); any run the --base record holds is 
 record can be its own base. --control-lrs adds peaks for the control on the first seed, to tell a control that
 does not help from one that is only tuned wrong. If Muon's gain is the orthogonalisation's, the control does not
 share it. Its step is not timed (its wall-time columns are left empty): the question is steps and loss.
+
+--runs FILE reads the runs FILE holds (this bench's record, or one with the held-out "curves" of a stopped sweep)
+instead of running them again; --save-runs FILE writes the runs so far after each one, for a later --runs.
 """
 
 from __future__ import annotations
@@ -104,8 +107,26 @@ def step_seconds(job: list[str], optim: str, lr: float, steps: int, out: Path) -
 
 
 def one(runs: dict, job: list[str], arm: str, lr: float, seed: int, args, scratch: Path, phase: str) -> None:
-    runs[f"{arm} {lr:g} s{seed}"] = got = run(job, f"{arm}-{lr:g}-s{seed}", arm, lr, seed, args, scratch)
+    key = f"{arm} {lr:g} s{seed}"
+    if key in runs:  # read from --runs, not rerun
+        print(f"{phase}: {arm} lr {lr:g} seed {seed}: {runs[key]['final']:.4f} (read from {args.runs})", flush=True)
+        return
+    runs[key] = got = run(job, f"{arm}-{lr:g}-s{seed}", arm, lr, seed, args, scratch)
     print(f"{phase}: {arm} lr {lr:g} seed {seed}: {got['final']:.4f} ({got['seconds']:.0f} s)", flush=True)
+    if args.save_runs:  # each finished run kept, so that a stopped sweep goes on with --runs
+        Path(args.save_runs).write_text(json.dumps({"job": args.job, "steps": args.steps, "runs": runs}, indent=1))
+
+
+def read_runs(path: str, args) -> dict:
+    """The runs a record holds, keyed as `one` keys them: this bench's record ("runs") or a log's ("curves")."""
+    record = json.loads(Path(path).read_text())
+    if (record["job"], record["steps"]) != (args.job, args.steps):
+        raise SystemExit(f"{path}: job {record['job']!r} with {record['steps']} steps, not {args.job!r} with "
+                         f"{args.steps}: its runs are not this sweep's")  # fmt: skip
+    if "runs" in record:
+        return {k: {**r, "curve": {int(s): v for s, v in r["curve"].items()}} for k, r in record["runs"].items()}
+    curves = {k: {int(s): v for s, v in c.items()} for k, c in record["curves"].items()}
+    return {k: {"curve": c, "final": c[max(c)], "seconds": None} for k, c in curves.items()}
 
 
 def mean_curve(curves: list[dict]) -> dict:
@@ -143,6 +164,8 @@ def main() -> None:
     ap.add_argument("--control", action="store_true", help="add the control to the --base record's runs")
     ap.add_argument("--base", default="bench/results/muon_vs_adamw_default.json")
     ap.add_argument("--control-lrs", default="", help="more peaks for the control, on the first seed only")
+    ap.add_argument("--runs", default="", help="a record whose runs of the same job and steps are read, not rerun")
+    ap.add_argument("--save-runs", default="", help="write the runs so far here after each run (for --runs)")
     args = ap.parse_args()
     if args.control:
         return control(args)
@@ -150,7 +173,7 @@ def main() -> None:
     seeds = [int(s) for s in args.seeds.split(",")]
     out = Path(args.out or f"bench/results/muon_vs_adamw_{args.job}.json")
     scratch = Path(tempfile.mkdtemp(prefix="plait-muon-"))
-    runs: dict[str, dict] = {}
+    runs: dict[str, dict] = read_runs(args.runs, args) if args.runs else {}
     try:
         if args.job == "lora":
             job = lora_job(scratch, args)

@@ -45,6 +45,8 @@ CI_SLOW = (
     "tests/parallel/test_moe.py::test_moe_layouts_match_single_process[2]",
     "tests/parallel/test_retro.py::test_a_retrieval_model_trains_resumes_bitwise_and_every_layout_equals_one_process",
     "tests/parallel/test_retro.py::test_the_pointer_trains_resumes_bitwise_and_every_layout_equals_one_process",
+    "tests/parallel/test_retro_learned.py::"
+    "test_the_learned_retriever_refreshes_resumes_bitwise_and_every_layout_equals_one_process",
     "tests/parallel/test_compile.py::test_compile_matches_eager_and_never_recompiles",
     "tests/parallel/test_api.py::test_custom_model_example_under_fsdp2_equals_one_process_and_resumes",
     "tests/parallel/test_muon.py::test_every_layout_takes_the_one_process_muon_step[2]",

@@ -5,7 +5,6 @@ chunk's; every malformed questions file is refused naming its line."""
 
 from __future__ import annotations
 
-import gzip
 import json
 from pathlib import Path
 
@@ -26,17 +25,13 @@ def runs(tmp_path_factory, data_dir) -> dict:
     pytest.importorskip("faiss")
     from plait.api import train
     from plait.config import load_config
-    from plait.data.prepare import bundled_corpus_path, prepare
     from plait.data.retrieval import build_database
     from plait.lifecycle.retrieval import encoder_for
-    from runs import debug_run
+    from runs import bundled_speeches, debug_run, prepared_speeches
 
     root = tmp_path_factory.mktemp("qa")
-    with gzip.open(bundled_corpus_path(), "rt") as f:
-        text = json.loads(f.readline())["text"]
-    speeches = [s for s in text.split("\n\n") if s.strip()][:800]
-    (root / "speeches.jsonl").write_text("\n".join(json.dumps({"text": s}) for s in speeches) + "\n")
-    prepare([root / "speeches.jsonl"], root / "data", tokenizer=Path(data_dir) / "tokenizer.json", val_fraction=0.1)
+    prepared_speeches(root, 800, Path(data_dir) / "tokenizer.json")
+    speeches = bundled_speeches(800)
     encode, described = encoder_for("lexical", root / "data", 8)
     build_database(root / "data", encode, encoder=described, chunk=8, k=2)
     train(load_config(None, debug_run(root / "data", root, "plain", 6)))

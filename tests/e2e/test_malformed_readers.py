@@ -6,7 +6,6 @@ accepted, or a clean ConfigError."""
 
 from __future__ import annotations
 
-import gzip
 import json
 import os
 import shutil
@@ -29,15 +28,10 @@ def retro(tmp_path_factory, data_dir) -> dict[str, Path]:
     """Speeches of the bundled text prepared with a lexical retrieval database (8-token chunks, k = 2, 32
     dimensions), two other databases of it (16 dimensions; 16-token chunks) for swapped indexes, and a
     retrieval model trained a step on it (for generation)."""
-    from plait.data.prepare import bundled_corpus_path, prepare
-    from runs import debug_run
+    from runs import debug_run, prepared_speeches
 
     root = tmp_path_factory.mktemp("retro-bad")
-    with gzip.open(bundled_corpus_path(), "rt") as f:
-        text = json.loads(f.readline())["text"]
-    speeches = [s for s in text.split("\n\n") if s.strip()][:600]
-    (root / "speeches.jsonl").write_text("\n".join(json.dumps({"text": s}) for s in speeches) + "\n")
-    prepare([root / "speeches.jsonl"], root / "data", tokenizer=Path(data_dir) / "tokenizer.json", val_fraction=0.1)
+    prepared_speeches(root, 600, Path(data_dir) / "tokenizer.json")
     others = {}
     for name, chunk, dim in (("other_dim", CHUNK, 16), ("other_count", 16, DIM)):
         shutil.copytree(root / "data", root / name)

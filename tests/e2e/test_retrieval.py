@@ -5,7 +5,6 @@ interrupted build continues to the same files, and bad input is refused naming w
 
 from __future__ import annotations
 
-import gzip
 import json
 import shutil
 from pathlib import Path
@@ -24,15 +23,10 @@ def corpus(tmp_path_factory, data_dir) -> tuple[Path, Path]:
     """(prepared speeches of the bundled text, a debug model trained a little on them as the encoder)."""
     from plait.api import train
     from plait.config import load_config
-    from plait.data.prepare import bundled_corpus_path, prepare
-    from runs import debug_run
+    from runs import debug_run, prepared_speeches
 
     root = tmp_path_factory.mktemp("retrieval")
-    with gzip.open(bundled_corpus_path(), "rt") as f:
-        text = json.loads(f.readline())["text"]
-    speeches = [s for s in text.split("\n\n") if s.strip()][:1500]
-    (root / "speeches.jsonl").write_text("\n".join(json.dumps({"text": s}) for s in speeches) + "\n")
-    prepare([root / "speeches.jsonl"], root / "data", tokenizer=Path(data_dir) / "tokenizer.json", val_fraction=0.1)
+    prepared_speeches(root, 1500, Path(data_dir) / "tokenizer.json")
     train(load_config(None, debug_run(root / "data", root, "encoder", 10)))
     return root / "data", root / "encoder"
 

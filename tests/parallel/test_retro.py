@@ -262,7 +262,6 @@ def test_the_pointer_under_tensor_parallelism_takes_the_one_process_gradients():
 
 # ------------------------------------------------------------------------------------------- training
 
-import gzip  # noqa: E402
 import json  # noqa: E402
 import shutil  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -289,17 +288,12 @@ def retro_data(tmp_path_factory, data_dir) -> Path:
     from plait.api import train
     from plait.config import load_config
     from plait.data.loader import read_manifest
-    from plait.data.prepare import bundled_corpus_path, prepare
     from plait.data.retrieval import build_database
     from plait.lifecycle.retrieval import load_encoder
-    from runs import debug_run
+    from runs import debug_run, prepared_speeches
 
     root = tmp_path_factory.mktemp("retro")
-    with gzip.open(bundled_corpus_path(), "rt") as f:
-        text = json.loads(f.readline())["text"]
-    speeches = [s for s in text.split("\n\n") if s.strip()][:3000]
-    (root / "speeches.jsonl").write_text("\n".join(json.dumps({"text": s}) for s in speeches) + "\n")
-    prepare([root / "speeches.jsonl"], root / "data", tokenizer=Path(data_dir) / "tokenizer.json", val_fraction=0.1)
+    prepared_speeches(root, 3000, Path(data_dir) / "tokenizer.json")
     train(load_config(None, debug_run(root / "data", root, "encoder", 10)))
     encode, described = load_encoder(str(root / "encoder"), read_manifest(root / "data"))
     build_database(root / "data", encode, encoder=described, chunk=8, k=2)

@@ -42,11 +42,18 @@ def _validate_retrieval(cfg: Config) -> None:
     """RETRO (model.retrieval_layers): blocks that exist, chunks that fit the sequence (the layouts it takes:
     plait.parallel.rules, tp_problem, cp_problem and pp_problem)."""
     m = cfg.model
+    for name in ("retrieval_dim", "retrieval_refresh_steps"):  # the learned retriever's settings: no silent no-op
+        if not m.retrieval_learned and getattr(m, name) != getattr(type(m)(), name):
+            raise ConfigError(
+                f"model.{name}={getattr(m, name)} sets the learned retriever, which is off: set "
+                f"model.retrieval_learned=true too, or leave model.{name} at its default"
+            )
     if not m.retrieval_layers.strip():
-        for name in ("retrieval_copy", "retrieval_pointer"):
+        for name, what in (("retrieval_copy", "copies from"), ("retrieval_pointer", "copies from"),
+                           ("retrieval_learned", "learns the retriever that finds")):  # fmt: skip
             if getattr(m, name):
                 raise ConfigError(
-                    f"model.{name}=true copies from the neighbours of a retrieval model: set "
+                    f"model.{name}=true {what} the neighbours of a retrieval model: set "
                     f"model.retrieval_layers too (e.g. '1'), or model.{name}=false"
                 )
         return
@@ -62,6 +69,13 @@ def _validate_retrieval(cfg: Config) -> None:
             f"{m.n_layers}), e.g. '{m.n_layers // 2}'"
         )
     _positive("model", m, ["retrieval_chunk", "retrieval_k", "retrieval_encoder_layers"])
+    if m.retrieval_learned:
+        if not m.retrieval_pointer:
+            raise ConfigError(
+                "model.retrieval_learned=true learns the retriever through the pointer's likelihood, marginalised "
+                "over the neighbours: set model.retrieval_pointer=true too, or model.retrieval_learned=false"
+            )
+        _positive("model", m, ["retrieval_dim", "retrieval_refresh_steps"])
     if cfg.data.seq_len % m.retrieval_chunk:
         raise ConfigError(
             f"data.seq_len={cfg.data.seq_len} is not a multiple of model.retrieval_chunk={m.retrieval_chunk}: a "

@@ -33,15 +33,28 @@ def document_frequencies(chunks: np.ndarray, vocab: int) -> np.ndarray:
     return np.bincount(ordered[first], minlength=vocab)
 
 
-def lexical_encoder(data_dir: str | Path, chunk: int, dim: int = DIM, seed: int = SEED):
-    """(encode, its description) of a prepared directory's train chunks of `chunk` tokens:
-    encode((n, chunk) token ids) -> (n, dim) float32 unit vectors."""
+def _idf_and_projection(data_dir: str | Path, chunk: int, dim: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     from plait.data.retrieval import chunk_split
 
     vocab = int(read_manifest(data_dir)["vocab_size"])
     database = chunk_split(Path(data_dir), "train", chunk).tokens
     idf = np.log((len(database) + 1) / (document_frequencies(database, vocab) + 1)).astype(np.float32)
     projection = np.random.default_rng(seed).standard_normal((vocab, dim), dtype=np.float32) / np.float32(dim**0.5)
+    return idf, projection
+
+
+def lexical_table(data_dir: str | Path, chunk: int, dim: int = DIM, seed: int = SEED) -> np.ndarray:
+    """(vocab, dim) float32: idf(t) x the projection's row of t, for every token t. As the table of
+    plait.model.retrieval_learned.bag_embed it embeds a chunk exactly as lexical_encoder does (where a learned
+    retriever starts)."""
+    idf, projection = _idf_and_projection(data_dir, chunk, dim, seed)
+    return idf[:, None] * projection
+
+
+def lexical_encoder(data_dir: str | Path, chunk: int, dim: int = DIM, seed: int = SEED):
+    """(encode, its description) of a prepared directory's train chunks of `chunk` tokens:
+    encode((n, chunk) token ids) -> (n, dim) float32 unit vectors."""
+    idf, projection = _idf_and_projection(data_dir, chunk, dim, seed)
 
     def encode(tokens: np.ndarray) -> np.ndarray:
         tokens = np.asarray(tokens, dtype=np.int64)

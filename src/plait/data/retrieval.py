@@ -56,6 +56,7 @@ from plait.data.retrieval_format import (
     read_database,
     rebuild_command,
 )
+from plait.data.retrieval_live import LiveIndex
 
 __all__ = [  # the database's names, importable from here (its readers and builder live in the two modules above)
     "FORMAT",
@@ -94,20 +95,26 @@ class Retriever:
     chunks found in the index, and each read with its continuation from the train stream (`store`, 2 chunk
     tokens). `retriever(chunks (n, chunk))` -> (database chunk numbers (n, k), their tokens (n, k, 2 chunk))."""
 
-    def __init__(self, data_dir: str | Path, encode: Encoder, *, chunk: int, k: int) -> None:
+    def __init__(self, data_dir: str | Path, encode: Encoder, *, chunk: int, k: int, table=None) -> None:
+        """`table`: a learned retriever's (plait.model.retrieval_learned), which embeds the database's chunks
+        itself into an index in memory (the built index is of another encoder) and is then `encode`."""
         try:
             import faiss
         except ImportError:
             raise ConfigError("retrieval needs faiss: pip install 'plait[retrieval]'") from None
         db = database_for(data_dir, chunk, k)
         home = index_dir(data_dir, db)  # another corpus's, where the neighbours were found in its database
-        path = Path(home) / RETRIEVAL_DIR / INDEX_FILE
-        try:
-            self.index = faiss.read_index(str(path))
-        except RuntimeError as e:
-            raise ConfigError(f"{path} cannot be read by faiss ({first_line(e)}): {REBUILD}") from None
-        flat_ip = isinstance(self.index, faiss.IndexFlatIP) and self.index.metric_type == faiss.METRIC_INNER_PRODUCT
-        check_index_fields(path, db, flat_ip, self.index.d, self.index.ntotal)
+        if table is not None:
+            live = LiveIndex(data_dir, db, chunk=chunk, k=k)
+            self.index = live.build(table)
+        else:
+            path = Path(home) / RETRIEVAL_DIR / INDEX_FILE
+            try:
+                self.index = faiss.read_index(str(path))
+            except RuntimeError as e:
+                raise ConfigError(f"{path} cannot be read by faiss ({first_line(e)}): {REBUILD}") from None
+            flat_ip = isinstance(self.index, faiss.IndexFlatIP) and self.index.metric_type == faiss.METRIC_INNER_PRODUCT
+            check_index_fields(path, db, flat_ip, self.index.d, self.index.ntotal)
         self.store, self.encode, self.chunk, self.k = TokenDataset(home, "train"), encode, chunk, k
         self.data_dir = Path(home)  # where the passages are read from
 
@@ -141,6 +148,9 @@ class RetrievalDataset(TokenDataset):
         home = index_dir(data_dir, db)  # another corpus's, where the neighbours were found in its database
         own = split == "train" and "database" not in db
         self.store = self if own else TokenDataset(home, "train", remote_cache_mb)
+        self.live: LiveIndex | None = (
+            None  # a learned retriever's index (plait.data.retrieval_live.LiveIndex): searched, not read
+        )
 
     def stride(self, seq_len: int) -> int:
         return seq_len + self.chunk
@@ -157,5 +167,8 @@ class RetrievalDataset(TokenDataset):
         """(seq_len / chunk x k x 2 chunk,) token ids: the neighbours of window i's chunks, in order."""
         c = self.chunk
         first = i * self.stride(seq_len) // c
-        ids = self.neighbours[first : first + seq_len // c]  # (chunks, k) database chunk numbers
+        if self.live is not None:
+            ids = self.live.neighbours(self.split, first, seq_len // c)
+        else:
+            ids = self.neighbours[first : first + seq_len // c]  # (chunks, k) database chunk numbers
         return np.concatenate([self.store.tokens(int(j) * c, (int(j) + 2) * c) for j in ids.reshape(-1)])

@@ -190,23 +190,23 @@ def _find_neighbours(journal: _Journal, index, splits: dict[str, Chunks], embedd
     for split, chunks in splits.items():
         # a train chunk's neighbours serve the tokens of the chunk after it, so both chunks' documents are its
         # own (the next chunk may open another document); validation chunks: none in the database
-        own = (chunks.first_doc, _answers_last_doc(chunks.last_doc)) if split == "train" else None
+        own = (chunks.first_doc, answers_last_doc(chunks.last_doc)) if split == "train" else None
 
         def search(rows: slice, own=own, split=split) -> np.ndarray:
             query = np.ascontiguousarray(embeddings[split][rows])
             mine = (own[0][rows], own[1][rows]) if own is not None else None
-            return _search(index, query, k, mine, span_first, span_last, stored)
+            return search_outside(index, query, k, mine, span_first, span_last, stored)
 
         _in_blocks(journal, f"{split}_neighbours", len(chunks.tokens), k, search, f"neighbours of {split}", progress)
 
 
-def _answers_last_doc(last_doc: np.ndarray) -> np.ndarray:
+def answers_last_doc(last_doc: np.ndarray) -> np.ndarray:
     """Each chunk's last document or, when there is a next chunk (the text its neighbours help predict), that
     chunk's last document."""
     return np.concatenate([last_doc[1:], last_doc[-1:]]) if len(last_doc) else last_doc
 
 
-def _search(index, query, k: int, own, span_first, span_last, stored: int) -> np.ndarray:
+def search_outside(index, query, k: int, own, span_first, span_last, stored: int) -> np.ndarray:
     """The k nearest database chunks of each query row, those sharing a document with it left out (own: the
     query chunks' first and last documents, or None for validation queries)."""
     want = k if own is None else min(stored, 4 * k + 8)

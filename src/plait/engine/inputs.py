@@ -22,7 +22,8 @@ from plait.core.errors import ConfigError
 from plait.data import TokenDataset, TokenLoader, ensure_prepared
 from plait.data.mixture import Mixture, MixtureLoader, open_mixture
 from plait.data.remote import is_remote_source, mirror
-from plait.data.retrieval import RetrievalDataset
+from plait.data.retrieval import RetrievalDataset, read_database
+from plait.data.retrieval_live import LiveIndex, check_learned_database
 from plait.data.samples import SampleLoader
 from plait.parallel import DistEnv, Meshes
 
@@ -39,6 +40,7 @@ class RunData:
     train: Any
     val: Any
     data_dir: Path | None = None
+    live: LiveIndex | None = None  # model.retrieval_learned: the index both splits search (retrieval_refresh)
 
     @classmethod
     def prepare(cls, cfg: Config, env: DistEnv, data=None, val_data=None) -> RunData:
@@ -85,6 +87,10 @@ class RunData:
                 RetrievalDataset(data_dir, split, chunk=m.retrieval_chunk, k=m.retrieval_k, remote_cache_mb=mb)
                 for split in ("train", "val")
             )
+            if m.retrieval_learned:  # neighbours searched with the learned encoder's index, not the built ones
+                db = read_database(data_dir)
+                check_learned_database(data_dir, db, m.retrieval_dim)
+                train.live = val.live = LiveIndex(data_dir, db, chunk=m.retrieval_chunk, k=m.retrieval_k)
         else:
             train, val = TokenDataset(data_dir, "train", mb), TokenDataset(data_dir, "val", mb)
         if train.vocab_size > m.vocab_size:
@@ -96,7 +102,7 @@ class RunData:
             split.num_samples(cfg.data.seq_len)
             if m.retrieval_ids:
                 split.check_seq_len(cfg.data.seq_len)
-        return cls(cfg, train, val, data_dir)
+        return cls(cfg, train, val, data_dir, getattr(train, "live", None))
 
     def eos_id(self) -> int:
         """The corpus's document separator (data.document_mask)."""
@@ -171,7 +177,9 @@ def _loader(cfg: Config, meshes: Meshes, device: torch.device, split, *, validat
         return SampleLoader(split, **kw)
     if validation:
         return TokenLoader(split, shuffle=False, prefetch=0, **kw)
-    return TokenLoader(split, seed=cfg.run.seed, shuffle=cfg.data.shuffle, prefetch=cfg.data.prefetch, **kw)
+    # a learned retriever's index changes at fixed steps: each batch is read at its step (retrieval_refresh)
+    prefetch = 0 if getattr(split, "live", None) is not None else cfg.data.prefetch
+    return TokenLoader(split, seed=cfg.run.seed, shuffle=cfg.data.shuffle, prefetch=prefetch, **kw)
 
 
 def check_tokenizer(data_dir: Path) -> None:

@@ -339,6 +339,13 @@ def perplexity(
         from plait.data.retrieval import RetrievalDataset
 
         dataset = RetrievalDataset(data_dir, split, chunk=args.retrieval_chunk, k=args.retrieval_k)
+        if args.retrieval_learned:  # its neighbours found by its own encoder, as it is now
+            from plait.data.retrieval import read_database
+            from plait.data.retrieval_live import LiveIndex
+            from plait.lifecycle.retrieval import learned_table
+
+            dataset.live = LiveIndex(data_dir, read_database(data_dir), chunk=args.retrieval_chunk, k=args.retrieval_k)
+            dataset.live.start(-1, learned_table(model))
         seq_len = max(
             args.retrieval_chunk, min(seq_len, args.max_seq_len) // args.retrieval_chunk * args.retrieval_chunk
         )

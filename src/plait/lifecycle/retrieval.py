@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -114,8 +115,21 @@ def database_retriever(data_dir: str | Path, model, device: str = "cpu"):
     encoder the database was built with (database_encoder)."""
     from plait.data.retrieval import Retriever, read_database
 
+    args = model.args
+    if getattr(args, "retrieval_learned", False):  # its own encoder, in memory
+        from plait.data.retrieval_live import embed_chunks
+
+        table = learned_table(model)
+        encode = partial(embed_chunks, table=table)
+        return Retriever(data_dir, encode, chunk=args.retrieval_chunk, k=args.retrieval_k, table=table)
     encode = database_encoder(data_dir, read_database(data_dir), device)
-    return Retriever(data_dir, encode, chunk=model.args.retrieval_chunk, k=model.args.retrieval_k)
+    return Retriever(data_dir, encode, chunk=args.retrieval_chunk, k=args.retrieval_k)
+
+
+def learned_table(model) -> np.ndarray:
+    """A learned retriever's table as it is now (plait.model.retrieval_learned), float32 on the CPU."""
+    table = model.neighbour_pointer.retriever.table.detach()
+    return (table.full_tensor() if hasattr(table, "full_tensor") else table).float().cpu().numpy()
 
 
 def checkpoint_retriever(checkpoint: str | Path, model, data: str | Path = "", device: str = "cpu"):

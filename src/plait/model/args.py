@@ -93,6 +93,16 @@ class ModelArgs:
     """RETRO: also let each token point into its neighbours and copy the token it points at, a learned attention
     of its own and a learned share per token from 0 (plait.model.retrieval.NeighbourPointer, a
     pointer-generator): a copy by content that the loss teaches where an answer sits in a passage."""
+    retrieval_learned: bool = False
+    """RETRO with the pointer: a retriever that learns (REALM; plait.model.retrieval_learned). The neighbours are
+    found with a trainable encoder that starts as the database's lexical one, the pointer's likelihood is
+    marginalised over them, and the index is refreshed from the encoder every retrieval_refresh_steps in the
+    background."""
+    retrieval_dim: int = 512
+    """The learned retriever's embedding size: the lexical database's --dim, which it starts from."""
+    retrieval_refresh_steps: int = 50
+    """The learned retriever's index is rebuilt from its encoder every this many steps, in the background; the
+    steps in between search the last one built."""
 
     def neighbour_encoder_args(self) -> ModelArgs:
         """RETRO's neighbour encoder's blocks: this model's, dense, full attention, no cross-attention of their
@@ -152,6 +162,9 @@ class ModelArgs:
             encoder = self.retrieval_encoder_layers * (attn + 2 * self.dim + 3 * self.dim * self.hidden_dim)
             total += len(self.retrieval_ids) * cross + encoder + self.dim + (2 if self.retrieval_copy else 0)
             total += (2 * self.dim * self.head_dim + self.dim + 3) if self.retrieval_pointer else 0
+            total += (
+                (self.vocab_size * self.retrieval_dim + 1) if self.retrieval_pointer and self.retrieval_learned else 0
+            )
         return total - (embed if exclude_embeddings else 0)
 
     def matmul_params(self) -> float:
@@ -210,6 +223,8 @@ class ModelArgs:
         cross = 2 * (2 * self.dim * q) + 2 * k * 2 * (2 * self.dim * kv) + 4 * q * k * 2 * c
         # model.retrieval_pointer: its query and switch per token, its keys per neighbour token, its scores
         pointer = 2 * self.dim * self.head_dim * (1 + 2 * k) + 2 * self.dim + 2 * self.head_dim * k * 2 * c
+        # model.retrieval_learned: each chunk's and its neighbours' bags of table rows (c adds of d each), per token
+        pointer += 2 * (1 + k) * self.retrieval_dim if self.retrieval_learned else 0
         return encoder + len(self.retrieval_ids) * cross + (pointer if self.retrieval_pointer else 0)
 
 

@@ -57,6 +57,7 @@ from plait.model.retrieval import (
     mixture_remainder,
     split_retrieved,
 )
+from plait.model.retrieval_learned import LearnedRetriever
 from plait.model.rope import apply_rope, rope_tables
 
 __all__ = [  # the model's own names, and its parts' that callers import from here
@@ -303,6 +304,10 @@ class Transformer(nn.Module):
             if isinstance(module, MoE):  # balancing state starts neutral
                 for buffer in (module.expert_bias, module.load, module.aux_total):
                     buffer.zero_()
+            if isinstance(module, LearnedRetriever):  # no index yet: the run builds the first at its start
+                module.index_table.zero_()
+                module.pending_table.zero_()
+                module.index_steps.fill_(-1)
         assign = assign or (lambda param, rows: param.copy_(rows(0, param.shape[0])))
         residual_std = 0.02 / math.sqrt(2 * self.args.n_layers)
         for name, param in self.named_parameters():
@@ -316,7 +321,7 @@ class Transformer(nn.Module):
                     "neighbour_copy.weight",
                     "neighbour_pointer.weight",
                     "pointer.follow",
-                    "pointer.prior",
+                    "retriever.scale",
                 )
             ):
                 # RETRO's cross-attention starts shut and its copy at 0: the model starts as the one without

@@ -37,6 +37,7 @@ from torch import nn
 
 from plait.model.args import ModelArgs
 from plait.model.head import IGNORE_INDEX
+from plait.model.retrieval_learned import LearnedRetriever
 from plait.model.rope import apply_rope
 
 
@@ -232,6 +233,7 @@ class NeighbourPointer(nn.Module):
         self.switch = nn.Linear(args.dim, 1)
         self.weight = nn.Parameter(torch.zeros(1))
         self.follow = nn.Parameter(torch.zeros(1))
+        self.retriever = LearnedRetriever(args) if args.retrieval_learned else None
 
     def _grouped(self, x: torch.Tensor, value: float = 0) -> torch.Tensor:
         """Per group row (B, T / c, c, ...) of per token (B, T, ...): row j of group u is token u c + c - 1 + j
@@ -249,7 +251,14 @@ class NeighbourPointer(nn.Module):
         scores = (query @ key.transpose(-1, -2)).float() / self.dim**0.5
         before = F.pad(neighbours[..., :-1], (1, 0), value=-1).flatten(2)  # each neighbour token's predecessor
         follows = before[:, :, None, :] == self._grouped(tokens, -2)[..., None]
-        attention = torch.softmax(scores + FOLLOW_SCALE * whole(self.follow).float() * follows, -1)
+        logits = scores + FOLLOW_SCALE * whole(self.follow).float() * follows
+        if self.retriever is None:
+            attention = torch.softmax(logits, -1)
+        else:  # REALM: sum_z p(z | x) x the attention within neighbour z (plait.model.retrieval_learned)
+            r = self.retriever
+            prior = r.log_prior(tokens, neighbours, whole(r.table), whole(r.scale))  # (B, T / c, k)
+            within = logits.unflatten(-1, neighbours.shape[-2:]).log_softmax(-1)  # (B, T / c, c, k, 2c)
+            attention = (within + prior[:, :, None, :, None]).flatten(-2).exp()
         switch = F.linear(shifted, whole(self.switch.weight), whole(self.switch.bias))
         share = learned_share(self.weight, POINTER_SHARE_MAX) * torch.sigmoid(switch.float())
         return attention, share[..., 0]
