@@ -1,7 +1,8 @@
 """Which part of a retrieval model carries the knowledge? The models bench/knowledge.py trained (its JSON names
 their directory), each scored again with one part switched off at test time, no retraining: the cross-attention
-(its gates set to 0), the pointer (its share to 0), the copy (its shares to 0). A part that carries the answers
-takes the exact-match rate with it when it is off; one that does not leaves it where it was.
+(its gates set to 0), the pointer (its share to 0), the copy (its shares to 0), and for a learned retriever its
+prior (uniform) and its learning (the table set back to the lexical encoder it started from). A part that
+carries the answers takes the exact-match rate with it when it is off; one that does not leaves it where it was.
 
     python bench/knowledge_ablation.py [--json bench/results/knowledge.json]
         [--models pointer,pointer_no_copy,retrieval] [--out bench/results/knowledge_ablation.json]
@@ -23,14 +24,30 @@ from pathlib import Path
 import host  # bench/host.py: the machine line
 
 SPLITS = ("qa", "trained", "read", "database_only")
-PARTS = ("none", "cross_attention", "pointer", "copy")
+PARTS = ("none", "cross_attention", "pointer", "copy", "prior", "learning")
+"""prior and learning: a learned retriever's (model.retrieval_learned) prior p(z | x) made uniform (the search
+still its own), and its table set back to the lexical encoder it started from (search and prior both)."""
 
 
-def switched_off(model, part: str) -> bool:
+def switched_off(model, part: str, work: Path) -> bool:
     """Set `part` of the model to 0 in place; False where the model has no such part."""
     import torch
 
     with torch.no_grad():
+        retriever = getattr(getattr(model, "neighbour_pointer", None), "retriever", None)
+        if part in ("prior", "learning"):
+            if retriever is None:
+                return False
+            if part == "prior":
+                retriever.scale.fill_(-30.0)  # 10 e^-30 x the cosines: p(z | x) uniform
+            else:
+                from plait.data.lexical import lexical_table
+
+                lexical = torch.from_numpy(lexical_table(work / "train", model.args.retrieval_chunk,
+                                                         model.args.retrieval_dim))  # fmt: skip
+                retriever.table.zero_()
+                retriever.table[: len(lexical)] = lexical
+            return True
         if part == "cross_attention":
             gates = [b.cross.gate.weight for b in model.layers.values() if b.cross is not None]
             for g in gates:
@@ -68,7 +85,7 @@ def score(run: Path, work: Path, part: str) -> dict | None:
     from plait.lifecycle.retrieval import checkpoint_retriever
 
     model, tok, eos = load_for_generation(run, device="cpu")
-    if not switched_off(model, part):
+    if not switched_off(model, part, work):
         return None
     out = {}
     for db, field, key in (("database", "answer", "facts"), ("swapped", "swapped_answer", "new"),
@@ -84,6 +101,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", default="bench/results/knowledge.json", help="bench/knowledge.py's record")
     p.add_argument("--models", default="pointer,pointer_no_copy,retrieval")
+    p.add_argument("--parts", default=",".join(PARTS), help="which to switch off, of " + ", ".join(PARTS))
     p.add_argument("--out", default="bench/results/knowledge_ablation.json")
     a = p.parse_args()
     record = json.loads(Path(a.json).read_text())
@@ -92,7 +110,7 @@ def main() -> int:
     for model in a.models.split(","):
         for run in record["runs"].get(model, []):
             run_dir = work / "runs" / f"{model}-{run['seed']}"
-            for part in PARTS:
+            for part in a.parts.split(","):
                 found = score(run_dir, work, part)
                 if found is not None:
                     results.setdefault(model, {}).setdefault(part, []).append({"seed": run["seed"], **found})
