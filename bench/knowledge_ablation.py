@@ -103,7 +103,11 @@ def main() -> int:
     p.add_argument("--models", default="pointer,pointer_no_copy,retrieval")
     p.add_argument("--parts", default=",".join(PARTS), help="which to switch off, of " + ", ".join(PARTS))
     p.add_argument("--out", default="bench/results/knowledge_ablation.json")
+    p.add_argument("--plot", action="store_true", help="only plot --out again (beside it, .png)")
     a = p.parse_args()
+    if a.plot:
+        plot(json.loads(Path(a.out).read_text())["runs"], Path(a.out).with_suffix(".png"))
+        return 0
     record = json.loads(Path(a.json).read_text())
     work = Path(record["work_dir"])
     started, results = time.perf_counter(), {}
@@ -130,7 +134,31 @@ def main() -> int:
     out = {"machine": host.describe(), "source": a.json, "summary": summary, "runs": results,
            "seconds": round(time.perf_counter() - started)}  # fmt: skip
     Path(a.out).write_text(json.dumps(out, indent=2) + "\n")
+    plot(results, Path(a.out).with_suffix(".png"))
     return 0
+
+
+def plot(runs: dict, path: Path) -> None:
+    """Bars per model and part off: database-only people's exact match with the database, and the new facts'
+    after the swap, the seeds' mean with their spread."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bars = [(f"{m}\n{part} off" if part != "none" else f"{m}\nas trained", found)
+            for m, parts in runs.items() for part, found in parts.items()]  # fmt: skip
+    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(bars)), 4.5))
+    for i, (key, label) in enumerate((("facts", "database-only people"), ("new", "swapped: new facts"))):
+        values = [[r[key]["database_only"] for r in found] for _, found in bars]
+        means = [statistics.mean(v) for v in values]
+        spread = [statistics.stdev(v) if len(v) > 1 else 0.0 for v in values]
+        ax.bar([j + 0.4 * i for j in range(len(bars))], means, 0.4, yerr=spread, label=label)
+    ax.set_xticks([j + 0.2 for j in range(len(bars))], [b for b, _ in bars], fontsize=8)
+    ax.set(ylabel="greedy exact match", title="Which part carries the answers (seeds' mean, sd)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
