@@ -190,27 +190,35 @@ def test_the_pointer_through_the_fused_head_is_the_mixed_distribution():
         pointer.weight.fill_(0.6)
         pointer.follow.fill_(0.3)  # a bonus of 3 for the neighbour tokens after a copy of the token
     logp = m(x)
-    hidden = {}
-    m.norm.register_forward_hook(lambda mod, args, out: hidden.update(h=out.detach()))
-    m(x)
-    memory = m.embed_retrieved(x)[2].detach()
-    want = copied.detach().clone()
-    d = ARGS["dim"] // ARGS["n_heads"]
-    with torch.no_grad():
-        for b in range(2):
-            for t in range(C - 1, T):
-                u = (t + 1) // C - 1
-                q, keys = pointer.wq(hidden["h"][b, t]), pointer.wk(memory[b, u])
-                before = torch.cat([torch.full((K, 1), -1), neighbours[b, u][:, :-1]], 1).flatten()
-                attention = torch.softmax(keys @ q / d**0.5 + 3.0 * (before == tokens[b, t]), -1)
-                share = 0.6 * torch.sigmoid(pointer.switch(hidden["h"][b, t]))
-                pointed = torch.zeros(64).index_add_(0, neighbours[b, u].flatten(), attention)
-                want[b, t] = ((1 - share) * copied[b, t].exp() + share * pointed).log()
+    want = pointer_by_hand(m, x, tokens, neighbours, copied, lambda scores, b, u: torch.softmax(scores, -1))
     torch.testing.assert_close(logp, want, rtol=0, atol=1e-5)
     assert (logp - copied).abs().amax() > 0.01  # the pointer moves it
     got = fused_head_matches(m, x, targets, logp)
     for name in ("weight", "follow", "wq.weight", "wk.weight", "switch.weight"):
         assert got[f"neighbour_pointer.{name}"].abs().amax() > 0, name
+
+
+def pointer_by_hand(m, x, tokens, neighbours, copied, attend) -> torch.Tensor:
+    """The opened pointer's (share 0.6 x its switch, follow bonus 3) mixed log-probabilities built by hand, token
+    by token, over `copied` (the distribution without it): each token's scores over the k 2c neighbour tokens it
+    sees (q . k / sqrt(d) plus the bonus after a copy of itself) turned into an attention by attend(scores, b,
+    u), its weight placed on each token's id."""
+    pointer, hidden = m.neighbour_pointer, {}
+    m.norm.register_forward_hook(lambda mod, args, out: hidden.update(h=out.detach()))
+    m(x)
+    memory = m.embed_retrieved(x)[2].detach()
+    want, d = copied.detach().clone(), ARGS["dim"] // ARGS["n_heads"]
+    with torch.no_grad():
+        for b in range(tokens.shape[0]):
+            for t in range(C - 1, tokens.shape[1]):
+                u = (t + 1) // C - 1
+                q, keys = pointer.wq(hidden["h"][b, t]), pointer.wk(memory[b, u])
+                before = torch.cat([torch.full((K, 1), -1), neighbours[b, u][:, :-1]], 1).flatten()
+                attention = attend(keys @ q / d**0.5 + 3.0 * (before == tokens[b, t]), b, u)
+                share = 0.6 * torch.sigmoid(pointer.switch(hidden["h"][b, t]))
+                pointed = torch.zeros(64).index_add_(0, neighbours[b, u].flatten(), attention)
+                want[b, t] = ((1 - share) * copied[b, t].exp() + share * pointed).log()
+    return want
 
 
 def _opened_pointer():

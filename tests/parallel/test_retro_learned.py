@@ -16,7 +16,7 @@ import torch
 
 from parallel_harness import read_metrics, run_layouts
 from test_parallel import GRAD_NORM_RTOL, LOSS_RTOL
-from test_retro import ARGS, C, K, fused_head_matches, model, packed
+from test_retro import C, K, fused_head_matches, model, packed, pointer_by_hand
 
 DIM = 8  # the learned table's width in the model tests
 
@@ -48,25 +48,14 @@ def test_the_learned_prior_marginalises_the_pointer_over_the_neighbours():
         pointer.follow.fill_(0.3)
         r.scale.fill_(0.2)
     logp = m(x)
-    hidden = {}
-    m.norm.register_forward_hook(lambda mod, args, out: hidden.update(h=out.detach()))
-    m(x)
-    memory = m.embed_retrieved(x)[2].detach()
-    d, want = ARGS["dim"] // ARGS["n_heads"], copied.detach().clone()
-    with torch.no_grad():
-        for b in range(2):
-            for t in range(C - 1, T):
-                u = (t + 1) // C - 1
-                q, keys = pointer.wq(hidden["h"][b, t]), pointer.wk(memory[b, u])
-                before = torch.cat([torch.full((K, 1), -1), neighbours[b, u][:, :-1]], 1).flatten()
-                scores = (keys @ q / d**0.5 + 3.0 * (before == tokens[b, t])).view(K, 2 * C)
-                query = _bag(tokens[b, u * C : (u + 1) * C], r.table)
-                cosines = torch.stack([_bag(neighbours[b, u, z, :C], r.table) @ query for z in range(K)])
-                prior = torch.softmax(10 * np.exp(0.2) * cosines, 0)
-                attention = (prior[:, None] * torch.softmax(scores, -1)).flatten()
-                share = 0.6 * torch.sigmoid(pointer.switch(hidden["h"][b, t]))
-                pointed = torch.zeros(64).index_add_(0, neighbours[b, u].flatten(), attention)
-                want[b, t] = ((1 - share) * copied[b, t].exp() + share * pointed).log()
+
+    def marginal(scores: torch.Tensor, b: int, u: int) -> torch.Tensor:
+        query = _bag(tokens[b, u * C : (u + 1) * C], r.table)
+        cosines = torch.stack([_bag(neighbours[b, u, z, :C], r.table) @ query for z in range(K)])
+        prior = torch.softmax(10 * np.exp(0.2) * cosines, 0)
+        return (prior[:, None] * torch.softmax(scores.view(K, 2 * C), -1)).flatten()
+
+    want = pointer_by_hand(m, x, tokens, neighbours, copied, marginal)
     torch.testing.assert_close(logp, want, rtol=0, atol=1e-5)
     got = fused_head_matches(m, x, targets, logp)
     for name in ("retriever.table", "retriever.scale"):
