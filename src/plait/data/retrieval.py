@@ -148,9 +148,7 @@ class RetrievalDataset(TokenDataset):
         home = index_dir(data_dir, db)  # another corpus's, where the neighbours were found in its database
         own = split == "train" and "database" not in db
         self.store = self if own else TokenDataset(home, "train", remote_cache_mb)
-        self.live: LiveIndex | None = (
-            None  # a learned retriever's index (plait.data.retrieval_live.LiveIndex): searched, not read
-        )
+        self.live: LiveIndex | None = None  # a learned retriever's index: neighbours searched, not read
 
     def stride(self, seq_len: int) -> int:
         return seq_len + self.chunk

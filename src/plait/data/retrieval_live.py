@@ -75,15 +75,13 @@ class LiveIndex:
             import faiss  # noqa: F401
         except ImportError:
             raise ConfigError("retrieval needs faiss: pip install 'plait[retrieval]'") from None
-        self.home = Path(index_dir(data_dir, db))  # where the database's chunks are (its lexical encoder's corpus)
-        own = "database" not in db  # else another corpus's database: nothing of the queries' documents is in it
-        self.queries = {split: chunk_split(Path(data_dir), split, chunk) for split in ("train", "val")}
-        database = self.queries["train"] if own else chunk_split(self.home, "train", chunk)
+        self.data_dir, self.home = Path(data_dir), Path(index_dir(data_dir, db))  # the queries' corpus, the database's
+        self.own = "database" not in db  # else another corpus's database: nothing of the queries' documents is in it
+        database = chunk_split(self.home, "train", chunk)
         self.stored = len(database.tokens) - 1  # the last chunk has no continuation
         self.database = database.tokens[: self.stored]
         self.spans = (database.first_doc[: self.stored], database.last_doc[1 : self.stored + 1])
-        train = self.queries["train"]
-        self.own = {"train": (train.first_doc, answers_last_doc(train.last_doc))} if own else {}
+        self._queries: dict[str, tuple[np.ndarray, Any]] = {}  # per split, read at its first search
         self.chunk, self.k = chunk, k
         # (the step its snapshot was taken at, the snapshot, its faiss index); the queries are embedded with the
         # snapshot the index was built with
@@ -119,10 +117,19 @@ class LiveIndex:
         """(count, k) database chunk numbers: the neighbours of chunks first .. first + count - 1 of `split`."""
         assert self.current is not None, "no index built yet"
         _, table, index = self.current
-        vectors = embed_chunks(self.queries[split].tokens[first : first + count], table)
-        own = self.own.get(split)
+        tokens, own = self._split(split)
+        vectors = embed_chunks(tokens[first : first + count], table)
         mine = (own[0][first : first + count], own[1][first : first + count]) if own is not None else None
         return search_outside(index, vectors, self.k, mine, *self.spans, self.stored)
+
+    def _split(self, split: str) -> tuple[np.ndarray, Any]:
+        """(a split's chunks, the documents each may not take a neighbour from: None where the database is
+        another's or the split is the held-out one)."""
+        if split not in self._queries:
+            chunks = chunk_split(self.data_dir, split, self.chunk)
+            own = (chunks.first_doc, answers_last_doc(chunks.last_doc)) if self.own and split == "train" else None
+            self._queries[split] = (chunks.tokens, own)
+        return self._queries[split]
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

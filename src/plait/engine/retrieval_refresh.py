@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from plait.data.retrieval_live import LiveIndex
 from plait.engine.callbacks import Callback, RunState
 from plait.engine.metrics import info
+from plait.model.retrieval import whole
 from plait.model.retrieval_learned import LearnedRetriever
 
 
@@ -31,12 +32,6 @@ def install_lag(refresh_steps: int) -> int:
 
 def learned_retriever(parts: list[nn.Module]) -> LearnedRetriever | None:
     return next((m for part in parts for m in part.modules() if isinstance(m, LearnedRetriever)), None)
-
-
-def whole_value(param: torch.Tensor) -> torch.Tensor:
-    """A parameter's whole value on this rank (a sharded or replicated DTensor gathered: a collective)."""
-    value = param.detach()
-    return value.full_tensor() if hasattr(value, "full_tensor") else value
 
 
 def local(buffer: torch.Tensor) -> torch.Tensor:
@@ -58,7 +53,7 @@ class IndexRefresh(Callback):
     """The learned retriever's index: built at the start, refreshed in the background (see the module docstring)."""
 
     def __init__(self, live: LiveIndex | None) -> None:
-        self.live = live
+        self.live = live  # None: the run has no learned retriever (RunData.live), and this does nothing
         self.retriever: LearnedRetriever | None = None
 
     def on_start(self, run: RunState) -> None:
@@ -110,7 +105,7 @@ class IndexRefresh(Callback):
             if waited > 0.05 and run.env.is_main:
                 info(f"step {step}: waited {waited:.2f} s for the learned retriever's index of step {pending}")
         if step % every == 0:
-            snapshot = whole_value(r.table).float()  # under FSDP every rank gathers it, at the same step
+            snapshot = whole(r.table.detach()).float()  # under FSDP every rank gathers it, at the same step
             pending_table.copy_(snapshot)
             steps[1] = step
             live.submit(step, np.asarray(snapshot.cpu()))
@@ -118,8 +113,3 @@ class IndexRefresh(Callback):
     def close(self, run: RunState) -> None:
         if self.live is not None:
             self.live.close()
-
-
-def index_refresh(cfg, inputs) -> IndexRefresh:
-    """The run's IndexRefresh: idle unless its data has a learned retriever's index (plait.engine.inputs)."""
-    return IndexRefresh(inputs.live)

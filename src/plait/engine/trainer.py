@@ -37,7 +37,7 @@ from plait.engine.loss import IGNORE_INDEX, TokenLoss, cross_entropy
 from plait.engine.metrics import MetricsLogger, info, use_console
 from plait.engine.plot import write_run_plot
 from plait.engine.replicas import Replicas
-from plait.engine.retrieval_refresh import index_refresh
+from plait.engine.retrieval_refresh import IndexRefresh
 from plait.engine.rundir import final_checkpoint_lost, inspect_run_dir, raise_stopped, resume
 from plait.engine.runlock import RunLock, RunLocked
 from plait.engine.step_metrics import StepMetrics
@@ -252,7 +252,7 @@ class Trainer:
         self.data_dir = self.inputs.data_dir
         self.meshes = Meshes.build(dims, env.device.type)  # one process: a mesh of size 1
         compile_watch = CompileWatch()
-        own = [LockWatch(self.lock), compile_watch, ExpertBalance(), index_refresh(cfg, self.inputs)]  # then yours
+        own = [LockWatch(self.lock), compile_watch, ExpertBalance(), IndexRefresh(self.inputs.live)]  # then yours
         cb = self._callbacks = Callbacks([*own, *self.callbacks], rolled_back=lambda: self._rolled_back)
         cb.on_setup(self)  # compile caches set up; health checks refuse a rank that computes or communicates wrongly
         self._build_model()

@@ -128,8 +128,9 @@ def database_retriever(data_dir: str | Path, model, device: str = "cpu"):
 
 def learned_table(model) -> np.ndarray:
     """A learned retriever's table as it is now (plait.model.retrieval_learned), float32 on the CPU."""
-    table = model.neighbour_pointer.retriever.table.detach()
-    return (table.full_tensor() if hasattr(table, "full_tensor") else table).float().cpu().numpy()
+    from plait.model.retrieval import whole
+
+    return whole(model.neighbour_pointer.retriever.table.detach()).float().cpu().numpy()
 
 
 def checkpoint_retriever(checkpoint: str | Path, model, data: str | Path = "", device: str = "cpu"):
