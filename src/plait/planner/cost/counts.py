@@ -112,8 +112,20 @@ def embed_params(a: ModelArgs) -> list[Param]:
 
 
 def head_params(a: ModelArgs) -> list[Param]:
+    """The final norm and the output projection, and RETRO's pointer beside them (whole on every tp rank), with
+    its learned retriever's table."""
     out: list[Param] = [(a.dim, 1, -1)]
+    if a.retrieval_ids and a.retrieval_pointer:  # wq, wk; the switch, its bias, the share and the follow bonus
+        out += [(a.head_dim, 2 * a.dim, -1), (a.dim + 3, 1, -1)]
+        out += [(a.vocab_size, a.retrieval_dim, -1), (1, 1, -1)] if a.retrieval_learned else []
     return out if a.tie_embeddings else [*out, (a.vocab_size, a.dim, 0)]
+
+
+def retrieval_snapshot_bytes(a: ModelArgs) -> int:
+    """The learned retriever's two snapshots of its table (buffers, fp32, whole on every rank that holds the
+    head: plait.model.retrieval_learned)."""
+    learned = a.retrieval_ids and a.retrieval_pointer and a.retrieval_learned
+    return 2 * 4 * a.vocab_size * a.retrieval_dim if learned else 0
 
 
 def sharded_numel(params, tp, shard):

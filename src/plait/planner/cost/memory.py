@@ -26,6 +26,7 @@ from plait.planner.cost.counts import (
     encoder_params,
     head_params,
     local_numel,
+    retrieval_snapshot_bytes,
     sharded_numel,
 )
 from plait.planner.cost.layouts import (
@@ -117,9 +118,10 @@ def rank_memory(work: Workload, lay: Layouts, c: Columns, name: str) -> dict[str
     at_forward_end = params_f + accumulated + transient_f + acts_f + at["grads_f"]
     dynamic = np.maximum(at_forward_end, params_b + grads_buf + transient_b + acts_b + at["grads_b"]) + tp_buf + pp_buf
     stepping = muon.transient_bytes(a, c.fsdp | (tp > 1)) if work.muon else 0.0  # the matrices orthogonalised
-    peak = np.maximum(states_at_peak + dynamic, states + np.where(lay.offload, 0.0, stepping))
+    snapshots = np.where(has_head, retrieval_snapshot_bytes(a), 0.0)  # model buffers, held all the time
+    peak = np.maximum(states_at_peak + dynamic, states + np.where(lay.offload, 0.0, stepping)) + snapshots
     acts = np.maximum(acts_f, acts_b)
-    buffers = np.maximum(params_f, params_b) + grads_buf + tp_buf + pp_buf  # (a pipeline's gradients: states)
+    buffers = np.maximum(params_f, params_b) + grads_buf + tp_buf + pp_buf + snapshots  # (a pipeline's grads: states)
     return dict(
         states=states,
         buffers=buffers,
