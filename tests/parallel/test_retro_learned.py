@@ -105,6 +105,28 @@ def test_the_learned_retriever_starts_as_the_lexical_one(lexical_data):
     live.close()
 
 
+def test_the_learned_retriever_starts_as_the_lexical_one_over_another_corpus(lexical_data, tmp_path, data_dir):
+    """With a database of other text (`plait data retrieve DATA --database OTHER`) the live index searches OTHER's
+    chunks, with OTHER's lexical table, for DATA's chunks (none left out), and finds the neighbours the command
+    found."""
+    from plait.cli import main
+    from plait.data.lexical import lexical_table
+    from plait.data.retrieval import neighbours, read_database
+    from plait.data.retrieval_live import LiveIndex
+    from runs import prepared_speeches
+
+    data = prepared_speeches(tmp_path, 400, Path(data_dir) / "tokenizer.json")
+    assert main(["data", "retrieve", str(data), "--database", str(lexical_data)]) == 0
+    db = read_database(data)
+    live = LiveIndex(data, db, chunk=8, k=2)
+    assert live.home == lexical_data and not live.own
+    live.start(0, lexical_table(lexical_data, 8, 32))
+    for split in ("train", "val"):
+        built = neighbours(data, split, db)
+        assert (live.neighbours(split, 0, len(built)) == built).all(1).mean() > 0.995, split
+    live.close()
+
+
 def job(data: Path, out: Path, name: str, *extra: str) -> list[str]:
     from runs import debug_run
 
