@@ -205,3 +205,25 @@ def test_a_shared_cpu_rank_trains_with_the_threads_its_free_cores_allow(monkeypa
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_run_that_took_fewer_threads_gives_them_back_when_it_ends(monkeypatch):
+    """A health check that lowered torch's threads (a busy moment) holds for its run only: the HealthCheck
+    callback restores the process's thread count when the run closes, so the next run of the same process (a
+    bench's sweep, a notebook) does not inherit one thread from an earlier moment."""
+    from types import SimpleNamespace
+
+    import plait.features.health as health
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(health, "run_health_check", lambda cfg, env, meshes: torch.set_num_threads(1))
+    try:
+        torch.set_num_threads(2)
+        check = health.HealthCheck()
+        run = SimpleNamespace(cfg=None, env=None, meshes=None)
+        check.on_setup(run)
+        assert torch.get_num_threads() == 1  # the run trains with what the check chose
+        check.close(run)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

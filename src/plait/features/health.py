@@ -362,7 +362,18 @@ def fit_threads_to_free_cores(report: HealthReport, rank: int, device: torch.dev
 
 
 class HealthCheck(Callback):
-    """run_health_check before the model is built (run.health_check_enabled)."""
+    """run_health_check before the model is built (run.health_check_enabled). Where it lowered torch's threads
+    (fit_threads_to_free_cores: another process held the cores), the run puts them back when it ends, so that the
+    next run in the same process (a sweep, a notebook) starts from the threads it was given and measures its own
+    moment: before, one busy moment left every later run of the process on fewer threads."""
+
+    def __init__(self) -> None:
+        self.threads: int | None = None
 
     def on_setup(self, run: RunState) -> None:
+        self.threads = torch.get_num_threads()
         run_health_check(run.cfg, run.env, run.meshes)
+
+    def close(self, run: RunState) -> None:
+        if self.threads is not None and torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
