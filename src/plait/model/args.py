@@ -115,6 +115,12 @@ class ModelArgs:
         return tuple(sorted({int(x) for x in self.retrieval_layers.split(",") if x.strip()}))
 
     @property
+    def learns_retriever(self) -> bool:
+        """Whether the model has a learned retriever (plait.model.retrieval_learned): retrieval, the pointer it
+        lives in, and retrieval_learned; the one rule of the model, its counts and the planner's."""
+        return bool(self.retrieval_ids) and self.retrieval_pointer and self.retrieval_learned
+
+    @property
     def head_dim(self) -> int:
         return self.attention_head_dim or self.dim // self.n_heads
 
@@ -162,9 +168,7 @@ class ModelArgs:
             encoder = self.retrieval_encoder_layers * (attn + 2 * self.dim + 3 * self.dim * self.hidden_dim)
             total += len(self.retrieval_ids) * cross + encoder + self.dim + (2 if self.retrieval_copy else 0)
             total += (2 * self.dim * self.head_dim + self.dim + 3) if self.retrieval_pointer else 0
-            total += (
-                (self.vocab_size * self.retrieval_dim + 1) if self.retrieval_pointer and self.retrieval_learned else 0
-            )
+            total += (self.vocab_size * self.retrieval_dim + 1) if self.learns_retriever else 0
         return total - (embed if exclude_embeddings else 0)
 
     def matmul_params(self) -> float:
@@ -224,7 +228,7 @@ class ModelArgs:
         # model.retrieval_pointer: its query and switch per token, its keys per neighbour token, its scores
         pointer = 2 * self.dim * self.head_dim * (1 + 2 * k) + 2 * self.dim + 2 * self.head_dim * k * 2 * c
         # model.retrieval_learned: each chunk's and its neighbours' bags of table rows (c adds of d each), per token
-        pointer += 2 * (1 + k) * self.retrieval_dim if self.retrieval_learned else 0
+        pointer += 2 * (1 + k) * self.retrieval_dim if self.learns_retriever else 0
         return encoder + len(self.retrieval_ids) * cross + (pointer if self.retrieval_pointer else 0)
 
 

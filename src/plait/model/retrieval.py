@@ -233,7 +233,7 @@ class NeighbourPointer(nn.Module):
         self.switch = nn.Linear(args.dim, 1)
         self.weight = nn.Parameter(torch.zeros(1))
         self.follow = nn.Parameter(torch.zeros(1))
-        self.retriever = LearnedRetriever(args) if args.retrieval_learned else None
+        self.retriever = LearnedRetriever(args) if args.learns_retriever else None
 
     def _grouped(self, x: torch.Tensor, value: float = 0) -> torch.Tensor:
         """Per group row (B, T / c, c, ...) of per token (B, T, ...): row j of group u is token u c + c - 1 + j

@@ -117,15 +117,14 @@ def head_params(a: ModelArgs) -> list[Param]:
     out: list[Param] = [(a.dim, 1, -1)]
     if a.retrieval_ids and a.retrieval_pointer:  # wq, wk; the switch, its bias, the share and the follow bonus
         out += [(a.head_dim, 2 * a.dim, -1), (a.dim + 3, 1, -1)]
-        out += [(a.vocab_size, a.retrieval_dim, -1), (1, 1, -1)] if a.retrieval_learned else []
+        out += [(a.vocab_size, a.retrieval_dim, -1), (1, 1, -1)] if a.learns_retriever else []
     return out if a.tie_embeddings else [*out, (a.vocab_size, a.dim, 0)]
 
 
 def retrieval_snapshot_bytes(a: ModelArgs) -> int:
     """The learned retriever's two snapshots of its table (buffers, fp32, whole on every rank that holds the
     head: plait.model.retrieval_learned)."""
-    learned = a.retrieval_ids and a.retrieval_pointer and a.retrieval_learned
-    return 2 * 4 * a.vocab_size * a.retrieval_dim if learned else 0
+    return 2 * 4 * a.vocab_size * a.retrieval_dim if a.learns_retriever else 0
 
 
 def sharded_numel(params, tp, shard):
