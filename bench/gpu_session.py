@@ -1,4 +1,4 @@
-"""Every GPU measurement the open issues ask for, in seven parts that each fit one 10-minute device call.
+"""Every GPU measurement the open issues ask for, in eight parts that each fit one 10-minute device call.
 
 A session lent a GPU has 15 minutes of device time (one call, after the machine's start) and 10 minutes a
 call; the parts are in order of what the issues need most, one part per lent session:
@@ -28,6 +28,9 @@ call; the parts are in order of what the issues need most, one part per lent ses
             one after the other: plait, transformers' Qwen3MoeForCausalLM with bf16 weights and with bf16
             autocast over fp32 weights, the hand-written loop over torch._grouped_mm (bench/gpu_peers.py
             --family moe; checked here with `python bench/gpu_peers.py --family moe --check`)
+    part 8  Muon (issue 46): the Newton-Schulz of llama3-1b's 112 matrices against its floor (bench/muon_ns.py);
+            llama3-1b compiled, AdamW then Muon, at the speed table's batch (16 x 2048) and at 64 x 2048, one
+            compile cache for the four; one rank of llama3-8b FSDP 8 under `plait fit`, Muon then AdamW
 
 Each step runs in its own process with a time limit; a step that would not finish before the part's deadline
 is skipped and said so. Logs and JSON results go to --out (default $OUT on the device machine, else
@@ -115,6 +118,13 @@ QWEN3_MOE_2_8B = [  # the preset: Qwen3-MoE's block, 64 experts, top-8, 2.81B pa
     *BF16_CUDA,
 ]
 MOE_SHORT = ["--steps=8", "--warmup=3", "--no-warm-run"]
+MUON_CACHE = "--compile.cache_dir=/tmp/plait-muon-cache"  # the four llama3-1b runs of part 8 compile once
+FIT_8B_FSDP8 = [
+    "--model.preset=llama3-8b",
+    "--data.seq_len=8192",
+    "--train.global_batch_size=8",
+    "--parallel.dp_shard_degree=8",
+]
 MOE_PEER_SIDES = [("plait-moe", 140), ("hf-moe-bf16", 140), ("hf-moe", 140), ("bare-moe", 100)]  # estimates, s
 
 
@@ -265,13 +275,7 @@ def parts(peers: Path) -> dict[int, list[Step]]:
         # step times share the machine with the compiler; their peaks are per process. Run with --logs
         # outside $OUT: 8 files come back at most.
         4: [
-            fit_step(
-                "fit-8b-fsdp8",
-                8,
-                ["--model.preset=llama3-8b", "--data.seq_len=8192", "--train.global_batch_size=8"]
-                + ["--parallel.dp_shard_degree=8"],
-                45,
-            ),
+            fit_step("fit-8b-fsdp8", 8, FIT_8B_FSDP8, 45),
             fit_step(
                 "fit-70b-tp8-fsdp8",
                 64,
@@ -387,6 +391,36 @@ def parts(peers: Path) -> dict[int, list[Step]]:
                 "gpu_peers_moe.json",
             )
         ],
+        # Muon against AdamW (issue 46): the orthogonalisation alone, then whole steps, then memory at real size
+        8: [
+            Step("muon-ns", ["bench/muon_ns.py", "--device=cuda", "--json={out}/muon_ns.json"], 30, "muon_ns.json"),
+            *(
+                plait_step(
+                    f"muon-1b-{name}-b16",
+                    "bench",
+                    [*LLAMA3_1B_2048, MUON_CACHE, *optim],
+                    ["--steps=10", "--warmup=3", "--no-warm-run"],
+                    estimate,
+                )
+                for name, optim, estimate in (
+                    ("adamw", [], 120),  # the cold compile: 92 s to the first step on an H200 (2026-11-26)
+                    ("muon", ["--optim.name=muon"], 60),
+                )
+            ),
+            fit_step("fit-8b-fsdp8-muon", 8, [*FIT_8B_FSDP8, "--optim.name=muon"], 45),
+            fit_step("fit-8b-fsdp8-adamw", 8, FIT_8B_FSDP8, 35),  # 23 s on an H200 (2026-11-28)
+            *(
+                plait_step(
+                    f"muon-1b-{name}-b64",
+                    "bench",
+                    [*(a for a in LLAMA3_1B_2048 if "global_batch" not in a), "--train.global_batch_size=64"]
+                    + [MUON_CACHE, *optim],
+                    ["--steps=5", "--warmup=2", "--no-warm-run"],
+                    estimate,
+                )
+                for name, optim, estimate in (("adamw", [], 55), ("muon", ["--optim.name=muon"], 60))
+            ),
+        ],
     }
 
 
@@ -437,8 +471,14 @@ def summary(step: Step, out: Path) -> str:
             else f"{name} failed"
             for name, s in r["sides"].items()
         )
+    if "ns_tflop" in r:  # bench/muon_ns.py
+        ms = {k: f"{1e3 * r[k + '_s']:.1f} ms" for k in ("plait", "stacked", "floor")}
+        return (f"Newton-Schulz {r['ns_tflop']:.1f} TFLOP: plait {ms['plait']}, stacked {ms['stacked']}, "
+                f"floor {ms['floor']} at {r['matmul_tflops']:.0f} TFLOP/s")  # fmt: skip
     if "tokens_per_s" in r:
         text = f"{r['tokens_per_s']:,.0f} tok/s, MFU {100 * r['mfu']:.1f}%, peak {r['memory']['mem_peak_gib']:.1f} GiB"
+        if "optimizer" in r.get("breakdown_s", {}):
+            text += f", step {r['breakdown_s']['total']:.3f} s (optimizer {r['breakdown_s']['optimizer']:.3f})"
         if "planner" in r["memory"]:
             text += f" (planner {r['memory']['planner']['allocated_gib']:.1f})"
         text += f", first step {r['first_step']['from_process_start_s']:.1f} s"
@@ -519,14 +559,17 @@ def run_lane(steps: list[Step], deadline: float, out: Path, env: dict, logs: Pat
         with _PRINT:
             print(f"[{time.strftime('%H:%M:%S')}] {step.name} (~{step.estimate_s:.0f} s)", flush=True)
         records[step.name] = run_step(step, out, min(left, STEP_CAP * step.estimate_s), env, logs)
-        records[step.name]["summary"] = summary(step, out)
+        try:
+            records[step.name]["summary"] = summary(step, out)
+        except (KeyError, TypeError, ValueError) as e:  # a result of another shape: the JSON is still there
+            records[step.name]["summary"] = f"(no summary: {type(e).__name__} {e})"
         with _PRINT:
             print(f"[{time.strftime('%H:%M:%S')}] {step.name}: {records[step.name]['status']}", flush=True)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--part", type=int, choices=(1, 2, 3, 4, 5, 6, 7), required=True)
+    p.add_argument("--part", type=int, choices=(1, 2, 3, 4, 5, 6, 7, 8), required=True)
     default_peers = next((d for d in (ROOT / ".peers", ROOT.parent / "shared" / "gpu") if d.exists()), ROOT / ".peers")
     p.add_argument("--peers", type=Path, default=default_peers, help="the reference sides' folder")
     default_out = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "bench" / "results" / "gpu_session"

@@ -130,7 +130,7 @@ def report(r) -> str:
     if m:
         cuda = m.get("reserved") is not None
         rows = [
-            ("model states (params, grads, AdamW)", m.get("states"), p["states"] if p["host"] == 0 else p["host"]),
+            ("model states (params, grads, optimizer)", m.get("states"), p["states"] if p["host"] == 0 else p["host"]),
             ("activations (one micro-batch)", m.get("activations"), p["activations"]),
             ("gathered params, grad and comm buffers", None, p["buffers"]),
             ("transient (recompute, head, ring, experts)", None, p["transient"]),
