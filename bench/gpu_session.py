@@ -1,4 +1,4 @@
-"""Every GPU measurement the open issues ask for, in eight parts that each fit one 10-minute device call.
+"""Every GPU measurement the open issues ask for, in nine parts that each fit one 10-minute device call.
 
 A session lent a GPU has 15 minutes of device time (one call, after the machine's start) and 10 minutes a
 call; the parts are in order of what the issues need most, one part per lent session:
@@ -31,6 +31,8 @@ call; the parts are in order of what the issues need most, one part per lent ses
     part 8  Muon (issue 46): the Newton-Schulz of llama3-1b's 112 matrices against its floor (bench/muon_ns.py);
             llama3-1b compiled, AdamW then Muon, at the speed table's batch (16 x 2048) and at 64 x 2048, one
             compile cache for the four; one rank of llama3-8b FSDP 8 under `plait fit`, Muon then AdamW
+            (all green in one call of 244 s on an H200, 2026-11-30: bench/results/h200-2026-11-30-part8)
+    part 9  Muon's step cost again: the 64 x 2048 pair in the other order, then 128 x 2048
 
 Each step runs in its own process with a time limit; a step that would not finish before the part's deadline
 is skipped and said so. Logs and JSON results go to --out (default $OUT on the device machine, else
@@ -139,6 +141,15 @@ def fit_step(name: str, world: int, settings: list[str], estimate_s: float, rank
 def compile_probe(case: str, estimate_s: float) -> Step:
     return Step(f"compile-{case}", ["bench/compile_probe.py", f"--case={case}", f"--json={{out}}/compile-{case}.json"],
                 estimate_s, f"compile-{case}.json", lane="compile")  # fmt: skip
+
+
+def muon_1b(optimizer: str, batch: int, estimate_s: float) -> Step:
+    """llama3-1b compiled at `batch` x 2048 with AdamW or Muon, timed by `plait bench` (one compile cache)."""
+    settings = [*(a for a in LLAMA3_1B_2048 if "global_batch" not in a), f"--train.global_batch_size={batch}"]
+    steps = ["--steps=5", "--warmup=2"] if batch <= 64 else ["--steps=3", "--warmup=1"]
+    optim = ["--optim.name=muon"] if optimizer == "muon" else []
+    return plait_step(f"muon-1b-{optimizer}-b{batch}", "bench", [*settings, MUON_CACHE, *optim],
+                      [*steps, "--no-warm-run"], estimate_s)  # fmt: skip
 
 
 def parts(peers: Path) -> dict[int, list[Step]]:
@@ -409,17 +420,17 @@ def parts(peers: Path) -> dict[int, list[Step]]:
             ),
             fit_step("fit-8b-fsdp8-muon", 8, [*FIT_8B_FSDP8, "--optim.name=muon"], 45),
             fit_step("fit-8b-fsdp8-adamw", 8, FIT_8B_FSDP8, 35),  # 23 s on an H200 (2026-11-28)
-            *(
-                plait_step(
-                    f"muon-1b-{name}-b64",
-                    "bench",
-                    [*(a for a in LLAMA3_1B_2048 if "global_batch" not in a), "--train.global_batch_size=64"]
-                    + [MUON_CACHE, *optim],
-                    ["--steps=5", "--warmup=2", "--no-warm-run"],
-                    estimate,
-                )
-                for name, optim, estimate in (("adamw", [], 55), ("muon", ["--optim.name=muon"], 60))
-            ),
+            muon_1b("adamw", 64, 55),
+            muon_1b("muon", 64, 60),
+        ],
+        # Muon's cost again (2026-11-30, after part 8): the 64 x 2048 pair in the other order, Muon first and
+        # cold (is part 8's 1.3% compute difference between the two processes Muon's or the order's?), then 128
+        # x 2048, where the optimizer's fixed 95 ms should be under 3% of the step
+        9: [
+            dataclasses.replace(muon_1b("muon", 64, 60), name="muon-1b-muon-b64-first", estimate_s=110),
+            dataclasses.replace(muon_1b("adamw", 64, 55), name="muon-1b-adamw-b64-second"),
+            muon_1b("muon", 128, 70),
+            muon_1b("adamw", 128, 65),
         ],
     }
 
@@ -569,7 +580,7 @@ def run_lane(steps: list[Step], deadline: float, out: Path, env: dict, logs: Pat
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--part", type=int, choices=(1, 2, 3, 4, 5, 6, 7, 8), required=True)
+    p.add_argument("--part", type=int, choices=(1, 2, 3, 4, 5, 6, 7, 8, 9), required=True)
     default_peers = next((d for d in (ROOT / ".peers", ROOT.parent / "shared" / "gpu") if d.exists()), ROOT / ".peers")
     p.add_argument("--peers", type=Path, default=default_peers, help="the reference sides' folder")
     default_out = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "bench" / "results" / "gpu_session"
