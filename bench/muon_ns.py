@@ -5,8 +5,9 @@ step's updates takes, against its floor (the iteration's FLOPs at the device's m
 
 Two versions of the same arithmetic, on the preset's Muon matrices (plait.engine.muon.takes_muon, their shapes
 from the model built on the meta device), fp32 updates as the optimizer holds them:
-- `plait`: plait.parallel.orthogonal.orthogonalise_all, as one process runs it (each matrix on its own);
-- `stacked`: the matrices of one shape stacked and iterated as one batch (one bmm per product), unstacked.
+- `plait`: plait.parallel.orthogonal.orthogonalise_all, as one process runs it (each matrix on its own, each
+  update dropped as it comes, as the optimizer applies it; before 2026-11-30 every update was kept to the end);
+- `stacked`: the matrices of one shape stacked and iterated as one batch (one bmm per product), all kept.
 The iteration is in bf16 on a GPU (torch.optim.Muon's) and fp32 on a CPU, as `optim.muon_ns_dtype=auto`.
 The matrix rate is a square bf16 (GPU) or fp32 (CPU) product of the preset's width's largest matrix shape.
 FLOPs per iteration of an A x B matrix, A <= B: 4 A^2 B + 2 A^3 (two products with the A x A Gram matrix
@@ -97,8 +98,15 @@ def main() -> int:
     gen = torch.Generator(device=device).manual_seed(0)
     updates = [torch.randn(s, device=device, generator=gen) for s in shapes]
 
-    def plait_path():
-        return orthogonalise_all(updates, updates, ns)
+    def plait_path():  # each update used as it comes (the optimizer applies it), none kept
+        for _ in orthogonalise_all(updates, updates.__getitem__, ns):
+            pass
+
+    def plait_kept():
+        out: list = [None] * len(updates)
+        for i, u in orthogonalise_all(updates, updates.__getitem__, ns):
+            out[i] = u
+        return out
 
     by_shape: dict[tuple[int, ...], list[int]] = defaultdict(list)
     for i, s in enumerate(shapes):
@@ -113,7 +121,7 @@ def main() -> int:
         return out
 
     # the same function: the stacked version equals plait's within bf16 rounding
-    ref, other = plait_path(), stacked()
+    ref, other = plait_kept(), stacked()
     err = max(((r.float() - o.float()).norm() / r.float().norm()).item() for r, o in zip(ref, other, strict=True))
     width = max(max(s[-2:]) for s in shapes)
     rate = matmul_rate(min(width, 8192), dtype, device, a.repeat)

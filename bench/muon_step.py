@@ -41,19 +41,18 @@ def simple_design(monkey: list) -> None:
     from plait.core import torch_private
     from plait.engine import muon as muon_module
 
-    def everywhere(params, locals_, ns):
+    def everywhere(params, local_of, ns):
         from torch.distributed.tensor import DTensor
 
-        out = []
-        for p, local in zip(params, locals_, strict=True):
+        for i, p in enumerate(params):
+            local = local_of(i)
             if not isinstance(p, DTensor):
-                out.append(ns(local))
+                yield i, ns(local)
                 continue
             whole = DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
             full = ns(whole.full_tensor())
             shape, offset = torch_private.local_box(p)
-            out.append(full[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))])
-        return out
+            yield i, full[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
 
     monkey.append((muon_module, muon_module.orthogonalise_all))
     muon_module.orthogonalise_all = everywhere

@@ -116,16 +116,19 @@ class Muon(torch.optim.Optimizer):
     def _muon_step(self, group: dict) -> None:
         params = [p for p in group["params"] if p.grad is not None]
         momentum, lr, decay = group["momentum"], group["lr"], group["weight_decay"]
-        updates = []
-        for p in params:
-            state = self.state[p]
+
+        def nesterov(i: int) -> torch.Tensor:
+            """Matrix i's momentum update (its buffer stepped), made when the orthogonalisation asks for it."""
+            state = self.state[params[i]]
             if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(p)
-            grad = torch_private.local_tensor(p.grad)
+                state["momentum_buffer"] = torch.zeros_like(params[i])
+            grad = torch_private.local_tensor(params[i].grad)
             buf = torch_private.local_tensor(state["momentum_buffer"])
             buf.lerp_(grad, 1 - momentum)
-            updates.append(grad.lerp(buf, momentum))  # Nesterov, as torch.optim.Muon's default
-        for p, update in zip(params, orthogonalise_all(params, updates, self.ns), strict=True):
+            return grad.lerp(buf, momentum)  # Nesterov, as torch.optim.Muon's default
+
+        for i, update in orthogonalise_all(params, nesterov, self.ns):  # each applied before the next is made
+            p = params[i]
             local = torch_private.local_tensor(p)
             local.mul_(1 - lr * decay)
             local.add_(update, alpha=-lr * RMS_MATCH * math.sqrt(max(p.shape[-2:])))

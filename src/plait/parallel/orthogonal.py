@@ -22,7 +22,7 @@ inside its matrices, which plait's layouts never produce, is gathered whole on e
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -102,50 +102,58 @@ class _Kind:
 
 
 def orthogonalise_all(
-    matrices: list[torch.Tensor], locals_: list[torch.Tensor], ns: Orthogonalise
-) -> list[torch.Tensor]:
-    """The orthogonalised update of each matrix, as this rank's local shard. matrices: the parameters (DTensor
-    or plain: their global shape and placements); locals_: this rank's local momentum update of each."""
-    out: list[torch.Tensor | None] = [None] * len(matrices)
+    matrices: list[torch.Tensor], local_of: Callable[[int], torch.Tensor], ns: Orthogonalise
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """(index, this rank's shard of the orthogonalised update) of each matrix, yielded as each is ready.
+    matrices: the parameters (DTensor or plain: their global shape and placements); local_of(i): this rank's
+    local momentum update of matrix i, asked for only when it is needed. So the caller applies each update
+    before the next is made, and a rank holds a few whole matrices at a time, not a copy of all of them
+    (plait.planner.cost.muon.TRANSIENT_MATRICES)."""
     kinds: dict[tuple, _Kind] = {}
-    for i, (u, local) in enumerate(zip(matrices, locals_, strict=True)):
+    for i, u in enumerate(matrices):
         split = split_mesh_dims(u)
         if not split:
-            out[i] = ns(local)  # whole where it lives (batched over a stack of experts)
+            yield i, ns(local_of(i))  # whole where it lives (batched over a stack of experts)
         elif u.ndim != 2:
-            out[i] = _gathered_everywhere(u, local, ns)
+            yield i, _gathered_everywhere(u, local_of(i), ns)
         else:
             assert isinstance(u, DTensor)
             key = (id(u.device_mesh), tuple(u.placements), tuple(u.shape))
             kind = kinds.setdefault(key, _Kind(u.device_mesh, tuple(u.placements), tuple(u.shape), split))
             kind.members.append(i)
     rounds = [(kind, kind.members[s : s + kind.group_size]) for kind in kinds.values() for s in _starts(kind)]
-    _exchange_rounds(rounds, locals_, out, ns)
-    done = [o for o in out if o is not None]
-    assert len(done) == len(out), "a matrix was left without its update"
-    return done
+    yield from _exchange_rounds(rounds, local_of, ns)
 
 
 def _starts(kind: _Kind) -> range:
     return range(0, len(kind.members), kind.group_size)
 
 
-def _exchange_rounds(rounds: list, locals_: list[torch.Tensor], out: list, ns: Orthogonalise) -> None:
-    """Each round: stack, exchange (issued one round ahead), orthogonalise this rank's matrix, send it back."""
-    pending = _gather_round(rounds[0], locals_) if rounds else None
-    returns = []
+def _exchange_rounds(
+    rounds: list, local_of: Callable[[int], torch.Tensor], ns: Orthogonalise
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """Each round: stack, exchange (issued one round ahead), orthogonalise this rank's matrix, send it back;
+    a round's shards are yielded once the next round's are on their way back."""
+    pending = _gather_round(rounds[0], local_of) if rounds else None
+    sent: tuple[list[int], DTensor] | None = None
     for r, (kind, members) in enumerate(rounds):
         whole = pending
-        pending = _gather_round(rounds[r + 1], locals_) if r + 1 < len(rounds) else None
+        pending = _gather_round(rounds[r + 1], local_of) if r + 1 < len(rounds) else None
         assert whole is not None
         mine = whole.to_local()
         if kind.my_index() < len(members):
             mine = ns(mine)  # else a zero matrix that only fills the round
-        returns.append((members, _scatter_round(kind, mine)))
-    for members, back in returns:
-        shards = back.to_local()
-        for j, i in enumerate(members):
-            out[i] = shards[j]
+        if sent is not None:
+            yield from _returned(*sent)
+        sent = (members, _scatter_round(kind, mine))
+    if sent is not None:
+        yield from _returned(*sent)
+
+
+def _returned(members: list[int], back: DTensor) -> Iterator[tuple[int, torch.Tensor]]:
+    shards = back.to_local()  # waits for the round's return
+    for j, i in enumerate(members):
+        yield i, shards[j]
 
 
 def _stacked_placements(kind: _Kind) -> tuple[list, list]:
@@ -156,10 +164,10 @@ def _stacked_placements(kind: _Kind) -> tuple[list, list]:
     return lying, whole
 
 
-def _gather_round(round_: tuple[_Kind, list[int]], locals_: list[torch.Tensor]) -> DTensor:
+def _gather_round(round_: tuple[_Kind, list[int]], local_of: Callable[[int], torch.Tensor]) -> DTensor:
     kind, members = round_
     n = kind.group_size
-    parts = [locals_[i] for i in members]
+    parts = [local_of(i) for i in members]
     parts += [torch.zeros_like(parts[0])] * (n - len(parts))
     lying, whole = _stacked_placements(kind)
     shape = torch.Size((n, *kind.shape))
