@@ -86,6 +86,46 @@ def test_zero_iterations_is_the_control_scaled_momentum_of_muons_size(shape):
     load_config(None, ["optim.name=muon", "optim.muon_ns_steps=0"])  # allowed
 
 
+@pytest.mark.parametrize(("device", "setting", "dtype"), [
+    ("cuda", "auto", torch.bfloat16), ("cpu", "auto", torch.float32), ("cuda", "fp32", torch.float32),
+    ("cpu", "bf16", torch.bfloat16),
+])  # fmt: skip
+def test_the_iterations_run_in_bf16_on_a_gpu_and_fp32_on_a_cpu_unless_set(device, setting, dtype):
+    """optim.muon_ns_dtype=auto: bf16 on CUDA (torch.optim.Muon's; the H200 figures of docs/optimizers.md), fp32
+    on a CPU (the layouts' parity); a setting overrides it. Read off the optimizer a run builds for the device."""
+    from plait.engine.optim import build_optimizer
+
+    cfg = load_config(None, ["model.preset=debug", "optim.name=muon", f"optim.muon_ns_dtype={setting}"])
+    model = empty_model(preset_args("debug"))
+    opt = build_optimizer(model, cfg.optim, torch.device(device))
+    assert opt.ns.keywords["dtype"] == dtype
+
+
+def test_the_muon_step_never_waits_for_the_device():
+    """No op of Muon's step reads a value back to the host (.item(), nonzero, a tensor's truth): on a GPU each
+    would stall the step until the device catches up. Checked op by op under a dispatch mode, on the CPU."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    syncing = {"_local_scalar_dense", "nonzero", "is_nonzero", "equal", "allclose"}
+    seen: list[str] = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(48, 32)), nn.Parameter(torch.randn(3, 16, 24))]
+    opt = muon(params)
+    for _ in range(2):  # the first step makes the buffers
+        for p in params:
+            p.grad = torch.randn_like(p)
+        with Ops():
+            opt.step()
+    assert "mm" in seen and "addmm" in seen  # the mode sees the iteration's ops
+    assert not syncing & set(seen), sorted(syncing & set(seen))
+
+
 def test_one_rule_picks_the_blocks_matrices_and_each_experts():
     dense = empty_model(preset_args("debug"))
     muon_names = [n for n, _ in split_parameters(dense)[0]]
