@@ -79,7 +79,7 @@ def retrieval_activation_bytes(a: ModelArgs, e: int, tp, ac) -> np.ndarray:
     repeat, the attention's output and its copy into the output projection (each Q e / tp), logsumexp; as one
     selective region (tp = 1): the projections' outputs (keys and values before the repeat), the attention's
     and the output projection's partial sum (h e); full AC: nothing (the block's input and the encoder's output
-    are counted already)."""
+    are counted already); and the neighbour pointer's (`pointer_activation_bytes`)."""
     if not a.retrieval_ids:
         return np.zeros_like(np.asarray(tp, dtype=np.float64))
     h, heads, n = a.dim, a.n_heads, 2 * a.retrieval_k
@@ -92,7 +92,37 @@ def retrieval_activation_bytes(a: ModelArgs, e: int, tp, ac) -> np.ndarray:
     selective = np.where(recompute_units_pay(h, a.hidden_dim, tp), none, region)
     ac = np.asarray(ac)
     cross = np.where(ac == 0, none, np.where(ac == 1, selective, 0.0))
-    return encoder + len(a.retrieval_ids) * cross
+    return encoder + len(a.retrieval_ids) * cross + pointer_activation_bytes(a, e)
+
+
+POINTER_SMALL_BYTES = 36
+"""The pointer's per-token scalars kept for backward (the switch's sigmoid and its share, the copy's probability
+of the target, the mixture's (1 - s) a, (1 - s) b + s p operands; fp32): nine of them, measured."""
+BAG_BYTES_PER_TOKEN, BAG_BYTES = 12, 16
+"""A learned retriever's bag of c tokens (plait.model.retrieval_learned.bag_embed) keeps, beside its vectors,
+each token's id (int64) and weight (fp32), and a few scalars for the bag: measured."""
+
+
+def pointer_activation_bytes(a: ModelArgs, e: int) -> float:
+    """The neighbour pointer's bytes kept for backward per token of the sequence (0 without it; measured on the
+    real model: tests/parallel/test_plan_vs_runtime.py). It runs beside the head, outside the blocks, so no
+    activation checkpointing covers it; under TP every tp rank computes it whole (plait.model.retrieval), so it
+    is not split. Each token sees n = 2 k c neighbour tokens (those of the last chunk before it): its gathered
+    hidden state (h e), its query (d e, d the head width), its share of the keys over the chunk's neighbours
+    (n d e / c), and, per neighbour token, the follow mask and the target mask (1 byte each) and the attention
+    (fp32); and POINTER_SMALL_BYTES. With the learned retriever (retrieval_learned), per chunk of c tokens: the
+    chunk's and its k neighbours' bags (their sum and unit vectors, 2 x 4 D each, D = retrieval_dim, and
+    BAG_BYTES_PER_TOKEN c + BAG_BYTES), the prior's k cosines and log-probabilities (fp32), and per neighbour
+    token the log-softmax within each neighbour beside the attention (fp32)."""
+    if not (a.retrieval_ids and a.retrieval_pointer):
+        return 0.0
+    h, d, c = a.dim, a.head_dim, a.retrieval_chunk
+    n = 2 * a.retrieval_k * c
+    pointer = (h + d) * e + n * d * e / c + n * (1 + 1 + 4) + POINTER_SMALL_BYTES
+    if not a.learns_retriever:
+        return pointer
+    bag = 8 * a.retrieval_dim + BAG_BYTES_PER_TOKEN * c + BAG_BYTES
+    return pointer + ((1 + a.retrieval_k) * bag + 8 * a.retrieval_k) / c + 4 * n
 
 
 def moe_mlp_bytes(a: ModelArgs, e: int) -> tuple[float, float]:
