@@ -259,10 +259,12 @@ class Transformer(nn.Module):
         embedded = self.tok_embeddings(x)
         bsz, groups, k, width = neighbours.shape
         cos, sin = self.rope(0, width)  # each neighbour's own positions
-        encoded = self.retrieval_encoder(
-            embedded[:, tokens.shape[1] :].reshape(-1, width, embedded.shape[-1]), cos, sin
-        )
-        return tokens, embedded[:, : tokens.shape[1]], encoded.reshape(bsz, groups, k * width, -1)
+        # Each part a copy of its own: a view would keep the whole row's storage alive for as long as the first
+        # block or the encoder keeps its input (a whole row on every tp rank where a block is checkpointed).
+        length = tokens.shape[1]
+        own, retrieved = embedded[:, :length].clone(), embedded[:, length:].clone()
+        encoded = self.retrieval_encoder(retrieved.view(-1, width, embedded.shape[-1]), cos, sin)
+        return tokens, own, encoded.reshape(bsz, groups, k * width, -1)
 
     def documents(self, ids: torch.Tensor) -> tuple[torch.Tensor | BlockMask, torch.Tensor]:
         """Document masking: (what the attention takes: the document ids, or their block mask where

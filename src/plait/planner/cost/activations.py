@@ -79,7 +79,8 @@ def retrieval_activation_bytes(a: ModelArgs, e: int, tp, ac) -> np.ndarray:
     repeat, the attention's output and its copy into the output projection (each Q e / tp), logsumexp; as one
     selective region (tp = 1): the projections' outputs (keys and values before the repeat), the attention's
     and the output projection's partial sum (h e); full AC: nothing (the block's input and the encoder's output
-    are counted already); and the neighbour pointer's (`pointer_activation_bytes`)."""
+    are counted already), but under TP the first block's input whole (h e, not h e / tp: its checkpoint keeps
+    it before sequence parallelism shards it); and the neighbour pointer's (`pointer_activation_bytes`)."""
     if not a.retrieval_ids:
         return np.zeros_like(np.asarray(tp, dtype=np.float64))
     h, heads, n = a.dim, a.n_heads, 2 * a.retrieval_k
@@ -92,7 +93,10 @@ def retrieval_activation_bytes(a: ModelArgs, e: int, tp, ac) -> np.ndarray:
     selective = np.where(recompute_units_pay(h, a.hidden_dim, tp), none, region)
     ac = np.asarray(ac)
     cross = np.where(ac == 0, none, np.where(ac == 1, selective, 0.0))
-    return encoder + len(a.retrieval_ids) * cross + pointer_activation_bytes(a, e)
+    # full AC: the first block's checkpoint keeps its input whole, before its sequence shard is taken (under TP a
+    # retrieval model's embeddings are whole on every rank: plait.parallel.tensor_parallel.apply_tp_retrieval)
+    first = np.where(ac == 2, h * e * (1 - 1 / np.asarray(tp, dtype=np.float64)), 0.0)
+    return encoder + len(a.retrieval_ids) * cross + first + pointer_activation_bytes(a, e)
 
 
 POINTER_SMALL_BYTES = 36
