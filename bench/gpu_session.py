@@ -146,7 +146,7 @@ def compile_probe(case: str, estimate_s: float) -> Step:
 def muon_1b(optimizer: str, batch: int, estimate_s: float) -> Step:
     """llama3-1b compiled at `batch` x 2048 with AdamW or Muon, timed by `plait bench` (one compile cache)."""
     settings = [*(a for a in LLAMA3_1B_2048 if "global_batch" not in a), f"--train.global_batch_size={batch}"]
-    steps = ["--steps=5", "--warmup=2"] if batch <= 64 else ["--steps=3", "--warmup=1"]
+    steps = {16: ["--steps=10", "--warmup=3"], 64: ["--steps=5", "--warmup=2"]}.get(batch, ["--steps=3", "--warmup=1"])
     optim = ["--optim.name=muon"] if optimizer == "muon" else []
     return plait_step(f"muon-1b-{optimizer}-b{batch}", "bench", [*settings, MUON_CACHE, *optim],
                       [*steps, "--no-warm-run"], estimate_s)  # fmt: skip
@@ -405,19 +405,8 @@ def parts(peers: Path) -> dict[int, list[Step]]:
         # Muon against AdamW (issue 46): the orthogonalisation alone, then whole steps, then memory at real size
         8: [
             Step("muon-ns", ["bench/muon_ns.py", "--device=cuda", "--json={out}/muon_ns.json"], 30, "muon_ns.json"),
-            *(
-                plait_step(
-                    f"muon-1b-{name}-b16",
-                    "bench",
-                    [*LLAMA3_1B_2048, MUON_CACHE, *optim],
-                    ["--steps=10", "--warmup=3", "--no-warm-run"],
-                    estimate,
-                )
-                for name, optim, estimate in (
-                    ("adamw", [], 120),  # the cold compile: 92 s to the first step on an H200 (2026-11-26)
-                    ("muon", ["--optim.name=muon"], 60),
-                )
-            ),
+            muon_1b("adamw", 16, 120),  # the cold compile: 92 s to the first step on an H200 (2026-11-26)
+            muon_1b("muon", 16, 60),
             fit_step("fit-8b-fsdp8-muon", 8, [*FIT_8B_FSDP8, "--optim.name=muon"], 45),
             fit_step("fit-8b-fsdp8-adamw", 8, FIT_8B_FSDP8, 35),  # 23 s on an H200 (2026-11-28)
             muon_1b("adamw", 64, 55),
