@@ -9,8 +9,7 @@ the next round's arriving one), at most TRANSIENT_MATRICES of the largest.
 Time: the Newton-Schulz FLOPs of each matrix, once per shard group (each rank orthogonalises 1/N of the dense
 matrices its FSDP x TP group splits, and the whole experts it holds), at the cluster's matmul rate; the
 exchange, 2 (N - 1) / N of the rank's Muon bytes over the shard group's link (there and back); and the
-element-wise pass (read the gradient, read and write the buffer and the parameter: 20 bytes a parameter, AdamW's
-is 28).
+element-wise passes (62 bytes a parameter, ELEMENTWISE_BYTES; AdamW's fused one is 28).
 """
 
 from __future__ import annotations
@@ -25,9 +24,13 @@ NS_STEPS = 5
 TRANSIENT_MATRICES = 6
 """Whole fp32 matrices alive on a rank during the step where matrices are split (its round's stack in and
 out, the iteration's copy and two m x m products, the next round's stack arriving); 3 where none is."""
-ELEMENTWISE_BYTES = 20
-"""Muon's element-wise traffic per parameter: read the gradient (4), read and write the buffer and the
-parameter (16)."""
+ELEMENTWISE_BYTES = 62
+"""Muon's element-wise traffic per parameter, pass by pass as plait.engine.muon and
+plait.parallel.orthogonal.newton_schulz make it (fp32 states, bf16 iterations): the buffer's lerp (read it and
+the gradient, write it: 12) and Nesterov's (12); the update to bf16 (6), its norm (2) and the division by it
+(4); the result back to fp32 (6); the weight decay (8) and the update's addition (12). It was 20 (one pass
+over the gradient, the buffer and the parameter) until the H200 measured Muon's extra step time on llama3-1b
+at 95 ms against the 78 ms that predicted; 62 predicts 87 (tests/parallel/test_muon.py)."""
 
 
 def _ns_flops(m: float, n: float, steps: int) -> float:
