@@ -28,9 +28,9 @@ ELEMENTWISE_BYTES = 62
 """Muon's element-wise traffic per parameter, pass by pass as plait.engine.muon and
 plait.parallel.orthogonal.newton_schulz make it (fp32 states, bf16 iterations): the buffer's lerp (read it and
 the gradient, write it: 12) and Nesterov's (12); the update to bf16 (6), its norm (2) and the division by it
-(4); the result back to fp32 (6); the weight decay (8) and the update's addition (12). It was 20 (one pass
-over the gradient, the buffer and the parameter) until the H200 measured Muon's extra step time on llama3-1b
-at 95 ms against the 78 ms that predicted; 62 predicts 87 (tests/parallel/test_muon.py)."""
+(4); the result back to fp32 (6); the weight decay (8) and the update's addition (12). Counted as one pass (20)
+it planned Muon's step well short of a GPU's (docs/measurements.md, "Muon: element-wise passes counted one by
+one"; tests/parallel/test_muon.py holds the plan to that card's records)."""
 
 
 def _ns_flops(m: float, n: float, steps: int) -> float:
